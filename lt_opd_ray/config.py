@@ -1,0 +1,320 @@
+"""Typed schema of a training job, loaded from YAML.
+
+Imports only pydantic and PyYAML, so `lt-opd validate` answers without torch, Ray
+or vLLM. Every field carries its meaning as a docstring; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BPS = 10_000  # budgets are integer basis points: 500 bps = 5% of the visual tokens
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelConfig(_Strict):
+    path: str
+    """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Compute dtype of student and teacher forwards (master weights stay fp32)."""
+
+
+class DataConfig(_Strict):
+    path: str
+    """A parquet or JSONL file of rows (sample_uid, image, question), or `synthetic:<n>` for generated rows."""
+    image_root: str = "."
+    """Folder that relative image paths in the rows are resolved against."""
+    min_pixels: int = Field(3136, gt=0)
+    """Images smaller than this many pixels are upscaled (Qwen smart-resize rule)."""
+    max_pixels: int = Field(1_003_520, gt=0)
+    """Images larger than this many pixels are downscaled (Qwen smart-resize rule)."""
+    system_prompt: str | None = None
+    """Optional system message; never part of the selector's query."""
+    shuffle_seed: int = 0
+    """Seed of the epoch order of the rows."""
+
+    @model_validator(mode="after")
+    def _pixels_ordered(self) -> DataConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+        return self
+
+
+class SelectorConfig(_Strict):
+    name: Literal["cdpruner", "divprune", "random", "uniform"] = "cdpruner"
+    """Which visual tokens the student keeps: CDPruner (DESIGN §1), DivPrune, seeded random, uniform grid."""
+    seed: int = 0
+    """Seed of the random selector (combined with each sample's id)."""
+
+
+class BudgetConfig(_Strict):
+    """The visual-budget curriculum of DESIGN §1, in basis points of the N visual tokens."""
+
+    start_bps: int = Field(2500, gt=0, le=BPS)
+    """Budget of the warm-up updates (2500 = 25%)."""
+    target_bps: int = Field(500, gt=0, le=BPS)
+    """Budget reached at `decay_end` and held afterwards; evaluation always uses it."""
+    warm_steps: int = Field(14, ge=0)
+    """Updates held at `start_bps` before the cosine decay."""
+    decay_end: int = Field(100, ge=0)
+    """First update index held at `target_bps`."""
+    total_steps: int = Field(175, gt=0)
+    """Number of optimizer updates in the run."""
+    k_min: int = Field(32, ge=1)
+    """Floor on kept tokens per image: k = min(N, max(k_min, ceil(N*r)))."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BudgetConfig:
+        if self.target_bps > self.start_bps:
+            raise ValueError(f"target_bps ({self.target_bps}) exceeds start_bps ({self.start_bps})")
+        if self.decay_end < self.warm_steps:
+            raise ValueError(f"decay_end ({self.decay_end}) is before the end of warm_steps ({self.warm_steps})")
+        return self
+
+
+class ObjectiveConfig(_Strict):
+    divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"
+    """Per-position divergence on the top-k union plus a tail bin."""
+    alpha: float = Field(0.5, gt=0.0, lt=1.0)
+    """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
+    top_k: int = Field(100, ge=1)
+    """Size of the student and teacher top-k sets that form the support U."""
+    importance_clip: float = Field(2.0, gt=0.0)
+    """Truncation of the detached importance weight min(exp(logp - old_logp), clip)."""
+    logsoftmax_chunk: int = Field(1024, ge=1)
+    """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
+
+
+class SamplingConfig(_Strict):
+    prompts_per_step: int = Field(80, ge=1)
+    """Prompts per rollout batch (one optimizer step per batch)."""
+    n: int = Field(8, ge=1)
+    """Responses sampled per prompt."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature of the rollout policy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus mass of the rollout policy."""
+    max_new_tokens: int = Field(1024, ge=1)
+    """Longest response."""
+    stop: list[str] = ["</answer>"]
+    """Strings that end a response (besides EOS); the stop string is kept in the response."""
+
+
+class LearningRates(_Strict):
+    language_model: float = Field(1e-6, ge=0.0)
+    """Learning rate of the language model (and lm_head)."""
+    vision_encoder: float = Field(2e-7, ge=0.0)
+    """Learning rate of the vision tower blocks and patch embedding."""
+    merger: float = Field(1e-6, ge=0.0)
+    """Learning rate of the vision merger (and Qwen3-VL deepstack mergers)."""
+
+
+class OptimizerConfig(_Strict):
+    lr: LearningRates = LearningRates()
+    """Per-module learning rates."""
+    weight_decay: float = Field(0.01, ge=0.0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    warmup_steps: int = Field(14, ge=0)
+    """Linear learning-rate warm-up, then constant."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip."""
+
+
+class Resources(_Strict):
+    cpus: float = Field(1.0, ge=0.0)
+    """CPUs reserved per actor."""
+    gpus: float = Field(0.0, ge=0.0)
+    """GPUs reserved per actor."""
+
+
+class RolloutPool(Resources):
+    workers: int = Field(1, ge=1)
+    """Rollout workers, each owning one engine with the current student."""
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Inference engine of the rollout workers."""
+
+
+class TeacherPool(Resources):
+    replicas: int = Field(1, ge=1)
+    """Initial teacher replicas (Ray Serve deployment)."""
+    min_replicas: int = Field(1, ge=1)
+    """Autoscaling lower bound."""
+    max_replicas: int = Field(1, ge=1)
+    """Autoscaling upper bound."""
+    max_batch_size: int = Field(8, ge=1)
+    """Requests batched together per teacher forward."""
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Inference engine of the teacher."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TeacherPool:
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) must lie within [min_replicas, max_replicas]"
+                f" = [{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+
+class LearnerPool(Resources):
+    ranks: int = Field(1, ge=1)
+    """Data-parallel learner ranks (DeepSpeed)."""
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage."""
+
+
+class PoolsConfig(_Strict):
+    rollout: RolloutPool = RolloutPool()
+    """Student rollout workers."""
+    teacher: TeacherPool = TeacherPool()
+    """Frozen full-token teacher service."""
+    learner: LearnerPool = LearnerPool()
+    """DeepSpeed learner group."""
+
+
+class CheckpointConfig(_Strict):
+    dir: str = "runs/latest"
+    """Where checkpoints and the resolved job config are written."""
+    every_steps: int = Field(25, ge=1)
+    """Checkpoint interval in optimizer steps."""
+    keep: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk."""
+
+
+class MetricsConfig(_Strict):
+    export_port: int = Field(8090, ge=1024, le=65535)
+    """Prometheus export port of the Ray node (outside Ray's worker port range 10002-19999)."""
+    log_every: int = Field(1, ge=1)
+    """Terminal log interval in steps."""
+
+    @model_validator(mode="after")
+    def _outside_worker_ports(self) -> MetricsConfig:
+        if 10002 <= self.export_port <= 19999:
+            raise ValueError(f"export_port {self.export_port} lies in Ray's worker port range 10002-19999")
+        return self
+
+
+class JobConfig(_Strict):
+    """One LT-OPD training job."""
+
+    name: str = "lt-opd"
+    """Run name, used in metrics labels and checkpoint folders."""
+    seed: int = 0
+    """Global seed: sampling, selection and data order derive from it."""
+    model: ModelConfig
+    """The student/teacher checkpoint (both start from it)."""
+    data: DataConfig
+    """Training rows."""
+    selector: SelectorConfig = SelectorConfig()
+    """Visual-token selector of the student."""
+    budget: BudgetConfig = BudgetConfig()
+    """Visual-budget curriculum."""
+    objective: ObjectiveConfig = ObjectiveConfig()
+    """Distillation objective."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Rollout sampling."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW with per-module learning rates."""
+    pools: PoolsConfig = PoolsConfig()
+    """Actor pools and their resources."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Metrics export."""
+
+
+class JobConfigError(ValueError):
+    """A job YAML that does not fit the schema; `problems` lists (location, reason)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {where}: {reason}" for where, reason in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+def _yaml_line(root: yaml.Node | None, path: tuple) -> int | None:
+    """1-based line of the deepest YAML node along `path` (keys and list indices)."""
+    node, line = root, None
+    for key in path:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(key)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def parse_job(text: str, source: str = "<job>") -> JobConfig:
+    """Parse and validate YAML text; raise JobConfigError naming every bad field."""
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "yaml"
+        raise JobConfigError(source, [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from None
+    if not isinstance(data, dict):
+        raise JobConfigError(source, [("<top>", "a job YAML must be a mapping of sections")])
+    try:
+        job = JobConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            path = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
+            dotted = ".".join(str(p) for p in path) or "<top>"
+            line = _yaml_line(root, path)
+            where = f"{dotted} (line {line})" if line else dotted
+            reason = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append((where, reason))
+        raise JobConfigError(source, problems) from None
+    _check_cross_fields(job, source, root)
+    return job
+
+
+def _check_cross_fields(job: JobConfig, source: str, root: yaml.Node | None) -> None:
+    """Rules that span sections."""
+    problems = []
+    # The largest image the processor lets through has max_pixels / (patch*merge)^2 visual tokens
+    # at Qwen's 16-pixel patches and 2x2 merge; a k_min above that means the budget never applies.
+    max_tokens = math.floor(job.data.max_pixels / (16 * 2) ** 2)
+    if job.budget.k_min > max_tokens:
+        line = _yaml_line(root, ("budget", "k_min"))
+        problems.append(
+            (
+                f"budget.k_min (line {line})" if line else "budget.k_min",
+                f"k_min ({job.budget.k_min}) is above N = {max_tokens}, the visual tokens of the largest"
+                f" image allowed by data.max_pixels ({job.data.max_pixels})",
+            )
+        )
+    if job.budget.decay_end > job.budget.total_steps:
+        problems.append(("budget.decay_end", f"decay_end ({job.budget.decay_end}) is after total_steps ({job.budget.total_steps})"))
+    if problems:
+        raise JobConfigError(source, problems)
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Load and validate a job YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise JobConfigError(str(path), [("<file>", f"cannot read: {exc.strerror}")]) from None
+    return parse_job(text, source=str(path))

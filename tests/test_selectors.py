@@ -1,0 +1,124 @@
+"""Selectors against independent brute-force references."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from lt_opd_ray.selectors import SelectionInput, build_selector
+from lt_opd_ray.selectors.cdpruner import CDPruner
+
+
+def naive_cdpruner(features: np.ndarray, query: np.ndarray, k: int) -> list[int]:
+    """Full N x N kernel in float64; greedy by explicit log-determinant of every candidate set."""
+    v = features / np.linalg.norm(features, axis=1, keepdims=True)
+    q = query / np.linalg.norm(query)
+    cos = v @ q
+    if cos.max() == cos.min():
+        rho = np.ones(len(v))
+    else:
+        rho = np.clip((cos - cos.min()) / (cos.max() - cos.min()), 1e-6, 1.0)
+    kernel = rho[:, None] * (v @ v.T) * rho[None, :] + 1e-6 * np.eye(len(v))
+    chosen: list[int] = []
+    for _ in range(k):
+        best, best_logdet = None, -np.inf
+        for i in range(len(v)):
+            if i in chosen:
+                continue
+            idx = chosen + [i]
+            sign, logdet = np.linalg.slogdet(kernel[np.ix_(idx, idx)])
+            logdet = logdet if sign > 0 else -np.inf
+            if logdet > best_logdet:  # strict: ties keep the lowest index
+                best, best_logdet = i, logdet
+        chosen.append(best)
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cdpruner_equals_naive_log_determinant_greedy(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(12, 60))
+    d = int(rng.integers(16, 48))
+    k = int(rng.integers(1, min(n, 12) + 1))
+    features = rng.normal(size=(n, d)).astype(np.float32)
+    query = rng.normal(size=d).astype(np.float32)
+    got = CDPruner().select(SelectionInput(torch.from_numpy(features), torch.from_numpy(query), (1, n)), k)
+    assert got.tolist() == naive_cdpruner(features.astype(np.float64), query.astype(np.float64), k)
+
+
+def test_cdpruner_ties_go_to_the_lowest_index():
+    # orthonormal, equally relevant tokens: every pick leaves the others' gains exactly equal
+    features = torch.eye(10)
+    got = CDPruner().select(SelectionInput(features, torch.ones(10), (2, 5)), 4)
+    assert got.tolist() == [0, 1, 2, 3]
+
+
+def test_cdpruner_prefers_relevant_diverse_tokens():
+    # two orthogonal clusters; the query points at cluster B: the first pick is from B
+    a = torch.tensor([1.0, 0.0, 0.0]).repeat(5, 1)
+    b = torch.tensor([0.0, 1.0, 0.0]).repeat(5, 1)
+    features = torch.cat([a, b]) + 0.01 * torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    got = CDPruner().select(SelectionInput(features, torch.tensor([0.2, 1.0, 0.0]), (1, 10)), 1)
+    assert got.item() >= 5
+
+
+def naive_divprune(features: np.ndarray, k: int) -> list[int]:
+    v = features / np.linalg.norm(features, axis=1, keepdims=True)
+    dist = 1.0 - v @ v.T
+    np.fill_diagonal(dist, np.inf)
+    chosen = [int(np.argmax(dist.min(axis=1)))]
+    np.fill_diagonal(dist, 0.0)
+    while len(chosen) < k:
+        score = dist[chosen].min(axis=0)
+        score[chosen] = -np.inf
+        chosen.append(int(np.argmax(score)))
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_divprune_equals_naive_max_min(seed):
+    rng = np.random.default_rng(100 + seed)
+    n, d = int(rng.integers(8, 50)), int(rng.integers(4, 32))
+    k = int(rng.integers(1, n + 1))
+    features = rng.normal(size=(n, d))
+    got = build_selector("divprune").select(SelectionInput(torch.from_numpy(features).float(), None, (1, n)), k)
+    assert got.tolist() == naive_divprune(features, k)
+
+
+@pytest.mark.parametrize("name", ["cdpruner", "divprune", "random", "uniform"])
+def test_every_selector_returns_k_sorted_distinct_indices(name):
+    selector = build_selector(name)
+    features = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))
+    for k in (1, 5, 36, 37):
+        got = selector.select(SelectionInput(features, torch.randn(16), (1, 37), seed=7), k)
+        assert got.dtype == torch.long
+        assert got.tolist() == sorted(set(got.tolist()))
+        assert len(got) == k and 0 <= got.min() and got.max() < 37
+
+
+def test_random_selector_is_seeded():
+    features = torch.zeros(64, 4)
+    pick = lambda seed: build_selector("random").select(SelectionInput(features, None, (8, 8), seed=seed), 5)
+    assert torch.equal(pick(1), pick(1))
+    assert not torch.equal(pick(1), pick(2))
+
+
+def test_uniform_grid_spreads_over_strata():
+    got = build_selector("uniform").select(SelectionInput(torch.zeros(16, 2), None, (4, 4)), 4)
+    assert got.tolist() == [2, 6, 10, 14]
+    # every stratum of size N/k holds exactly one pick
+    for n, k in itertools.product([7, 16, 33], [1, 3, 7]):
+        got = build_selector("uniform").select(SelectionInput(torch.zeros(n, 2), None, (1, n)), k).tolist()
+        assert [int(i * k // n) for i in got] == list(range(k))
+
+
+@pytest.mark.parametrize("k", [0, 17])
+def test_k_outside_one_to_n_is_refused(k):
+    with pytest.raises(ValueError, match=rf"cannot keep k = {k} of N = 16"):
+        build_selector("cdpruner").select(SelectionInput(torch.randn(16, 4), torch.randn(4), (4, 4)), k)
+
+
+def test_unknown_selector_is_named():
+    with pytest.raises(ValueError, match="unknown selector 'fastv'"):
+        build_selector("fastv")
