@@ -1,0 +1,148 @@
+"""The LT-OPD objective (DESIGN §1, steps 3-5), pure torch.
+
+Per response position, both distributions are evaluated on the support
+U = student top-k ∪ teacher top-k ∪ {sampled token} plus one tail bin holding the
+leftover mass; the divergence is weighted by a detached truncated importance
+weight and aggregated as mean over tokens, then mean over sequences.
+
+Full-vocabulary log-probs come from a chunked log-softmax over positions, with
+each chunk recomputed in backward (activation checkpointing), so at most
+chunk x V logits exist at once, never [B, T, V].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+Divergence = Literal["jsd", "forward_kl", "reverse_kl"]
+TAIL_CLAMP = -1e-7  # logsumexp(lp_U) is clamped below 0 so the tail log-mass stays finite
+
+
+def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()  # [C, V] in fp32, only for this chunk
+    return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def gather_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """log softmax(hidden @ weight.T)[p, ids[p]] for hidden [P, H], ids [P, K] -> [P, K] fp32, differentiable."""
+    if hidden.shape[0] != ids.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} positions but ids has {ids.shape[0]}")
+    chunks = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        piece = (hidden[start : start + chunk_size], weight, ids[start : start + chunk_size])
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            chunks.append(checkpoint(_chunk_log_probs, *piece, use_reentrant=False))
+        else:
+            chunks.append(_chunk_log_probs(*piece))
+    return torch.cat(chunks) if chunks else hidden.new_zeros(ids.shape, dtype=torch.float32)
+
+
+@torch.no_grad()
+def top_k_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: int, requested_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Top-k ids and log-probs of the full-vocabulary log-softmax per position, plus log-probs at requested ids."""
+    top_ids, top_lp, requested_lp = [], [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = F.linear(hidden[start : start + chunk_size], weight).float()
+        log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+        values, ids = torch.topk(log_probs, k, dim=-1)  # sorted, highest first
+        top_ids.append(ids)
+        top_lp.append(values)
+        if requested_ids is not None:
+            requested_lp.append(log_probs.gather(-1, requested_ids[start : start + chunk_size]))
+    return torch.cat(top_ids), torch.cat(top_lp), (torch.cat(requested_lp) if requested_ids is not None else None)
+
+
+def union_support(*id_sets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate id sets [P, K_i] into U [P, ΣK_i] and mark the first occurrence of each id as valid.
+
+    Duplicates stay in place (so the columns line up with the requested-id log-probs)
+    but are masked out, so no id is counted twice.
+    """
+    ids = torch.cat(id_sets, dim=-1)
+    sorted_ids, order = torch.sort(ids, dim=-1, stable=True)
+    repeat = torch.zeros_like(sorted_ids, dtype=torch.bool)
+    repeat[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]  # stable sort: the first occurrence stays unmarked
+    valid = torch.empty_like(repeat).scatter_(-1, order, ~repeat)
+    return ids, valid
+
+
+def with_tail_bin(log_probs: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append the tail bin log(1 - Σ_U p) = log(-expm1(min(logsumexp(lp_U), -1e-7))) -> [P, K+1]."""
+    log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
+    masked = log_probs.masked_fill(~valid, -torch.inf)
+    mass_u = torch.logsumexp(masked, dim=-1).clamp(max=TAIL_CLAMP)
+    tail = torch.log(-torch.expm1(mass_u))
+    full_valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=-1)
+    # masked columns carry a finite placeholder (0) so no inf - inf reaches autograd; their probability is 0
+    safe = torch.cat([log_probs.masked_fill(~valid, 0.0), tail[:, None]], dim=-1)
+    return safe, full_valid
+
+
+def _expectation(log_p: torch.Tensor, valid: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Σ_i p_i * value_i over the valid bins."""
+    return torch.where(valid, log_p.exp() * value, torch.zeros_like(value)).sum(-1)
+
+
+def divergence(
+    student_lp: torch.Tensor,
+    teacher_lp: torch.Tensor,
+    valid: torch.Tensor,
+    kind: Divergence = "jsd",
+    alpha: float = 0.5,
+) -> torch.Tensor:
+    """Per-position divergence on U ∪ {tail}; student_lp/teacher_lp/valid are [P, K]. Gradients reach only the student."""
+    s, full_valid = with_tail_bin(student_lp, valid)
+    t, _ = with_tail_bin(teacher_lp.detach(), valid)
+    if kind == "jsd":
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"JSD alpha must lie in (0, 1), got {alpha}")
+        # M = (1-α) P_S + α P_T, in log space
+        log_m = torch.logaddexp(s + math.log(1.0 - alpha), t + math.log(alpha))
+        # (1-α) KL(P_S || M) + α KL(P_T || M)
+        return (1.0 - alpha) * _expectation(s, full_valid, s - log_m) + alpha * _expectation(t, full_valid, t - log_m)
+    if kind == "forward_kl":
+        return _expectation(t, full_valid, t - s)  # KL(P_T || P_S)
+    if kind == "reverse_kl":
+        return _expectation(s, full_valid, s - t)  # KL(P_S || P_T)
+    raise ValueError(f"unknown divergence {kind!r}; choose jsd, forward_kl or reverse_kl")
+
+
+def truncated_importance_weight(logp: torch.Tensor, old_logp: torch.Tensor, clip: float) -> torch.Tensor:
+    """min(exp(logp_θ - old_logp), clip), detached: it reweights, it is not optimised."""
+    return torch.exp(logp.detach().float() - old_logp.float()).clamp(max=clip)
+
+
+def seq_mean_token_mean(per_token: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's valid tokens, then mean over sequences; per_token/token_mask are [B, T]."""
+    counts = token_mask.sum(-1)
+    if bool((counts == 0).any()):
+        raise ValueError("a sequence has no response tokens: nothing to average")
+    per_sequence = (per_token * token_mask).sum(-1) / counts
+    return per_sequence.mean()
+
+
+def lt_opd_token_losses(
+    student_lp: torch.Tensor,
+    teacher_lp: torch.Tensor,
+    valid: torch.Tensor,
+    sampled_column: int,
+    old_logp: torch.Tensor,
+    kind: Divergence,
+    alpha: float,
+    importance_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted per-position loss [P], its divergence [P] and importance weights [P].
+
+    `sampled_column` is the column of U holding the sampled token; it carries the
+    sampled token's log-prob even where the column is masked as a duplicate.
+    """
+    div = divergence(student_lp, teacher_lp, valid, kind, alpha)
+    weight = truncated_importance_weight(student_lp[:, sampled_column], old_logp, importance_clip)
+    return weight * div, div, weight
