@@ -1,0 +1,235 @@
+"""VLM adapter for Qwen3.5, Qwen3-VL and Qwen2.5-VL: visual tokens in, reduced sequence out.
+
+The student sees a *reduced* prompt (DESIGN §1): image placeholder tokens that the
+selector did not keep are dropped; kept visual tokens keep their original M-RoPE
+(t, h, w); text tokens keep the positions they have in the full sequence (never
+rebased). Positions are passed as 4 channels [seq_index, t, h, w], where seq_index
+is the plain index over the shorter (padded) sequence. Decoding continues at the
+full sequence's next M-RoPE position, exactly as it would with every token kept.
+For Qwen3-VL the deepstack features are pruned with the same indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..curriculum import tokens_to_keep
+from ..selectors import SelectionInput, Selector
+from .processor import IMAGE, PromptInputs
+
+SUPPORTED_FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
+
+
+@dataclass
+class VisualFeatures:
+    """Post-merger visual tokens of one prompt's images."""
+
+    embeds: list[torch.Tensor]  # per image [N_i, D]
+    deepstack: list[list[torch.Tensor]] | None  # per image, per deepstack layer [N_i, D] (Qwen3-VL only)
+    merged_grids: list[tuple[int, int, int]]  # per image (t, h, w) after the spatial merge; N_i = t*h*w
+
+
+@dataclass
+class ReducedPrompt:
+    """A prompt with only the kept visual tokens, ready for the language model."""
+
+    inputs_embeds: torch.Tensor  # [L', D]
+    positions: torch.Tensor  # [3, L'] original M-RoPE (t, h, w) of every kept token
+    visual_mask: torch.Tensor  # [L'] bool, kept image tokens
+    deepstack: list[torch.Tensor] | None  # per deepstack layer [kept visual tokens, D]
+    next_position: int  # M-RoPE position of the first response token
+    selected: list[torch.Tensor]  # per image: sorted kept indices in [0, N_i)
+
+    @property
+    def length(self) -> int:
+        return self.inputs_embeds.shape[0]
+
+
+@dataclass
+class PaddedBatch:
+    """Left-padded language-model inputs for B sequences."""
+
+    inputs_embeds: torch.Tensor  # [B, L, D]
+    attention_mask: torch.Tensor  # [B, L] 1 = real token
+    position_ids: torch.Tensor  # [4, B, L]: seq_index, t, h, w
+    visual_pos_masks: torch.Tensor  # [B, L]
+    deepstack: list[torch.Tensor] | None  # per layer, kept visual tokens in row-major batch order
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+class QwenVLM:
+    """Wraps a transformers Qwen VLM (`*ForConditionalGeneration`) for reduced-token forwards."""
+
+    def __init__(self, model):
+        family = model.config.model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise UnsupportedArchitectureError(
+                f"model_type {family!r} ({type(model).__name__}) has no visual-token pruning support;"
+                f" supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        self.model = model
+        self.family = family
+        self.merge = model.config.vision_config.spatial_merge_size
+
+    # ----------------------------------------------------------------- parts
+    @property
+    def language_model(self):
+        return self.model.model.language_model
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    # ---------------------------------------------------------- full prompt
+    def visual_features(self, prompt: PromptInputs) -> VisualFeatures:
+        """Vision tower + merger (differentiable: the learner trains both)."""
+        out = self.model.model.get_image_features(prompt.pixel_values, prompt.image_grid_thw, return_dict=True)
+        embeds = list(out.pooler_output)
+        deepstack = None
+        if self.family == "qwen3_vl":
+            # out.deepstack_features: per layer, a tuple of per-image tensors -> per image, per layer
+            deepstack = [list(layer_parts) for layer_parts in zip(*out.deepstack_features)]
+        grids = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in prompt.image_grid_thw.tolist()]
+        return VisualFeatures(embeds=embeds, deepstack=deepstack, merged_grids=grids)
+
+    def query_embedding(self, prompt: PromptInputs) -> torch.Tensor:
+        """Mean LLM input embedding of the question tokens (CDPruner's q before normalisation)."""
+        with torch.no_grad():
+            return self.embed_tokens(prompt.input_ids[prompt.query_mask]).float().mean(0)
+
+    def full_positions(self, prompt: PromptInputs) -> torch.Tensor:
+        """[3, L] M-RoPE positions of the full-token prompt, from the model's own rope index."""
+        kwargs = dict(
+            input_ids=prompt.input_ids[None],
+            mm_token_type_ids=prompt.mm_token_type_ids[None],
+            image_grid_thw=prompt.image_grid_thw,
+        )
+        positions, _ = self.model.model.get_rope_index(**kwargs)
+        return positions[:, 0]
+
+    # ------------------------------------------------------------ selection
+    def select(
+        self,
+        prompt: PromptInputs,
+        features: VisualFeatures,
+        selector: Selector,
+        budget_bps: int,
+        k_min: int,
+        seed: int = 0,
+    ) -> list[torch.Tensor]:
+        """Per image: k = min(N, max(k_min, ceil(N*r))) indices, chosen in fp32 without gradients."""
+        query = self.query_embedding(prompt)
+        selected = []
+        for i, (embeds, grid) in enumerate(zip(features.embeds, features.merged_grids)):
+            n = embeds.shape[0]
+            k = tokens_to_keep(n, budget_bps, k_min)
+            item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=seed * 1000 + i)
+            selected.append(selector.select(item, k))
+        return selected
+
+    def keep_all(self, features: VisualFeatures) -> list[torch.Tensor]:
+        return [torch.arange(e.shape[0]) for e in features.embeds]
+
+    def reduce(self, prompt: PromptInputs, features: VisualFeatures, selected: list[torch.Tensor]) -> ReducedPrompt:
+        """Drop unkept image tokens; everything kept keeps its full-sequence M-RoPE position."""
+        if len(selected) != prompt.num_images:
+            raise ValueError(f"{len(selected)} index sets for {prompt.num_images} image(s)")
+        is_image = prompt.mm_token_type_ids == IMAGE
+        keep = ~is_image
+        image_starts = _run_starts(is_image)
+        kept_parts, kept_deepstack = [], []
+        for i, (start, indices) in enumerate(zip(image_starts, selected)):
+            n = features.embeds[i].shape[0]
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
+                raise ValueError(f"image {i}: selected index outside [0, {n})")
+            keep[start + indices] = True
+            kept_parts.append(features.embeds[i][indices])
+            if features.deepstack is not None:
+                kept_deepstack.append([layer[indices] for layer in features.deepstack[i]])
+
+        text_embeds = self.embed_tokens(prompt.input_ids)
+        embeds = text_embeds.clone()
+        visual = torch.cat(kept_parts).to(embeds.dtype)
+        kept_visual_mask = is_image & keep
+        embeds[kept_visual_mask] = visual  # image tokens in order: image 0's kept tokens, then image 1's ...
+        full_pos = self.full_positions(prompt)
+        deepstack = None
+        if features.deepstack is not None:
+            deepstack = [torch.cat(per_layer).to(embeds.dtype) for per_layer in zip(*kept_deepstack)]
+        return ReducedPrompt(
+            inputs_embeds=embeds[keep],
+            positions=full_pos[:, keep],
+            visual_mask=kept_visual_mask[keep],
+            deepstack=deepstack,
+            next_position=int(full_pos.max()) + 1,  # = what decoding the full prompt would use next
+            selected=[s.clone() for s in selected],
+        )
+
+    # ------------------------------------------------------------- forwards
+    def pad_batch(self, sequences: list[ReducedPrompt], extra_ids: list[torch.Tensor] | None = None) -> PaddedBatch:
+        """Left-pad reduced prompts (each optionally followed by response tokens) into one batch."""
+        extra_ids = extra_ids or [torch.zeros(0, dtype=torch.long)] * len(sequences)
+        lengths = [seq.length + ids.numel() for seq, ids in zip(sequences, extra_ids)]
+        width, dim = max(lengths), sequences[0].inputs_embeds.shape[-1]
+        batch = len(sequences)
+        embeds = sequences[0].inputs_embeds.new_zeros(batch, width, dim)
+        mask = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(4, batch, width, dtype=torch.long)
+        visual = torch.zeros(batch, width, dtype=torch.bool)
+        for b, (seq, ids, length) in enumerate(zip(sequences, extra_ids, lengths)):
+            pad = width - length
+            response_pos = seq.next_position + torch.arange(ids.numel())
+            embeds[b, pad:] = torch.cat([seq.inputs_embeds, self.embed_tokens(ids).to(embeds.dtype)])
+            mask[b, pad:] = 1
+            positions[0, b, pad:] = torch.arange(length)  # plain index over the reduced sequence
+            positions[1:, b, pad:] = torch.cat([seq.positions, response_pos.expand(3, -1)], dim=1)
+            visual[b, pad : pad + seq.length] = seq.visual_mask
+        deepstack = None
+        if sequences[0].deepstack is not None:
+            deepstack = [torch.cat(layer) for layer in zip(*(seq.deepstack for seq in sequences))]
+        return PaddedBatch(embeds, mask, positions, visual, deepstack)
+
+    def run_language_model(self, batch: PaddedBatch, past_key_values=None, use_cache: bool = False):
+        """Language model over a padded batch; returns (final hidden [B, L, H], cache)."""
+        extra = {}
+        if self.family == "qwen3_vl" and batch.deepstack is not None:
+            extra = {"visual_pos_masks": batch.visual_pos_masks, "deepstack_visual_embeds": batch.deepstack}
+        out = self.language_model(
+            inputs_embeds=batch.inputs_embeds,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **extra,
+        )
+        return out.last_hidden_state, out.past_key_values
+
+    def response_hidden(self, prompts: list[ReducedPrompt], responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Teacher-forced: hidden states that predict each response token, per sequence [T_i, H]."""
+        batch = self.pad_batch(prompts, responses)
+        hidden, _ = self.run_language_model(batch)
+        width = hidden.shape[1]
+        out = []
+        for b, response in enumerate(responses):
+            t = response.numel()
+            # the token at column width - t + j is predicted by the hidden state one column earlier
+            out.append(hidden[b, width - t - 1 : width - 1])
+        return out
+
+
+def _run_starts(mask: torch.Tensor) -> list[int]:
+    """Start index of each run of True in a 1-D bool mask (one run per image)."""
+    prev = torch.cat([torch.zeros(1, dtype=torch.bool), mask[:-1]])
+    return torch.nonzero(mask & ~prev).flatten().tolist()

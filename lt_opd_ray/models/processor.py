@@ -1,0 +1,136 @@
+"""Chat messages + images -> one prompt's token ids, image pixels and the query-token mask.
+
+Images go through the Qwen2-VL PIL image processor (no torchvision needed); the
+chat template comes from the model's tokenizer. Each `<|image_pad|>` of the
+rendered template is expanded to the image's N post-merger tokens. The query
+mask marks the tokens of the user's text parts only (question and options), not
+the system prompt or the chat-template scaffolding: CDPruner's query is their mean
+input embedding.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TEXT, IMAGE = 0, 1  # mm_token_type_ids values, as the Qwen processors use them
+
+
+class InputError(ValueError):
+    """A sample that cannot be turned into model inputs; the message names the sample and the field."""
+
+
+@dataclass
+class PromptInputs:
+    """One sample's full-token prompt (unpadded)."""
+
+    input_ids: torch.Tensor  # [L] long
+    mm_token_type_ids: torch.Tensor  # [L] int: 0 text, 1 image
+    query_mask: torch.Tensor  # [L] bool: user text tokens
+    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    image_grid_thw: torch.Tensor  # [images, 3] patch grid (before the 2x2 merge)
+
+    @property
+    def num_images(self) -> int:
+        return self.image_grid_thw.shape[0]
+
+
+def load_image(source: Any, where: str = "image"):
+    """Decode a PIL image from a PIL image, a path or bytes; an undecodable one is an InputError naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(source))
+        else:
+            image = Image.open(Path(source))
+        image.load()
+    except FileNotFoundError:
+        raise InputError(f"{where}: image file not found: {source}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        label = f"{len(source)} bytes" if isinstance(source, (bytes, bytearray)) else str(source)
+        raise InputError(f"{where}: cannot decode image ({label}): {exc}") from None
+    return image.convert("RGB")
+
+
+class VLMProcessor:
+    """Tokenizer + image processor of one model folder."""
+
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        self.merge_size = self.image_processor.merge_size
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
+            raise InputError(f"{model_dir}: tokenizer has no <|image_pad|> token")
+
+    def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample") -> PromptInputs:
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        placeholders = rendered.count("<|image_pad|>")
+        if placeholders == 0:
+            raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
+        if placeholders != len(images):
+            raise InputError(f"{sample_id}: prompt has {placeholders} image placeholder(s) but {len(images)} image(s)")
+        pil_images = [load_image(img, f"{sample_id}: image {i}") for i, img in enumerate(images)]
+        vision = self.image_processor(images=pil_images, return_tensors="pt")
+        grid = vision["image_grid_thw"]
+        tokens_per_image = (grid.prod(-1) // self.merge_size**2).tolist()
+
+        encoded = self.tokenizer(rendered, return_offsets_mapping=True, add_special_tokens=False)
+        query_spans = _user_text_spans(messages, rendered)
+        ids, types, query = [], [], []
+        image_index = 0
+        for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+            if token_id == self.image_token_id:
+                n = tokens_per_image[image_index]
+                image_index += 1
+                ids += [token_id] * n
+                types += [IMAGE] * n
+                query += [False] * n
+                continue
+            ids.append(token_id)
+            types.append(TEXT)
+            query.append(any(s <= start and end <= e for s, e in query_spans) and end > start)
+        if not any(query):
+            raise InputError(f"{sample_id}: the user message has no question text (the selector needs a query)")
+        return PromptInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            mm_token_type_ids=torch.tensor(types, dtype=torch.int32),
+            query_mask=torch.tensor(query, dtype=torch.bool),
+            pixel_values=vision["pixel_values"],
+            image_grid_thw=grid,
+        )
+
+
+def _user_text_spans(messages: list[dict], rendered: str) -> list[tuple[int, int]]:
+    """Character spans of the user messages' text parts inside the rendered template, in order."""
+    spans, cursor = [], 0
+    for message in messages:
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content if p.get("type") == "text"]
+        for text in parts:
+            if not text:
+                continue
+            start = rendered.find(text, cursor)
+            if start < 0:
+                raise InputError(f"message text {text[:40]!r} not found in the rendered chat template")
+            cursor = start + len(text)
+            if message.get("role") == "user":
+                spans.append((start, cursor))
+    return spans
+
+
+def question_messages(question: str, system_prompt: str | None = None) -> list[dict]:
+    """The single-image chat layout of LT-14K rows: [system], user = image + question."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+    return messages

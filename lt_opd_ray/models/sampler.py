@@ -1,0 +1,137 @@
+"""KV-cached batched sampling on reduced prompts (the transformers rollout backend).
+
+Prompts are left-padded; the padding is masked for the full-attention layers and
+zeroed for the linear-attention (Gated DeltaNet) layers, so each row decodes as it
+would alone. Every row draws from its own seeded generator, so a sample's
+response does not depend on which other samples share its batch or worker.
+
+Recorded per response token: the sampled id, its log-prob under the model's
+distribution (the learner recomputes exactly this quantity, so the truncated
+importance weight is exp(0) = 1 before any update), and the model's top-k ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapter import PaddedBatch, QwenVLM, ReducedPrompt
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    top_k_logprobs: int = 100
+    stop: tuple[str, ...] = ("</answer>",)
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    token_ids: torch.Tensor  # [T] long, ends with EOS / stop string unless cut by max_new_tokens
+    logprobs: torch.Tensor  # [T] fp32: log p(sampled token) under the model
+    top_ids: torch.Tensor  # [T, k] long: the model's top-k ids at each position
+    finish_reason: str = field(default="length")  # eos | stop | length
+
+
+def _choose(log_probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one row's log-probs [V] under temperature and nucleus (top-p) sampling."""
+    if params.greedy:
+        return int(torch.argmax(log_probs))
+    probs = torch.softmax(log_probs / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class _StopChecker:
+    """Finds stop strings in the tail of a response without decoding it all each step."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.window = max((len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in stop), default=0) + 2
+
+    def hit(self, ids: list[int]) -> bool:
+        if not self.stop:
+            return False
+        tail = self.tokenizer.decode(ids[-self.window :])
+        return any(s in tail for s in self.stop)
+
+
+@torch.no_grad()
+def sample(
+    vlm: QwenVLM,
+    prompts: list[ReducedPrompt],
+    params: SamplingParams,
+    seeds: list[int],
+    tokenizer,
+) -> list[Completion]:
+    """Sample one response per prompt (repeat a prompt n times for n responses, with distinct seeds)."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    stopper = _StopChecker(tokenizer, params.stop)
+    eos = set(params.eos_token_ids)
+    batch = vlm.pad_batch(prompts)
+    hidden, cache = vlm.run_language_model(batch, use_cache=True)
+    last_hidden = hidden[:, -1]
+    lengths = batch.attention_mask.sum(-1)  # real tokens per row, for the seq_index channel
+    attention_mask = batch.attention_mask
+    rows = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    tops: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    finish = ["length"] * rows
+    done = [False] * rows
+    top_k = min(params.top_k_logprobs, vlm.lm_head.weight.shape[0])
+    for step in range(params.max_new_tokens):
+        log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1)  # [B, V]
+        top_ids = torch.topk(log_probs, top_k, dim=-1).indices
+        next_ids = []
+        for b in range(rows):
+            if done[b]:
+                next_ids.append(tokens[b][-1])  # keeps the batch shape; its outputs are ignored
+                continue
+            token = _choose(log_probs[b], params, generators[b])
+            tokens[b].append(token)
+            logprobs[b].append(float(log_probs[b, token]))
+            tops[b].append(top_ids[b])
+            next_ids.append(token)
+            if token in eos:
+                done[b], finish[b] = True, "eos"
+            elif stopper.hit(tokens[b]):
+                done[b], finish[b] = True, "stop"
+        if all(done) or step == params.max_new_tokens - 1:
+            break
+        ids = torch.tensor(next_ids, dtype=torch.long)
+        attention_mask = torch.cat([attention_mask, torch.ones(rows, 1, dtype=attention_mask.dtype)], dim=1)
+        position_ids = torch.empty(4, rows, 1, dtype=torch.long)
+        position_ids[0, :, 0] = lengths + step  # seq_index continues after the reduced prompt
+        position_ids[1:, :, 0] = torch.tensor([p.next_position + step for p in prompts])  # full-sequence M-RoPE
+        step_batch = PaddedBatch(
+            inputs_embeds=vlm.embed_tokens(ids)[:, None],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            visual_pos_masks=torch.zeros(rows, 1, dtype=torch.bool),
+            deepstack=None,
+        )
+        hidden, cache = vlm.run_language_model(step_batch, past_key_values=cache, use_cache=True)
+        last_hidden = hidden[:, -1]
+    return [
+        Completion(
+            token_ids=torch.tensor(tokens[b], dtype=torch.long),
+            logprobs=torch.tensor(logprobs[b], dtype=torch.float32),
+            top_ids=torch.stack(tops[b]) if tops[b] else torch.zeros(0, top_k, dtype=torch.long),
+            finish_reason=finish[b],
+        )
+        for b in range(rows)
+    ]

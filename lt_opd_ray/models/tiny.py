@@ -1,0 +1,219 @@
+"""Tiny random Qwen VLM checkpoints, built offline as ordinary Hugging Face folders.
+
+Each folder holds config.json + weights, a byte-level BPE tokenizer with the Qwen
+special tokens and a Qwen-style chat template, and the Qwen2-VL PIL image
+processor config. Tests and the embedded default job use these; no hub needed.
+Shapes are the smallest that keep each family's structure: Qwen3.5's 3 Gated-
+DeltaNet layers + 1 full-attention layer (linear head dims 128, as vLLM's CPU GDN
+kernel needs), Qwen3-VL's deepstack mergers, Qwen2.5-VL's windowed vision blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Text the BPE merges are learned from: enough for short questions and <answer> tags.
+TOKENIZER_CORPUS = [
+    "What colour is the shape in the top left corner? Answer with one word.",
+    "How many circles are there in the image? <answer>3</answer>",
+    "Which letter is written at the bottom right? <answer>B</answer>",
+    "Is there a red square? <answer>yes</answer> <answer>no</answer>",
+    "Describe the image. The picture shows a cat on a mat next to a dog.",
+    "red green blue yellow black white purple orange square circle triangle",
+    "system user assistant You are a helpful assistant.",
+    "0 1 2 3 4 5 6 7 8 9 A B C D E F G H I J K L M N O P Q R S T U V W X Y Z",
+]
+
+
+def build_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _token_ids(tokenizer) -> dict[str, int]:
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def tiny_config(family: str, tokenizer, hidden: int = 64):
+    """A tiny config of `family` whose special-token ids match `tokenizer`."""
+    from transformers import AutoConfig
+
+    ids = _token_ids(tokenizer)
+    vocab = len(tokenizer)
+    text_common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # wider than 0.02 so a random model's next-token choices vary
+    )
+    vision_common = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
+    token_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    if family == "qwen3_5":
+        text = dict(
+            text_common,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            head_dim=32,
+            # rotary dim = 32 * 0.5 = 16 -> 8 frequencies split over (t, h, w), interleaved as in Qwen3.5
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+        )
+        vision = dict(vision_common, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    elif family == "qwen3_vl":
+        text = dict(
+            text_common,
+            num_hidden_layers=2,
+            head_dim=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        )
+        vision = dict(
+            vision_common,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        )
+    elif family == "qwen2_5_vl":
+        text = dict(
+            text_common,
+            num_hidden_layers=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        )
+        vision = dict(
+            vision_common,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, **token_ids, tie_word_embeddings=False)
+    config.eos_token_id = ids["eos_token_id"]
+    config.pad_token_id = ids["pad_token_id"]
+    return config
+
+
+def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: int = 256 * 256) -> dict:
+    patch = 14 if family == "qwen2_5_vl" else 16
+    return {
+        "image_processor_type": "Qwen2VLImageProcessorPil",
+        "patch_size": patch,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+    }
+
+
+def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64) -> Path:
+    """Write a tiny random `family` VLM to `out_dir` (an ordinary HF folder) and return the path."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = tiny_config(family, tokenizer, hidden=hidden)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(image_processor_config(family), indent=2))
+    return out_dir
+
+
+def tiny_model_dir(family: str, cache_root: str | Path | None = None) -> Path:
+    """The embedded tiny model of `family`, built once into a cache folder (seed 0)."""
+    import os
+    import shutil
+
+    root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
+    target = root / "tiny" / family
+    if not (target / "config.json").exists():
+        staging = target.with_name(target.name + f".tmp{os.getpid()}")
+        build_tiny_model(family, staging)
+        try:
+            staging.rename(target)  # atomic: a half-built folder never looks complete
+        except OSError:  # another process finished first
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,129 @@
+"""The reduced-sequence adapter and the transformers backend, on tiny real Qwen VLMs."""
+
+import pytest
+import torch
+from conftest import FAMILIES, random_image
+
+from lt_opd_ray.models.processor import IMAGE, question_messages
+from lt_opd_ray.models.sampler import SamplingParams, sample
+from lt_opd_ray.objective import gather_log_probs
+from lt_opd_ray.selectors import build_selector
+
+QUESTIONS = ["How many circles are there?", "Which letter is written at the bottom right?", "Is there a red square?"]
+SIZES = [(128, 128), (96, 160), (160, 128)]
+
+
+def prompts_for(processor, count=3, system="You are a helpful assistant."):
+    return [
+        processor.encode(question_messages(QUESTIONS[i % 3], system), [random_image(i, *SIZES[i % 3])], f"s{i}")
+        for i in range(count)
+    ]
+
+
+def full_forward_inputs(prompt, response):
+    return dict(
+        input_ids=torch.cat([prompt.input_ids, response])[None],
+        mm_token_type_ids=torch.cat([prompt.mm_token_type_ids, torch.zeros(response.numel(), dtype=torch.int32)])[None],
+        pixel_values=prompt.pixel_values,
+        image_grid_thw=prompt.image_grid_thw,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_all_tokens_kept_equals_model_forward(loaded, family):
+    model, processor, vlm = loaded[family]
+    prompt = prompts_for(processor, 1)[0]
+    response = torch.tensor([40, 41, 42, 43])
+    features = vlm.visual_features(prompt)
+    reduced = vlm.reduce(prompt, features, vlm.keep_all(features))
+    ours = vlm.lm_head(vlm.response_hidden([reduced], [response])[0])
+    reference = model(**full_forward_inputs(prompt, response)).logits[0, -5:-1]
+    assert (ours - reference).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_all_tokens_kept_greedy_equals_generate(loaded, family):
+    model, processor, vlm = loaded[family]
+    prompt = prompts_for(processor, 1)[0]
+    features = vlm.visual_features(prompt)
+    reduced = vlm.reduce(prompt, features, vlm.keep_all(features))
+    ours = sample(vlm, [reduced], SamplingParams(max_new_tokens=10, greedy=True, stop=()), [0], processor.tokenizer)[0]
+    generated = model.generate(
+        input_ids=prompt.input_ids[None],
+        attention_mask=torch.ones_like(prompt.input_ids)[None],
+        mm_token_type_ids=prompt.mm_token_type_ids[None],
+        pixel_values=prompt.pixel_values,
+        image_grid_thw=prompt.image_grid_thw,
+        do_sample=False,
+        max_new_tokens=10,
+        eos_token_id=None,
+    )[0, prompt.input_ids.numel() :]
+    assert ours.token_ids.tolist() == generated.tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_reduced_sampler_logprobs_equal_teacher_forced_forward(loaded, family):
+    """Batched, left-padded rollouts at a 25% budget agree with one unpadded forward per sequence."""
+    _, processor, vlm = loaded[family]
+    prompts = prompts_for(processor, 3)
+    reduced = []
+    for i, prompt in enumerate(prompts):
+        features = vlm.visual_features(prompt)
+        selected = vlm.select(prompt, features, build_selector("cdpruner"), budget_bps=2500, k_min=2)
+        assert all(len(s) < f.shape[0] for s, f in zip(selected, features.embeds))
+        reduced.append(vlm.reduce(prompt, features, selected))
+    assert len({r.length for r in reduced}) > 1, "prompts of different lengths exercise the padding"
+    params = SamplingParams(max_new_tokens=12, top_k_logprobs=5, stop=())
+    completions = sample(vlm, reduced, params, seeds=[1, 2, 3], tokenizer=processor.tokenizer)
+    for red, completion in zip(reduced, completions):
+        hidden = vlm.response_hidden([red], [completion.token_ids])[0]  # alone: no padding at all
+        weight = vlm.lm_head.weight
+        scored = gather_log_probs(hidden, weight, completion.token_ids[:, None], chunk_size=4)[:, 0]
+        assert (scored - completion.logprobs).abs().max().item() <= 1e-5
+        full = torch.log_softmax(vlm.lm_head(hidden), -1)
+        assert torch.equal(torch.topk(full, 5, dim=-1).indices, completion.top_ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_reduced_positions_keep_original_mrope(loaded, family):
+    _, processor, vlm = loaded[family]
+    prompt = prompts_for(processor, 1)[0]
+    features = vlm.visual_features(prompt)
+    full = vlm.full_positions(prompt)
+    n = features.embeds[0].shape[0]
+    kept = torch.tensor([0, 3, n - 1])
+    reduced = vlm.reduce(prompt, features, [kept])
+    is_image = prompt.mm_token_type_ids == IMAGE
+    start = int(torch.nonzero(is_image)[0])
+    # kept visual tokens keep their (t, h, w); text keeps its full-sequence positions, never rebased
+    expected_keep = (~is_image).clone()
+    expected_keep[start + kept] = True
+    assert torch.equal(reduced.positions, full[:, expected_keep])
+    assert reduced.length == prompt.input_ids.numel() - n + 3
+    text_after = reduced.positions[:, -1]
+    assert int(text_after[0]) == int(full[0, -1])
+    assert reduced.next_position == int(full.max()) + 1
+    assert torch.equal(reduced.inputs_embeds[reduced.visual_mask], features.embeds[0][kept])
+    if family == "qwen3_vl":
+        for layer_full, layer_kept in zip(features.deepstack[0], reduced.deepstack):
+            assert torch.equal(layer_kept, layer_full[kept])
+
+
+def test_query_mask_covers_only_the_question(loaded):
+    _, processor, _ = loaded["qwen3_5"]
+    prompt = processor.encode(question_messages("Is there a red square?", "You are a helpful assistant."), [random_image(0)])
+    question = processor.tokenizer.decode(prompt.input_ids[prompt.query_mask])
+    assert question == "Is there a red square?"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_visual_features_have_grid_token_count(loaded, family):
+    _, processor, vlm = loaded[family]
+    prompt = prompts_for(processor, 1)[0]
+    features = vlm.visual_features(prompt)
+    t, h, w = features.merged_grids[0]
+    assert features.embeds[0].shape[0] == t * h * w == int((prompt.mm_token_type_ids == IMAGE).sum())
