@@ -1,0 +1,97 @@
+"""`lt-opd` command line. Heavy libraries are imported inside the commands that need them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_validate(args) -> int:
+    from .config import JobConfigError, load_job
+
+    failed = 0
+    for path in args.jobs:
+        try:
+            job = load_job(path)
+        except JobConfigError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name})")
+    return 1 if failed else 0
+
+
+def cmd_train(args) -> int:
+    import time
+
+    import transformers
+
+    from .config import JobConfigError, load_job
+    from .data import load_samples
+    from .models.processor import InputError
+    from .reference import ReferenceTrainer
+    from .train_loop import batches
+
+    try:
+        job = load_job(args.job)
+    except JobConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    steps = args.steps or job.budget.total_steps
+    transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
+    transformers.logging.disable_progress_bar()
+    try:
+        samples = load_samples(job.data.path, job.data.image_root, job.seed)
+        trainer = ReferenceTrainer(job)
+        print(f"lt-opd train {args.job}: {len(samples)} samples, {steps} updates, single-process reference update")
+        for step, batch in zip(range(steps), batches(samples, job.sampling.prompts_per_step, job.data.shuffle_seed)):
+            start = time.perf_counter()
+            report = trainer.update(batch)
+            s = report.stats
+            print(
+                f"step {report.step:4d}  budget {report.budget_bps / 100:5.2f}%  loss {s.loss:.5f}"
+                f"  div {s.divergence:.5f}  is_w {s.importance_weight:.3f}  overlap {s.top_k_overlap:.3f}"
+                f"  tokens {s.tokens}  grad {report.grad_norm:.3f}  {time.perf_counter() - start:.1f}s",
+                flush=True,
+            )
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_build_tiny(args) -> int:
+    from .models.tiny import build_tiny_model
+
+    print(build_tiny_model(args.family, args.out, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    validate = sub.add_parser("validate", help="check job YAML files against the schema (no torch/Ray import)")
+    validate.add_argument("jobs", nargs="+", help="job YAML files")
+    validate.set_defaults(func=cmd_validate)
+
+    train = sub.add_parser("train", help="run a training job")
+    train.add_argument("job", help="job YAML file")
+    train.add_argument("--steps", type=int, default=None, help="stop after this many updates (default: budget.total_steps)")
+    train.set_defaults(func=cmd_train)
+
+    tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
+    tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
+    tiny.add_argument("out", help="output folder")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_build_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

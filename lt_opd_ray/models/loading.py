@@ -1,0 +1,26 @@
+"""Resolve a model path (a local HF folder or `tiny:<family>`) and load the VLM in fp32 master weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def resolve_model_dir(path: str) -> Path:
+    if path.startswith("tiny:"):
+        from .tiny import tiny_model_dir
+
+        return tiny_model_dir(path.split(":", 1)[1])
+    model_dir = Path(path)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"model.path {path!r}: no config.json there (expected a Hugging Face model folder)")
+    return model_dir
+
+
+def load_vlm(path: str):
+    """(model_dir, model) with fp32 parameters; compute precision is chosen by the caller (autocast)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = resolve_model_dir(path)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    return model_dir, model

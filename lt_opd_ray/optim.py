@@ -1,0 +1,38 @@
+"""AdamW with per-module learning rates (language model / vision encoder / merger) and linear warm-up."""
+
+from __future__ import annotations
+
+import torch
+
+MERGER_MARKERS = ("visual.merger", "visual.deepstack_merger_list")
+
+
+def module_of(parameter_name: str) -> str:
+    """Which learning-rate group a parameter belongs to."""
+    if any(marker in parameter_name for marker in MERGER_MARKERS):
+        return "merger"
+    if ".visual." in f".{parameter_name}":
+        return "vision_encoder"
+    return "language_model"  # decoder layers, embeddings, final norm and lm_head
+
+
+def param_groups(model: torch.nn.Module, lr) -> list[dict]:
+    groups: dict[str, list] = {"language_model": [], "vision_encoder": [], "merger": []}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            groups[module_of(name)].append(parameter)
+    return [{"params": params, "lr": getattr(lr, module), "name": module} for module, params in groups.items() if params]
+
+
+def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (decoupled weight decay) + warm-up of `warmup_steps` updates, then constant."""
+    optimizer = torch.optim.AdamW(
+        param_groups(model, config.lr),
+        betas=tuple(config.betas),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+    warmup = config.warmup_steps
+    # update u (0-based) uses lr * (u + 1) / warmup during warm-up
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warmup) if warmup else 1.0)
+    return optimizer, scheduler

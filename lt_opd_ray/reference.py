@@ -1,0 +1,109 @@
+"""The single-process reference LT-OPD update: the ground truth the distributed runtime reproduces.
+
+One update = student rollouts at budget r(c) with the selector -> teacher top-k
+scores on the full-token prompt -> student loss on the replayed reduced input ->
+one clipped AdamW step. Student and teacher start from the same checkpoint; the
+teacher is frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .config import JobConfig
+from .curriculum import BudgetSchedule
+from .data import Sample
+from .models.adapter import QwenVLM
+from .models.loading import load_vlm
+from .models.processor import VLMProcessor, question_messages
+from .models.sampler import SamplingParams
+from .optim import build_optimizer
+from .selectors import build_selector
+from .update import LossStats, rollout, student_loss, teacher_scores
+
+
+@dataclass
+class StepReport:
+    step: int
+    budget_bps: int
+    stats: LossStats
+    grad_norm: float
+    mean_response_tokens: float
+
+
+def sampling_params(job: JobConfig, tokenizer) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=job.sampling.max_new_tokens,
+        temperature=job.sampling.temperature,
+        top_p=job.sampling.top_p,
+        top_k_logprobs=job.objective.top_k,
+        stop=tuple(job.sampling.stop),
+        eos_token_ids=(tokenizer.eos_token_id,),
+    )
+
+
+class ReferenceTrainer:
+    """Student, frozen teacher and optimizer in one process."""
+
+    def __init__(self, job: JobConfig):
+        self.job = job
+        model_dir, model = load_vlm(job.model.path)
+        torch.manual_seed(job.seed)
+        self.processor = VLMProcessor(model_dir)
+        self.student = QwenVLM(model.train())
+        teacher_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.teacher = QwenVLM(teacher_model)
+        self.optimizer, self.scheduler = build_optimizer(model, job.optimizer)
+        self.schedule = BudgetSchedule.from_config(job.budget)
+        self.selector = build_selector(job.selector.name)
+        self.params = sampling_params(job, self.processor.tokenizer)
+        self.step_index = 0  # optimizer steps completed: the curriculum's c
+
+    def _compute(self):
+        if self.job.model.dtype == "bfloat16":
+            return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def encode(self, samples: list[Sample]):
+        return [
+            self.processor.encode(question_messages(s.question, self.job.data.system_prompt), [s.image], s.uid)
+            for s in samples
+        ]
+
+    def update(self, samples: list[Sample]) -> StepReport:
+        c = self.step_index
+        budget = self.schedule.budget_bps(c)
+        prompts = self.encode(samples)
+        with self._compute():
+            rollouts = rollout(
+                self.student,
+                self.processor.tokenizer,
+                prompts,
+                [s.uid for s in samples],
+                self.selector,
+                budget,
+                self.job.budget.k_min,
+                self.params,
+                self.job.sampling.n,
+                self.job.seed,
+                c,
+            )
+            scores = teacher_scores(self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
+            loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.student.model.parameters(), self.job.optimizer.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step_index += 1
+        return StepReport(
+            step=c,
+            budget_bps=budget,
+            stats=stats,
+            grad_norm=float(grad_norm),
+            mean_response_tokens=stats.tokens / len(rollouts),
+        )
