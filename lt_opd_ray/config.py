@@ -276,15 +276,16 @@ def parse_job(text: str, source: str = "<job>") -> JobConfig:
     try:
         job = JobConfig.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        located = []
         for err in exc.errors():
             path = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
             dotted = ".".join(str(p) for p in path) or "<top>"
             line = _yaml_line(root, path)
             where = f"{dotted} (line {line})" if line else dotted
             reason = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append((where, reason))
-        raise JobConfigError(source, problems) from None
+            located.append((line or 0, where, reason))
+        located.sort(key=lambda item: item[0])  # in file order; fields missing from the file first
+        raise JobConfigError(source, [(where, reason) for _, where, reason in located]) from None
     _check_cross_fields(job, source, root)
     return job
 

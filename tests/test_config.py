@@ -1,0 +1,108 @@
+"""Job schema: every shipped YAML validates; bad fields are named with path and line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lt_opd_ray.config import JobConfigError, load_job, parse_job
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_JOBS = sorted((REPO / "jobs").glob("train_*.yaml"))
+
+MINIMAL = """\
+model:
+  path: tiny:qwen3_5
+data:
+  path: synthetic:8
+"""
+
+
+def test_jobs_are_shipped():
+    assert {p.name for p in SHIPPED_JOBS} >= {"train_tiny.yaml", "train_qwen35.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED_JOBS, ids=lambda p: p.name)
+def test_every_shipped_job_validates(path):
+    load_job(path)
+
+
+def test_paper_recipe_carries_design_values():
+    job = load_job(REPO / "jobs" / "train_qwen35.yaml")
+    b, o, s, opt = job.budget, job.objective, job.sampling, job.optimizer
+    assert (b.start_bps, b.target_bps, b.warm_steps, b.decay_end, b.total_steps, b.k_min) == (2500, 500, 14, 100, 175, 32)
+    assert (o.divergence, o.alpha, o.top_k, o.importance_clip) == ("jsd", 0.5, 100, 2.0)
+    assert (s.prompts_per_step, s.n, s.temperature, s.top_p, s.max_new_tokens, s.stop) == (80, 8, 1.0, 1.0, 1024, ["</answer>"])
+    assert (opt.lr.language_model, opt.lr.vision_encoder, opt.lr.merger) == (1e-6, 2e-7, 1e-6)
+    assert (opt.weight_decay, opt.warmup_steps, opt.grad_clip) == (0.01, 14, 1.0)
+    assert job.model.dtype == "bfloat16" and job.selector.name == "cdpruner"
+
+
+def problems_of(text):
+    with pytest.raises(JobConfigError) as info:
+        parse_job(text, source="job.yaml")
+    return info.value.problems, str(info.value)
+
+
+def test_unknown_key_is_an_error_with_path_and_line():
+    problems, message = problems_of(MINIMAL + "budget:\n  start_bps: 2500\n  warmup: 3\n")
+    assert problems == [("budget.warmup (line 7)", "unknown key")]
+    assert message.startswith("job.yaml: 1 problem(s)")
+
+
+def test_every_bad_field_is_reported_at_once():
+    text = MINIMAL + "budget:\n  target_bps: 0\nsampling:\n  n: many\nselector:\n  name: fastv\n"
+    problems, _ = problems_of(text)
+    where = [w for w, _ in problems]
+    assert where == ["budget.target_bps (line 6)", "sampling.n (line 8)", "selector.name (line 10)"]
+    reasons = dict(problems)
+    assert "greater than 0" in reasons["budget.target_bps (line 6)"]
+    assert "integer" in reasons["sampling.n (line 8)"]
+    assert "cdpruner" in reasons["selector.name (line 10)"]
+
+
+@pytest.mark.parametrize("bps", [0, 10001, -3])
+def test_budget_outside_unit_interval_is_refused(bps):
+    problems, _ = problems_of(MINIMAL + f"budget:\n  start_bps: {bps}\n")
+    assert problems[0][0] == "budget.start_bps (line 6)"
+
+
+def test_k_min_above_the_largest_images_token_count_is_refused():
+    problems, _ = problems_of(MINIMAL.replace("synthetic:8", "synthetic:8\n  max_pixels: 65536") + "budget:\n  k_min: 100\n")
+    assert problems[0][0] == "budget.k_min (line 7)"
+    assert "above N = 64" in problems[0][1]
+
+
+def test_missing_section_and_wrong_types():
+    problems, _ = problems_of("data:\n  path: x.jsonl\nseed: [1]\n")
+    assert ("model", "Field required") in problems
+    assert any(w.startswith("seed (line 3)") for w, _ in problems)
+
+
+def test_teacher_replica_bounds_and_metrics_port_are_checked():
+    problems, _ = problems_of(MINIMAL + "pools:\n  teacher:\n    replicas: 5\n    max_replicas: 2\nmetrics:\n  export_port: 12000\n")
+    where = [w for w, _ in problems]
+    assert where == ["pools.teacher (line 6)", "metrics (line 9)"]
+
+
+def test_not_yaml_and_not_a_mapping():
+    problems, _ = problems_of("model: [unclosed\n")
+    assert problems[0][0].startswith("line ")
+    problems, _ = problems_of("- a\n- b\n")
+    assert problems == [("<top>", "a job YAML must be a mapping of sections")]
+
+
+def test_validate_cli_imports_no_heavy_library_and_reports(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINIMAL + "objective:\n  divergence: tvd\n")
+    code = (
+        "import sys; from lt_opd_ray.cli import main; rc = main(['validate', %r, %r]);"
+        "heavy = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules];"
+        "print('HEAVY', heavy); sys.exit(rc)"
+    ) % (str(REPO / "jobs" / "train_tiny.yaml"), str(bad))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "HEAVY []" in out.stdout
+    assert "train_tiny.yaml: ok" in out.stdout
+    assert "objective.divergence (line 6)" in out.stderr

@@ -1,0 +1,126 @@
+"""The single-process reference update on a tiny real Qwen3.5."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lt_opd_ray.config import parse_job
+from lt_opd_ray.data import load_samples
+from lt_opd_ray.optim import module_of, param_groups
+from lt_opd_ray.reference import ReferenceTrainer
+from lt_opd_ray.update import rollout, student_loss, teacher_scores
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_job(model_dir, **overrides):
+    text = f"""
+seed: 3
+model: {{path: "{model_dir}", dtype: float32}}
+data: {{path: "synthetic:8", max_pixels: 65536}}
+budget: {{start_bps: 2500, target_bps: 1000, warm_steps: 1, decay_end: 3, total_steps: 4, k_min: 2}}
+objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}}}
+sampling: {{prompts_per_step: 2, n: 2, max_new_tokens: 6}}
+optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0}}
+"""
+    return parse_job(text)
+
+
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return load_samples("synthetic:8")
+
+
+def test_updates_are_deterministic_for_a_seed(tiny_dirs, samples):
+    runs = []
+    for _ in range(2):
+        trainer = ReferenceTrainer(tiny_job(tiny_dirs["qwen3_5"]))
+        losses = [trainer.update(samples[2 * i : 2 * i + 2]).stats.loss for i in range(2)]
+        runs.append((losses, state(trainer.student.model)))
+    assert runs[0][0] == runs[1][0]
+    for key, value in runs[0][1].items():
+        assert torch.equal(value, runs[1][1][key]), key
+
+
+def test_update_moves_every_student_module_and_never_the_teacher(tiny_dirs, samples):
+    trainer = ReferenceTrainer(tiny_job(tiny_dirs["qwen3_5"]))
+    student_before, teacher_before = state(trainer.student.model), state(trainer.teacher.model)
+    report = trainer.update(samples[:2])
+    assert report.step == 0 and report.budget_bps == 2500
+    assert report.stats.loss > 0 and report.stats.tokens > 0
+    # first update: rollout policy == learner weights, so exp(logp - old_logp) == 1
+    assert report.stats.importance_weight == pytest.approx(1.0, abs=1e-4)
+    moved = {module_of(k) for k, v in state(trainer.student.model).items() if not torch.equal(v, student_before[k])}
+    assert moved == {"language_model", "vision_encoder", "merger"}
+    for key, value in state(trainer.teacher.model).items():
+        assert torch.equal(value, teacher_before[key]), key
+    assert trainer.update(samples[2:4]).budget_bps == trainer.schedule.budget_bps(1) == 2125  # 1000 + 750 * (1 + cos(pi/3))
+
+
+@pytest.mark.parametrize("divergence", ["jsd", "reverse_kl"])
+def test_steps_on_fixed_rollouts_reduce_the_loss(tiny_dirs, samples, divergence):
+    """The gradient points the right way: repeated steps on the same rollouts lower the objective."""
+    trainer = ReferenceTrainer(tiny_job(tiny_dirs["qwen3_5"], divergence=divergence))
+    job = trainer.job
+    with torch.no_grad():  # move the student away from the teacher so there is something to recover
+        trainer.student.lm_head.weight.add_(0.3 * torch.randn(trainer.student.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    prompts = trainer.encode(samples[:2])
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 1000, 2, trainer.params, 2, 0, 0)
+    scores = teacher_scores(trainer.teacher, prompts, rollouts, job.objective.top_k, 16)
+    losses = []
+    for _ in range(6):
+        loss, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
+        trainer.optimizer.zero_grad()
+        loss.backward()
+        trainer.optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_rollouts_replay_selected_indices_and_respect_the_budget(tiny_dirs, samples):
+    trainer = ReferenceTrainer(tiny_job(tiny_dirs["qwen3_5"]))
+    prompts = trainer.encode(samples[:2])
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 1000, 2, trainer.params, 3, 0, 0)
+    assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1]
+    for r in rollouts:
+        n = int(prompts[r.prompt_index].image_grid_thw.prod() // 4)
+        assert len(r.selected[0]) == max(2, -(-n * 1000 // 10000))
+        assert r.response_ids.shape[0] == r.old_logp.shape[0] == r.student_top_ids.shape[0] <= 6
+    # the n responses of one prompt differ (distinct seeds) but share the selection
+    assert torch.equal(rollouts[0].selected[0], rollouts[1].selected[0])
+    assert not all(torch.equal(rollouts[0].response_ids, r.response_ids) for r in rollouts[1:3])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
+def test_param_groups_cover_the_three_modules(loaded, family):
+    from lt_opd_ray.config import LearningRates
+
+    model = loaded[family][0]
+    groups = {g["name"]: g for g in param_groups(model, LearningRates(language_model=1.0, vision_encoder=2.0, merger=3.0))}
+    assert {name: g["lr"] for name, g in groups.items()} == {"language_model": 1.0, "vision_encoder": 2.0, "merger": 3.0}
+    assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    ids = {name: {id(p) for p in g["params"]} for name, g in groups.items()}
+    assert id(model.lm_head.weight) in ids["language_model"]
+    assert {id(p) for p in model.model.visual.merger.parameters()} <= ids["merger"]
+    assert {id(p) for p in model.model.visual.blocks.parameters()} <= ids["vision_encoder"]
+
+
+def test_readme_main_job_command_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "lt_opd_ray.cli", "train", str(REPO / "jobs" / "train_tiny.yaml"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "LT_OPD_CACHE": str(tmp_path)},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
+    assert len(lines) == 2
+    assert "budget 25.00%" in lines[0] and "loss" in lines[0]
