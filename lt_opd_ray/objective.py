@@ -5,9 +5,9 @@ U = student top-k ∪ teacher top-k ∪ {sampled token} plus one tail bin holdin
 leftover mass; the divergence is weighted by a detached truncated importance
 weight and aggregated as mean over tokens, then mean over sequences.
 
-Full-vocabulary log-probs come from a chunked log-softmax over positions, with
-each chunk recomputed in backward (activation checkpointing), so at most
-chunk x V logits exist at once, never [B, T, V].
+Full-vocabulary log-probs come from a chunked log-softmax over positions whose
+backward recomputes each chunk's logits, so at most about chunk x V fp32 logits
+exist at once, never [B, T, V].
 """
 
 from __future__ import annotations
@@ -17,29 +17,60 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 Divergence = Literal["jsd", "forward_kl", "reverse_kl"]
 TAIL_CLAMP = -1e-7  # logsumexp(lp_U) is clamped below 0 so the tail log-mass stays finite
 
 
-def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()  # [C, V] in fp32, only for this chunk
-    return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+class _ChunkedGatherLogProbs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T).gather(ids), one chunk of positions at a time, forward and backward.
+
+    Saves only hidden, ids and the per-position logsumexp; backward recomputes each
+    chunk's logits and turns them in place into the gradient, so one chunk x V fp32
+    buffer is alive at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, chunk_size):
+        out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = F.linear(hidden[rows], weight).float()  # [C, V], only this chunk
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(-1, ids[rows]) - lse[rows, None]
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, ids, lse = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            grad_logits = F.linear(hidden[rows], weight).float()
+            grad_logits.sub_(lse[rows, None]).exp_()  # softmax p, in place
+            # d lp[p, j] / d logit[p, v] = [v == ids[p, j]] - p[v]  =>  g = scatter(grad) - p * Σ_j grad[p, j]
+            grad_logits.mul_(-grad_out[rows].sum(-1, keepdim=True))
+            grad_logits.scatter_add_(-1, ids[rows], grad_out[rows].float())
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ hidden[rows].float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
 
 
 def gather_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """log softmax(hidden @ weight.T)[p, ids[p]] for hidden [P, H], ids [P, K] -> [P, K] fp32, differentiable."""
     if hidden.shape[0] != ids.shape[0]:
         raise ValueError(f"hidden has {hidden.shape[0]} positions but ids has {ids.shape[0]}")
-    chunks = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        piece = (hidden[start : start + chunk_size], weight, ids[start : start + chunk_size])
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            chunks.append(checkpoint(_chunk_log_probs, *piece, use_reentrant=False))
-        else:
-            chunks.append(_chunk_log_probs(*piece))
-    return torch.cat(chunks) if chunks else hidden.new_zeros(ids.shape, dtype=torch.float32)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedGatherLogProbs.apply(hidden, weight, ids, chunk_size)
 
 
 @torch.no_grad()

@@ -16,14 +16,12 @@ KERNEL_RIDGE = 1e-6
 RELEVANCE_FLOOR = 1e-6
 
 
-def relevance(features: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
-    """rho in [1e-6, 1]: cosine to the query, min-max normalised; all-equal (or no query) -> 1."""
-    n = features.shape[0]
+def relevance(unit_features: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+    """rho in [1e-6, 1]: cosine of L2-normalised tokens to the query, min-max normalised; all-equal (or no query) -> 1."""
     if query is None:
-        return torch.ones(n, dtype=torch.float32, device=features.device)
-    v = torch.nn.functional.normalize(features.float(), dim=-1)
+        return torch.ones(unit_features.shape[0], dtype=torch.float32, device=unit_features.device)
     q = torch.nn.functional.normalize(query.float(), dim=-1)
-    cos = v @ q  # not negated: both sides live in the LLM embedding space
+    cos = unit_features @ q  # not negated: both sides live in the LLM embedding space
     spread = cos.max() - cos.min()
     if spread <= 0:
         return torch.ones_like(cos)
@@ -60,4 +58,4 @@ class CDPruner(Selector):
 
     def _select(self, item: SelectionInput, k: int) -> torch.Tensor:
         unit = torch.nn.functional.normalize(item.features.float(), dim=-1)
-        return greedy_dpp_map(unit, relevance(item.features, item.query), k)
+        return greedy_dpp_map(unit, relevance(unit, item.query), k)
