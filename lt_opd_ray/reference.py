@@ -64,8 +64,8 @@ class ReferenceTrainer:
         self.step_index = 0  # optimizer steps completed: the curriculum's c
 
     def _compute(self):
-        if self.job.model.dtype == "bfloat16":
-            return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+        if self.job.model.dtype == "bfloat16":  # bf16 compute over fp32 master weights
+            return torch.autocast(self.student.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def encode(self, samples: list[Sample]):

@@ -105,9 +105,9 @@ def teacher_scores(
     weight = teacher.lm_head.weight
     scores = []
     for h, r in zip(hidden, rollouts):
-        requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1)
+        requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
         ids, logp, requested_logp = top_k_log_probs(h, weight, min(top_k, weight.shape[0]), chunk_size, requested)
-        scores.append(TeacherScore(top_ids=ids.to(torch.int32), top_logp=logp, requested_logp=requested_logp))
+        scores.append(TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu()))
     return scores
 
 
@@ -136,14 +136,14 @@ def student_loss(
     hidden = student.response_hidden(reduced, [r.response_ids for r in rollouts])
     token_losses, divs, weights, overlaps = [], [], [], []
     for h, r, s in zip(hidden, rollouts, scores):
-        ids, valid, teacher_logp = support(r, s)
+        ids, valid, teacher_logp = (t.to(h.device) for t in support(r, s))
         student_logp = gather_log_probs(h, student.lm_head.weight, ids, objective.logsoftmax_chunk)
         token_loss, div, weight = lt_opd_token_losses(
             student_logp,
             teacher_logp,
             valid,
             sampled_column=ids.shape[1] - 1,
-            old_logp=r.old_logp,
+            old_logp=r.old_logp.to(h.device),
             kind=objective.divergence,
             alpha=objective.alpha,
             importance_clip=objective.importance_clip,

@@ -9,6 +9,15 @@ import torch
 FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl"]
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     from lt_opd_ray.models.tiny import build_tiny_model
@@ -34,6 +43,6 @@ def loaded(tiny_dirs):
 
     out = {}
     for family, path in tiny_dirs.items():
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()  # CPU
         out[family] = (model, VLMProcessor(path), QwenVLM(model))
     return out

@@ -124,3 +124,17 @@ def test_readme_main_job_command_runs(tmp_path):
     lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
     assert len(lines) == 2
     assert "budget 25.00%" in lines[0] and "loss" in lines[0]
+
+
+def test_bf16_compute_over_fp32_master_weights(tiny_dirs, samples):
+    job = parse_job(
+        f'model: {{path: "{tiny_dirs["qwen3_5"]}", dtype: bfloat16}}\n'
+        'data: {path: "synthetic:8", max_pixels: 65536}\n'
+        "budget: {k_min: 2}\nobjective: {top_k: 8}\nsampling: {prompts_per_step: 2, n: 2, max_new_tokens: 6}\n"
+    )
+    trainer = ReferenceTrainer(job)
+    report = trainer.update(samples[:2])
+    assert all(p.dtype == torch.float32 for p in trainer.student.model.parameters())
+    assert report.stats.loss > 0 and torch.isfinite(torch.tensor(report.grad_norm))
+    # rollout and learner both compute in bf16: the weights agree to bf16 rounding (~2^-8 relative per logit)
+    assert report.stats.importance_weight == pytest.approx(1.0, abs=2e-2)

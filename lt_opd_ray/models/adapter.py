@@ -76,6 +76,10 @@ class QwenVLM:
         self.family = family
         self.merge = model.config.vision_config.spatial_merge_size
 
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
     # ----------------------------------------------------------------- parts
     @property
     def language_model(self):
@@ -90,12 +94,14 @@ class QwenVLM:
         return self.lm_head.weight.dtype
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(ids)
+        return self.model.get_input_embeddings()(ids.to(self.device))
 
     # ---------------------------------------------------------- full prompt
     def visual_features(self, prompt: PromptInputs) -> VisualFeatures:
         """Vision tower + merger (differentiable: the learner trains both)."""
-        out = self.model.model.get_image_features(prompt.pixel_values, prompt.image_grid_thw, return_dict=True)
+        out = self.model.model.get_image_features(
+            prompt.pixel_values.to(self.device), prompt.image_grid_thw.to(self.device), return_dict=True
+        )
         embeds = list(out.pooler_output)
         deepstack = None
         if self.family == "qwen3_vl":
@@ -117,7 +123,7 @@ class QwenVLM:
             image_grid_thw=prompt.image_grid_thw,
         )
         positions, _ = self.model.model.get_rope_index(**kwargs)
-        return positions[:, 0]
+        return positions[:, 0].cpu()
 
     # ------------------------------------------------------------ selection
     def select(
@@ -155,21 +161,22 @@ class QwenVLM:
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
                 raise ValueError(f"image {i}: selected index outside [0, {n})")
             keep[start + indices] = True
-            kept_parts.append(features.embeds[i][indices])
+            on_device = indices.to(self.device)
+            kept_parts.append(features.embeds[i][on_device])
             if features.deepstack is not None:
-                kept_deepstack.append([layer[indices] for layer in features.deepstack[i]])
+                kept_deepstack.append([layer[on_device] for layer in features.deepstack[i]])
 
         text_embeds = self.embed_tokens(prompt.input_ids)
         embeds = text_embeds.clone()
         visual = torch.cat(kept_parts).to(embeds.dtype)
         kept_visual_mask = is_image & keep
-        embeds[kept_visual_mask] = visual  # image tokens in order: image 0's kept tokens, then image 1's ...
+        embeds[kept_visual_mask.to(self.device)] = visual  # image 0's kept tokens, then image 1's ...
         full_pos = self.full_positions(prompt)
         deepstack = None
         if features.deepstack is not None:
             deepstack = [torch.cat(per_layer).to(embeds.dtype) for per_layer in zip(*kept_deepstack)]
         return ReducedPrompt(
-            inputs_embeds=embeds[keep],
+            inputs_embeds=embeds[keep.to(self.device)],
             positions=full_pos[:, keep],
             visual_mask=kept_visual_mask[keep],
             deepstack=deepstack,
@@ -183,19 +190,19 @@ class QwenVLM:
         extra_ids = extra_ids or [torch.zeros(0, dtype=torch.long)] * len(sequences)
         lengths = [seq.length + ids.numel() for seq, ids in zip(sequences, extra_ids)]
         width, dim = max(lengths), sequences[0].inputs_embeds.shape[-1]
-        batch = len(sequences)
+        batch, device = len(sequences), self.device
         embeds = sequences[0].inputs_embeds.new_zeros(batch, width, dim)
-        mask = torch.zeros(batch, width, dtype=torch.long)
-        positions = torch.zeros(4, batch, width, dtype=torch.long)
-        visual = torch.zeros(batch, width, dtype=torch.bool)
+        mask = torch.zeros(batch, width, dtype=torch.long, device=device)
+        positions = torch.zeros(4, batch, width, dtype=torch.long, device=device)
+        visual = torch.zeros(batch, width, dtype=torch.bool, device=device)
         for b, (seq, ids, length) in enumerate(zip(sequences, extra_ids, lengths)):
             pad = width - length
             response_pos = seq.next_position + torch.arange(ids.numel())
             embeds[b, pad:] = torch.cat([seq.inputs_embeds, self.embed_tokens(ids).to(embeds.dtype)])
             mask[b, pad:] = 1
-            positions[0, b, pad:] = torch.arange(length)  # plain index over the reduced sequence
-            positions[1:, b, pad:] = torch.cat([seq.positions, response_pos.expand(3, -1)], dim=1)
-            visual[b, pad : pad + seq.length] = seq.visual_mask
+            positions[0, b, pad:] = torch.arange(length, device=device)  # plain index over the reduced sequence
+            positions[1:, b, pad:] = torch.cat([seq.positions, response_pos.expand(3, -1)], dim=1).to(device)
+            visual[b, pad : pad + seq.length] = seq.visual_mask.to(device)
         deepstack = None
         if sequences[0].deepstack is not None:
             deepstack = [torch.cat(layer) for layer in zip(*(seq.deepstack for seq in sequences))]

@@ -16,11 +16,15 @@ def resolve_model_dir(path: str) -> Path:
     return model_dir
 
 
-def load_vlm(path: str):
-    """(model_dir, model) with fp32 parameters; compute precision is chosen by the caller (autocast)."""
+def load_vlm(path: str, device: str | None = None):
+    """(model_dir, model) with fp32 parameters on `device` (default: CUDA if present, else CPU).
+
+    Compute precision is chosen by the caller (autocast), so master weights stay fp32.
+    """
     import torch
     from transformers import AutoModelForImageTextToText
 
     model_dir = resolve_model_dir(path)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).to(device)
     return model_dir, model

@@ -94,7 +94,7 @@ def sample(
     done = [False] * rows
     top_k = min(params.top_k_logprobs, vlm.lm_head.weight.shape[0])
     for step in range(params.max_new_tokens):
-        log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1)  # [B, V]
+        log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1).cpu()  # [B, V]
         top_ids = torch.topk(log_probs, top_k, dim=-1).indices
         next_ids = []
         for b in range(rows):
@@ -112,16 +112,17 @@ def sample(
                 done[b], finish[b] = True, "stop"
         if all(done) or step == params.max_new_tokens - 1:
             break
+        device = vlm.device
         ids = torch.tensor(next_ids, dtype=torch.long)
-        attention_mask = torch.cat([attention_mask, torch.ones(rows, 1, dtype=attention_mask.dtype)], dim=1)
-        position_ids = torch.empty(4, rows, 1, dtype=torch.long)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
+        position_ids = torch.empty(4, rows, 1, dtype=torch.long, device=device)
         position_ids[0, :, 0] = lengths + step  # seq_index continues after the reduced prompt
-        position_ids[1:, :, 0] = torch.tensor([p.next_position + step for p in prompts])  # full-sequence M-RoPE
+        position_ids[1:, :, 0] = torch.tensor([p.next_position + step for p in prompts], device=device)  # full-sequence M-RoPE
         step_batch = PaddedBatch(
             inputs_embeds=vlm.embed_tokens(ids)[:, None],
             attention_mask=attention_mask,
             position_ids=position_ids,
-            visual_pos_masks=torch.zeros(rows, 1, dtype=torch.bool),
+            visual_pos_masks=torch.zeros(rows, 1, dtype=torch.bool, device=device),
             deepstack=None,
         )
         hidden, cache = vlm.run_language_model(step_batch, past_key_values=cache, use_cache=True)

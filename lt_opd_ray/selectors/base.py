@@ -32,7 +32,7 @@ class Selector(abc.ABC):
             raise ValueError(f"{self.name}: cannot keep k = {k} of N = {n} visual tokens (need 1 <= k <= N)")
         with torch.no_grad():
             indices = self._select(item, k)
-        return torch.sort(indices.to(torch.long)).values
+        return torch.sort(indices.to(torch.long).cpu()).values  # indices are metadata: recorded, shipped, replayed
 
     @abc.abstractmethod
     def _select(self, item: SelectionInput, k: int) -> torch.Tensor:

@@ -1,0 +1,56 @@
+"""The same adapter, sampler and reference update on a CUDA device (skipped where there is none)."""
+
+import pytest
+import torch
+from conftest import FAMILIES, random_image
+
+from lt_opd_ray.models.processor import question_messages
+from lt_opd_ray.models.sampler import SamplingParams, sample
+from lt_opd_ray.objective import gather_log_probs
+from lt_opd_ray.selectors import build_selector
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_cuda_reduced_sampler_matches_teacher_forced_and_cpu(tiny_dirs, family):
+    from transformers import AutoModelForImageTextToText
+
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.processor import VLMProcessor
+
+    processor = VLMProcessor(tiny_dirs[family])
+    prompts = [processor.encode(question_messages(q), [random_image(i, 96 + 32 * i, 128)], f"s{i}") for i, q in enumerate(["How many?", "Which letter is it?"])]
+    per_device = {}
+    for device in ("cpu", "cuda"):
+        model = AutoModelForImageTextToText.from_pretrained(tiny_dirs[family], dtype=torch.float32).to(device).eval()
+        vlm = QwenVLM(model)
+        reduced = []
+        for prompt in prompts:
+            features = vlm.visual_features(prompt)
+            reduced.append(vlm.reduce(prompt, features, vlm.select(prompt, features, build_selector("cdpruner"), 2500, 2)))
+        completions = sample(vlm, reduced, SamplingParams(max_new_tokens=8, greedy=True, stop=()), [0, 1], processor.tokenizer)
+        for red, c in zip(reduced, completions):
+            hidden = vlm.response_hidden([red], [c.token_ids])[0]
+            scored = gather_log_probs(hidden, vlm.lm_head.weight, c.token_ids[:, None].to(device), 4)[:, 0].cpu()
+            assert (scored - c.logprobs).abs().max().item() <= 1e-5
+        per_device[device] = ([r.selected[0] for r in reduced], [c.token_ids for c in completions])
+    assert all(torch.equal(a, b) for a, b in zip(per_device["cpu"][0], per_device["cuda"][0]))
+    assert all(torch.equal(a, b) for a, b in zip(per_device["cpu"][1], per_device["cuda"][1]))
+
+
+def test_cuda_reference_update_in_bf16(tiny_dirs):
+    from lt_opd_ray.config import parse_job
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.reference import ReferenceTrainer
+
+    job = parse_job(
+        f'model: {{path: "{tiny_dirs["qwen3_5"]}", dtype: bfloat16}}\n'
+        'data: {path: "synthetic:4", max_pixels: 65536}\n'
+        "budget: {k_min: 2}\nobjective: {top_k: 8}\nsampling: {prompts_per_step: 2, n: 2, max_new_tokens: 6}\n"
+    )
+    trainer = ReferenceTrainer(job)
+    assert trainer.student.device.type == "cuda"
+    report = trainer.update(load_samples("synthetic:4")[:2])
+    assert torch.isfinite(torch.tensor(report.stats.loss)) and report.stats.tokens > 0
