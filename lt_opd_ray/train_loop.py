@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterator
 
@@ -15,16 +16,15 @@ def epoch_order(count: int, shuffle_seed: int, epoch: int) -> list[int]:
 
 
 def batches(samples: list[Sample], batch_size: int, shuffle_seed: int, cursor: int = 0) -> Iterator[list[Sample]]:
-    """Endless batches; `cursor` counts samples already consumed, so a resumed run continues exactly."""
-    if batch_size > len(samples):
-        raise ValueError(f"prompts_per_step ({batch_size}) exceeds the {len(samples)} samples in the data")
+    """Endless batches over the stream epoch 0's order, epoch 1's order, ...
+
+    `cursor` counts samples already consumed, so a resumed run continues exactly.
+    A batch may span two epochs: every sample is seen once per epoch, none is dropped.
+    """
+    if not 1 <= batch_size <= len(samples):
+        raise ValueError(f"prompts_per_step ({batch_size}) must lie in [1, {len(samples)}], the samples in the data")
+    order_of = functools.lru_cache(maxsize=2)(lambda epoch: epoch_order(len(samples), shuffle_seed, epoch))
     while True:
-        epoch, offset = divmod(cursor, len(samples))
-        order = epoch_order(len(samples), shuffle_seed, epoch)
-        if offset + batch_size <= len(samples):
-            picked = order[offset : offset + batch_size]
-        else:  # a batch never straddles epochs: the epoch's tail is skipped, not dropped silently from counting
-            cursor = (epoch + 1) * len(samples)
-            continue
+        positions = (divmod(p, len(samples)) for p in range(cursor, cursor + batch_size))
         cursor += batch_size
-        yield [samples[i] for i in picked]
+        yield [samples[order_of(epoch)[offset]] for epoch, offset in positions]
