@@ -154,7 +154,9 @@ class TeacherPool(Resources):
     max_replicas: int = Field(1, ge=1)
     """Autoscaling upper bound."""
     max_batch_size: int = Field(8, ge=1)
-    """Requests batched together per teacher forward."""
+    """Requests (rollout shards) batched together per teacher forward."""
+    payload_dtype: Literal["float16", "float32"] = "float32"
+    """Dtype of the teacher's log-probs on the wire (ids are always int32)."""
     backend: Literal["transformers", "vllm"] = "transformers"
     """Inference engine of the teacher."""
 
@@ -173,6 +175,10 @@ class LearnerPool(Resources):
     """Data-parallel learner ranks (DeepSpeed)."""
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage."""
+    sync_bucket_mb: float = Field(64.0, gt=0)
+    """Size of the flat buckets the weights are broadcast in to rollout workers."""
+    sync_timeout_s: float = Field(300.0, gt=0)
+    """A weight broadcast not finished in this time fails, naming the workers that did not answer."""
 
 
 class PoolsConfig(_Strict):

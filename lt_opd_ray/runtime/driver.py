@@ -1,0 +1,119 @@
+"""The driver: the LT-OPD update loop over the four Ray roles (DESIGN §2).
+
+    budget = curriculum(step) -> rollouts -> teacher scores -> learner update
+           -> weight sync -> metrics -> checkpoint
+
+It passes ObjectRefs between the roles; rollouts and teacher payloads never
+travel through this process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from ..config import JobConfig
+from ..curriculum import BudgetSchedule
+from ..data import load_samples
+from ..train_loop import batches
+from .checkpoint import CheckpointStore
+from .learner_group import LearnerGroup
+from .metrics import DriverMetrics
+from .resources import check_resources
+from .rollout_pool import RolloutPool
+from .sync_coordinator import WeightBroadcaster
+from .teacher import TeacherService
+
+
+@dataclass
+class StepLog:
+    step: int
+    budget_bps: int
+    loss: float
+    divergence: float
+    importance_weight: float
+    top_k_overlap: float
+    tokens: int
+    phases: dict[str, float] = field(default_factory=dict)
+    sync_bytes: int = 0
+    payload_bytes_per_token: float = 0.0
+
+
+class Driver:
+    def __init__(self, job: JobConfig, resume: bool = False):
+        check_resources(job, ray.cluster_resources())  # refuse before any actor starts
+        self.job = job
+        self.schedule = BudgetSchedule.from_config(job.budget)
+        self.samples = load_samples(job.data.path, job.data.image_root, job.seed)
+        self.checkpoints = CheckpointStore(job)
+        self.rollouts = RolloutPool(job)
+        self.teacher = TeacherService(job)
+        self.learners = LearnerGroup(job)
+        self.sync = WeightBroadcaster(
+            self.learners, self.rollouts, job.pools.learner.sync_timeout_s, int(job.pools.learner.sync_bucket_mb * 2**20)
+        )
+        self.metrics = DriverMetrics(job.name)
+        self.step, self.cursor = 0, 0
+        if resume and (state := self.checkpoints.restore(self.learners)) is not None:
+            self.step, self.cursor = state["step"], state["cursor"]
+        self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
+        self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
+
+    def run_step(self) -> StepLog:
+        t0 = time.perf_counter()
+        budget = self.schedule.budget_bps(self.step)  # c = optimizer steps completed before this update
+        batch = next(self.data)
+        samples_ref = ray.put(batch)
+        shard_refs, summary_refs = self.rollouts.async_generate(samples_ref, len(batch), budget, self.step)
+        payload_refs = self.teacher.async_score(samples_ref, shard_refs)
+        ranks = self.learners.train_step(samples_ref, shard_refs, payload_refs)  # one optimizer step
+        t1 = time.perf_counter()
+        self.step += 1
+        self.cursor += len(batch)
+        sync = self.sync.broadcast(version=self.step)  # before the next rollout
+        t2 = time.perf_counter()
+        if self.step % self.job.checkpoint.every_steps == 0 or self.step == self.job.budget.total_steps:
+            self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor})
+        t3 = time.perf_counter()
+        phases = {
+            "rollout": max(s["seconds"] for s in ray.get(summary_refs)),  # workers run in parallel
+            "teacher": max(r["teacher_seconds"] for r in ranks),
+            "learner": max(r["seconds"] for r in ranks),
+            "sync": t2 - t1,
+            "checkpoint": t3 - t2,
+        }
+        # what the chain rollout -> teacher -> learner took beyond its parts: scheduling, transfers, waits
+        phases["driver_overhead"] = max(0.0, (t1 - t0) - phases["rollout"] - phases["teacher"] - phases["learner"])
+        phases["step"] = t3 - t0
+        self.metrics.record(self.step, budget, phases)
+        mean = lambda key: sum(r[key] for r in ranks) / len(ranks)  # noqa: E731
+        return StepLog(
+            step=self.step - 1,
+            budget_bps=budget,
+            loss=mean("loss"),
+            divergence=mean("divergence"),
+            importance_weight=mean("importance_weight"),
+            top_k_overlap=mean("top_k_overlap"),
+            tokens=sum(r["tokens"] for r in ranks),
+            phases=phases,
+            sync_bytes=sync["bytes"],
+            payload_bytes_per_token=ranks[0]["payload_bytes_per_token"],
+        )
+
+    def replace_dead_rollout_workers(self) -> list[str]:
+        """Replace workers that died, re-form the sync group and give them the current weights."""
+        dead = self.rollouts.dead_workers()
+        if not dead:
+            return []
+        for index in dead:
+            self.rollouts.replace(index)
+            self.metrics.restarts.inc(1, tags=self.metrics.tags)
+        self.sync.connect()
+        self.sync.broadcast(version=self.step)
+        return [self.rollouts.names[i] for i in dead]
+
+    def shutdown(self) -> None:
+        self.teacher.shutdown()
+        self.learners.shutdown()

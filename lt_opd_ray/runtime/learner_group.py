@@ -1,0 +1,132 @@
+"""The learner group as Ray actors in a placement group, and the weight broadcast it drives."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..config import JobConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class LearnerActor:
+    """One DeepSpeed rank; rank 0 also hosts the weight-sync store and sends the weights."""
+
+    def __init__(self, job: JobConfig, rank: int, world: int):
+        import transformers
+
+        from .metrics import LearnerMetrics
+
+        transformers.logging.set_verbosity_error()
+        self.job, self.rank, self.world = job, rank, world
+        self.learner = None  # set by setup, after the process group exists
+        self.sync_store = None  # rank 0 only: hosts the weight-sync TCPStore
+        self.sync = None  # rank 0 only: the current weight-sync group
+        self.metrics = LearnerMetrics(job.name, f"learner-{rank}")
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        from .learner import Learner, init_process_group
+
+        init_process_group(self.rank, self.world, master_addr, master_port)
+        self.learner = Learner(self.job, self.rank, self.world)
+        return self.rank
+
+    def host_weight_sync(self) -> tuple[str, int]:
+        from .weight_sync import host_store
+
+        host, port = ray.util.get_node_ip_address(), free_port()
+        self.sync_store = host_store(host, port, 0, self.job.pools.learner.sync_timeout_s)
+        return host, port
+
+    def join_weight_sync(self, world: int, generation: int) -> int:
+        from .weight_sync import SyncGroup
+
+        self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s)
+        return 0
+
+    def train_step(self, samples, shard_refs: list, payload_refs: list) -> dict:
+        from .teacher import unpack_scores
+
+        shards = ray.get(shard_refs)
+        payloads = ray.get(payload_refs)
+        begin = time.perf_counter()  # compute only: waiting for rollouts and teacher is not learner time
+        rollouts, scores = [], []
+        vocab = self.learner.module.model.config.text_config.vocab_size  # not lm_head.shape: a ZeRO-3 shard is empty
+        for shard, payload in zip(shards, payloads):
+            rollouts += shard.rollouts
+            scores += unpack_scores(payload, shard.rollouts, vocab, source=payload.replica or "teacher")
+        stats = self.learner.train_step(samples, rollouts, scores)
+        seconds = time.perf_counter() - begin
+        self.metrics.record_step(stats, seconds)
+        return {**stats, "seconds": seconds, "teacher_seconds": max((p.seconds for p in payloads), default=0.0),
+                "payload_bytes_per_token": sum(p.nbytes for p in payloads) / max(sum(int(p.lengths.sum()) for p in payloads), 1)}
+
+    def broadcast_weights(self, version: int) -> dict:
+        """Every rank gathers (ZeRO-3 is a collective); rank 0 sends to the rollout workers."""
+        begin = time.perf_counter()
+        state = self.learner.full_state_dict()
+        if self.rank != 0:
+            return {"rank": self.rank}
+        nbytes = self.sync.send(list(state.items()), version, int(self.job.pools.learner.sync_bucket_mb * 2**20))
+        seconds = time.perf_counter() - begin
+        self.metrics.record_sync(seconds, nbytes)
+        return {"rank": 0, "bytes": nbytes, "seconds": seconds}
+
+    def weights_checksum(self) -> str:
+        from .weight_sync import weights_checksum
+
+        return weights_checksum(self.learner.full_state_dict().items())
+
+    def save(self, directory: str, tag: str) -> None:
+        self.learner.engine.save_checkpoint(directory, tag=tag)
+
+    def load(self, directory: str, tag: str) -> None:
+        self.learner.engine.load_checkpoint(directory, tag=tag)
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()  # without it some gloo runs abort at exit
+            dist.destroy_process_group()
+
+
+class LearnerGroup:
+    def __init__(self, job: JobConfig):
+        pool = job.pools.learner
+        self.job = job
+        bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {})}
+        self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
+        ray.get(self.placement.ready())
+        actor_cls = ray.remote(LearnerActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=pool.cpus,
+                num_gpus=pool.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+            ).remote(job, rank, pool.ranks)
+            for rank in range(pool.ranks)
+        ]
+        master_addr, master_port = ray.get(self.actors[0].address.remote())
+        ray.get([a.setup.remote(master_addr, master_port) for a in self.actors])  # rendezvous: all at once
+
+    def train_step(self, samples_ref, shard_refs: list, payload_refs: list) -> list[dict]:
+        return ray.get([a.train_step.remote(samples_ref, shard_refs, payload_refs) for a in self.actors])
+
+    def shutdown(self) -> None:
+        ray.get([a.finish.remote() for a in self.actors])
+        for actor in self.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(self.placement)

@@ -1,0 +1,153 @@
+"""The rollout pool: N Ray actors, each owning one engine that holds the current student.
+
+`async_generate` splits an update's prompts contiguously over the workers and
+returns one ObjectRef[RolloutShard] per worker. Sampling and selection are seeded
+by (seed, step, sample uid, response index), so the rollouts do not depend on the
+worker count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+
+from ..config import JobConfig
+from ..update import Rollout
+
+
+@dataclass
+class RolloutShard:
+    offset: int  # index of this shard's first prompt in the update's sample list
+    rollouts: list[Rollout]  # prompt_index is global (offset already added)
+    worker: str
+    weights_version: int
+    seconds: float
+    tokens: int
+
+
+class RolloutWorker:
+    """Holds the student (transformers backend) and answers generate / weight-sync calls."""
+
+    def __init__(self, job: JobConfig, name: str):
+        import transformers
+
+        from ..models.adapter import QwenVLM
+        from ..models.loading import load_vlm
+        from ..models.processor import VLMProcessor
+        from ..reference import sampling_params
+        from ..selectors import build_selector
+        from .metrics import RolloutMetrics
+
+        transformers.logging.set_verbosity_error()
+        self.job, self.name = job, name
+        model_dir, model = load_vlm(job.model.path)
+        self.processor = VLMProcessor(model_dir)
+        self.vlm = QwenVLM(model.eval().requires_grad_(False))
+        self.selector = build_selector(job.selector.name)
+        self.params = sampling_params(job, self.processor.tokenizer)
+        self.weights_version = 0
+        self.sync = None  # set by join_weight_sync
+        self.metrics = RolloutMetrics(job.name, name)
+
+    def ready(self) -> str:
+        return self.name
+
+    def generate(self, samples, start: int, stop: int, budget_bps: int, step: int) -> tuple[RolloutShard, dict]:
+        """(the shard, a small summary); called with num_returns=2 so the driver only fetches the summary."""
+        import contextlib
+
+        import torch
+
+        from ..models.processor import question_messages
+        from ..update import rollout
+
+        begin = time.perf_counter()
+        mine = samples[start:stop]
+        prompts = [self.processor.encode(question_messages(s.question, self.job.data.system_prompt), [s.image], s.uid) for s in mine]
+        bf16 = self.job.model.dtype == "bfloat16"
+        compute = torch.autocast(self.vlm.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with compute:
+            rollouts = rollout(
+                self.vlm, self.processor.tokenizer, prompts, [s.uid for s in mine], self.selector, budget_bps,
+                self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step,
+            )
+        for r in rollouts:
+            r.prompt_index += start
+        seconds = time.perf_counter() - begin
+        tokens = sum(r.response_ids.numel() for r in rollouts)
+        self.metrics.record(tokens, seconds, budget_bps)
+        summary = {"worker": self.name, "seconds": seconds, "tokens": tokens, "weights_version": self.weights_version}
+        return RolloutShard(start, rollouts, self.name, self.weights_version, seconds, tokens), summary
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world: int, generation: int, timeout_s: float) -> str:
+        from .weight_sync import SyncGroup, join_store
+
+        self.sync = SyncGroup(join_store(host, port, timeout_s), rank, world, generation, timeout_s)
+        return self.name
+
+    def receive_weights(self, version: int, bucket_bytes: int) -> dict:
+        begin = time.perf_counter()
+        self.weights_version = self.sync.receive(self.vlm.model, version, bucket_bytes)
+        return {"worker": self.name, "version": self.weights_version, "seconds": time.perf_counter() - begin}
+
+    def weights_checksum(self) -> tuple[int, str]:
+        from .weight_sync import weights_checksum
+
+        return self.weights_version, weights_checksum(self.vlm.model.named_parameters())
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges of near-equal size (the first ones one larger)."""
+    base, extra = divmod(count, parts)
+    ranges, start = [], 0
+    for p in range(parts):
+        stop = start + base + (1 if p < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+class RolloutPool:
+    """Creates, calls and replaces the rollout actors."""
+
+    def __init__(self, job: JobConfig):
+        self.job = job
+        pool = job.pools.rollout
+        self._actor_cls = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus)(RolloutWorker)
+        self.names = [f"rollout-{i}" for i in range(pool.workers)]
+        self.workers = [self._spawn(name) for name in self.names]
+        ray.get([w.ready.remote() for w in self.workers])
+
+    def _spawn(self, name: str):
+        return self._actor_cls.remote(self.job, name)
+
+    def async_generate(self, samples_ref, count: int, budget_bps: int, step: int) -> tuple[list, list]:
+        """(ObjectRef[RolloutShard], ObjectRef[summary dict]) lists, one per worker that has prompts."""
+        pairs = [
+            worker.generate.options(num_returns=2).remote(samples_ref, start, stop, budget_bps, step)
+            for worker, (start, stop) in zip(self.workers, split_evenly(count, len(self.workers)))
+            if stop > start
+        ]
+        return [shard for shard, _ in pairs], [summary for _, summary in pairs]
+
+    def dead_workers(self, timeout_s: float = 10.0) -> list[int]:
+        refs = [w.ready.remote() for w in self.workers]
+        dead = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(i)
+        return dead
+
+    def replace(self, index: int) -> None:
+        ray.kill(self.workers[index], no_restart=True)
+        self.workers[index] = self._spawn(self.names[index])
+        ray.get(self.workers[index].ready.remote())

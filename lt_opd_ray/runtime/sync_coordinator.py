@@ -1,0 +1,51 @@
+"""Control plane of the weight broadcast: forms the sync group and bounds every broadcast by a timeout.
+
+Only small control messages pass through here; the weights go learner rank 0 ->
+workers over the gloo group. A broadcast that does not finish in time fails with
+the names of the workers that did not answer.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from .learner_group import LearnerGroup
+from .rollout_pool import RolloutPool
+from .weight_sync import WeightSyncError
+
+
+def wait_all(refs: list, names: list[str], timeout_s: float, what: str) -> list:
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [name for ref, name in zip(refs, names) if ref in pending]
+        raise WeightSyncError(f"{what} timed out after {timeout_s:.0f} s waiting for: {', '.join(late)}")
+    return ray.get(refs)
+
+
+class WeightBroadcaster:
+    def __init__(self, learners: LearnerGroup, pool: RolloutPool, timeout_s: float, bucket_bytes: int):
+        self.learners, self.pool = learners, pool
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
+        self.generation = 0
+        self.host, self.port = ray.get(learners.actors[0].host_weight_sync.remote())
+        self.connect()
+
+    def connect(self) -> None:
+        """(Re)form the group of learner rank 0 + every current rollout worker, under a fresh generation."""
+        self.generation += 1
+        world = 1 + len(self.pool.workers)
+        refs = [self.learners.actors[0].join_weight_sync.remote(world, self.generation)]
+        refs += [
+            worker.join_weight_sync.remote(self.host, self.port, rank, world, self.generation, self.timeout_s)
+            for rank, worker in enumerate(self.pool.workers, start=1)
+        ]
+        wait_all(refs, ["learner-0", *self.pool.names], self.timeout_s, "joining the weight-sync group")
+
+    def broadcast(self, version: int) -> dict:
+        """Send the learners' current weights as `version`; every worker checks it received exactly that."""
+        send = [actor.broadcast_weights.remote(version) for actor in self.learners.actors]
+        receive = [worker.receive_weights.remote(version, self.bucket_bytes) for worker in self.pool.workers]
+        names = [f"learner-{r}" for r in range(len(send))] + list(self.pool.names)
+        results = wait_all(send + receive, names, self.timeout_s, f"weight broadcast v{version}")
+        sent = results[0]
+        return {"bytes": sent["bytes"], "seconds": max(r["seconds"] for r in results if "seconds" in r)}
