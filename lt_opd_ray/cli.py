@@ -22,42 +22,66 @@ def cmd_validate(args) -> int:
 
 
 def cmd_train(args) -> int:
-    import time
-
-    import transformers
-
     from .config import JobConfigError, load_job
-    from .data import load_samples
     from .models.processor import InputError
-    from .reference import ReferenceTrainer
-    from .train_loop import batches
 
     try:
         job = load_job(args.job)
     except JobConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    steps = args.steps or job.budget.total_steps
-    transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
-    transformers.logging.disable_progress_bar()
     try:
-        samples = load_samples(job.data.path, job.data.image_root, job.seed)
-        trainer = ReferenceTrainer(job)
-        print(f"lt-opd train {args.job}: {len(samples)} samples, {steps} updates, single-process reference update")
-        for step, batch in zip(range(steps), batches(samples, job.sampling.prompts_per_step, job.data.shuffle_seed)):
-            start = time.perf_counter()
-            report = trainer.update(batch)
-            s = report.stats
-            print(
-                f"step {report.step:4d}  budget {report.budget_bps / 100:5.2f}%  loss {s.loss:.5f}"
-                f"  div {s.divergence:.5f}  is_w {s.importance_weight:.3f}  overlap {s.top_k_overlap:.3f}"
-                f"  tokens {s.tokens}  grad {report.grad_norm:.3f}  {time.perf_counter() - start:.1f}s",
-                flush=True,
-            )
+        if args.reference:
+            _train_reference(job, args.steps or job.budget.total_steps)
+        else:
+            from .runtime.launch import train
+
+            train(job, steps=args.steps, resume=args.resume, address=args.address)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _train_reference(job, steps: int) -> None:
+    """The single-process reference update, step by step (no Ray)."""
+    import time
+
+    import transformers
+
+    from .data import load_samples
+    from .reference import ReferenceTrainer
+    from .train_loop import batches
+
+    transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
+    transformers.logging.disable_progress_bar()
+    samples = load_samples(job.data.path, job.data.image_root, job.seed)
+    trainer = ReferenceTrainer(job)
+    print(f"{job.name}: {len(samples)} samples, {steps} updates, single-process reference update")
+    for _, batch in zip(range(steps), batches(samples, job.sampling.prompts_per_step, job.data.shuffle_seed)):
+        start = time.perf_counter()
+        report = trainer.update(batch)
+        s = report.stats
+        print(
+            f"step {report.step + 1:4d}/{steps}  budget {report.budget_bps / 100:5.2f}%  loss {s.loss:.5f}"
+            f"  div {s.divergence:.5f}  is_w {s.importance_weight:.3f}  overlap {s.top_k_overlap:.3f}"
+            f"  tokens {s.tokens}  grad {report.grad_norm:.3f}  {time.perf_counter() - start:.1f}s",
+            flush=True,
+        )
+
+
+def cmd_submit(args) -> int:
+    from .config import JobConfigError, load_job
+
+    try:
+        load_job(args.job)  # refuse a bad YAML here, not after the upload
+    except JobConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from .runtime.submit import submit
+
+    extra = [a for a in args.train_args if a != "--"]
+    return submit(args.job, args.address, args.runtime_env, args.working_dir, extra, wait=not args.no_wait)
 
 
 def cmd_build_tiny(args) -> int:
@@ -75,10 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("jobs", nargs="+", help="job YAML files")
     validate.set_defaults(func=cmd_validate)
 
-    train = sub.add_parser("train", help="run a training job")
+    train = sub.add_parser("train", help="run a training job on Ray (a local cluster unless RAY_ADDRESS/--address is set)")
     train.add_argument("job", help="job YAML file")
-    train.add_argument("--steps", type=int, default=None, help="stop after this many updates (default: budget.total_steps)")
+    train.add_argument("--steps", type=int, default=None, help="run at most this many updates (default: to budget.total_steps)")
+    train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in checkpoint.dir")
+    train.add_argument("--address", default=None, help="Ray cluster address to join (default: RAY_ADDRESS, else start one)")
+    train.add_argument("--reference", action="store_true", help="run the single-process reference update instead (no Ray)")
     train.set_defaults(func=cmd_train)
+
+    submit = sub.add_parser("submit", help="submit `lt-opd train JOB` to a Ray cluster through Ray's job API")
+    submit.add_argument("job", help="job YAML file (inside the working directory)")
+    submit.add_argument("--address", default=None, help="Ray dashboard address (default: RAY_ADDRESS or http://127.0.0.1:8265)")
+    submit.add_argument("--runtime-env", default="jobs/runtime_env.yaml", help="runtime env YAML")
+    submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
+    submit.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    submit.add_argument("train_args", nargs=argparse.REMAINDER, help="extra arguments for lt-opd train (after --)")
+    submit.set_defaults(func=cmd_submit)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
     tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])

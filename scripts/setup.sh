@@ -19,7 +19,8 @@ if [ ! -f "$venv/.complete" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip
   "$venv/bin/pip" install -q -c "$constraints" torch
-  "$venv/bin/pip" install -q -c "$constraints" -e ".[model,dev]"
+  "$venv/bin/pip" install -q -c "$constraints" --no-build-isolation "deepspeed==0.19.8"
+  "$venv/bin/pip" install -q -c "$constraints" -e ".[model,runtime,dev]"
   touch "$venv/.complete"
 fi
 

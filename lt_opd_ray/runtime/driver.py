@@ -117,3 +117,4 @@ class Driver:
     def shutdown(self) -> None:
         self.teacher.shutdown()
         self.learners.shutdown()
+        self.rollouts.shutdown()

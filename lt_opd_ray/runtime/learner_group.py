@@ -84,10 +84,10 @@ class LearnerActor:
         self.metrics.record_sync(seconds, nbytes)
         return {"rank": 0, "bytes": nbytes, "seconds": seconds}
 
-    def weights_checksum(self) -> str:
-        from .weight_sync import weights_checksum
-
-        return weights_checksum(self.learner.full_state_dict().items())
+    def full_state_dict(self) -> dict | None:
+        """Rank 0 answers; the other ranks take part in the ZeRO-3 gather and answer None."""
+        state = self.learner.full_state_dict()
+        return state if self.rank == 0 else None
 
     def save(self, directory: str, tag: str) -> None:
         self.learner.engine.save_checkpoint(directory, tag=tag)
@@ -124,6 +124,14 @@ class LearnerGroup:
 
     def train_step(self, samples_ref, shard_refs: list, payload_refs: list) -> list[dict]:
         return ray.get([a.train_step.remote(samples_ref, shard_refs, payload_refs) for a in self.actors])
+
+    def full_state_dict(self) -> dict:
+        return ray.get([a.full_state_dict.remote() for a in self.actors])[0]
+
+    def weights_checksum(self) -> str:
+        from .weight_sync import weights_checksum
+
+        return weights_checksum(self.full_state_dict().items())
 
     def shutdown(self) -> None:
         ray.get([a.finish.remote() for a in self.actors])

@@ -147,6 +147,13 @@ class RolloutPool:
                 dead.append(i)
         return dead
 
+    def checksums(self) -> list[tuple[int, str]]:
+        return ray.get([w.weights_checksum.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+
     def replace(self, index: int) -> None:
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._spawn(self.names[index])

@@ -1,0 +1,71 @@
+"""Start (or join) a Ray cluster and run a job through the driver, with one line per step and a progress bar."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import JobConfig
+from .resources import pool_demands
+
+# Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
+WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def init_ray(job: JobConfig, address: str | None = None) -> None:
+    """Join the cluster in RAY_ADDRESS / `address` (as under `ray job submit`), else start a local one.
+
+    A local cluster declares as many logical CPUs as the pools reserve, so the
+    whole system runs on a 2-core laptop (the actors then share the cores).
+    """
+    import ray
+
+    os.environ.update(WORKER_ENV)
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+        return
+    demand = pool_demands(job)
+    cpus = max(os.cpu_count() or 1, int(sum(d["CPU"] for d in demand.values()) + 0.999))
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": WORKER_ENV},
+        log_to_driver=False,
+        _metrics_export_port=job.metrics.export_port,
+    )
+
+
+def format_step(log, total: int) -> str:
+    p = log.phases
+    return (
+        f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {log.divergence:.5f}"
+        f"  is_w {log.importance_weight:.3f}  overlap {log.top_k_overlap:.3f}  tokens {log.tokens}"
+        f"  | rollout {p['rollout']:.2f}s teacher {p['teacher']:.2f}s learner {p['learner']:.2f}s sync {p['sync']:.2f}s"
+        f" total {p['step']:.2f}s"
+    )
+
+
+def train(job: JobConfig, steps: int | None = None, resume: bool = False, address: str | None = None) -> list:
+    import ray
+    from tqdm import tqdm
+
+    from .driver import Driver
+
+    init_ray(job, address)
+    driver = Driver(job, resume=resume)
+    total = job.budget.total_steps
+    last = min(total, driver.step + steps) if steps else total
+    logs = []
+    try:
+        with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar:
+            while driver.step < last:
+                replaced = driver.replace_dead_rollout_workers()
+                if replaced:
+                    tqdm.write(f"replaced dead rollout worker(s): {', '.join(replaced)}")
+                log = driver.run_step()
+                logs.append(log)
+                tqdm.write(format_step(log, total))
+                bar.update(1)
+    finally:
+        driver.shutdown()
+        ray.shutdown()
+    return logs
