@@ -80,8 +80,7 @@ def cmd_submit(args) -> int:
         return 2
     from .runtime.submit import submit
 
-    extra = [a for a in args.train_args if a != "--"]
-    return submit(args.job, args.address, args.runtime_env, args.working_dir, extra, wait=not args.no_wait)
+    return submit(args.job, args.address, args.runtime_env, args.working_dir, args.train_args, wait=not args.no_wait)
 
 
 def cmd_build_tiny(args) -> int:
@@ -107,13 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--reference", action="store_true", help="run the single-process reference update instead (no Ray)")
     train.set_defaults(func=cmd_train)
 
-    submit = sub.add_parser("submit", help="submit `lt-opd train JOB` to a Ray cluster through Ray's job API")
+    submit = sub.add_parser(
+        "submit",
+        help="submit `lt-opd train JOB` to a Ray cluster through Ray's job API",
+        epilog="Arguments after -- are passed to the remote lt-opd train, e.g. -- --steps 10 --resume",
+    )
     submit.add_argument("job", help="job YAML file (inside the working directory)")
     submit.add_argument("--address", default=None, help="Ray dashboard address (default: RAY_ADDRESS or http://127.0.0.1:8265)")
     submit.add_argument("--runtime-env", default="jobs/runtime_env.yaml", help="runtime env YAML")
     submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
     submit.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
-    submit.add_argument("train_args", nargs=argparse.REMAINDER, help="extra arguments for lt-opd train (after --)")
     submit.set_defaults(func=cmd_submit)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
@@ -125,7 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `lt-opd submit JOB [options] -- [lt-opd train options]`: what follows -- goes to the remote train
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     args = build_parser().parse_args(argv)
+    args.train_args = train_args
     return args.func(args)
 
 

@@ -180,3 +180,43 @@ def test_check_resources_passes_when_the_pools_fit(tiny_dirs, tmp_path):
     check_resources(job_for(tiny_dirs["qwen3_5"], tmp_path), {"CPU": 4.0})
     with pytest.raises(InsufficientResourcesError, match="short by 0.5"):
         check_resources(job_for(tiny_dirs["qwen3_5"], tmp_path), {"CPU": 3.5})
+
+
+def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
+    import time
+
+    from lt_opd_ray.runtime.sync_coordinator import wait_all
+    from lt_opd_ray.runtime.weight_sync import WeightSyncError
+
+    @ray.remote(num_cpus=0)
+    def answer(delay):
+        time.sleep(delay)
+        return {"seconds": delay}
+
+    refs = [answer.remote(0), answer.remote(60)]
+    with pytest.raises(WeightSyncError, match=r"weight broadcast v7 timed out after 3 s waiting for: rollout-1$"):
+        wait_all(refs, ["rollout-0", "rollout-1"], 3, "weight broadcast v7")
+    ray.cancel(refs[1], force=True)
+
+
+def test_teacher_batch_of_shards_equals_scoring_each_shard_alone(cluster, tiny_dirs, tmp_path):
+    from lt_opd_ray.models.processor import question_messages
+    from lt_opd_ray.runtime.rollout_pool import RolloutShard
+    from lt_opd_ray.runtime.teacher import TeacherModel, unpack_scores
+    from lt_opd_ray.update import rollout
+
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path)
+    samples = load_samples("synthetic:4")
+    trainer = ReferenceTrainer(job)
+    prompts = [trainer.processor.encode(question_messages(s.question), [s.image], s.uid) for s in samples]
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in samples], trainer.selector, 2500, 2, trainer.params, 2, 0, 0)
+    shards = [RolloutShard(0, rollouts[:4], "w0", 0, 0.0, 0), RolloutShard(2, rollouts[4:], "w1", 0, 0.0, 0)]
+    teacher = TeacherModel(job)
+    together = teacher.score_shards(samples, shards)
+    alone = [teacher.score_shards(samples, [shard])[0] for shard in shards]
+    vocab = teacher.vlm.model.config.text_config.vocab_size
+    for a, b, shard in zip(together, alone, shards):
+        for x, y in zip(unpack_scores(a, shard.rollouts, vocab), unpack_scores(b, shard.rollouts, vocab)):
+            assert torch.equal(x.top_ids, y.top_ids)
+            torch.testing.assert_close(x.top_logp, y.top_logp, atol=1e-5, rtol=0)
+            torch.testing.assert_close(x.requested_logp, y.requested_logp, atol=1e-5, rtol=0)

@@ -21,7 +21,7 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
 
     os.environ.update(WORKER_ENV)
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False)  # the cluster's / job's runtime env applies (jobs/runtime_env.yaml)
         return
     demand = pool_demands(job)
     cpus = max(os.cpu_count() or 1, int(sum(d["CPU"] for d in demand.values()) + 0.999))

@@ -1,0 +1,75 @@
+"""The README's main-job command and the cluster entry points, end to end in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(args, env=None, timeout=900):
+    return subprocess.run(args, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def step_lines(text):
+    return [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip().startswith("step ")]
+
+
+def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
+    out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2"], env={"LT_OPD_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = step_lines(out.stderr + out.stdout)
+    assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert lines[0].startswith("step    1/12  budget 25.00%") and "rollout" in lines[0] and "sync" in lines[0]
+
+
+def test_reference_flag_runs_the_single_process_update(tmp_path):
+    out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2", "--reference"], env={"LT_OPD_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = step_lines(out.stdout)
+    assert len(lines) == 2 and "budget 25.00%" in lines[0]
+
+
+@pytest.mark.slow
+def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    env = {
+        "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns on token auth for `ray start` clusters
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "LT_OPD_CACHE": str(tmp_path / "cache"),
+        "RAY_TMPDIR": ray_tmp,
+    }
+    from lt_opd_ray.runtime.learner_group import free_port
+
+    gcs, dashboard = free_port(), free_port()
+    started = run(
+        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dashboard}", "--num-cpus=6",
+         "--include-dashboard=true", "--disable-usage-stats"],
+        env=env,
+        timeout=180,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        submitted = run(
+            [str(BIN / "ray"), "job", "submit", "--address", address, "--runtime-env", "jobs/runtime_env.yaml",
+             "--working-dir", ".", "--", "lt-opd", "train", "jobs/train_tiny.yaml", "--steps", "1"],
+            env=env,
+        )
+        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+        assert "step    1/12" in submitted.stdout + submitted.stderr
+        wrapped = run([str(BIN / "lt-opd"), "submit", "jobs/train_tiny.yaml", "--address", address, "--", "--steps", "1"], env=env)
+        assert wrapped.returncode == 0, wrapped.stdout[-3000:] + wrapped.stderr[-3000:]
+        assert "SUCCEEDED" in wrapped.stdout and "step    1/12" in wrapped.stdout
+    finally:
+        run([str(BIN / "ray"), "stop", "--force"], env=env, timeout=120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""Weight sync over a real gloo group (sender and receiver in two threads), and payload checks at the learner's boundary."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from lt_opd_ray.runtime.learner_group import free_port
+from lt_opd_ray.runtime.teacher import MalformedPayloadError, pack_scores, unpack_scores
+from lt_opd_ray.runtime.weight_sync import SyncGroup, WeightSyncError, bucket_layout, host_store, join_store, weights_checksum
+from lt_opd_ray.update import Rollout, TeacherScore
+
+
+def model(seed, width=40):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(30, width), torch.nn.Linear(width, 7))
+
+
+def broadcast(sender, receiver, version, expected, bucket_bytes=1024):
+    port = free_port()
+    store = host_store("127.0.0.1", port, 2, 30)
+    errors, received = [], {}
+
+    def receive():
+        try:
+            group = SyncGroup(join_store("127.0.0.1", port, 30), 1, 2, 0, 30)
+            received["version"] = group.receive(receiver, expected, bucket_bytes)
+        except Exception as exc:  # surfaced to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sent = SyncGroup(store, 0, 2, 0, 30).send(list(sender.named_parameters()), version, bucket_bytes)
+    thread.join(timeout=60)
+    return sent, received, errors
+
+
+def test_bucketed_broadcast_copies_every_weight_and_version():
+    a, b = model(0), model(1)
+    sent, received, errors = broadcast(a, b, version=3, expected=3, bucket_bytes=1024)
+    assert not errors and received == {"version": 3}
+    assert weights_checksum(a.named_parameters()) == weights_checksum(b.named_parameters())
+    assert sent == 4 * sum(p.numel() for p in a.parameters())
+
+
+def test_wrong_version_is_refused_and_nothing_changes():
+    a, b = model(0), model(1)
+    before = weights_checksum(b.named_parameters())
+    _, _, errors = broadcast(a, b, version=4, expected=3)
+    assert len(errors) == 1 and "got version 4, expected 3" in str(errors[0])
+    assert weights_checksum(b.named_parameters()) == before
+
+
+def test_mismatched_names_or_shapes_are_refused_before_any_weight_changes():
+    a, b = model(0, width=40), model(1, width=41)
+    before = weights_checksum(b.named_parameters())
+    _, _, errors = broadcast(a, b, version=1, expected=1)
+    assert isinstance(errors[0], WeightSyncError) and "names/shapes differ" in str(errors[0])
+    assert weights_checksum(b.named_parameters()) == before
+
+
+def test_bucket_layout_packs_in_order_within_the_size():
+    shapes = [("a", (10,)), ("b", (300,)), ("c", (5, 5)), ("d", (2,))]
+    buckets = bucket_layout(shapes, bucket_bytes=400)  # 100 fp32 per bucket
+    assert [b.names for b in buckets] == [("a",), ("b",), ("c", "d")]
+    assert sum(b.numel for b in buckets) == 10 + 300 + 25 + 2
+
+
+def rollouts_and_scores(lengths=(3, 2), k=4, vocab=50):
+    g = torch.Generator().manual_seed(0)
+    rollouts, scores = [], []
+    for i, t in enumerate(lengths):
+        rollouts.append(Rollout(i, torch.randint(0, vocab, (t,), generator=g), torch.zeros(t), torch.randint(0, vocab, (t, k), generator=g), [torch.arange(2)], 500, "eos"))
+        logp = torch.log_softmax(torch.randn(t, vocab, generator=g), -1)
+        top = logp.topk(k, -1)
+        scores.append(TeacherScore(top.indices.to(torch.int32), top.values, logp[:, :k + 1]))
+    return rollouts, scores
+
+
+@pytest.mark.parametrize("dtype, bytes_per_token", [("float32", 4 * 4 + 4 * 4 + 5 * 4), ("float16", 4 * 4 + 4 * 2 + 5 * 2)])
+def test_payload_round_trip_and_bytes_per_token(dtype, bytes_per_token):
+    rollouts, scores = rollouts_and_scores()
+    payload = pack_scores(scores, dtype)
+    assert payload.top_ids.dtype == np.int32
+    assert payload.bytes_per_token == pytest.approx(bytes_per_token + 4 * 2 / 5)  # + the two int32 lengths over 5 positions
+    back = unpack_scores(payload, rollouts, vocab_size=50)
+    tol = 0 if dtype == "float32" else 1e-2
+    for a, b in zip(back, scores):
+        assert torch.equal(a.top_ids, b.top_ids)
+        torch.testing.assert_close(a.top_logp, b.top_logp, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda p: setattr(p, "lengths", p.lengths[:1]), "1 lengths for 2 rollouts"),
+        (lambda p: setattr(p, "lengths", np.array([2, 3], dtype=np.int32)), "rollout 0 has 3 response tokens but the payload has 2"),
+        (lambda p: setattr(p, "top_ids", p.top_ids.astype(np.int64)), "top_ids must be int32"),
+        (lambda p: setattr(p, "top_ids", p.top_ids + 1000), r"top_ids outside the vocabulary \[0, 50\)"),
+        (lambda p: setattr(p, "top_logp", -p.top_logp), "top_logp holds values that are not log-probabilities"),
+        (lambda p: setattr(p, "requested_logp", p.requested_logp[:, :2]), "requested_logp has shape"),
+        (lambda p: p.top_logp.__setitem__((0, 0), np.nan), "non-finite"),
+    ],
+)
+def test_malformed_teacher_payload_is_caught_at_the_boundary(corrupt, message):
+    rollouts, scores = rollouts_and_scores()
+    payload = pack_scores(scores, "float32")
+    corrupt(payload)
+    with pytest.raises(MalformedPayloadError, match=f"malformed teacher payload from replica-7: .*{message}"):
+        unpack_scores(payload, rollouts, vocab_size=50, source="replica-7")
+    with pytest.raises(MalformedPayloadError, match="expected a TeacherPayload, got dict"):
+        unpack_scores({"top_ids": 1}, rollouts, 50, source="replica-7")
