@@ -99,3 +99,16 @@ def test_jsonl_rows_resolve_images_against_the_root(tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"sample_uid": "x", "image": "img.png", "question": "What?"}) + "\n")
     [sample] = read_rows(tmp_path / "rows.jsonl", image_root=tmp_path)
     assert sample.image == tmp_path / "img.png" and sample.question == "What?"
+
+
+def test_parquet_rows_are_read_and_checked(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    random_image(1).save(tmp_path / "a.png")
+    pq.write_table(pa.table({"sample_uid": ["a", "b"], "image": ["a.png", "a.png"], "question": ["Which colour?", "How many?"]}), tmp_path / "rows.parquet")
+    samples = read_rows(tmp_path / "rows.parquet", image_root=tmp_path)
+    assert [s.uid for s in samples] == ["a", "b"] and samples[1].question == "How many?"
+    pq.write_table(pa.table({"sample_uid": ["a", "b"], "image": ["a.png", "a.png"], "question": ["Which colour?", ""]}), tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match=r"bad.parquet: row 2: missing field\(s\) question"):
+        read_rows(tmp_path / "bad.parquet")

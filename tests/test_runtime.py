@@ -47,10 +47,15 @@ metrics: {{export_port: 8099}}
     )
 
 
+METRICS_PORT = 8097
+
+
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.update(WORKER_ENV)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    ray.init(
+        num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}, _metrics_export_port=METRICS_PORT
+    )
     yield ray.get_runtime_context().gcs_address
     from ray import serve
 
@@ -88,7 +93,16 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
     assert relative_distance(weights, ref_weights) <= 1e-4
 
 
-def test_every_worker_holds_the_learner_weights_after_each_sync(cluster, tiny_dirs, tmp_path):
+def scrape_lt_opd_metrics(job_name: str) -> set[str]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+    return {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lt_opd_") and f'job="{job_name}"' in line}
+
+
+def test_every_worker_holds_the_learner_weights_after_each_sync_and_metrics_are_exported(cluster, tiny_dirs, tmp_path):
+    import time
+
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=3, workers=2, name="sync")
     driver = Driver(job)
     try:
@@ -98,6 +112,18 @@ def test_every_worker_holds_the_learner_weights_after_each_sync(cluster, tiny_di
             assert driver.rollouts.checksums() == [(step, learner_sum)] * 2
             assert log.sync_bytes == 4 * sum(p.numel() for p in driver.learners.full_state_dict().values())
             assert 0 < log.payload_bytes_per_token
+        # every role's series reach the node's Prometheus endpoint (Ray's agent exports every few seconds)
+        wanted = {
+            "ray_lt_opd_rollout_tokens_per_second", "ray_lt_opd_teacher_tokens_per_second", "ray_lt_opd_learner_step_seconds",
+            "ray_lt_opd_weight_sync_seconds", "ray_lt_opd_weight_sync_bytes_total", "ray_lt_opd_budget_bps", "ray_lt_opd_loss",
+            "ray_lt_opd_importance_weight", "ray_lt_opd_topk_overlap", "ray_lt_opd_phase_seconds",
+            "ray_lt_opd_teacher_payload_bytes_per_token",
+        }
+        deadline, found = time.time() + 90, set()
+        while time.time() < deadline and not wanted <= found:
+            found = scrape_lt_opd_metrics("sync")
+            time.sleep(2)
+        assert wanted <= found, wanted - found
     finally:
         driver.shutdown()
 

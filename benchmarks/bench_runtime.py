@@ -1,0 +1,143 @@
+"""Runtime benchmark: step-time split of the distributed tiny job against the single-process reference,
+and weight-sync throughput of a ~100 MB model over gloo between Ray actors.
+
+    python benchmarks/bench_runtime.py              # both parts (a few minutes on 2 cores)
+    python benchmarks/bench_runtime.py --sync-only
+
+Part 1 runs the same updates (same job, seed and data) both ways; the first
+update of each is reported apart as warm-up. Part 2 broadcasts a 25 M-parameter
+fp32 model (100 MB) from one actor to N actors with per-tensor buckets (every
+tensor its own broadcast) and with flat buckets of several sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import ray
+import torch
+
+from lt_opd_ray.config import load_job
+
+
+def step_split(job_path: str, steps: int) -> None:
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.runtime.driver import Driver
+    from lt_opd_ray.runtime.launch import init_ray
+    from lt_opd_ray.train_loop import batches
+
+    job = load_job(job_path)
+    job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": "runs/bench", "every_steps": 10**6})})
+    trainer = ReferenceTrainer(job)
+    data = batches(load_samples(job.data.path, job.data.image_root, job.seed), job.sampling.prompts_per_step, job.data.shuffle_seed)
+    reference = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        trainer.update(next(data))
+        reference.append(time.perf_counter() - begin)
+
+    init_ray(job)
+    driver = Driver(job)
+    logs = [driver.run_step() for _ in range(steps)]
+    driver.shutdown()
+    ray.shutdown()
+
+    pools = job.pools
+    print(f"== step split: {job_path}, {steps} updates ({job.sampling.prompts_per_step} prompts x {job.sampling.n} responses,"
+          f" {pools.rollout.workers} rollout worker, {pools.teacher.replicas} teacher replica, {pools.learner.ranks} learner ranks ZeRO-{pools.learner.zero_stage})")
+    phases = ["rollout", "teacher", "learner", "sync", "driver_overhead", "step"]
+    print(f"{'update':>6} " + " ".join(f"{p:>15}" for p in phases) + f" {'reference':>10}")
+    for i, (log, ref) in enumerate(zip(logs, reference)):
+        print(f"{i:>6} " + " ".join(f"{log.phases[p]:>14.3f}s" for p in phases) + f" {ref:>9.3f}s")
+    warm = slice(1, None)
+    dist_mean = statistics.mean(log.phases["step"] for log in logs[warm])
+    ref_mean = statistics.mean(reference[warm])
+    print(f"RESULT mean after warm-up: distributed step {dist_mean:.3f} s, reference update {ref_mean:.3f} s,"
+          f" ratio distributed/reference = {dist_mean / ref_mean:.2f}x;"
+          f" teacher payload {logs[-1].payload_bytes_per_token:.0f} B/token; weight sync {logs[-1].sync_bytes / 2**20:.2f} MB")
+
+
+class Sender:
+    def __init__(self, numel: int):
+        from lt_opd_ray.runtime.learner_group import free_port
+        from lt_opd_ray.runtime.weight_sync import host_store
+
+        torch.manual_seed(0)
+        # 25 tensors of equal size: a transformer-like list of large matrices
+        self.model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(numel // 25)) for _ in range(25)])
+        self.host, self.port = ray.util.get_node_ip_address(), free_port()
+        self.store = host_store(self.host, self.port, 0, 120)
+        self.group = None
+
+    def address(self):
+        return self.host, self.port
+
+    def join(self, world: int, generation: int):
+        from lt_opd_ray.runtime.weight_sync import SyncGroup
+
+        self.group = SyncGroup(self.store, 0, world, generation, 120)
+
+    def send(self, version: int, bucket_bytes: int) -> float:
+        begin = time.perf_counter()
+        self.group.send(list(self.model.named_parameters()), version, bucket_bytes)
+        return time.perf_counter() - begin
+
+
+class Receiver:
+    def __init__(self, numel: int):
+        self.model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(numel // 25)) for _ in range(25)])
+        self.group = None
+
+    def join(self, host, port, rank, world, generation):
+        from lt_opd_ray.runtime.weight_sync import SyncGroup, join_store
+
+        self.group = SyncGroup(join_store(host, port, 120), rank, world, generation, 120)
+
+    def receive(self, version: int, bucket_bytes: int) -> float:
+        begin = time.perf_counter()
+        self.group.receive(self.model, version, bucket_bytes)
+        return time.perf_counter() - begin
+
+
+def sync_throughput(receivers: int, megabytes: int) -> None:
+    numel = megabytes * 2**20 // 4
+    ray.init(num_cpus=receivers + 1, include_dashboard=False, log_to_driver=False)
+    sender = ray.remote(num_cpus=1)(Sender).remote(numel)
+    workers = [ray.remote(num_cpus=1)(Receiver).remote(numel) for _ in range(receivers)]
+    host, port = ray.get(sender.address.remote())
+    world = receivers + 1
+    ray.get([sender.join.remote(world, 1)] + [w.join.remote(host, port, r, world, 1) for r, w in enumerate(workers, 1)])
+    tensor_bytes = numel // 25 * 4
+    print(f"== weight sync: {numel * 4 / 2**20:.0f} MB fp32 in 25 tensors, 1 sender -> {receivers} receivers, gloo, 3 runs each")
+    print(f"{'buckets':>22} {'seconds':>9} {'MB/s per receiver':>18}")
+    version = 0
+    for label, bucket in [("per tensor (4 MB)", 1), ("flat 16 MB", 16 * 2**20), ("flat 64 MB", 64 * 2**20), ("flat 256 MB", 256 * 2**20)]:
+        times = []
+        for _ in range(3):
+            version += 1
+            refs = [sender.send.remote(version, bucket)] + [w.receive.remote(version, bucket) for w in workers]
+            times.append(max(ray.get(refs)))
+        best = min(times)
+        label = label if bucket > 1 else f"per tensor ({tensor_bytes / 2**20:.0f} MB)"
+        print(f"{label:>22} {best:>9.3f} {numel * 4 / 2**20 / best:>18.0f}")
+    ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", default="jobs/train_tiny.yaml")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--receivers", type=int, default=1)
+    parser.add_argument("--megabytes", type=int, default=100)
+    parser.add_argument("--sync-only", action="store_true")
+    args = parser.parse_args()
+    if not args.sync_only:
+        step_split(args.job, args.steps)
+    sync_throughput(args.receivers, args.megabytes)
+
+
+if __name__ == "__main__":
+    main()
