@@ -5,9 +5,10 @@ and weight-sync throughput of a ~100 MB model over gloo between Ray actors.
     python benchmarks/bench_runtime.py --sync-only
 
 Part 1 runs the same updates (same job, seed and data) both ways; the first
-update of each is reported apart as warm-up. Part 2 broadcasts a 25 M-parameter
-fp32 model (100 MB) from one actor to N actors with per-tensor buckets (every
-tensor its own broadcast) and with flat buckets of several sizes.
+update of each is reported apart as warm-up. Part 2 broadcasts a ~100 MB fp32
+model shaped like a transformer (per layer two 1 MB matrices and four 4 KB
+vectors: 48 layers, 288 tensors) from one actor to N actors, with per-tensor
+buckets (every tensor its own broadcast) and with flat buckets of several sizes.
 """
 
 from __future__ import annotations
@@ -60,14 +61,20 @@ def step_split(job_path: str, steps: int) -> None:
           f" teacher payload {logs[-1].payload_bytes_per_token:.0f} B/token; weight sync {logs[-1].sync_bytes / 2**20:.2f} MB")
 
 
+def transformer_like(megabytes: int, fill) -> torch.nn.ParameterList:
+    """Per layer: two 1 MB matrices and four 4 KB vectors (norms, biases), until ~megabytes."""
+    layers = max(1, megabytes // 2)
+    shapes = [(512, 512), (512, 512), (1024,), (1024,), (1024,), (1024,)] * layers
+    return torch.nn.ParameterList([torch.nn.Parameter(fill(shape)) for shape in shapes])
+
+
 class Sender:
-    def __init__(self, numel: int):
+    def __init__(self, megabytes: int):
         from lt_opd_ray.runtime.learner_group import free_port
         from lt_opd_ray.runtime.weight_sync import host_store
 
         torch.manual_seed(0)
-        # 25 tensors of equal size: a transformer-like list of large matrices
-        self.model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(numel // 25)) for _ in range(25)])
+        self.model = transformer_like(megabytes, torch.randn)
         self.host, self.port = ray.util.get_node_ip_address(), free_port()
         self.store = host_store(self.host, self.port, 0, 120)
         self.group = None
@@ -87,8 +94,8 @@ class Sender:
 
 
 class Receiver:
-    def __init__(self, numel: int):
-        self.model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(numel // 25)) for _ in range(25)])
+    def __init__(self, megabytes: int):
+        self.model = transformer_like(megabytes, torch.zeros)
         self.group = None
 
     def join(self, host, port, rank, world, generation):
@@ -103,25 +110,24 @@ class Receiver:
 
 
 def sync_throughput(receivers: int, megabytes: int) -> None:
-    numel = megabytes * 2**20 // 4
     ray.init(num_cpus=receivers + 1, include_dashboard=False, log_to_driver=False)
-    sender = ray.remote(num_cpus=1)(Sender).remote(numel)
-    workers = [ray.remote(num_cpus=1)(Receiver).remote(numel) for _ in range(receivers)]
+    sender = ray.remote(num_cpus=1)(Sender).remote(megabytes)
+    workers = [ray.remote(num_cpus=1)(Receiver).remote(megabytes) for _ in range(receivers)]
+    numel = sum(p.numel() for p in transformer_like(megabytes, torch.empty).parameters())
+    tensors = len(transformer_like(megabytes, torch.empty))
     host, port = ray.get(sender.address.remote())
     world = receivers + 1
     ray.get([sender.join.remote(world, 1)] + [w.join.remote(host, port, r, world, 1) for r, w in enumerate(workers, 1)])
-    tensor_bytes = numel // 25 * 4
-    print(f"== weight sync: {numel * 4 / 2**20:.0f} MB fp32 in 25 tensors, 1 sender -> {receivers} receivers, gloo, 3 runs each")
+    print(f"== weight sync: {numel * 4 / 2**20:.0f} MB fp32 in {tensors} tensors, 1 sender -> {receivers} receivers, gloo, best of 3")
     print(f"{'buckets':>22} {'seconds':>9} {'MB/s per receiver':>18}")
     version = 0
-    for label, bucket in [("per tensor (4 MB)", 1), ("flat 16 MB", 16 * 2**20), ("flat 64 MB", 64 * 2**20), ("flat 256 MB", 256 * 2**20)]:
+    for label, bucket in [("per tensor", 1), ("flat 4 MB", 4 * 2**20), ("flat 16 MB", 16 * 2**20), ("flat 64 MB", 64 * 2**20)]:
         times = []
         for _ in range(3):
             version += 1
             refs = [sender.send.remote(version, bucket)] + [w.receive.remote(version, bucket) for w in workers]
             times.append(max(ray.get(refs)))
         best = min(times)
-        label = label if bucket > 1 else f"per tensor ({tensor_bytes / 2**20:.0f} MB)"
         print(f"{label:>22} {best:>9.3f} {numel * 4 / 2**20 / best:>18.0f}")
     ray.shutdown()
 

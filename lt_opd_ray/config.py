@@ -175,8 +175,8 @@ class LearnerPool(Resources):
     """Data-parallel learner ranks (DeepSpeed)."""
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage."""
-    sync_bucket_mb: float = Field(64.0, gt=0)
-    """Size of the flat buckets the weights are broadcast in to rollout workers."""
+    sync_bucket_mb: float = Field(16.0, gt=0)
+    """Size of the flat buckets the weights are broadcast in (4-16 MB measured fastest on gloo; see bench_runtime)."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """A weight broadcast not finished in this time fails, naming the workers that did not answer."""
 

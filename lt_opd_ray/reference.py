@@ -8,7 +8,6 @@ teacher is frozen.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -18,8 +17,8 @@ from .config import JobConfig
 from .curriculum import BudgetSchedule
 from .data import Sample
 from .models.adapter import QwenVLM
-from .models.loading import load_vlm
-from .models.processor import VLMProcessor, question_messages
+from .models.loading import compute_precision, load_vlm
+from .models.processor import VLMProcessor, encode_samples
 from .models.sampler import SamplingParams
 from .optim import build_optimizer
 from .selectors import build_selector
@@ -63,22 +62,14 @@ class ReferenceTrainer:
         self.params = sampling_params(job, self.processor.tokenizer)
         self.step_index = 0  # optimizer steps completed: the curriculum's c
 
-    def _compute(self):
-        if self.job.model.dtype == "bfloat16":  # bf16 compute over fp32 master weights
-            return torch.autocast(self.student.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def encode(self, samples: list[Sample]):
-        return [
-            self.processor.encode(question_messages(s.question, self.job.data.system_prompt), [s.image], s.uid)
-            for s in samples
-        ]
+        return encode_samples(self.processor, samples, self.job.data.system_prompt)
 
     def update(self, samples: list[Sample]) -> StepReport:
         c = self.step_index
         budget = self.schedule.budget_bps(c)
         prompts = self.encode(samples)
-        with self._compute():
+        with compute_precision(self.job.model.dtype, self.student.device):
             rollouts = rollout(
                 self.student,
                 self.processor.tokenizer,

@@ -28,3 +28,14 @@ def load_vlm(path: str, device: str | None = None):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).to(device)
     return model_dir, model
+
+
+def compute_precision(dtype: str, device):
+    """The context a forward runs in: bf16 autocast over fp32 master weights, or plain fp32."""
+    import contextlib
+
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -134,3 +134,8 @@ def question_messages(question: str, system_prompt: str | None = None) -> list[d
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
     return messages
+
+
+def encode_samples(processor: VLMProcessor, samples, system_prompt: str | None = None) -> list[PromptInputs]:
+    """Training rows (uid, image, question) -> full-token prompts, one image each."""
+    return [processor.encode(question_messages(s.question, system_prompt), [s.image], s.uid) for s in samples]

@@ -8,7 +8,6 @@ optimizer step per rollout batch.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import timedelta
 
@@ -16,8 +15,8 @@ import torch
 
 from ..config import JobConfig
 from ..models.adapter import QwenVLM
-from ..models.loading import load_vlm
-from ..models.processor import VLMProcessor, question_messages
+from ..models.loading import compute_precision, load_vlm
+from ..models.processor import VLMProcessor, encode_samples
 from ..optim import build_optimizer
 from ..update import LossStats, student_loss
 
@@ -79,16 +78,11 @@ class Learner:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
 
-    def encode(self, samples):
-        return [self.processor.encode(question_messages(s.question, self.job.data.system_prompt), [s.image], s.uid) for s in samples]
-
     def train_step(self, samples, rollouts, scores) -> dict:
         """One optimizer step on this rank's slice of the rollouts (prompt_index refers to `samples`)."""
         share = rank_slice(len(rollouts), self.rank, self.world)
-        prompts = self.encode(samples)
-        bf16 = self.job.model.dtype == "bfloat16"
-        compute = torch.autocast(self.engine.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with compute:
+        prompts = encode_samples(self.processor, samples, self.job.data.system_prompt)
+        with compute_precision(self.job.model.dtype, self.engine.device):
             loss, stats = self.engine(prompts, rollouts[share], scores[share])
         self.engine.backward(loss)
         self.engine.step()

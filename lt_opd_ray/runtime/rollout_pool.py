@@ -56,19 +56,14 @@ class RolloutWorker:
 
     def generate(self, samples, start: int, stop: int, budget_bps: int, step: int) -> tuple[RolloutShard, dict]:
         """(the shard, a small summary); called with num_returns=2 so the driver only fetches the summary."""
-        import contextlib
-
-        import torch
-
-        from ..models.processor import question_messages
+        from ..models.loading import compute_precision
+        from ..models.processor import encode_samples
         from ..update import rollout
 
         begin = time.perf_counter()
         mine = samples[start:stop]
-        prompts = [self.processor.encode(question_messages(s.question, self.job.data.system_prompt), [s.image], s.uid) for s in mine]
-        bf16 = self.job.model.dtype == "bfloat16"
-        compute = torch.autocast(self.vlm.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with compute:
+        prompts = encode_samples(self.processor, mine, self.job.data.system_prompt)
+        with compute_precision(self.job.model.dtype, self.vlm.device):
             rollouts = rollout(
                 self.vlm, self.processor.tokenizer, prompts, [s.uid for s in mine], self.selector, budget_bps,
                 self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step,

@@ -118,21 +118,16 @@ class TeacherModel:
 
     def score_shards(self, samples, shards) -> list[TeacherPayload]:
         """One teacher forward over every rollout of every shard; one payload per shard."""
-        import contextlib
-
-        import torch
-
-        from ..models.processor import question_messages
+        from ..models.loading import compute_precision
+        from ..models.processor import encode_samples
         from ..update import teacher_scores
 
         begin = time.perf_counter()
         rollouts = [r for shard in shards for r in shard.rollouts]
         used = sorted({r.prompt_index for r in rollouts})
-        prompts = {i: self.processor.encode(question_messages(samples[i].question, self.job.data.system_prompt), [samples[i].image], samples[i].uid) for i in used}
-        dense = [prompts.get(i) for i in range(max(used) + 1)] if used else []
-        bf16 = self.job.model.dtype == "bfloat16"
-        compute = torch.autocast(self.vlm.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with compute:
+        encoded = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))
+        dense = [encoded.get(i) for i in range(max(used) + 1)] if used else []  # indexed by prompt_index
+        with compute_precision(self.job.model.dtype, self.vlm.device):
             scores = teacher_scores(self.vlm, dense, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
         seconds = time.perf_counter() - begin
         payloads, offset = [], 0

@@ -19,8 +19,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DEFAULT_BUCKET_BYTES = 64 * 2**20
-
 
 @dataclass(frozen=True)
 class Bucket:
