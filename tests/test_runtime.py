@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lt_opd_ray.config import parse_job
 
 ray = pytest.importorskip("ray")
 
@@ -21,30 +20,10 @@ from lt_opd_ray.runtime.driver import Driver  # noqa: E402
 from lt_opd_ray.runtime.launch import WORKER_ENV  # noqa: E402
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
 from lt_opd_ray.train_loop import batches  # noqa: E402
+from conftest import job_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
-
-
-def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t"):
-    return parse_job(
-        f"""
-name: {name}
-seed: 5
-model: {{path: "{model_dir}", dtype: float32}}
-data: {{path: "synthetic:16", max_pixels: 65536}}
-budget: {{start_bps: 2500, target_bps: 500, warm_steps: 1, decay_end: 4, total_steps: {total}, k_min: 2}}
-objective: {{top_k: 8, logsoftmax_chunk: 32}}
-sampling: {{prompts_per_step: 2, n: 2, max_new_tokens: 6}}
-optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}}, warmup_steps: 1}}
-pools:
-  rollout: {{workers: {workers}, cpus: 1}}
-  teacher: {{replicas: 1, cpus: 1, max_batch_size: 4}}
-  learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120}}
-checkpoint: {{dir: "{ckpt_dir}", every_steps: {every}, keep: 2}}
-metrics: {{export_port: 8099}}
-"""
-    )
 
 
 METRICS_PORT = 8097
@@ -97,7 +76,7 @@ def scrape_lt_opd_metrics(job_name: str) -> set[str]:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
-    return {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lt_opd_") and f'job="{job_name}"' in line}
+    return {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lt_opd_") and f'run="{job_name}"' in line}
 
 
 def test_every_worker_holds_the_learner_weights_after_each_sync_and_metrics_are_exported(cluster, tiny_dirs, tmp_path):

@@ -87,7 +87,8 @@ class Driver:
         # what the chain rollout -> teacher -> learner took beyond its parts: scheduling, transfers, waits
         phases["driver_overhead"] = max(0.0, (t1 - t0) - phases["rollout"] - phases["teacher"] - phases["learner"])
         phases["step"] = t3 - t0
-        self.metrics.record(self.step, budget, phases)
+        pool_sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
+        self.metrics.record(self.step, budget, phases, samples=sum(r["samples"] for r in ranks), pool_sizes=pool_sizes)
         mean = lambda key: sum(r[key] for r in ranks) / len(ranks)  # noqa: E731
         return StepLog(
             step=self.step - 1,
@@ -109,7 +110,7 @@ class Driver:
             return []
         for index in dead:
             self.rollouts.replace(index)
-            self.metrics.restarts.inc(1, tags=self.metrics.tags)
+            self.metrics.record_restart("rollout")
         self.sync.connect()
         self.sync.broadcast(version=self.step)
         return [self.rollouts.names[i] for i in dead]

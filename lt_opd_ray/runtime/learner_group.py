@@ -70,7 +70,7 @@ class LearnerActor:
         stats = self.learner.train_step(samples, rollouts, scores)
         seconds = time.perf_counter() - begin
         self.metrics.record_step(stats, seconds)
-        return {**stats, "seconds": seconds, "teacher_seconds": max((p.seconds for p in payloads), default=0.0),
+        return {**stats, "seconds": seconds, "samples": len(rollouts) // self.world, "teacher_seconds": max((p.seconds for p in payloads), default=0.0),
                 "payload_bytes_per_token": sum(p.nbytes for p in payloads) / max(sum(int(p.lengths.sum()) for p in payloads), 1)}
 
     def broadcast_weights(self, version: int) -> dict:

@@ -1,14 +1,14 @@
 """Metrics each role exports through ray.util.metrics (scraped as `ray_lt_opd_*` from the node's endpoint).
 
-Every series carries the job name and the role's actor name as tags, so the
-dashboards can filter one run and split by worker.
+Every series carries the job name (as `run`) and the role's actor name as tags,
+so the dashboards can filter one run and split by worker.
 """
 
 from __future__ import annotations
 
 from ray.util import metrics
 
-TAGS = ("job", "actor")
+TAGS = ("run", "actor")  # not "job": Prometheus owns that label for its scrape job
 
 
 def _gauge(name: str, description: str):
@@ -21,7 +21,7 @@ def _counter(name: str, description: str):
 
 class RolloutMetrics:
     def __init__(self, job: str, actor: str):
-        self.tags = {"job": job, "actor": actor}
+        self.tags = {"run": job, "actor": actor}
         self.tokens_per_s = _gauge("rollout_tokens_per_second", "Response tokens sampled per second by a rollout worker")
         self.tokens = _counter("rollout_tokens", "Response tokens sampled")
         self.budget = _gauge("rollout_budget_bps", "Visual budget of the last rollout, basis points")
@@ -34,7 +34,7 @@ class RolloutMetrics:
 
 class TeacherMetrics:
     def __init__(self, job: str, actor: str):
-        self.tags = {"job": job, "actor": actor}
+        self.tags = {"run": job, "actor": actor}
         self.tokens_per_s = _gauge("teacher_tokens_per_second", "Response positions scored per second by a teacher replica")
         self.tokens = _counter("teacher_tokens", "Response positions scored")
         self.payload_bytes_per_token = _gauge("teacher_payload_bytes_per_token", "Teacher payload bytes per scored position")
@@ -47,7 +47,7 @@ class TeacherMetrics:
 
 class LearnerMetrics:
     def __init__(self, job: str, actor: str):
-        self.tags = {"job": job, "actor": actor}
+        self.tags = {"run": job, "actor": actor}
         self.step_seconds = _gauge("learner_step_seconds", "Seconds of one learner step (forward, backward, optimizer)")
         self.loss = _gauge("loss", "LT-OPD loss of the last step on this rank")
         self.divergence = _gauge("divergence", "Token-mean divergence of the last step")
@@ -70,16 +70,28 @@ class LearnerMetrics:
 
 class DriverMetrics:
     def __init__(self, job: str):
-        self.tags = {"job": job, "actor": "driver"}
+        self.tags = {"run": job, "actor": "driver"}
         self.step = _gauge("step", "Optimizer steps completed")
         self.budget = _gauge("budget_bps", "Visual budget of the current update, basis points")
         self.phase_seconds = metrics.Gauge(
             "lt_opd_phase_seconds", description="Seconds of each phase of the last step", tag_keys=(*TAGS, "phase")
         )
-        self.restarts = _counter("actor_restarts", "Actors replaced after a failure")
+        self.samples = _counter("learner_samples", "Rollouts (sampled responses) the learners trained on")
+        self.pool_actors = metrics.Gauge("lt_opd_pool_actors", description="Actors per pool", tag_keys=(*TAGS, "pool"))
+        self.restarts = metrics.Gauge(
+            "lt_opd_actor_restarts", description="Actors replaced after a failure in this run, per pool", tag_keys=(*TAGS, "pool")
+        )
+        self.restart_counts: dict[str, int] = {}
 
-    def record(self, step: int, budget_bps: int, phases: dict[str, float]) -> None:
+    def record(self, step: int, budget_bps: int, phases: dict[str, float], samples: int, pool_sizes: dict[str, int]) -> None:
         self.step.set(step, tags=self.tags)
         self.budget.set(budget_bps, tags=self.tags)
+        self.samples.inc(samples, tags=self.tags)
         for phase, seconds in phases.items():
             self.phase_seconds.set(seconds, tags={**self.tags, "phase": phase})
+        for pool, size in pool_sizes.items():
+            self.pool_actors.set(size, tags={**self.tags, "pool": pool})
+            self.restarts.set(self.restart_counts.get(pool, 0), tags={**self.tags, "pool": pool})
+
+    def record_restart(self, pool: str) -> None:
+        self.restart_counts[pool] = self.restart_counts.get(pool, 0) + 1

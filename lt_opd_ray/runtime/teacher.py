@@ -189,5 +189,10 @@ class TeacherService:
         """ObjectRef[TeacherPayload] per shard; the bulk data stays in the object store."""
         return [self.handle.score.remote(([samples_ref], [shard])) ._to_object_ref_sync() for shard in shard_refs]
 
+    def replicas(self) -> int:
+        """Running replicas of the teacher deployment (moves with autoscaling)."""
+        status = serve.status().applications[self.app_name].deployments["TeacherDeployment"]
+        return int(status.replica_states.get("RUNNING", 0))
+
     def shutdown(self) -> None:
         serve.delete(self.app_name)
