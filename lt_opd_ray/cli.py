@@ -83,6 +83,28 @@ def cmd_submit(args) -> int:
     return submit(args.job, args.address, args.runtime_env, args.working_dir, args.train_args, wait=not args.no_wait)
 
 
+def cmd_check_cluster(args) -> int:
+    import yaml
+
+    from .cluster_check import check_cluster_file
+    from .config import JobConfigError, load_job
+
+    try:
+        job = load_job(args.job)
+    except JobConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    failed = 0
+    for path in args.clusters:
+        with open(path) as handle:
+            problems = check_cluster_file(yaml.safe_load(handle), job, path)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        print(f"{path}: {'ok' if not problems else f'{len(problems)} problem(s)'} for {args.job}")
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
 def cmd_build_tiny(args) -> int:
     from .models.tiny import build_tiny_model
 
@@ -117,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
     submit.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     submit.set_defaults(func=cmd_submit)
+
+    cluster = sub.add_parser("check-cluster", help="check cluster launcher / KubeRay YAMLs against a job's pools (offline)")
+    cluster.add_argument("job", help="job YAML file")
+    cluster.add_argument("clusters", nargs="+", help="cluster YAML files")
+    cluster.set_defaults(func=cmd_check_cluster)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
     tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])

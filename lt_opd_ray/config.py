@@ -137,6 +137,13 @@ class Resources(_Strict):
     """CPUs reserved per actor."""
     gpus: float = Field(0.0, ge=0.0)
     """GPUs reserved per actor."""
+    node_resource: str | None = None
+    """Custom Ray resource each actor takes one unit of, pinning the pool to the nodes that
+    advertise it (the node types / worker groups in cluster/); None places it anywhere."""
+
+    def ray_resources(self) -> dict[str, float]:
+        """Custom resources of one actor, in Ray's `resources=` form."""
+        return {self.node_resource: 1.0} if self.node_resource else {}
 
 
 class RolloutPool(Resources):

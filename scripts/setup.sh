@@ -24,6 +24,16 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 
+# Prometheus (Debian's package) for the dashboard tests, which scrape a real run.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing prometheus (Debian package)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  else
+    echo "setup: prometheus is missing; install it (e.g. sudo apt-get install prometheus) for the dashboard tests" >&2
+  fi
+fi
+
 if [ -e .venv ] && [ ! -L .venv ]; then
   echo "setup: ./.venv exists and is not a link to the cached environment; move it away first" >&2
   exit 1

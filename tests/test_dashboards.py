@@ -133,3 +133,11 @@ def test_a_panel_on_a_metric_that_no_longer_exists_fails_the_check(scraped_run):
     board["panels"][0]["targets"][0]["expr"] = board["panels"][0]["targets"][0]["expr"].replace("rollout_tokens_per_second", "rollout_tokens_per_sec")
     title, expr = next(panel_queries(board, JOB_NAME))
     assert prometheus_query(scraped_run, expr) == [], f"{title} should have no data"
+
+
+def test_hardware_dependent_series_are_still_exported_by_ray():
+    """Series with no data on this machine (no GPU) must at least still be among Ray's node metrics."""
+    from ray.dashboard.modules.reporter.reporter_agent import METRICS_GAUGES
+
+    for name in generate.HARDWARE_DEPENDENT:
+        assert name.removeprefix("ray_") in METRICS_GAUGES, name

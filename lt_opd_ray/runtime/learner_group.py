@@ -107,7 +107,7 @@ class LearnerGroup:
     def __init__(self, job: JobConfig):
         pool = job.pools.learner
         self.job = job
-        bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {})}
+        bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {}), **pool.ray_resources()}
         self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
         ray.get(self.placement.ready())
         actor_cls = ray.remote(LearnerActor)
@@ -115,6 +115,7 @@ class LearnerGroup:
             actor_cls.options(
                 num_cpus=pool.cpus,
                 num_gpus=pool.gpus,
+                resources=pool.ray_resources(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
             ).remote(job, rank, pool.ranks)
             for rank in range(pool.ranks)

@@ -115,7 +115,7 @@ class RolloutPool:
     def __init__(self, job: JobConfig):
         self.job = job
         pool = job.pools.rollout
-        self._actor_cls = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus)(RolloutWorker)
+        self._actor_cls = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources())(RolloutWorker)
         self.names = [f"rollout-{i}" for i in range(pool.workers)]
         self.workers = [self._spawn(name) for name in self.names]
         ray.get([w.ready.remote() for w in self.workers])

@@ -163,7 +163,8 @@ class TeacherDeployment:
 
 def deployment_options(job: JobConfig) -> dict:
     pool = job.pools.teacher
-    options = {"ray_actor_options": {"num_cpus": pool.cpus, "num_gpus": pool.gpus}, "max_ongoing_requests": pool.max_batch_size * 2}
+    actor = {"num_cpus": pool.cpus, "num_gpus": pool.gpus, **({"resources": pool.ray_resources()} if pool.node_resource else {})}
+    options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_batch_size * 2}
     if pool.max_replicas > pool.min_replicas:
         options["autoscaling_config"] = {
             "min_replicas": pool.min_replicas,

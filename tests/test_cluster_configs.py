@@ -1,0 +1,69 @@
+"""Every shipped cluster YAML parses and fits the Qwen3.5 recipe; unknown pools and fields fail."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lt_opd_ray.cluster_check import check_cluster_file
+from lt_opd_ray.config import load_job
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_FILES = sorted((REPO / "cluster").rglob("*.yaml"))
+RECIPE = load_job(REPO / "jobs" / "train_qwen35.yaml")
+
+
+def load(path):
+    return yaml.safe_load(path.read_text())
+
+
+def test_cluster_files_are_shipped():
+    names = {p.relative_to(REPO / "cluster").as_posix() for p in CLUSTER_FILES}
+    assert names >= {"ray-cluster.yaml", "kuberay/raycluster.yaml", "kuberay/rayjob.yaml"}
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
+def test_every_cluster_file_fits_the_recipe(path):
+    assert check_cluster_file(load(path), RECIPE, path.name) == []
+
+
+def test_every_yaml_in_the_repo_parses():
+    for path in list(REPO.glob("jobs/*.yaml")) + list(REPO.glob("dashboards/**/*.yaml")) + CLUSTER_FILES:
+        assert yaml.safe_load(path.read_text()) is not None, path
+
+
+def test_rayjob_runs_the_recipe_on_the_raycluster_spec():
+    job = load(REPO / "cluster/kuberay/rayjob.yaml")
+    cluster = load(REPO / "cluster/kuberay/raycluster.yaml")
+    assert job["spec"]["rayClusterSpec"] == cluster["spec"]
+    assert job["spec"]["entrypoint"].split()[:3] == ["lt-opd", "train", "jobs/train_qwen35.yaml"]
+    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": load(REPO / "jobs/runtime_env.yaml")["env_vars"]}
+
+
+def test_a_group_for_an_unknown_pool_fails():
+    doc = load(REPO / "cluster/kuberay/raycluster.yaml")
+    bad = copy.deepcopy(doc)
+    bad["spec"]["workerGroupSpecs"][0]["rayStartParams"]["resources"] = '"{\\"lt_opd_critic\\": 4}"'
+    problems = check_cluster_file(bad, RECIPE, "raycluster.yaml")
+    assert any("advertises lt_opd_critic, a resource of unknown pool 'critic'" in p for p in problems)
+    assert any("pool rollout requests lt_opd_rollout, which no node group advertises" in p for p in problems)
+
+
+def test_an_unknown_kuberay_field_and_too_few_gpus_fail():
+    bad = load(REPO / "cluster/kuberay/rayjob.yaml")
+    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][2]["replica"] = 1  # typo of replicas
+    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][2]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    problems = check_cluster_file(bad, RECIPE, "rayjob.yaml")
+    assert "rayjob.yaml: spec.rayClusterSpec.workerGroupSpecs[2].replica: unknown field" in problems
+    assert "rayjob.yaml: pool learner needs 2 GPUs on ['learner-gpu'], which have 1" in problems
+
+
+def test_launcher_with_too_few_rollout_nodes_fails():
+    bad = load(REPO / "cluster/ray-cluster.yaml")
+    bad["available_node_types"]["rollout_gpu"]["resources"]["lt_opd_rollout"] = 1
+    bad["available_node_types"]["rollout_gpu"]["max_workers"] = 2
+    del bad["head_node_type"]
+    problems = check_cluster_file(bad, RECIPE, "ray-cluster.yaml")
+    assert "ray-cluster.yaml: missing head_node_type" in problems
+    assert "ray-cluster.yaml: pool rollout needs 4 x lt_opd_rollout, the groups ['rollout_gpu'] offer 2" in problems
