@@ -162,6 +162,12 @@ class TeacherPool(Resources):
     """Autoscaling upper bound."""
     max_batch_size: int = Field(8, ge=1)
     """Requests (rollout shards) batched together per teacher forward."""
+    target_queue_per_replica: float = Field(2.0, gt=0)
+    """Autoscaling target: ongoing (queued + running) requests per replica before Serve adds one."""
+    upscale_delay_s: float = Field(5.0, ge=0)
+    """How long the queue must stay above target before a replica is added."""
+    downscale_delay_s: float = Field(60.0, ge=0)
+    """How long the queue must stay below target before a replica is removed."""
     payload_dtype: Literal["float16", "float32"] = "float32"
     """Dtype of the teacher's log-probs on the wire (ids are always int32)."""
     backend: Literal["transformers", "vllm"] = "transformers"

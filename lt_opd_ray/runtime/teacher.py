@@ -170,7 +170,9 @@ def deployment_options(job: JobConfig) -> dict:
             "min_replicas": pool.min_replicas,
             "initial_replicas": pool.replicas,
             "max_replicas": pool.max_replicas,
-            "target_ongoing_requests": pool.max_batch_size,
+            "target_ongoing_requests": pool.target_queue_per_replica,
+            "upscale_delay_s": pool.upscale_delay_s,
+            "downscale_delay_s": pool.downscale_delay_s,
         }
     else:
         options["num_replicas"] = pool.replicas
