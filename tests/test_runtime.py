@@ -12,7 +12,7 @@ import pytest
 import torch
 
 
-ray = pytest.importorskip("ray")
+import ray
 
 from lt_opd_ray.data import load_samples  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
