@@ -17,11 +17,14 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
     A local cluster declares as many logical CPUs as the pools reserve, so the
     whole system runs on a 2-core laptop (the actors then share the cores).
     """
+    import logging
+
     import ray
 
     os.environ.update(WORKER_ENV)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the step lines are the terminal's output
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=False)  # the cluster's / job's runtime env applies (jobs/runtime_env.yaml)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)  # the job's runtime env applies
         return
     demand = pool_demands(job)
     cpus = max(os.cpu_count() or 1, int(sum(d["CPU"] for d in demand.values()) + 0.999))
@@ -30,6 +33,7 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
         include_dashboard=False,
         runtime_env={"env_vars": WORKER_ENV},
         log_to_driver=False,
+        logging_level=logging.WARNING,
         _metrics_export_port=job.metrics.export_port,
     )
 

@@ -183,8 +183,8 @@ class TeacherService:
     """Client side: starts the deployment and turns score requests into ObjectRefs."""
 
     def __init__(self, job: JobConfig):
-        serve.start(http_options={"location": "NoServer"})
-        app = TeacherDeployment.options(**deployment_options(job)).bind(job)
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})  # handles only, no HTTP
+        app = TeacherDeployment.options(**deployment_options(job), logging_config={"log_level": "WARNING"}).bind(job)
         self.app_name = f"{job.name}-teacher"
         self.handle = serve.run(app, name=self.app_name, route_prefix=None)
 
