@@ -226,3 +226,25 @@ def test_teacher_batch_of_shards_equals_scoring_each_shard_alone(cluster, tiny_d
             assert torch.equal(x.top_ids, y.top_ids)
             torch.testing.assert_close(x.top_logp, y.top_logp, atol=1e-5, rtol=0)
             torch.testing.assert_close(x.requested_logp, y.requested_logp, atol=1e-5, rtol=0)
+
+
+def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny_dirs, tmp_path):
+    from lt_opd_ray.runtime.rollout_pool import RolloutPool
+    from lt_opd_ray.runtime.teacher import TeacherService, unpack_scores
+
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="twoupdates")
+    samples = load_samples("synthetic:4")
+    pool, service = RolloutPool(job), TeacherService(job)
+    try:
+        first, second = ray.put(samples[:2]), ray.put(samples[2:])
+        shards_a, _ = pool.async_generate(first, 2, 2500, 0)
+        shards_b, _ = pool.async_generate(second, 2, 2500, 1)
+        payloads = ray.get(service.async_score(first, shards_a) + service.async_score(second, shards_b))  # may share a batch
+        import json
+
+        vocab = json.loads((Path(tiny_dirs["qwen3_5"]) / "config.json").read_text())["text_config"]["vocab_size"]
+        for payload, shard in zip(payloads, ray.get(shards_a + shards_b)):
+            assert len(unpack_scores(payload, shard.rollouts, vocab)) == len(shard.rollouts)
+    finally:
+        service.shutdown()
+        pool.shutdown()

@@ -150,12 +150,18 @@ class TeacherDeployment:
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
     async def score_batch(self, requests: list[tuple]) -> list[TeacherPayload]:
-        # each request: ([samples ref], [shard ref]); the refs are nested so Serve passes them untouched
-        samples = await requests[0][0][0]
-        shards = [await request[1][0] for request in requests]
-        if any(request[0][0] != requests[0][0][0] for request in requests):
-            raise ValueError("one teacher batch mixed requests of different updates")
-        return self.model.score_shards(samples, shards)
+        # each request: ([samples ref], [shard ref]); the refs are nested so Serve passes them untouched.
+        # Requests of the same update (same samples) share one forward; other updates get their own.
+        by_update: dict = {}
+        for index, request in enumerate(requests):
+            by_update.setdefault(request[0][0], []).append(index)
+        payloads: list = [None] * len(requests)
+        for samples_ref, indices in by_update.items():
+            samples = await samples_ref
+            shards = [await requests[i][1][0] for i in indices]
+            for i, payload in zip(indices, self.model.score_shards(samples, shards)):
+                payloads[i] = payload
+        return payloads
 
     async def score(self, request: tuple) -> TeacherPayload:
         return await self.score_batch(request)
