@@ -21,14 +21,21 @@ def cmd_validate(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_train(args) -> int:
+def _load_job_or_report(path: str):
+    """The validated job, or None after printing every problem of the YAML."""
     from .config import JobConfigError, load_job
-    from .models.processor import InputError
 
     try:
-        job = load_job(args.job)
+        return load_job(path)
     except JobConfigError as exc:
         print(exc, file=sys.stderr)
+        return None
+
+
+def cmd_train(args) -> int:
+    from .models.processor import InputError
+
+    if (job := _load_job_or_report(args.job)) is None:
         return 2
     try:
         if args.reference:
@@ -71,12 +78,7 @@ def _train_reference(job, steps: int) -> None:
 
 
 def cmd_submit(args) -> int:
-    from .config import JobConfigError, load_job
-
-    try:
-        load_job(args.job)  # refuse a bad YAML here, not after the upload
-    except JobConfigError as exc:
-        print(exc, file=sys.stderr)
+    if _load_job_or_report(args.job) is None:  # refuse a bad YAML here, not after the upload
         return 2
     from .runtime.submit import submit
 
@@ -87,12 +89,8 @@ def cmd_check_cluster(args) -> int:
     import yaml
 
     from .cluster_check import check_cluster_file
-    from .config import JobConfigError, load_job
 
-    try:
-        job = load_job(args.job)
-    except JobConfigError as exc:
-        print(exc, file=sys.stderr)
+    if (job := _load_job_or_report(args.job)) is None:
         return 2
     failed = 0
     for path in args.clusters:
