@@ -49,6 +49,17 @@ def reference_run(job, steps):
     return losses, {n: p.detach().clone() for n, p in trainer.student.model.named_parameters()}
 
 
+def driver_run(job, steps, resume=False):
+    """(first step, step logs, final learner weights) of `steps` updates through the distributed driver."""
+    driver = Driver(job, resume=resume)
+    try:
+        first = driver.step
+        logs = [driver.run_step() for _ in range(steps - first if resume else steps)]
+        return first, logs, driver.learners.full_state_dict()
+    finally:
+        driver.shutdown()
+
+
 def relative_distance(a: dict, b: dict) -> float:
     num = sum(float((a[k] - b[k]).double().norm() ** 2) for k in b)
     den = sum(float(b[k].double().norm() ** 2) for k in b)
@@ -59,12 +70,7 @@ def relative_distance(a: dict, b: dict) -> float:
 def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage):
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, name=f"eq{ranks}{zero_stage}")
     ref_losses, ref_weights = reference_run(job, STEPS)
-    driver = Driver(job)
-    try:
-        logs = [driver.run_step() for _ in range(STEPS)]
-        weights = driver.learners.full_state_dict()
-    finally:
-        driver.shutdown()
+    _, logs, weights = driver_run(job, STEPS)
     assert [log.budget_bps for log in logs] == [2500, 2207, 1500]  # warm 1, cosine to 500 at step 4
     for got, want in zip([log.loss for log in logs], ref_losses):
         assert got == pytest.approx(want, rel=1e-5)
@@ -127,12 +133,7 @@ def test_killed_rollout_worker_is_replaced_and_resynced(cluster, tiny_dirs, tmp_
 def test_driver_killed_mid_run_resumes_to_the_same_weights_and_metrics(cluster, tiny_dirs, tmp_path):
     total = 5
     straight = job_for(tiny_dirs["qwen3_5"], tmp_path / "straight", ranks=1, every=2, total=total, name="straight")
-    driver = Driver(straight)
-    try:
-        straight_logs = [driver.run_step() for _ in range(total)]
-        straight_weights = driver.learners.full_state_dict()
-    finally:
-        driver.shutdown()
+    _, straight_logs, straight_weights = driver_run(straight, total)
 
     crashed = job_for(tiny_dirs["qwen3_5"], tmp_path / "crash", ranks=1, every=2, total=total, name="crash")
     job_file = tmp_path / "crash.yaml"
@@ -155,14 +156,8 @@ def test_driver_killed_mid_run_resumes_to_the_same_weights_and_metrics(cluster, 
     latest = (tmp_path / "crash" / "latest").read_text()
     assert latest in {"step-2", "step-4"}
 
-    resumed = Driver(crashed, resume=True)
-    try:
-        first = resumed.step
-        assert first == int(latest.split("-")[1])
-        resumed_logs = [resumed.run_step() for _ in range(total - first)]
-        resumed_weights = resumed.learners.full_state_dict()
-    finally:
-        resumed.shutdown()
+    first, resumed_logs, resumed_weights = driver_run(crashed, total, resume=True)
+    assert first == int(latest.split("-")[1])
     assert [round(log.loss, 12) for log in resumed_logs] == [round(log.loss, 12) for log in straight_logs[first:]]
     assert [log.budget_bps for log in resumed_logs] == [log.budget_bps for log in straight_logs[first:]]
     for name, value in straight_weights.items():
