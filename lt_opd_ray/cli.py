@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def cmd_validate(args) -> int:
@@ -110,6 +111,20 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def cmd_ablation(args) -> int:
+    import transformers
+
+    from .toy.ablation import run_ablation
+
+    transformers.logging.set_verbosity_error()
+    if _load_job_or_report(args.job) is None:
+        return 2
+    results = run_ablation(args.job, args.out, list(range(args.seeds)), args.steps, args.arms)
+    print((Path(args.out) / "retain_table.md").read_text())
+    print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, curves.png in {results['seconds'] / 60:.1f} min")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("job", help="job YAML file")
     cluster.add_argument("clusters", nargs="+", help="cluster YAML files")
     cluster.set_defaults(func=cmd_check_cluster)
+
+    ablation = sub.add_parser(
+        "ablation", help="the paper's ablations on the toy board task through the distributed runtime: retain table + curves"
+    )
+    ablation.add_argument("job", nargs="?", default="jobs/toy_board.yaml", help="base job YAML (default: jobs/toy_board.yaml)")
+    ablation.add_argument("--out", default="runs/ablation", help="output folder")
+    ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
+    ablation.add_argument("--steps", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
+    ablation.add_argument("--arms", nargs="+", default=None, help="subset of arms (default: all)")
+    ablation.set_defaults(func=cmd_ablation)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
     tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])

@@ -22,14 +22,14 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     path: str
-    """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model."""
+    """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model; `toy:board` trains the toy board-task teacher once."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Compute dtype of student and teacher forwards (master weights stay fp32)."""
 
 
 class DataConfig(_Strict):
     path: str
-    """A parquet or JSONL file of rows (sample_uid, image, question), or `synthetic:<n>` for generated rows."""
+    """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `board:<n>` for the toy board task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
     min_pixels: int = Field(3136, gt=0)
@@ -81,6 +81,11 @@ class BudgetConfig(_Strict):
 
 
 class ObjectiveConfig(_Strict):
+    mode: Literal["lt_opd", "fixed_prefix", "sft"] = "lt_opd"
+    """What the student learns from. `lt_opd`: its own rollouts at budget r, scored by the teacher
+    (DESIGN §1). The ablations of the paper: `fixed_prefix` distils the teacher's distributions on
+    responses the full-token teacher sampled; `sft` trains cross-entropy on those responses. Both
+    make each rollout worker hold a frozen copy of the initial weights to sample with."""
     divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"
     """Per-position divergence on the top-k union plus a tail bin."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
@@ -212,6 +217,21 @@ class CheckpointConfig(_Strict):
     """Complete checkpoints kept on disk."""
 
 
+class EvalConfig(_Strict):
+    """Answer accuracy of the current student during training, on a rollout worker (greedy, exact match)."""
+
+    data: str | None = None
+    """Rows with reference answers (file, `synthetic:<n>`, `board-test:<n>`); None: no evaluation."""
+    every_steps: int = Field(10, ge=1)
+    """Evaluate after every this many optimizer steps (and after the last)."""
+    budget_bps: int | None = Field(None, gt=0, le=BPS)
+    """Visual budget of the evaluation; None: budget.target_bps."""
+    selectors: list[Literal["cdpruner", "divprune", "random", "uniform"]] = ["cdpruner"]
+    """Selectors evaluated at that budget (the first is the headline metric)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest answer."""
+
+
 class MetricsConfig(_Strict):
     export_port: int = Field(8090, ge=1024, le=65535)
     """Prometheus export port of the Ray node (outside Ray's worker port range 10002-19999)."""
@@ -250,6 +270,8 @@ class JobConfig(_Strict):
     """Actor pools and their resources."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation during training."""
     metrics: MetricsConfig = MetricsConfig()
     """Metrics export."""
 

@@ -95,10 +95,15 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
 
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
-    """`synthetic:<n>` or a file path."""
-    if spec.startswith("synthetic:"):
-        count = spec.split(":", 1)[1]
+    """`synthetic:<n>` (coloured quadrants), `board:<n>` / `board-test:<n>` (the toy board task's
+    training / held-out split) or a file path."""
+    kind, _, count = spec.partition(":")
+    if kind in ("synthetic", "board", "board-test"):
         if not count.isdigit() or int(count) < 1:
-            raise InputError(f"data.path {spec!r}: expected synthetic:<positive count>")
+            raise InputError(f"data {spec!r}: expected {kind}:<positive count>")
+        if kind.startswith("board"):
+            from .toy.task import board_samples
+
+            return board_samples(int(count), seed=0, split="test" if kind == "board-test" else "train")
         return [synthetic_sample(i, seed) for i in range(int(count))]
     return read_rows(spec, image_root)

@@ -82,6 +82,7 @@ class ReferenceTrainer:
                 self.job.sampling.n,
                 self.job.seed,
                 c,
+                behaviour=None if self.job.objective.mode == "lt_opd" else self.teacher,
             )
             scores = teacher_scores(self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
             loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective)

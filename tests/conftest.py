@@ -48,8 +48,8 @@ def loaded(tiny_dirs):
     return out
 
 
-def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t"):
-    """A small distributed job on a tiny model: 2 prompts x 2 responses per update."""
+def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra=""):
+    """A small distributed job on a tiny model: 2 prompts x 2 responses per update; `extra` is appended YAML."""
     from lt_opd_ray.config import parse_job
 
     return parse_job(
@@ -59,7 +59,7 @@ seed: 5
 model: {{path: "{model_dir}", dtype: float32}}
 data: {{path: "synthetic:16", max_pixels: 65536}}
 budget: {{start_bps: 2500, target_bps: 500, warm_steps: 1, decay_end: 4, total_steps: {total}, k_min: 2}}
-objective: {{top_k: 8, logsoftmax_chunk: 32}}
+objective: {{top_k: 8, logsoftmax_chunk: 32, mode: {mode}}}
 sampling: {{prompts_per_step: 2, n: 2, max_new_tokens: 6}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}}, warmup_steps: 1}}
 pools:
@@ -68,7 +68,7 @@ pools:
   learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120}}
 checkpoint: {{dir: "{ckpt_dir}", every_steps: {every}, keep: 2}}
 metrics: {{export_port: 8099}}
-"""
+{extra}"""
     )
 
 

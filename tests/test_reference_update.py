@@ -15,7 +15,7 @@ seed: 3
 model: {{path: "{model_dir}", dtype: float32}}
 data: {{path: "synthetic:8", max_pixels: 65536}}
 budget: {{start_bps: 2500, target_bps: 1000, warm_steps: 1, decay_end: 3, total_steps: 4, k_min: 2}}
-objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}}}
+objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}}}
 sampling: {{prompts_per_step: 2, n: 2, max_new_tokens: 6}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0}}
 """
@@ -117,3 +117,67 @@ def test_bf16_compute_over_fp32_master_weights(tiny_dirs, samples):
     assert report.stats.loss > 0 and torch.isfinite(torch.tensor(report.grad_norm))
     # rollout and learner both compute in bf16: the weights agree to bf16 rounding (~2^-8 relative per logit)
     assert report.stats.importance_weight == pytest.approx(1.0, abs=2e-2)
+
+
+def _perturbed_student(trainer, scale=0.05):
+    """Move the student away from the teacher so their distributions differ."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in trainer.student.model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+
+
+def _hf_log_probs(model, prompt, response):
+    """Independent reference: log-softmax of transformers' own full-token forward at the response positions [T, V]."""
+    from test_adapter import full_forward_inputs
+
+    logits = model(**full_forward_inputs(prompt, response)).logits[0, -response.numel() - 1 : -1]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+@torch.no_grad()
+def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(tiny_dirs, samples):
+    from lt_opd_ray.data import stable_seed
+    from lt_opd_ray.models.sampler import sample
+
+    job = tiny_job(tiny_dirs["qwen3_5"], mode="fixed_prefix")
+    trainer = ReferenceTrainer(job)
+    _perturbed_student(trainer)
+    batch = samples[:2]
+    prompts = trainer.encode(batch)
+    uids = [s.uid for s in batch]
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, uids, trainer.selector, 10_000, 2,
+                       trainer.params, 2, job.seed, 0, behaviour=trainer.teacher)
+    full = []
+    for p in prompts:
+        features = trainer.teacher.visual_features(p)
+        full += [trainer.teacher.reduce(p, features, trainer.teacher.keep_all(features))] * 2
+    seeds = [stable_seed(job.seed, 0, uid, j) for uid in uids for j in range(2)]
+    teacher_samples = sample(trainer.teacher, full, trainer.params, seeds, trainer.processor.tokenizer)
+    for r, t in zip(rollouts, teacher_samples):
+        assert torch.equal(r.response_ids, t.token_ids)  # the teacher's own full-token samples
+        student = _hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids)
+        assert (r.old_logp.double() - student.gather(-1, r.response_ids[:, None]).squeeze(-1)).abs().max() <= 1e-5
+        assert torch.equal(r.student_top_ids, torch.topk(student, 8, dim=-1).indices)
+        assert not torch.allclose(r.old_logp, t.logprobs, atol=1e-3)  # the student's view, not the teacher's
+
+
+def test_sft_loss_is_the_cross_entropy_of_the_teachers_responses(tiny_dirs, samples):
+    job = tiny_job(tiny_dirs["qwen3_5"], mode="sft")
+    trainer = ReferenceTrainer(job)
+    _perturbed_student(trainer)
+    batch = samples[:2]
+    prompts = trainer.encode(batch)
+    with torch.no_grad():
+        rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
+                           10_000, 2, trainer.params, 2, job.seed, 0, behaviour=trainer.teacher)
+        scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16)
+    loss, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
+    with torch.no_grad():
+        per_sequence = [
+            -_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None]).mean()
+            for r in rollouts
+        ]
+    assert float(loss.detach()) == pytest.approx(float(torch.stack(per_sequence).mean()), rel=1e-5)
+    loss.backward()  # differentiable through the student only
+    assert trainer.student.model.lm_head.weight.grad is not None

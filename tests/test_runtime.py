@@ -243,3 +243,33 @@ def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny
     finally:
         service.shutdown()
         pool.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["fixed_prefix", "sft"])
+def test_teacher_sampled_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_path, mode):
+    """The ablation modes: rollout workers sample with their frozen copy, the learners match the reference."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, name=f"mode-{mode}", mode=mode)
+    ref_losses, ref_weights = reference_run(job, 2)
+    _, logs, weights = driver_run(job, 2)
+    for got, want in zip([log.loss for log in logs], ref_losses):
+        assert got == pytest.approx(want, rel=1e-5)
+    assert relative_distance(weights, ref_weights) <= 1e-4
+
+
+def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from lt_opd_ray.runtime.launch import run
+
+    extra = 'eval: {data: "synthetic:4", every_steps: 2, selectors: [cdpruner, uniform]}\n'
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, total=3, name="export", extra=extra)
+    logs = run(job)
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [sorted(log.eval_accuracy) for log in logs] == [[], ["cdpruner", "uniform"], ["cdpruner", "uniform"]]  # every 2nd + last
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    learner = reference_run(job, 3)[1]  # the distributed run reproduces the reference (tested above)
+    assert relative_distance({n: p.detach() for n, p in exported.named_parameters()}, learner) <= 1e-4
+    assert not (tmp_path / "final.incoming").exists()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..curriculum import tokens_to_keep
+from ..data import stable_seed
 from ..selectors import SelectionInput, Selector
 from .processor import IMAGE, PromptInputs
 
@@ -141,7 +142,7 @@ class QwenVLM:
         for i, (embeds, grid) in enumerate(zip(features.embeds, features.merged_grids)):
             n = embeds.shape[0]
             k = tokens_to_keep(n, budget_bps, k_min)
-            item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=seed * 1000 + i)
+            item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=stable_seed(seed, i))  # per image, any size of seed
             selected.append(selector.select(item, k))
         return selected
 

@@ -39,6 +39,7 @@ class StepLog:
     phases: dict[str, float] = field(default_factory=dict)
     sync_bytes: int = 0
     payload_bytes_per_token: float = 0.0
+    eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
 
 
 class Driver:
@@ -60,6 +61,7 @@ class Driver:
             self.step, self.cursor = state["step"], state["cursor"]
         self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
         self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
+        self.eval_ref = ray.put(load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
 
     def run_step(self) -> StepLog:
         t0 = time.perf_counter()
@@ -77,16 +79,19 @@ class Driver:
         if self.step % self.job.checkpoint.every_steps == 0 or self.step == self.job.budget.total_steps:
             self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor})
         t3 = time.perf_counter()
+        accuracy = self.evaluate() if self._evaluates_now() else {}
+        t4 = time.perf_counter()
         phases = {
             "rollout": max(s["seconds"] for s in ray.get(summary_refs)),  # workers run in parallel
             "teacher": max(r["teacher_seconds"] for r in ranks),
             "learner": max(r["seconds"] for r in ranks),
             "sync": t2 - t1,
             "checkpoint": t3 - t2,
+            "eval": t4 - t3,
         }
         # what the chain rollout -> teacher -> learner took beyond its parts: scheduling, transfers, waits
         phases["driver_overhead"] = max(0.0, (t1 - t0) - phases["rollout"] - phases["teacher"] - phases["learner"])
-        phases["step"] = t3 - t0
+        phases["step"] = t4 - t0
         pool_sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
         self.metrics.record(self.step, budget, phases, samples=sum(r["samples"] for r in ranks), pool_sizes=pool_sizes)
         mean = lambda key: sum(r[key] for r in ranks) / len(ranks)  # noqa: E731
@@ -101,7 +106,22 @@ class Driver:
             phases=phases,
             sync_bytes=sync["bytes"],
             payload_bytes_per_token=ranks[0]["payload_bytes_per_token"],
+            eval_accuracy=accuracy,
         )
+
+    def _evaluates_now(self) -> bool:
+        return self.eval_ref is not None and (self.step % self.job.eval.every_steps == 0 or self.step == self.job.budget.total_steps)
+
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy of the current student (just synced to the rollout workers) per evaluation selector."""
+        budget = self.job.eval.budget_bps or self.job.budget.target_bps
+        results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
+        self.metrics.record_eval(budget, {r["selector"]: r["accuracy"] for r in results})
+        return {r["selector"]: r["accuracy"] for r in results}
+
+    def export_student(self, directory) -> None:
+        """The current student as a Hugging Face folder (written atomically by learner rank 0)."""
+        self.learners.save_pretrained(str(directory))
 
     def replace_dead_rollout_workers(self) -> list[str]:
         """Replace workers that died, re-form the sync group and give them the current weights."""

@@ -45,31 +45,54 @@ def format_step(log, total: int) -> str:
         f"  is_w {log.importance_weight:.3f}  overlap {log.top_k_overlap:.3f}  tokens {log.tokens}"
         f"  | rollout {p['rollout']:.2f}s teacher {p['teacher']:.2f}s learner {p['learner']:.2f}s sync {p['sync']:.2f}s"
         f" total {p['step']:.2f}s"
+        + "".join(f"  | acc[{name}] {value:.3f}" for name, value in log.eval_accuracy.items())
     )
 
 
 def train(job: JobConfig, steps: int | None = None, resume: bool = False, address: str | None = None) -> list:
+    """Start or join Ray, run the job, leave Ray. Returns the step logs."""
     import ray
+
+    init_ray(job, address)
+    try:
+        return run(job, steps, resume)
+    finally:
+        ray.shutdown()
+
+
+def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
+    """Run the job on the Ray cluster this process is connected to.
+
+    Every step is appended to `<checkpoint.dir>/steps.jsonl`; a run that reaches
+    `total_steps` writes the student as a Hugging Face folder to `<checkpoint.dir>/final`.
+    """
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
     from tqdm import tqdm
 
     from .driver import Driver
 
-    init_ray(job, address)
     driver = Driver(job, resume=resume)
     total = job.budget.total_steps
     last = min(total, driver.step + steps) if steps else total
     logs = []
+    step_file = Path(job.checkpoint.dir) / "steps.jsonl"
     try:
-        with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar:
+        with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:
                 replaced = driver.replace_dead_rollout_workers()
                 if replaced:
                     tqdm.write(f"replaced dead rollout worker(s): {', '.join(replaced)}")
                 log = driver.run_step()
                 logs.append(log)
+                out.write(json.dumps(asdict(log)) + "\n")
+                out.flush()
                 tqdm.write(format_step(log, total))
                 bar.update(1)
+        if driver.step == total:
+            driver.export_student(Path(job.checkpoint.dir) / "final")
     finally:
         driver.shutdown()
-        ray.shutdown()
     return logs

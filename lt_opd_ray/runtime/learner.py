@@ -69,6 +69,7 @@ class Learner:
         self.job, self.rank, self.world = job, rank, world
         model_dir, model = load_vlm(job.model.path)
         self.processor = VLMProcessor(model_dir)
+        self.model_dir = model_dir
         self.module = StudentObjective(model.train(), job.objective)
         optimizer, scheduler = build_optimizer(model, job.optimizer)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -97,6 +98,27 @@ class Learner:
         params = list(self.module.model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.job.pools.learner.zero_stage == 3):
             return {name: p.detach().clone().float() for name, p in self.module.model.named_parameters()}
+
+    def save_pretrained(self, directory: str) -> None:
+        """The student as a Hugging Face folder (weights, config, tokenizer, image processor); rank 0 writes.
+
+        Written beside `directory` and renamed into place, so a crash never leaves a
+        half-written folder under the final name. A collective under ZeRO-3: every rank calls it.
+        """
+        import shutil
+        from pathlib import Path
+
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return
+        final = Path(directory)
+        staging = final.with_name(final.name + ".incoming")
+        shutil.rmtree(staging, ignore_errors=True)
+        self.module.model.save_pretrained(staging, state_dict=state)
+        self.processor.tokenizer.save_pretrained(staging)
+        self.processor.image_processor.save_pretrained(staging)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
 
 
 def init_process_group(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float = 600.0) -> None:

@@ -89,6 +89,9 @@ class LearnerActor:
         state = self.learner.full_state_dict()
         return state if self.rank == 0 else None
 
+    def save_pretrained(self, directory: str) -> None:
+        self.learner.save_pretrained(directory)
+
     def save(self, directory: str, tag: str) -> None:
         self.learner.engine.save_checkpoint(directory, tag=tag)
 
@@ -128,6 +131,10 @@ class LearnerGroup:
 
     def full_state_dict(self) -> dict:
         return ray.get([a.full_state_dict.remote() for a in self.actors])[0]
+
+    def save_pretrained(self, directory: str) -> None:
+        """The current student as a Hugging Face folder at `directory` (written by rank 0)."""
+        ray.get([a.save_pretrained.remote(directory) for a in self.actors])
 
     def weights_checksum(self) -> str:
         from .weight_sync import weights_checksum

@@ -82,6 +82,11 @@ class DriverMetrics:
             "lt_opd_actor_restarts", description="Actors replaced after a failure in this run, per pool", tag_keys=(*TAGS, "pool")
         )
         self.restart_counts: dict[str, int] = {}
+        self.eval_accuracy = metrics.Gauge(
+            "lt_opd_eval_accuracy",
+            description="Answer accuracy of the student at the evaluation budget, per selector",
+            tag_keys=(*TAGS, "selector", "budget_bps"),
+        )
 
     def record(self, step: int, budget_bps: int, phases: dict[str, float], samples: int, pool_sizes: dict[str, int]) -> None:
         self.step.set(step, tags=self.tags)
@@ -92,6 +97,10 @@ class DriverMetrics:
         for pool, size in pool_sizes.items():
             self.pool_actors.set(size, tags={**self.tags, "pool": pool})
             self.restarts.set(self.restart_counts.get(pool, 0), tags={**self.tags, "pool": pool})
+
+    def record_eval(self, budget_bps: int, accuracy: dict[str, float]) -> None:
+        for selector, value in accuracy.items():
+            self.eval_accuracy.set(value, tags={**self.tags, "selector": selector, "budget_bps": str(budget_bps)})
 
     def record_restart(self, pool: str) -> None:
         self.restart_counts[pool] = self.restart_counts.get(pool, 0) + 1

@@ -28,7 +28,11 @@ class RolloutShard:
 
 
 class RolloutWorker:
-    """Holds the student (transformers backend) and answers generate / weight-sync calls."""
+    """Holds the student (transformers backend) and answers generate / weight-sync calls.
+
+    In the fixed-prefix and SFT modes it also holds a frozen copy of the initial
+    weights that samples the responses at full tokens.
+    """
 
     def __init__(self, job: JobConfig, name: str):
         import transformers
@@ -45,6 +49,8 @@ class RolloutWorker:
         model_dir, model = load_vlm(job.model.path)
         self.processor = VLMProcessor(model_dir)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
+        # the fixed-prefix and SFT ablations sample with the frozen initial weights (the teacher)
+        self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
         self.weights_version = 0
@@ -66,7 +72,7 @@ class RolloutWorker:
         with compute_precision(self.job.model.dtype, self.vlm.device):
             rollouts = rollout(
                 self.vlm, self.processor.tokenizer, prompts, [s.uid for s in mine], self.selector, budget_bps,
-                self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step,
+                self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step, self.behaviour,
             )
         for r in rollouts:
             r.prompt_index += start
@@ -75,6 +81,18 @@ class RolloutWorker:
         self.metrics.record(tokens, seconds, budget_bps)
         summary = {"worker": self.name, "seconds": seconds, "tokens": tokens, "weights_version": self.weights_version}
         return RolloutShard(start, rollouts, self.name, self.weights_version, seconds, tokens), summary
+
+    def evaluate(self, samples, budget_bps: int, selector: str) -> dict:
+        """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
+        from ..evaluation import evaluate_answers
+        from ..models.loading import compute_precision
+
+        with compute_precision(self.job.model.dtype, self.vlm.device):
+            result = evaluate_answers(
+                self.vlm, self.processor, samples, budget_bps, selector, self.job.budget.k_min,
+                self.job.data.system_prompt, self.job.eval.max_new_tokens,
+            )
+        return {"selector": selector, "budget_bps": budget_bps, "accuracy": result.accuracy, "weights_version": self.weights_version}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, generation: int, timeout_s: float) -> str:
         from .weight_sync import SyncGroup, join_store
@@ -131,6 +149,11 @@ class RolloutPool:
             if stop > start
         ]
         return [shard for shard, _ in pairs], [summary for _, summary in pairs]
+
+    def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[dict]:
+        """One evaluation per selector, spread over the workers (all hold the same weights)."""
+        refs = [self.workers[i % len(self.workers)].evaluate.remote(samples_ref, budget_bps, name) for i, name in enumerate(selectors)]
+        return ray.get(refs)
 
     def dead_workers(self, timeout_s: float = 10.0) -> list[int]:
         refs = [w.ready.remote() for w in self.workers]

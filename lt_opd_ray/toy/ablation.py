@@ -1,0 +1,195 @@
+"""The paper's ablations on the toy board task, each trained through the real distributed system.
+
+Arms (all at the job's target budget, same teacher, same data):
+  untrained       the teacher itself with the selector, no training
+  sft             cross-entropy on responses the full-token teacher sampled
+  fixed_prefix    distillation on teacher-sampled prefixes, with the curriculum
+  lt_opd_no_curriculum   LT-OPD at the target budget from the first update
+  lt_opd          LT-OPD (DESIGN §1)
+  lt_opd_reverse_kl      LT-OPD with reverse KL instead of JSD
+Every trained arm is evaluated with each of the job's eval selectors, so the
+table also shows a student trained with one selector and evaluated with another.
+Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
+held-out boards; mean ± std over seeds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ..config import BPS, JobConfig, load_job
+
+ARMS: dict[str, dict] = {
+    "sft": {"objective": {"mode": "sft"}},
+    "fixed_prefix": {"objective": {"mode": "fixed_prefix"}},
+    "lt_opd_no_curriculum": {"budget": {"warm_steps": 0, "decay_end": 0}},  # start_bps set to target below
+    "lt_opd": {},
+    "lt_opd_reverse_kl": {"objective": {"divergence": "reverse_kl"}},
+}
+LABELS = {
+    "untrained": "untrained",
+    "sft": "SFT on teacher answers",
+    "fixed_prefix": "fixed-prefix distillation",
+    "lt_opd_no_curriculum": "LT-OPD, no curriculum",
+    "lt_opd": "LT-OPD",
+    "lt_opd_reverse_kl": "LT-OPD, reverse KL",
+}
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged.get(key, {}), value) if isinstance(value, dict) else value
+    return merged
+
+
+def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None = None) -> JobConfig:
+    """The base job specialised to one arm and seed; `steps` rescales the curriculum to a shorter run."""
+    data = base.model_dump()
+    if steps is not None:
+        scale = steps / base.budget.total_steps
+        data["budget"].update(
+            total_steps=steps,
+            warm_steps=round(base.budget.warm_steps * scale),
+            decay_end=round(base.budget.decay_end * scale),
+        )
+        data["eval"]["every_steps"] = max(1, round(base.eval.every_steps * scale))
+    data = _merge(data, ARMS[arm])
+    if arm == "lt_opd_no_curriculum":
+        data["budget"]["start_bps"] = data["budget"]["target_bps"]
+    data.update(name=f"{base.name}-{arm}-s{seed}", seed=seed)
+    data["data"]["shuffle_seed"] = seed
+    data["checkpoint"]["dir"] = str(out / arm / f"seed{seed}")
+    return JobConfig.model_validate(data)
+
+
+def evaluate_untrained(job: JobConfig) -> dict[str, float]:
+    """The teacher's accuracy at full tokens and, per eval selector, at the eval budget (single process)."""
+    from ..data import load_samples
+    from ..evaluation import evaluate_answers
+    from ..models.adapter import QwenVLM
+    from ..models.loading import load_vlm
+    from ..models.processor import VLMProcessor
+
+    model_dir, model = load_vlm(job.model.path, "cpu")
+    vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
+    samples = load_samples(job.eval.data, job.data.image_root, job.seed)
+    budget = job.eval.budget_bps or job.budget.target_bps
+    kwargs = dict(k_min=job.budget.k_min, system_prompt=job.data.system_prompt, max_new_tokens=job.eval.max_new_tokens)
+    result = {"full": evaluate_answers(vlm, processor, samples, BPS, **kwargs).accuracy}
+    for selector in job.eval.selectors:
+        result[selector] = evaluate_answers(vlm, processor, samples, budget, selector, **kwargs).accuracy
+    return result
+
+
+def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None) -> dict:
+    """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`."""
+    import ray
+
+    from ..runtime.launch import init_ray, run
+
+    base = load_job(base_path)
+    if not base.eval.data:
+        raise ValueError(f"{base_path}: the ablation needs eval.data (held-out rows with answers)")
+    arms = arms or list(ARMS)
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    begin = time.perf_counter()
+    teacher = evaluate_untrained(base)  # also trains the toy teacher on first use
+    print(f"teacher: full-token accuracy {teacher['full']:.3f}; at the budget: "
+          + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
+    runs = []
+    init_ray(base)
+    try:
+        for seed in seeds:
+            for arm in arms:
+                job = arm_job(base, arm, seed, out_dir, steps)
+                started = time.perf_counter()
+                logs = run(job)
+                final = logs[-1].eval_accuracy
+                runs.append({
+                    "arm": arm, "seed": seed, "seconds": time.perf_counter() - started, "final": final,
+                    "curve": [{"step": log.step + 1, "budget_bps": log.budget_bps, "loss": log.loss,
+                               "divergence": log.divergence, "eval": log.eval_accuracy} for log in logs],
+                })
+                print(f"{arm} seed {seed}: " + ", ".join(f"{s} {a:.3f}" for s, a in final.items())
+                      + f"  ({runs[-1]['seconds']:.0f}s)", flush=True)
+    finally:
+        ray.shutdown()
+    results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
+               "budget_bps": base.eval.budget_bps or base.budget.target_bps, "selectors": list(base.eval.selectors),
+               "teacher": teacher, "runs": runs, "seconds": time.perf_counter() - begin}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_report(results, out_dir)
+    return results
+
+
+def retain_rows(results: dict) -> list[dict]:
+    """One row per (arm, eval selector): mean and std of retain over seeds."""
+    full = results["teacher"]["full"]
+    rows = []
+    for selector in results["selectors"]:
+        rows.append({"arm": "untrained", "trained_with": "-", "evaluated_with": selector,
+                     "retain_mean": results["teacher"][selector] / full, "retain_std": 0.0, "seeds": 0})
+    arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
+    for arm in arms:
+        for selector in results["selectors"]:
+            values = [r["final"][selector] / full for r in results["runs"] if r["arm"] == arm]
+            rows.append({"arm": arm, "trained_with": "cdpruner", "evaluated_with": selector,
+                         "retain_mean": statistics.fmean(values),
+                         "retain_std": statistics.stdev(values) if len(values) > 1 else 0.0, "seeds": len(values)})
+    return rows
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    """retain_table.md / .csv and curves.png."""
+    rows = retain_rows(results)
+    budget = results["budget_bps"] / 100
+    lines = [
+        f"Toy board task, budget {budget:g}% of the visual tokens, teacher full-token accuracy"
+        f" {results['teacher']['full']:.3f}; retain = accuracy / full-token accuracy, mean ± std over"
+        f" {len(results['seeds'])} seed(s), {results['steps']} updates per run, wall time {results['seconds'] / 60:.1f} min.",
+        "",
+        "| arm | evaluated with | retain |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | {r['retain_mean']:.3f} ± {r['retain_std']:.3f} |" for r in rows]
+    (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
+    csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,seeds"]
+    csv += [f"{r['arm']},{r['trained_with']},{r['evaluated_with']},{r['retain_mean']:.4f},{r['retain_std']:.4f},{r['seeds']}" for r in rows]
+    (out_dir / "retain_table.csv").write_text("\n".join(csv) + "\n")
+    plot_curves(results, out_dir / "curves.png")
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    """Left: retain (headline selector) against update, mean over seeds; right: each arm's training loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    selector, full = results["selectors"][0], results["teacher"]["full"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
+    for arm in arms:
+        curves = [r["curve"] for r in results["runs"] if r["arm"] == arm]
+        evaluated = [p["step"] for p in curves[0] if p["eval"]]
+        retain = [statistics.fmean(next(p for p in c if p["step"] == s)["eval"][selector] for c in curves) / full for s in evaluated]
+        left.plot([0, *evaluated], [results["teacher"][selector] / full, *retain], marker="o", label=LABELS[arm])
+        steps = [p["step"] for p in curves[0]]
+        right.plot(steps, [statistics.fmean(c[i]["loss"] for c in curves) for i in range(len(steps))], label=LABELS[arm])
+    left.axhline(results["teacher"][selector] / full, color="grey", linestyle=":", label="untrained")
+    left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})", title="held-out retain ratio")
+    right.set(xlabel="update", ylabel="training loss (each arm's own objective)", yscale="log", title="training loss")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""A seeded synthetic visual question-answering task whose answer is spread over the image.
+
+Each image is a GRID x GRID board of 32 px tiles, one tile per merged visual
+token; TILES_PER_IMAGE tiles carry a coloured pattern at random cells, the rest is
+background. The question asks which colour is on the most tiles: the answer is a
+count over tiles spread across the image, so a student that keeps 2 of 36 tokens
+cannot read it off what it keeps. It can only recover if its vision encoder
+learns to summarise the whole board into the tokens that survive, which the
+teacher's frozen encoder never had to (see teacher.py). At full tokens every answer is in the image; a selector keeping
+5-10% of the tokens keeps only a few cells, so the budget bites.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..data import Sample, stable_seed
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 205, 30),
+    "purple": (140, 50, 170),
+    "orange": (245, 140, 20),
+}
+PATTERNS = ("solid", "hollow", "checked", "striped", "dotted")
+GRID = 6  # one tile per merged visual token: 6 x 32 px = 192 px
+TILE = 32
+IMAGE_SIZE = GRID * TILE  # 12 x 12 patches of 16 px -> 6 x 6 = 36 merged visual tokens
+TILES_PER_IMAGE = 7
+MAJORITY = 3  # tiles of the answer colour; every other colour is on at most MAJORITY - 1
+BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisation, so empty patches carry no signal
+
+
+def _draw_tile(draw, pattern: str, x0: int, y0: int, fill) -> None:
+    """One 32 px tile with a pattern a patch embedding can tell apart (edges, stripes, checks, dots)."""
+    x1, y1 = x0 + TILE - 1, y0 + TILE - 1
+    if pattern == "solid":
+        draw.rectangle((x0, y0, x1, y1), fill=fill)
+    elif pattern == "hollow":
+        draw.rectangle((x0, y0, x1, y1), outline=fill, width=5)
+    elif pattern == "checked":
+        for i in range(4):
+            for j in range(4):
+                if (i + j) % 2 == 0:
+                    draw.rectangle((x0 + 8 * i, y0 + 8 * j, x0 + 8 * i + 7, y0 + 8 * j + 7), fill=fill)
+    elif pattern == "striped":
+        for j in range(0, TILE, 8):
+            draw.rectangle((x0, y0 + j, x1, y0 + j + 3), fill=fill)
+    else:  # dotted
+        for i in range(4):
+            for j in range(4):
+                draw.ellipse((x0 + 8 * i + 1, y0 + 8 * j + 1, x0 + 8 * i + 6, y0 + 8 * j + 6), fill=fill)
+
+
+def board(index: int, seed: int, split: str = "train") -> tuple:
+    """(image, answer) of board `index` of `split` under `seed`: TILES_PER_IMAGE tiles, one colour on MAJORITY of them."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(stable_seed("board", split, seed, index))
+    names = list(COLOURS)
+    majority = rng.choice(names)
+    others = [c for c in names if c != majority]
+    colours = [majority] * MAJORITY
+    while len(colours) < TILES_PER_IMAGE:  # every other colour on fewer tiles than the majority
+        colour = rng.choice(others)
+        if colours.count(colour) < MAJORITY - 1:
+            colours.append(colour)
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for colour, cell in zip(colours, rng.sample(range(GRID * GRID), TILES_PER_IMAGE)):
+        _draw_tile(draw, rng.choice(PATTERNS), (cell % GRID) * TILE, (cell // GRID) * TILE, COLOURS[colour])
+    return image, majority
+
+
+QUESTION = "Which colour is on the most tiles?"
+
+
+def board_sample(index: int, seed: int, split: str = "train") -> Sample:
+    """Board `index` of `split` under `seed` with its question and answer, all seeded."""
+    image, answer = board(index, seed, split)
+    return Sample(uid=f"board-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
+
+
+def board_samples(count: int, seed: int, split: str = "train") -> list[Sample]:
+    return [board_sample(i, seed, split) for i in range(count)]
+
+
+def target_text(answer: str) -> str:
+    """The response the full-token teacher is trained to give."""
+    return f"<answer>{answer}</answer>"

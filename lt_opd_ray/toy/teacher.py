@@ -1,0 +1,140 @@
+"""The toy teacher: a small Qwen-architecture VLM trained at full visual tokens on the board task.
+
+Training is seeded and single-threaded-deterministic (fixed thread count, fixed
+sample order), so any machine with the same CPU kernels produces the same
+weights; the folder is cached under a key of everything that decides it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .task import IMAGE_SIZE, board_samples, target_text
+
+
+@dataclass(frozen=True)
+class TeacherRecipe:
+    family: str = "qwen3_vl"
+    hidden: int = 64
+    layers: int = 4
+    vision_hidden: int = 64
+    train_boards: int = 1024
+    steps: int = 1500
+    boards_per_step: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+    threads: int = 2
+    eval_size: int = 128
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_untrained(recipe: TeacherRecipe, out_dir: Path) -> Path:
+    """Random initial weights of the recipe's architecture, as a Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from ..models.tiny import build_tokenizer, image_processor_config, tiny_config
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(recipe.family, tokenizer, hidden=recipe.hidden)
+    config.text_config.num_hidden_layers = recipe.layers
+    if recipe.family == "qwen3_5":  # keep the hybrid pattern: every second layer full attention
+        config.text_config.layer_types = ["linear_attention", "full_attention"] * (recipe.layers // 2)
+    vision = config.vision_config
+    vision.hidden_size, vision.intermediate_size, vision.num_heads = recipe.vision_hidden, 2 * recipe.vision_hidden, 4
+    for part in (config, config.text_config, vision):
+        part.initializer_range = 0.02  # trained from scratch: the usual init, not the random-test one
+    torch.manual_seed(recipe.seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    pixels = IMAGE_SIZE * IMAGE_SIZE
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(image_processor_config(recipe.family, pixels, pixels), indent=2))
+    return out_dir
+
+
+def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
+    """Cross-entropy on the reference answers at full tokens; returns the training record it also writes.
+
+    The vision tower stays at its random initialisation (frozen); the merger and
+    the language model learn. So the teacher counts tiles in its language model,
+    over all 36 visual tokens, like a VLM whose encoder was pretrained for local
+    features: exactly what token pruning breaks and what the student's encoder
+    (trained by LT-OPD) can learn to compensate.
+    """
+    import torch
+
+    from ..evaluation import evaluate_answers
+    from ..models.adapter import QwenVLM
+    from ..models.loading import load_vlm
+    from ..models.processor import VLMProcessor, encode_samples
+    from ..optim import module_of
+
+    torch.set_num_threads(recipe.threads)
+    torch.manual_seed(recipe.seed)
+    build_untrained(recipe, out_dir)
+    _, model = load_vlm(str(out_dir), "cpu")
+    processor = VLMProcessor(out_dir)
+    vlm = QwenVLM(model.train())
+    for name, param in model.named_parameters():
+        param.requires_grad_(module_of(name) != "vision_encoder")
+    train = board_samples(recipe.train_boards, seed=0, split="train")
+    prompts = encode_samples(processor, train)
+    targets = [torch.tensor(processor.tokenizer(target_text(s.answer), add_special_tokens=False)["input_ids"]) for s in train]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, weight_decay=0.0)
+    # linear warm-up over the first 5%, then cosine decay to zero
+    warmup = max(1, recipe.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, recipe.steps) / recipe.steps))
+    )
+    order = torch.Generator().manual_seed(recipe.seed)
+    losses, begin = [], time.perf_counter()
+    for step in range(recipe.steps):
+        batch = torch.randint(0, len(train), (recipe.boards_per_step,), generator=order).tolist()
+        full = []
+        for i in batch:
+            features = vlm.visual_features(prompts[i])
+            full.append(vlm.reduce(prompts[i], features, vlm.keep_all(features)))
+        hidden = vlm.response_hidden(full, [targets[i] for i in batch])
+        loss = sum(torch.nn.functional.cross_entropy(vlm.lm_head(h), targets[i]) for h, i in zip(hidden, batch)) / len(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if step % 100 == 0 or step == recipe.steps - 1:
+            log(f"teacher step {step + 1}/{recipe.steps}  loss {losses[-1]:.4f}  {time.perf_counter() - begin:.0f}s")
+    model.save_pretrained(out_dir)
+    held_out = board_samples(recipe.eval_size, seed=0, split="test")
+    accuracy = evaluate_answers(vlm, processor, held_out, budget_bps=10_000).accuracy
+    record = {"recipe": asdict(recipe), "losses": losses, "full_token_accuracy": accuracy, "seconds": time.perf_counter() - begin}
+    (out_dir / "training.json").write_text(json.dumps(record))
+    log(f"teacher: full-token accuracy {accuracy:.3f} on {recipe.eval_size} held-out boards")
+    return record
+
+
+def toy_teacher_dir(recipe: TeacherRecipe = TeacherRecipe(), cache_root: str | Path | None = None, log=print) -> Path:
+    """The trained toy teacher for `recipe`, trained once into a cache folder (atomic rename when complete)."""
+    root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
+    target = root / "toy" / f"board-teacher-{recipe.key()}"
+    if not (target / "training.json").exists():
+        staging = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        train_teacher(recipe, staging, log)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
