@@ -252,7 +252,9 @@ def test_teacher_sampled_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_p
     ref_losses, ref_weights = reference_run(job, 2)
     _, logs, weights = driver_run(job, 2)
     for got, want in zip([log.loss for log in logs], ref_losses):
-        assert got == pytest.approx(want, rel=1e-5)
+        # fixed-prefix losses start near 0 (student == teacher); fp32 teacher scores batched differently
+        # move such a difference of near-equal log-probs by ~1e-9 absolute
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-8)
     assert relative_distance(weights, ref_weights) <= 1e-4
 
 
