@@ -91,7 +91,8 @@ def scraped_run(tmp_path_factory, tiny_dirs):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    driver = Driver(job_for(tiny_dirs["qwen3_5"], tmp / "ckpt", ranks=1, name=JOB_NAME))
+    evaluation = 'eval: {data: "synthetic:2", every_steps: 1}\n'
+    driver = Driver(job_for(tiny_dirs["qwen3_5"], tmp / "ckpt", ranks=1, name=JOB_NAME, extra=evaluation))
     try:
         for _ in range(3):
             driver.run_step()

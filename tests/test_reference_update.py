@@ -181,3 +181,19 @@ def test_sft_loss_is_the_cross_entropy_of_the_teachers_responses(tiny_dirs, samp
     assert float(loss.detach()) == pytest.approx(float(torch.stack(per_sequence).mean()), rel=1e-5)
     loss.backward()  # differentiable through the student only
     assert trainer.student.model.lm_head.weight.grad is not None
+
+
+@torch.no_grad()
+def test_seeded_selectors_take_the_63_bit_sample_seeds(loaded, samples):
+    """Rollout and evaluation seeds are 63-bit stable_seed values; the random selector must accept them."""
+    from lt_opd_ray.data import stable_seed
+    from lt_opd_ray.models.processor import encode_samples
+    from lt_opd_ray.selectors import build_selector
+
+    _, processor, vlm = loaded["qwen3_5"]
+    prompt = encode_samples(processor, samples[:1])[0]
+    features = vlm.visual_features(prompt)
+    seed = stable_seed("eval", samples[0].uid)
+    picks = [vlm.select(prompt, features, build_selector("random"), 2500, 2, seed=seed)[0] for _ in range(2)]
+    assert torch.equal(picks[0], picks[1])
+    assert not torch.equal(picks[0], vlm.select(prompt, features, build_selector("random"), 2500, 2, seed=seed + 1)[0])

@@ -118,4 +118,5 @@ def test_reduced_ablation_lt_opd_beats_the_untrained_student(teacher, tmp_path):
 
 
 REDUCED_STEPS = 20
+# measured (lt-opd ablation --seeds 3 --steps 20 --arms lt_opd): untrained 0.023, LT-OPD 0.156 / 0.180 / 0.195
 RETAIN_MARGIN = 0.1

@@ -3,16 +3,18 @@
 Each image is a GRID x GRID board of 32 px tiles, one tile per merged visual
 token; TILES_PER_IMAGE tiles carry a coloured pattern at random cells, the rest is
 background. The question asks which colour is on the most tiles: the answer is a
-count over tiles spread across the image, so a student that keeps 2 of 36 tokens
-cannot read it off what it keeps. It can only recover if its vision encoder
-learns to summarise the whole board into the tokens that survive, which the
-teacher's frozen encoder never had to (see teacher.py). At full tokens every answer is in the image; a selector keeping
-5-10% of the tokens keeps only a few cells, so the budget bites.
+count over tiles spread across the image. At full tokens it is all in view; a
+student keeping 5% of the tokens (2 of 36) sees at most two tiles, so the budget
+bites. It can only recover by making its vision encoder summarise the whole
+board into the tokens that survive, which the teacher's frozen encoder never had
+to do (see teacher.py). Patterns vary the tiles' look (and so the selector's
+choices) but not the answer.
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from ..data import Sample, stable_seed
 
@@ -54,7 +56,7 @@ def _draw_tile(draw, pattern: str, x0: int, y0: int, fill) -> None:
                 draw.ellipse((x0 + 8 * i + 1, y0 + 8 * j + 1, x0 + 8 * i + 6, y0 + 8 * j + 6), fill=fill)
 
 
-def board(index: int, seed: int, split: str = "train") -> tuple:
+def board(index: int, seed: int, split: str = "train") -> tuple[Any, str]:
     """(image, answer) of board `index` of `split` under `seed`: TILES_PER_IMAGE tiles, one colour on MAJORITY of them."""
     from PIL import Image, ImageDraw
 
