@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -108,7 +107,6 @@ def test_reduced_ablation_lt_opd_beats_the_untrained_student(teacher, tmp_path):
     """CI's regression run: one seed, a shortened curriculum, LT-OPD only, through Ray + DeepSpeed + Serve."""
     from lt_opd_ray.toy.ablation import run_ablation
 
-    os.environ.setdefault("RAY_TMPDIR", "/tmp/ray")
     results = run_ablation(BASE_JOB, str(tmp_path), seeds=[0], steps=REDUCED_STEPS, arms=["lt_opd"])
     untrained, _, lt_opd, _ = retain_rows(results)
     assert (untrained["arm"], lt_opd["arm"]) == ("untrained", "lt_opd")
