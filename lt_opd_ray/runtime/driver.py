@@ -17,6 +17,7 @@ import ray
 from ..config import JobConfig
 from ..curriculum import BudgetSchedule
 from ..data import load_samples
+from ..models.loading import resolve_model_dir
 from ..train_loop import batches
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
@@ -45,6 +46,7 @@ class StepLog:
 class Driver:
     def __init__(self, job: JobConfig, resume: bool = False):
         check_resources(job, ray.cluster_resources())  # refuse before any actor starts
+        resolve_model_dir(job.model.path)  # build an embedded model (tiny:, toy:) once here, not in every actor at once
         self.job = job
         self.schedule = BudgetSchedule.from_config(job.budget)
         self.samples = load_samples(job.data.path, job.data.image_root, job.seed)
