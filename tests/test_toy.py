@@ -49,11 +49,13 @@ def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
 def test_retain_rows_average_over_seeds():
     results = {
         "selectors": ["cdpruner"],
+        "trained_with": "divprune",
         "teacher": {"full": 0.8, "cdpruner": 0.4},
         "runs": [{"arm": "lt_opd", "final": {"cdpruner": 0.6}}, {"arm": "lt_opd", "final": {"cdpruner": 0.7}}],
     }
     untrained, trained = retain_rows(results)
     assert untrained["retain_mean"] == pytest.approx(0.5)
+    assert (trained["trained_with"], trained["evaluated_with"]) == ("divprune", "cdpruner")
     assert trained["retain_mean"] == pytest.approx(0.8125) and trained["retain_std"] == pytest.approx(0.0884, abs=1e-4)
 
 

@@ -125,6 +125,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         ray.shutdown()
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
                "budget_bps": base.eval.budget_bps or base.budget.target_bps, "selectors": list(base.eval.selectors),
+               "trained_with": base.selector.name,
                "teacher": teacher, "runs": runs, "seconds": time.perf_counter() - begin}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, out_dir)
@@ -142,7 +143,7 @@ def retain_rows(results: dict) -> list[dict]:
     for arm in arms:
         for selector in results["selectors"]:
             values = [r["final"][selector] / full for r in results["runs"] if r["arm"] == arm]
-            rows.append({"arm": arm, "trained_with": "cdpruner", "evaluated_with": selector,
+            rows.append({"arm": arm, "trained_with": results["trained_with"], "evaluated_with": selector,
                          "retain_mean": statistics.fmean(values),
                          "retain_std": statistics.stdev(values) if len(values) > 1 else 0.0, "seeds": len(values)})
     return rows
