@@ -136,18 +136,24 @@ def _hf_log_probs(model, prompt, response):
 
 
 @torch.no_grad()
+def _teacher_sampled(tiny_dirs, batch, mode):
+    """(job, trainer with a perturbed student, prompts, rollouts sampled by the teacher at full tokens, 2 per prompt)."""
+    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode)
+    trainer = ReferenceTrainer(job)
+    _perturbed_student(trainer)
+    prompts = trainer.encode(batch)
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
+                       10_000, 2, trainer.params, 2, job.seed, 0, behaviour=trainer.teacher)
+    return job, trainer, prompts, rollouts
+
+
+@torch.no_grad()
 def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(tiny_dirs, samples):
     from lt_opd_ray.data import stable_seed
     from lt_opd_ray.models.sampler import sample
 
-    job = tiny_job(tiny_dirs["qwen3_5"], mode="fixed_prefix")
-    trainer = ReferenceTrainer(job)
-    _perturbed_student(trainer)
-    batch = samples[:2]
-    prompts = trainer.encode(batch)
-    uids = [s.uid for s in batch]
-    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, uids, trainer.selector, 10_000, 2,
-                       trainer.params, 2, job.seed, 0, behaviour=trainer.teacher)
+    job, trainer, prompts, rollouts = _teacher_sampled(tiny_dirs, samples[:2], "fixed_prefix")
+    uids = [s.uid for s in samples[:2]]
     full = []
     for p in prompts:
         features = trainer.teacher.visual_features(p)
@@ -163,14 +169,8 @@ def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(t
 
 
 def test_sft_loss_is_the_cross_entropy_of_the_teachers_responses(tiny_dirs, samples):
-    job = tiny_job(tiny_dirs["qwen3_5"], mode="sft")
-    trainer = ReferenceTrainer(job)
-    _perturbed_student(trainer)
-    batch = samples[:2]
-    prompts = trainer.encode(batch)
+    job, trainer, prompts, rollouts = _teacher_sampled(tiny_dirs, samples[:2], "sft")
     with torch.no_grad():
-        rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
-                           10_000, 2, trainer.params, 2, job.seed, 0, behaviour=trainer.teacher)
         scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16)
     loss, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
     with torch.no_grad():
