@@ -118,8 +118,9 @@ class Driver:
         """Accuracy of the current student (just synced to the rollout workers) per evaluation selector."""
         budget = self.job.eval.budget_bps or self.job.budget.target_bps
         results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
-        self.metrics.record_eval(budget, {r["selector"]: r["accuracy"] for r in results})
-        return {r["selector"]: r["accuracy"] for r in results}
+        accuracy = {r["selector"]: r["accuracy"] for r in results}
+        self.metrics.record_eval(budget, accuracy)
+        return accuracy
 
     def export_student(self, directory) -> None:
         """The current student as a Hugging Face folder (written atomically by learner rank 0)."""
