@@ -78,6 +78,33 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
     assert relative_distance(weights, ref_weights) <= 1e-4
 
 
+@pytest.mark.slow
+def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path):
+    """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights."""
+    from lt_opd_ray.curriculum import tokens_to_keep
+
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="vllm", dtype="bfloat16", backend="vllm")
+    driver = Driver(job)
+    try:
+        worker = driver.rollouts.workers[0]
+        assert ray.get(worker.__ray_call__.remote(lambda w: type(w.engine).__name__)) == "VLLMEngine"
+        logs = []
+        for step in range(1, 4):
+            log = driver.run_step()
+            logs.append(log)
+            assert log.tokens > 0 and torch.isfinite(torch.tensor(log.loss))
+            # the engine was reloaded from the synced weights the learner holds
+            assert driver.rollouts.checksums() == [(step, driver.learners.weights_checksum())]
+            assert 0.5 < log.importance_weight <= job.objective.importance_clip  # bf16 sampler vs fp32 learner: near 1
+        assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
+        samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
+        shard, _ = ray.get(worker.generate.remote(samples, 0, 2, 1500, 9))
+        for rollout in shard.rollouts:
+            assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
+    finally:
+        driver.shutdown()
+
+
 def scrape_lt_opd_metrics(job_name: str) -> set[str]:
     import urllib.request
 

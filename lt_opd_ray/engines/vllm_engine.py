@@ -63,6 +63,9 @@ class ScoredResponse:
     requested_logp: torch.Tensor  # [T, m] fp32
 
 
+TEXT_TOKENS = 1024  # room for the system prompt, the question and the chat template around one image
+
+
 class WeightMismatchError(ValueError):
     pass
 
@@ -243,6 +246,42 @@ class VLLMEngine:
             raise WeightMismatchError(f"weight update refused, nothing changed ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
+    """The vLLM engine of a rollout worker (`role` rollout) or teacher replica, from the job."""
+    import json
+
+    from ..models.adapter import UnsupportedArchitectureError
+
+    if role == "rollout" and job.objective.mode != "lt_opd":
+        raise ValueError(
+            f"objective.mode {job.objective.mode!r} samples with the frozen teacher on transformers:"
+            " set pools.rollout.backend: transformers"
+        )
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    family = config.get("model_type")
+    if family == "qwen3_5" and job.model.dtype != "bfloat16" and not torch.cuda.is_available():
+        raise UnsupportedArchitectureError(
+            f"pools.{role}.backend vllm with model.dtype {job.model.dtype}: vLLM's CPU kernels run Qwen3.5"
+            " (Gated DeltaNet) only in bfloat16; set model.dtype: bfloat16"
+        )
+    return VLLMEngine(
+        model_dir,
+        dtype=job.model.dtype,
+        max_model_len=_context_length(job, config),
+        max_logprobs=job.objective.top_k + 1,  # top-k, and k + 1 requested ids per scored row
+        seed=job.seed,
+    )
+
+
+def _context_length(job, config: dict) -> int:
+    """Longest sequence a job sends: one image at data.max_pixels, the text, the response; within the model's positions."""
+    vision = config.get("vision_config", {})
+    token_pixels = (vision.get("patch_size", 16) * vision.get("spatial_merge_size", 2)) ** 2
+    wanted = job.data.max_pixels // token_pixels + TEXT_TOKENS + job.sampling.max_new_tokens
+    text = config.get("text_config", config)
+    return min(wanted, int(text.get("max_position_embeddings", wanted)))
 
 
 def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:

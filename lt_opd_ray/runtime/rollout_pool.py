@@ -28,10 +28,13 @@ class RolloutShard:
 
 
 class RolloutWorker:
-    """Holds the student (transformers backend) and answers generate / weight-sync calls.
+    """Holds the student and answers generate / evaluate / weight-sync calls.
 
-    In the fixed-prefix and SFT modes it also holds a frozen copy of the initial
-    weights that samples the responses at full tokens.
+    The transformers model is always there: it receives the weight broadcast (and
+    answers checksums and evaluations). With `pools.rollout.backend: vllm` a vLLM
+    engine samples the rollouts and is reloaded in place from that model after every
+    sync. In the fixed-prefix and SFT modes the worker also holds a frozen copy of the
+    initial weights that samples the responses at full tokens (transformers only).
     """
 
     def __init__(self, job: JobConfig, name: str):
@@ -53,6 +56,11 @@ class RolloutWorker:
         self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
+        self.engine = None
+        if job.pools.rollout.backend == "vllm":
+            from ..engines.vllm_engine import engine_for_job
+
+            self.engine = engine_for_job(job, model_dir, role="rollout")
         self.weights_version = 0
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
@@ -69,11 +77,20 @@ class RolloutWorker:
         begin = time.perf_counter()
         mine = samples[start:stop]
         prompts = encode_samples(self.processor, mine, self.job.data.system_prompt)
-        with compute_precision(self.job.model.dtype, self.vlm.device):
-            rollouts = rollout(
-                self.vlm, self.processor.tokenizer, prompts, [s.uid for s in mine], self.selector, budget_bps,
-                self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step, self.behaviour,
+        uids = [s.uid for s in mine]
+        if self.engine is not None:
+            from ..engines.vllm_roles import vllm_rollout
+
+            rollouts = vllm_rollout(
+                self.engine, prompts, [[s.image] for s in mine], uids, self.job.selector.name, budget_bps,
+                self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step,
             )
+        else:
+            with compute_precision(self.job.model.dtype, self.vlm.device):
+                rollouts = rollout(
+                    self.vlm, self.processor.tokenizer, prompts, uids, self.selector, budget_bps,
+                    self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step, self.behaviour,
+                )
         for r in rollouts:
             r.prompt_index += start
         seconds = time.perf_counter() - begin
@@ -103,6 +120,8 @@ class RolloutWorker:
     def receive_weights(self, version: int, bucket_bytes: int) -> dict:
         begin = time.perf_counter()
         self.weights_version = self.sync.receive(self.vlm.model, version, bucket_bytes)
+        if self.engine is not None:
+            self.engine.load_weights(list(self.vlm.model.state_dict().items()))
         return {"worker": self.name, "version": self.weights_version, "seconds": time.perf_counter() - begin}
 
     def weights_checksum(self) -> tuple[int, str]:

@@ -99,21 +99,27 @@ def unpack_scores(payload: TeacherPayload, rollouts: list[Rollout], vocab_size: 
 
 
 class TeacherModel:
-    """The frozen full-token teacher: scores rollout shards."""
+    """The frozen full-token teacher: scores rollout shards (transformers, or vLLM with pools.teacher.backend: vllm)."""
 
     def __init__(self, job: JobConfig, name: str = "teacher"):
         import transformers
 
         from ..models.adapter import QwenVLM
-        from ..models.loading import load_vlm
+        from ..models.loading import load_vlm, resolve_model_dir
         from ..models.processor import VLMProcessor
         from .metrics import TeacherMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
-        model_dir, model = load_vlm(job.model.path)
+        model_dir = resolve_model_dir(job.model.path)
         self.processor = VLMProcessor(model_dir)
-        self.vlm = QwenVLM(model.eval().requires_grad_(False))
+        self.engine, self.vlm = None, None
+        if job.pools.teacher.backend == "vllm":
+            from ..engines.vllm_engine import engine_for_job
+
+            self.engine = engine_for_job(job, model_dir, role="teacher")
+        else:
+            self.vlm = QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
         self.metrics = TeacherMetrics(job.name, name)
 
     def score_shards(self, samples, shards) -> list[TeacherPayload]:
@@ -127,8 +133,14 @@ class TeacherModel:
         used = sorted({r.prompt_index for r in rollouts})
         encoded = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))
         dense = [encoded.get(i) for i in range(max(used) + 1)] if used else []  # indexed by prompt_index
-        with compute_precision(self.job.model.dtype, self.vlm.device):
-            scores = teacher_scores(self.vlm, dense, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
+        if self.engine is not None:
+            from ..engines.vllm_roles import vllm_teacher_scores
+
+            images = [[samples[i].image] if i in encoded else None for i in range(len(dense))]
+            scores = vllm_teacher_scores(self.engine, dense, images, rollouts, self.job.objective.top_k)
+        else:
+            with compute_precision(self.job.model.dtype, self.vlm.device):
+                scores = teacher_scores(self.vlm, dense, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
         seconds = time.perf_counter() - begin
         payloads, offset = [], 0
         for shard in shards:
