@@ -191,10 +191,20 @@ def test_driver_killed_mid_run_resumes_to_the_same_weights_and_metrics(cluster, 
         assert torch.equal(resumed_weights[name], value), name
 
 
+def wait_until_idle(timeout_s: float = 60.0) -> float:
+    """Available CPUs once the actors of earlier tests have released theirs (Ray frees them asynchronously)."""
+    import time
+
+    total, deadline = ray.cluster_resources()["CPU"], time.time() + timeout_s
+    while ray.available_resources().get("CPU") != total and time.time() < deadline:
+        time.sleep(0.5)
+    return ray.available_resources().get("CPU")
+
+
 def test_job_larger_than_the_cluster_is_refused_before_anything_starts(cluster, tiny_dirs, tmp_path):
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=4, workers=3, name="big")
     job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"cpus": 2.0, "gpus": 1.0})})})
-    before = ray.available_resources().get("CPU")
+    before = wait_until_idle()
     with pytest.raises(InsufficientResourcesError) as info:
         Driver(job)
     message = str(info.value)

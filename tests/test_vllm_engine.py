@@ -194,3 +194,27 @@ def test_selection_settings_are_validated_before_the_engine():
         SelectionRequest.split({"lt_opd_budget_bps": 0})
     request, rest = SelectionRequest.split({"lt_opd_budget_bps": 500, "lt_opd_query_ids": [3, 4], "max_pixels": 10})
     assert (request.budget_bps, request.query_ids, rest) == (500, (3, 4), {"max_pixels": 10})
+
+
+@pytest.mark.slow
+def test_an_image_beyond_max_pixels_is_resized_by_the_processor_rule_in_both_backends(tiny_dirs, engines):
+    """Qwen's smart resize (multiples of patch x merge, area within max_pixels) runs in both; nothing is truncated."""
+    from conftest import random_image
+
+    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.engines.vllm_engine import engine_prompt
+    from lt_opd_ray.models.processor import VLMProcessor, question_messages
+    from lt_opd_ray.models.sampler import sample
+
+    family = "qwen3_vl"
+    processor = VLMProcessor(tiny_dirs[family])
+    image = random_image(3, height=768, width=1024)  # 12x the tiny processor's max_pixels (256 x 256)
+    prompt = processor.encode(question_messages("What is in the picture?"), [image])
+    t, h, w = prompt.image_grid_thw[0].tolist()
+    n = t * h * w // 4
+    assert h * w * 16 * 16 <= 256 * 256 and n == int((prompt.mm_token_type_ids == 1).sum())
+    (completion, kept), = engines(family).generate([engine_prompt(prompt, [image])], _selections(1), GREEDY, seeds=[1])
+    assert kept[0].numel() == tokens_to_keep(n, BUDGET_BPS, K_MIN) and int(kept[0].max()) < n
+    vlm = _adapter(tiny_dirs[family])
+    reference = sample(vlm, [vlm.reduce(prompt, vlm.visual_features(prompt), kept)], GREEDY, [0], processor.tokenizer)[0]
+    assert completion.token_ids.tolist() == reference.token_ids.tolist()

@@ -44,6 +44,7 @@ class EnginePrompt:
     token_ids: list[int]
     images: list
     query_ids: list[int]
+    full_length: int  # tokens once every image is expanded to all its visual tokens
 
 
 def engine_prompt(prompt: PromptInputs, images: list) -> EnginePrompt:
@@ -53,7 +54,7 @@ def engine_prompt(prompt: PromptInputs, images: list) -> EnginePrompt:
     runs = sum(1 for i, kind in enumerate(types) if kind == IMAGE and (i == 0 or types[i - 1] != IMAGE))
     if runs != len(images):
         raise ValueError(f"prompt has {runs} image run(s) but {len(images)} image(s)")
-    return EnginePrompt(collapsed, list(images), prompt.input_ids[prompt.query_mask].tolist())
+    return EnginePrompt(collapsed, list(images), prompt.input_ids[prompt.query_mask].tolist(), prompt.input_ids.numel())
 
 
 @dataclass
@@ -135,6 +136,7 @@ class VLLMEngine:
                     include_stop_str_in_output=True,
                     stop_token_ids=list(params.eos_token_ids),
                     skip_special_tokens=False,
+                    detokenize=bool(params.stop),  # text is only needed to find stop strings
                 )
             )
         outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
@@ -201,7 +203,8 @@ class VLLMEngine:
             requests.append(request)
             extra = {}
             if self._v2_runner:
-                extra = dict(prompt_logprob_token_ids=ids.tolist(), prompt_logprob_start=len(prompt.token_ids) - 1)
+                # rows count in vLLM's expanded prompt: the full-token prompt, then the response
+                extra = dict(prompt_logprob_token_ids=ids.tolist(), prompt_logprob_start=prompt.full_length - 1)
             vllm_params.append(
                 VLLMSamplingParams(
                     max_tokens=1,
@@ -212,19 +215,19 @@ class VLLMEngine:
             )
         outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
         scored = []
-        for prompt, response, ids, output in zip(prompts, responses, requested, outputs):
-            scored.append(self._read_scores(output, len(prompt.token_ids), response.numel(), ids, top_k))
+        for response, ids, output in zip(responses, requested, outputs):
+            scored.append(self._read_scores(output, response.numel(), ids, top_k))
         return scored
 
-    def _read_scores(self, output, prompt_len, length, ids, top_k) -> ScoredResponse:
-        # prompt_logprobs[i] is the distribution that predicted prompt token i; the expanded
-        # prompt is longer than ours (k or N placeholders per image), so index from the end
+    def _read_scores(self, output, length, ids, top_k) -> ScoredResponse:
+        # prompt_logprobs[i] is the distribution that predicted prompt token i: the last
+        # `length` rows are the response's
         rows = output.prompt_logprobs[-length:]
         if self._v2_runner:
             tops = [sorted(row.items(), key=lambda item: item[1].rank)[:top_k] for row in rows]
             top_ids = torch.tensor([[t for t, _ in row] for row in tops], dtype=torch.int32)
             top_logp = torch.tensor([[lp.logprob for _, lp in row] for row in tops], dtype=torch.float32)
-            requested_logp = torch.as_tensor(output.prompt_logprob_token_ids_scores, dtype=torch.float32)
+            requested_logp = torch.as_tensor(output.prompt_token_id_logprobs, dtype=torch.float32)
             return ScoredResponse(top_ids, top_logp, requested_logp)
         full = torch.full((length, self.vocab_size), float("-inf"))
         for i, row in enumerate(rows):
