@@ -137,6 +137,7 @@ class VLLMEngine:
                     stop_token_ids=list(params.eos_token_ids),
                     skip_special_tokens=False,
                     detokenize=bool(params.stop),  # text is only needed to find stop strings
+                    flat_logprobs=True,  # a few flat lists instead of a dict per position
                 )
             )
         outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
@@ -144,20 +145,17 @@ class VLLMEngine:
         results = []
         for request, output in zip(requests, outputs):
             completion = output.outputs[0]
-            token_ids = torch.tensor(completion.token_ids, dtype=torch.long)
-            logprobs, top_ids = [], []
-            for token, position in zip(completion.token_ids, completion.logprobs):
-                logprobs.append(position[token].logprob)
-                ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
-                top_ids.append([t for t, lp in ranked if lp.rank is not None and lp.rank <= params.top_k_logprobs][: params.top_k_logprobs])
-            finish = {"stop": "stop" if completion.stop_reason is not None and not isinstance(completion.stop_reason, int) else "eos", "length": "length"}
+            logprobs, top_ids = _sampled_and_top(completion.logprobs, completion.token_ids, params.top_k_logprobs)
+            finish = "length"
+            if completion.finish_reason == "stop":  # vLLM's stop: a stop string (str reason) or an end token
+                finish = "stop" if isinstance(completion.stop_reason, str) else "eos"
             results.append(
                 (
                     Completion(
-                        token_ids=token_ids,
-                        logprobs=torch.tensor(logprobs, dtype=torch.float32),
-                        top_ids=torch.tensor(top_ids, dtype=torch.long).reshape(len(logprobs), -1),
-                        finish_reason=finish.get(completion.finish_reason, completion.finish_reason),
+                        token_ids=torch.tensor(completion.token_ids, dtype=torch.long),
+                        logprobs=logprobs,
+                        top_ids=top_ids,
+                        finish_reason=finish,
                     ),
                     kept[request["mm_processor_kwargs"][SelectionRequest.PREFIX + "nonce"]],
                 )
@@ -210,6 +208,7 @@ class VLLMEngine:
                     max_tokens=1,
                     prompt_logprobs=top_k if self._v2_runner else -1,
                     detokenize=False,
+                    flat_logprobs=True,
                     **extra,
                 )
             )
@@ -220,18 +219,23 @@ class VLLMEngine:
         return scored
 
     def _read_scores(self, output, length, ids, top_k) -> ScoredResponse:
-        # prompt_logprobs[i] is the distribution that predicted prompt token i: the last
+        # prompt_logprobs row i is the distribution that predicted prompt token i: the last
         # `length` rows are the response's
-        rows = output.prompt_logprobs[-length:]
+        flat = output.prompt_logprobs
+        rows = range(len(flat.start_indices) - length, len(flat.start_indices))
         if self._v2_runner:
-            tops = [sorted(row.items(), key=lambda item: item[1].rank)[:top_k] for row in rows]
-            top_ids = torch.tensor([[t for t, _ in row] for row in tops], dtype=torch.int32)
-            top_logp = torch.tensor([[lp.logprob for _, lp in row] for row in tops], dtype=torch.float32)
+            top_ids = torch.empty(length, top_k, dtype=torch.int32)
+            top_logp = torch.empty(length, top_k)
+            for i, row in enumerate(rows):
+                ranked = _ranked(flat, row, top_k)
+                top_ids[i] = torch.tensor([t for t, _ in ranked], dtype=torch.int32)
+                top_logp[i] = torch.tensor([lp for _, lp in ranked])
             requested_logp = torch.as_tensor(output.prompt_token_id_logprobs, dtype=torch.float32)
             return ScoredResponse(top_ids, top_logp, requested_logp)
         full = torch.full((length, self.vocab_size), float("-inf"))
         for i, row in enumerate(rows):
-            full[i, list(row.keys())] = torch.tensor([lp.logprob for lp in row.values()])
+            start, end = flat.start_indices[row], flat.end_indices[row]
+            full[i, flat.token_ids[start:end]] = torch.tensor(flat.logprobs[start:end])
         top_logp, top_ids = torch.topk(full, min(top_k, self.vocab_size), dim=-1)
         return ScoredResponse(top_ids.to(torch.int32), top_logp, full.gather(-1, ids.long()))
 
@@ -285,6 +289,28 @@ def _context_length(job, config: dict) -> int:
     wanted = job.data.max_pixels // token_pixels + TEXT_TOKENS + job.sampling.max_new_tokens
     text = config.get("text_config", config)
     return min(wanted, int(text.get("max_position_embeddings", wanted)))
+
+
+def _ranked(flat, row: int, k: int) -> list[tuple[int, float]]:
+    """(token id, log-prob) of ranks 1..k at one position of flat logprobs (the sampled token may lead, unranked)."""
+    start, end = flat.start_indices[row], flat.end_indices[row]
+    by_rank = {}
+    for token, logprob, rank in zip(flat.token_ids[start:end], flat.logprobs[start:end], flat.ranks[start:end]):
+        if rank is not None and rank <= k:
+            by_rank.setdefault(rank, (token, logprob))
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def _sampled_and_top(flat, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per generated token: its log-prob [T] and the top-k ids [T, k], from vLLM's flat sample logprobs."""
+    logprobs, top_ids = [], []
+    for row, token in enumerate(tokens):
+        start = flat.start_indices[row]
+        if flat.token_ids[start] != token:
+            raise RuntimeError(f"vLLM logprobs out of step with the sampled tokens at position {row}")
+        logprobs.append(flat.logprobs[start])  # vLLM puts the sampled token first
+        top_ids.append([t for t, _ in _ranked(flat, row, k)])
+    return torch.tensor(logprobs, dtype=torch.float32), torch.tensor(top_ids, dtype=torch.long).reshape(len(tokens), k)
 
 
 def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:
