@@ -52,7 +52,7 @@ class ReferenceTrainer:
         self.job = job
         model_dir, model = load_vlm(job.model.path)
         torch.manual_seed(job.seed)
-        self.processor = VLMProcessor(model_dir)
+        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.student = QwenVLM(model.train())
         teacher_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.teacher = QwenVLM(teacher_model)

@@ -223,3 +223,23 @@ def test_an_image_beyond_max_pixels_is_resized_by_the_processor_rule_in_both_bac
         (_, kept), = engines(family).generate([engine_prompt(prompt, [image])], [selection], GREEDY, seeds=[1])
         assert kept[0].numel() == tokens_to_keep(n, budget_bps, K_MIN)
         assert int(kept[0].max()) < n
+
+
+@pytest.mark.slow
+def test_the_jobs_pixel_bounds_resize_alike_in_both_backends(tiny_dirs):
+    """data.min_pixels / max_pixels reach the transformers processor and vLLM's alike (here a quarter of the folder's)."""
+    from conftest import random_image
+
+    from lt_opd_ray.engines.vllm_engine import VLLMEngine, engine_prompt
+    from lt_opd_ray.engines.vllm_models import SelectionRequest
+    from lt_opd_ray.models.processor import VLMProcessor, question_messages
+
+    family, bounds = "qwen2_5_vl", (4096, 16384)
+    processor = VLMProcessor(tiny_dirs[family], *bounds)
+    image = random_image(4, height=768, width=1024)
+    prompt = processor.encode(question_messages("What is in the picture?"), [image])
+    t, h, w = prompt.image_grid_thw[0].tolist()
+    assert h * w * 14 * 14 <= bounds[1] < 4 * h * w * 14 * 14
+    engine = VLLMEngine(tiny_dirs[family], max_model_len=1024, min_pixels=bounds[0], max_pixels=bounds[1])
+    (_, kept), = engine.generate([engine_prompt(prompt, [image])], [SelectionRequest(k_min=1)], GREEDY, seeds=[1])
+    assert kept[0].numel() == t * h * w // 4  # 100%: every one of the same N tokens

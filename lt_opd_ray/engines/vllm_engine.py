@@ -77,7 +77,8 @@ class VLLMEngine:
     _nonces = itertools.count(1)
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096,
-                 max_logprobs: int = 128, max_images: int = 1, seed: int = 0):
+                 max_logprobs: int = 128, max_images: int = 1, seed: int = 0,
+                 min_pixels: int | None = None, max_pixels: int | None = None):
         self.model_dir = Path(model_dir)
         _check_architecture(self.model_dir)
         configure_environment()
@@ -94,6 +95,8 @@ class VLLMEngine:
             # the V1 runner (vLLM's CPU build) scores requested ids from the full vocabulary
             max_logprobs=max_logprobs if on_gpu else -1,
             limit_mm_per_prompt={"image": max_images, "video": 0},
+            # the same resize bounds as VLMProcessor (otherwise the model folder's)
+            mm_processor_kwargs={k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v} or None,
             # vLLM's switch for pruned multimodal inputs: with it on, the runner lets the model
             # place the kept tokens' M-RoPE positions after the encoder (recompute_mrope_positions)
             video_pruning_rate=0.5,
@@ -279,6 +282,8 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         max_model_len=_context_length(job, config),
         max_logprobs=job.objective.top_k + 1,  # top-k, and k + 1 requested ids per scored row
         seed=job.seed,
+        min_pixels=job.data.min_pixels,
+        max_pixels=job.data.max_pixels,
     )
 
 

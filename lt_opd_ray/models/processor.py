@@ -1,6 +1,9 @@
 """Chat messages + images -> one prompt's token ids, image pixels and the query-token mask.
 
-Images go through the Qwen2-VL PIL image processor (no torchvision needed); the
+Images go through the Qwen2-VL PIL image processor (no torchvision needed), resized
+so their area lies within [min_pixels, max_pixels] with sides in multiples of
+patch x merge (Qwen's smart resize; the bounds come from the job, else the model
+folder); the
 chat template comes from the model's tokenizer. Each `<|image_pad|>` of the
 rendered template is expanded to the image's N post-merger tokens. The query
 mask marks the tokens of the user's text parts only (question and options), not
@@ -62,12 +65,19 @@ def load_image(source: Any, where: str = "image"):
 class VLMProcessor:
     """Tokenizer + image processor of one model folder."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, min_pixels: int | None = None, max_pixels: int | None = None):
+        """min_pixels / max_pixels (a job's data section) override the model folder's resize bounds."""
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        if min_pixels is not None or max_pixels is not None:
+            size = self.image_processor.size
+            self.image_processor.size = {
+                "shortest_edge": min_pixels or size.shortest_edge,
+                "longest_edge": max_pixels or size.longest_edge,
+            }
         self.merge_size = self.image_processor.merge_size
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:

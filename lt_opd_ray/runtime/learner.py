@@ -68,7 +68,7 @@ class Learner:
 
         self.job, self.rank, self.world = job, rank, world
         model_dir, model = load_vlm(job.model.path)
-        self.processor = VLMProcessor(model_dir)
+        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.model_dir = model_dir
         self.module = StudentObjective(model.train(), job.objective)
         optimizer, scheduler = build_optimizer(model, job.optimizer)

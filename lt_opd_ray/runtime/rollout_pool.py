@@ -50,7 +50,7 @@ class RolloutWorker:
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         model_dir, model = load_vlm(job.model.path)
-        self.processor = VLMProcessor(model_dir)
+        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         # the fixed-prefix and SFT ablations sample with the frozen initial weights (the teacher)
         self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))

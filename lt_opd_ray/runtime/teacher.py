@@ -112,7 +112,7 @@ class TeacherModel:
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         model_dir = resolve_model_dir(job.model.path)
-        self.processor = VLMProcessor(model_dir)
+        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.engine, self.vlm = None, None
         if job.pools.teacher.backend == "vllm":
             from ..engines.vllm_engine import engine_for_job
