@@ -97,16 +97,11 @@ class VLLMEngine:
             limit_mm_per_prompt={"image": max_images, "video": 0},
             # the same resize bounds as VLMProcessor (otherwise the model folder's)
             mm_processor_kwargs={k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v} or None,
-            # vLLM's switch for pruned multimodal inputs: with it on, the runner lets the model
-            # place the kept tokens' M-RoPE positions after the encoder (recompute_mrope_positions)
-            video_pruning_rate=0.5,
             enforce_eager=not on_gpu,
             seed=seed,
             logprobs_mode="raw_logprobs",  # log p under the model's distribution, before temperature / top-p
             gpu_memory_utilization=0.5 if on_gpu else 0.9,
         )
-        # vLLM's CPU runner skips the GPU runner's check that turns this on after loading the model
-        self.llm.collective_rpc(_enable_pruned_positions)
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self._v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
@@ -338,10 +333,6 @@ def _check_architecture(model_dir: Path) -> None:
             f"{config_path}: architecture {', '.join(unsupported)} has no visual-token pruning support in the vLLM engine;"
             f" supported: {', '.join(PRUNED_ARCHITECTURES)}"
         )
-
-
-def _enable_pruned_positions(worker) -> None:
-    worker.model_runner.is_multimodal_pruning_enabled = True
 
 
 def _pop_selections(worker, nonces):

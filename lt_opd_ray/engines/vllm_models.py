@@ -13,9 +13,10 @@ transformers adapter does (DESIGN §1):
   (t, h, w) offset inside the image's full merged grid in three extra channels;
 - M-RoPE: text tokens get the positions they have in the full-token prompt (an image
   advances the text position by its full grid, never by k), image slots get their
-  final positions once the encoder has chosen them: vLLM calls
-  `recompute_mrope_positions` after the encoder when multimodal pruning is on, and
-  that puts the image's base position plus each kept token's offset in place;
+  final positions once the encoder has chosen them: vLLM's model runner calls
+  `recompute_mrope_positions` after the encoder (`register` turns that on for our
+  models), and that puts the image's base position plus each kept token's offset
+  in place;
 - the chosen indices are recorded per (request nonce, image) for the engine to
   collect (`pop_selections`).
 
@@ -156,7 +157,7 @@ class PruningProcessorMixin:
 class PruningModelMixin:
     """Selection inside `embed_multimodal`, full-prompt M-RoPE positions for what is kept."""
 
-    supports_multimodal_pruning = True  # vLLM then calls recompute_mrope_positions after the encoder
+    supports_multimodal_pruning = True  # the interface of recompute_mrope_positions
 
     def _init_pruning(self) -> None:
         # vLLM's own EVS post-processing keys off this flag; our rows carry their positions themselves
@@ -299,9 +300,36 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+def _turn_on_pruned_positions(runner_cls) -> None:
+    """After loading one of our models, a model runner calls `recompute_mrope_positions`.
+
+    vLLM turns that hook on only when video pruning is configured (GPU runner) or
+    never (its CPU runner's `load_model` skips the check); our models need it for
+    every image, so the runner's `load_model` is wrapped once per process.
+    """
+    original = runner_cls.load_model
+    if getattr(original, "lt_opd_wrapped", False):
+        return
+
+    def load_model(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if isinstance(self.get_model(), PruningModelMixin):
+            self.is_multimodal_pruning_enabled = True
+
+    load_model.lt_opd_wrapped = True
+    runner_cls.load_model = load_model
+
+
 def register() -> None:
     """vLLM plugin entry point: our pruning classes serve the three Qwen VLM architectures."""
     from vllm import ModelRegistry
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     for architecture, target in PRUNED_ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
+    _turn_on_pruned_positions(GPUModelRunner)
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:  # a CUDA build of vLLM
+        return
+    _turn_on_pruned_positions(CPUModelRunner)
