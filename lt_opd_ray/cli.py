@@ -125,6 +125,36 @@ def cmd_ablation(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import CompressionConfig, ExportError, export_student
+
+    job = _load_job_or_report(args.job)
+    if job is None:
+        return 2
+    try:
+        out = export_student(job, args.out, step=args.step, force=args.force)
+    except ExportError as exc:
+        print(f"export failed: {exc}", file=sys.stderr)
+        return 1
+    compression = CompressionConfig.read(out)
+    print(f"wrote {out}: a Hugging Face folder + lt_opd_compression.json ({compression.selector},"
+          f" {compression.budget_bps / 100:g}%, k_min {compression.k_min})")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from .engines.serve import serve_command
+
+    try:
+        argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach it directly
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -167,6 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
     ablation.add_argument("--steps", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
     ablation.add_argument("--arms", nargs="+", default=None, help="subset of arms (default: all)")
     ablation.set_defaults(func=cmd_ablation)
+
+    export = sub.add_parser("export", help="write the trained student as a Hugging Face folder + its compression config")
+    export.add_argument("job", help="the job YAML the student was trained with")
+    export.add_argument("--out", required=True, help="output folder (assembled beside it, renamed into place)")
+    export.add_argument("--step", type=int, default=None, help="export checkpoint step-N (default: <checkpoint.dir>/final)")
+    export.add_argument("--force", action="store_true", help="replace an existing output folder")
+    export.set_defaults(func=cmd_export)
+
+    serve = sub.add_parser("serve", help="serve an exported student at its budget (vLLM, OpenAI-compatible); -- passes vLLM options")
+    serve.add_argument("model", help="exported model folder")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
+    serve.add_argument("--max-model-len", type=int, default=8192)
+    serve.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
     tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])

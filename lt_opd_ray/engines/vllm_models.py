@@ -106,7 +106,29 @@ def grid_offsets(grid: tuple[int, int, int]) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- processor
 class PruningProcessorMixin:
-    """Emits k placeholders per image and attaches the selection settings to each image."""
+    """Emits k placeholders per image and attaches the selection settings to each image.
+
+    A request that leaves settings out gets them from the model folder's compression
+    config (`lt_opd_compression.json`, written by `lt-opd export`; none: every token)
+    and, without query ids, the question tokens of its own prompt.
+    """
+
+    def apply(self, inputs, *args, **kwargs):
+        completed = self._with_defaults(inputs.prompt, inputs.hf_processor_mm_kwargs)
+        return super().apply(dataclasses.replace(inputs, hf_processor_mm_kwargs=completed), *args, **kwargs)
+
+    def _with_defaults(self, prompt_ids, kwargs: Mapping[str, object]) -> dict[str, object]:
+        from ..export import CompressionConfig
+        from ..models.processor import question_token_ids
+
+        completed = dict(kwargs)
+        compression = CompressionConfig.read(self.info.ctx.model_config.model)
+        if compression is not None:
+            for name in ("selector", "budget_bps", "k_min"):
+                completed.setdefault(SelectionRequest.PREFIX + name, getattr(compression, name))
+        if SelectionRequest.PREFIX + "query_ids" not in completed and isinstance(prompt_ids, list):
+            completed[SelectionRequest.PREFIX + "query_ids"] = question_token_ids(prompt_ids, self.info.get_tokenizer())
+        return completed
 
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
         request, rest = SelectionRequest.split(hf_kwargs)

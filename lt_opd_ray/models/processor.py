@@ -139,6 +139,29 @@ def _user_text_spans(messages: list[dict], rendered: str) -> list[tuple[int, int
     return spans
 
 
+def question_token_ids(ids: list[int], tokenizer) -> list[int]:
+    """The question's token ids in a rendered prompt: the text of the user turn that holds the first image.
+
+    The same tokens `VLMProcessor.encode` marks as the query for chat prompts built
+    from messages, recovered from token ids alone (a served request arrives as ids):
+    the turn's role header ("user" and its newline) and special tokens are dropped.
+    """
+    start_id, end_id = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    if image_id not in ids:
+        return []
+    first_image = ids.index(image_id)
+    start = max((i for i in range(first_image) if ids[i] == start_id), default=-1) + 1
+    end = next((i for i in range(first_image, len(ids)) if ids[i] == end_id), len(ids))
+    turn = ids[start:end]
+    header = tokenizer("user\n", add_special_tokens=False)["input_ids"]
+    if turn[: len(header)] == header:
+        turn = turn[len(header) :]
+    special = set(tokenizer.all_special_ids) | set(tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]))
+    return [t for t in turn if t not in special]
+
+
 def question_messages(question: str, system_prompt: str | None = None) -> list[dict]:
     """The single-image chat layout of LT-14K rows: [system], user = image + question."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

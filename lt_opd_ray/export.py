@@ -1,0 +1,115 @@
+"""The trained student as a servable folder: a standard Hugging Face checkpoint plus its compression config.
+
+`lt_opd_compression.json` (selector, budget_bps, k_min) travels with the weights:
+our vLLM plugin applies it to every request that does not set its own selection,
+so `lt-opd serve DIR` (or `vllm serve DIR` with this package installed) answers at
+the student's budget. The folder is assembled beside its destination and renamed
+into place, so a failed export never leaves a half-written folder under that name
+and never replaces a good one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+COMPRESSION_FILE = "lt_opd_compression.json"
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    selector: str
+    budget_bps: int  # visual budget r in basis points (500 = 5%)
+    k_min: int
+
+    @classmethod
+    def from_job(cls, job) -> CompressionConfig:
+        return cls(selector=job.selector.name, budget_bps=job.budget.target_bps, k_min=job.budget.k_min)
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / COMPRESSION_FILE).write_text(json.dumps({"format": 1, **asdict(self)}, indent=2) + "\n")
+
+    @classmethod
+    def read(cls, folder: str | Path) -> CompressionConfig | None:
+        """The folder's compression config, or None when it has none (a stock model: every token)."""
+        path = Path(folder) / COMPRESSION_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        try:
+            return cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a compression config ({exc!r}); expected selector, budget_bps, k_min") from None
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def export_student(job, out_dir: str | Path, step: int | None = None, force: bool = False) -> Path:
+    """Write the job's student to `out_dir`: from `<checkpoint.dir>/final`, or from checkpoint `step-<step>`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise ExportError(f"{out_dir} exists; choose another folder or pass --force to replace it")
+    root = Path(job.checkpoint.dir)
+    staging = out_dir.with_name(out_dir.name + ".incoming")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        if step is None:
+            final = root / "final"
+            if not (final / "config.json").exists():
+                raise ExportError(
+                    f"{final}: no finished student (the run has not reached budget.total_steps);"
+                    f" export a checkpoint with --step (available: {_steps(root) or 'none'})"
+                )
+            shutil.copytree(final, staging)
+        else:
+            _from_deepspeed_checkpoint(job, root, step, staging)
+        CompressionConfig.from_job(job).write(staging)
+        _check_loadable(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(staging, out_dir)
+    return out_dir
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "driver_state.json").exists())
+
+
+def _from_deepspeed_checkpoint(job, root: Path, step: int, staging: Path) -> None:
+    """fp32 weights gathered from the ZeRO partitions of one complete checkpoint, saved over the base model."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .models.loading import load_vlm
+    from .models.processor import VLMProcessor
+
+    tag = f"step-{step}"
+    if not (root / tag / "driver_state.json").exists():
+        raise ExportError(f"{root / tag}: no complete checkpoint (available steps: {_steps(root) or 'none'})")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    prefix = "model."  # the DeepSpeed module wraps the Hugging Face model as `.model`
+    weights = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    model_dir, model = load_vlm(job.model.path)
+    expected = set(model.state_dict())
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
+        raise ExportError(f"{root / tag}: weights do not match {job.model.path} (missing {missing}, unexpected {extra})")
+    model.save_pretrained(staging, state_dict=weights)
+    processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+    processor.tokenizer.save_pretrained(staging)
+    processor.image_processor.save_pretrained(staging)
+
+
+def _check_loadable(folder: Path) -> None:
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - any failure means the folder is not a usable checkpoint
+        raise ExportError(f"{folder}: the exported folder does not load as a Hugging Face model: {exc}") from None

@@ -1,0 +1,128 @@
+"""Export (Hugging Face folder + compression config) and serving at the student's budget on vLLM's CPU build."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import FAMILIES, job_for, random_image
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("system_prompt", [None, "You are a helpful assistant."])
+def test_question_ids_recovered_from_a_prompt_are_the_query_mask(family, system_prompt, loaded):
+    from lt_opd_ray.models.processor import question_messages, question_token_ids
+
+    _, processor, _ = loaded[family]
+    prompt = processor.encode(question_messages("Which colour is the top-left shape?", system_prompt), [random_image(0)])
+    is_image = prompt.mm_token_type_ids == 1
+    first = int(is_image.nonzero()[0])
+    collapsed = prompt.input_ids[~is_image | (torch.arange(is_image.numel()) == first)].tolist()  # one placeholder
+    assert question_token_ids(collapsed, processor.tokenizer) == prompt.input_ids[prompt.query_mask].tolist()
+
+
+def test_compression_config_round_trips_and_a_broken_one_is_named(tmp_path):
+    from lt_opd_ray.export import COMPRESSION_FILE, CompressionConfig
+
+    assert CompressionConfig.read(tmp_path) is None
+    CompressionConfig("cdpruner", 500, 2).write(tmp_path)
+    assert CompressionConfig.read(tmp_path) == CompressionConfig("cdpruner", 500, 2)
+    (tmp_path / COMPRESSION_FILE).write_text(json.dumps({"selector": "cdpruner"}))
+    with pytest.raises(ValueError, match=f"{COMPRESSION_FILE}.*budget_bps"):
+        CompressionConfig.read(tmp_path)
+
+
+def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(tiny_dirs, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from lt_opd_ray.export import CompressionConfig, ExportError, export_student
+
+    job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
+    out = tmp_path / "student"
+    with pytest.raises(ExportError, match="no finished student.*available: none"):
+        export_student(job, out)
+    assert not out.exists() and not out.with_name("student.incoming").exists()
+
+    shutil.copytree(tiny_dirs["qwen3_vl"], tmp_path / "run" / "final")  # what a finished run leaves
+    export_student(job, out)
+    assert CompressionConfig.read(out) == CompressionConfig("cdpruner", job.budget.target_bps, job.budget.k_min)
+    exported = AutoModelForImageTextToText.from_pretrained(out)
+    original = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen3_vl"])
+    for (name, a), (_, b) in zip(exported.state_dict().items(), original.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ExportError, match="exists"):
+        export_student(job, out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        return json.loads(urllib.request.urlopen(request, timeout=120).read())
+    except urllib.error.HTTPError as error:
+        raise AssertionError(f"HTTP {error.code}: {error.read().decode()[:2000]}") from None
+
+
+@pytest.mark.slow
+def test_served_student_answers_an_image_question_with_the_compressed_prefill(tiny_dirs, tmp_path):
+    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.export import CompressionConfig
+    from lt_opd_ray.models.processor import VLMProcessor, question_messages
+
+    student = tmp_path / "student"
+    shutil.copytree(tiny_dirs["qwen3_vl"], student)
+    CompressionConfig("cdpruner", 2500, 2).write(student)
+    image, question = random_image(7), "What is in the picture?"
+    prompt = VLMProcessor(student).encode(question_messages(question), [image])
+    n = int((prompt.mm_token_type_ids == 1).sum())
+    full_length = prompt.input_ids.numel()
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli", "serve", str(student), "--port", str(port),
+                               "--max-model-len", "1024", "--", "--trust-request-mm-kwargs"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                assert time.time() < deadline, "server did not come up"
+                time.sleep(2)
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        content = [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+            {"type": "text", "text": question},
+        ]
+        body = {"model": str(student), "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+        answer = _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+        assert isinstance(answer["choices"][0]["message"]["content"], str)
+        # the prefill held k of the image's N visual tokens (the compression config's budget)
+        assert answer["usage"]["prompt_tokens"] == full_length - n + tokens_to_keep(n, 2500, 2)
+        # a request may set its own budget where the server trusts request mm kwargs (a vLLM option)
+        body["mm_processor_kwargs"] = {"lt_opd_budget_bps": 10000}
+        assert _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)["usage"]["prompt_tokens"] == full_length
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
