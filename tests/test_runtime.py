@@ -303,7 +303,7 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     from lt_opd_ray.runtime.launch import run
 
     extra = 'eval: {data: "synthetic:4", every_steps: 2, selectors: [cdpruner, uniform]}\n'
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, total=5, name="export", extra=extra)
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, total=5, every=4, name="export", extra=extra)
     logs = run(job)
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4]
@@ -314,3 +314,12 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     learner = reference_run(job, 5)[1]  # the distributed run reproduces the reference (tested above)
     assert relative_distance({n: p.detach() for n, p in exported.named_parameters()}, learner) <= 1e-4
     assert not (tmp_path / "final.incoming").exists()
+
+    # lt-opd export: the finished student, and the ZeRO-partitioned checkpoint of step 4 gathered to fp32
+    from lt_opd_ray.export import CompressionConfig, export_student
+
+    export_student(job, tmp_path / "served")
+    assert CompressionConfig.read(tmp_path / "served") == CompressionConfig("cdpruner", 500, 2)
+    export_student(job, tmp_path / "step4", step=4)
+    at_step_4 = AutoModelForImageTextToText.from_pretrained(tmp_path / "step4", dtype=torch.float32)
+    assert relative_distance({n: p.detach() for n, p in at_step_4.named_parameters()}, reference_run(job, 4)[1]) <= 1e-4
