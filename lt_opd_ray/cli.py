@@ -155,6 +155,37 @@ def cmd_serve(args) -> int:
     os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach it directly
 
 
+def cmd_efficiency(args) -> int:
+    import json
+
+    from .efficiency import PRESETS, patch_grid, prefill_cost
+
+    if args.preset:
+        config = PRESETS[args.preset]
+    else:
+        path = Path(args.model) / "config.json"
+        if not path.exists():
+            print(f"efficiency: {path} not found (give a model folder or --preset)", file=sys.stderr)
+            return 2
+        config = json.loads(path.read_text())
+    try:
+        height, width = (int(v) for v in args.image.lower().split("x"))
+    except ValueError:
+        print(f"efficiency: --image {args.image!r} is not HEIGHTxWIDTH in pixels", file=sys.stderr)
+        return 2
+    grid = patch_grid(config, height, width)
+    rows = [prefill_cost(config, args.text_tokens, [grid], bps, args.k_min) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
+    full = rows[0]
+    print(f"{args.preset or args.model}: {args.text_tokens} text tokens + one {height}x{width} image"
+          f" ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
+    print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}")
+    for bps, row in zip(sorted(set(args.budgets + [10000]), reverse=True), rows):
+        print(f"{bps / 100:>6g}% {row.prefill_tokens:>7} {row.lm_flops / 1e12:>10.3f} ({row.lm_flops / full.lm_flops - 1:>+6.1%})"
+              f" {row.vision_flops / 1e12:>14.3f} {row.kv_cache_bytes / 1e6:>6.2f} ({row.kv_cache_bytes / full.kv_cache_bytes - 1:>+6.1%})"
+              f" {row.linear_state_bytes / 1e6:>13.2f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.set_defaults(func=cmd_serve)
+
+    efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
+    efficiency.add_argument("model", nargs="?", default=None, help="model folder (its config.json)")
+    efficiency.add_argument("--preset", choices=["qwen3.5-4b"], default=None, help="a built-in config instead of a folder")
+    efficiency.add_argument("--text-tokens", type=int, default=84, help="text tokens of the prompt (default 84)")
+    efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
+    efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
+    efficiency.add_argument("--k-min", type=int, default=1)
+    efficiency.set_defaults(func=cmd_efficiency)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
     tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])

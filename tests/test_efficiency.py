@@ -1,0 +1,108 @@
+"""Analytic prefill FLOPs and cache bytes against what the tiny real models do.
+
+FLOPs are measured two ways: forward hooks on every nn.Linear / nn.Conv3d (the
+projections), and torch's FlopCounterMode over the whole forward with eager
+attention (every matmul, attention included). Cache bytes are the sizes of the
+tensors in the model's own cache after a prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import FAMILIES, random_image
+from lt_opd_ray.efficiency import QWEN35_4B, lm_projection_flops_per_token, prefill_cost, vision_projection_flops
+
+BUDGET_BPS, K_MIN = 2500, 2
+
+
+def _projection_flops(modules) -> tuple[dict, list]:
+    counted = {"flops": 0}
+
+    def hook(module, inputs, output):
+        if isinstance(module, torch.nn.Linear):
+            rows = inputs[0].numel() // inputs[0].shape[-1]
+            counted["flops"] += 2 * module.in_features * module.out_features * rows
+        else:  # Conv3d patch embedding
+            counted["flops"] += 2 * output.numel() * module.in_channels * math.prod(module.kernel_size)
+
+    handles = [m.register_forward_hook(hook) for m in modules if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d))]
+    return counted, handles
+
+
+def _tensors(states) -> list:
+    """The tensors of a cache layer's per-state container (a dict or list keyed by state index)."""
+    values = states.values() if isinstance(states, dict) else (states or [])
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_analytic_costs_equal_the_counted_flops_and_the_real_cache(family, tiny_dirs):
+    from transformers import AutoModelForImageTextToText
+
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.processor import VLMProcessor, question_messages
+    from lt_opd_ray.selectors import build_selector
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dirs[family], dtype=torch.float32).eval()
+    model.set_attn_implementation("eager")  # attention as matmuls, which FlopCounterMode counts
+    config = json.loads((tiny_dirs[family] / "config.json").read_text())
+    vlm, processor = QwenVLM(model), VLMProcessor(tiny_dirs[family])
+    prompt = processor.encode(question_messages("What is in the picture?"), [random_image(0, 160, 224)])
+    grid = tuple(prompt.image_grid_thw[0].tolist())
+
+    language, lm_hooks = _projection_flops(model.model.language_model.modules())
+    vision, vision_hooks = _projection_flops(model.model.visual.modules())
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as vision_counter:
+            features = vlm.visual_features(prompt)
+        kept = vlm.select(prompt, features, build_selector("cdpruner"), BUDGET_BPS, K_MIN)
+        reduced = vlm.reduce(prompt, features, kept)
+        with FlopCounterMode(display=False) as lm_counter:
+            _, cache = vlm.run_language_model(vlm.pad_batch([reduced]), use_cache=True)
+    for handle in lm_hooks + vision_hooks:
+        handle.remove()
+
+    cost = prefill_cost(config, reduced.length - kept[0].numel(), [grid], BUDGET_BPS, K_MIN, dtype_bytes=4, state_dtype_bytes=4)
+    assert cost.prefill_tokens == reduced.length
+    assert language["flops"] == lm_projection_flops_per_token(config) * reduced.length
+    assert vision["flops"] == vision_projection_flops(config, grid)
+    assert vision_counter.get_total_flops() == cost.vision_flops  # + every block's attention (Qwen2.5-VL: windows)
+    if family != "qwen3_5":  # all full attention: projections + 4 L^2 H d per layer is every counted matmul
+        assert lm_counter.get_total_flops() == cost.lm_flops
+    else:  # the reference chunked GDN kernel pads to 64-token chunks: more counted work than the recurrent form
+        assert lm_counter.get_total_flops() > cost.lm_flops
+
+    kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+    states = sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for name in ("conv_states", "recurrent_states")
+        for t in _tensors(getattr(layer, name, None))
+    )
+    assert (kv, states) == (cost.kv_cache_bytes, cost.linear_state_bytes)
+
+
+def test_qwen35_4b_preset_reproduces_the_papers_cache_and_prefill_reduction():
+    """84 text tokens and an 896 x 832 image (728 visual tokens): the layout the paper's KV figure implies."""
+    full = prefill_cost(QWEN35_4B, 84, [(1, 56, 52)], 10000, 1)
+    low = prefill_cost(QWEN35_4B, 84, [(1, 56, 52)], 500, 1)
+    assert (full.prefill_tokens, low.prefill_tokens) == (812, 121)
+    assert full.kv_cache_bytes / 1e6 == pytest.approx(26.59, rel=0.01) and low.kv_cache_bytes / 1e6 == pytest.approx(3.93, rel=0.01)
+    assert full.lm_flops / 1e12 == pytest.approx(6.002, rel=0.02) and low.lm_flops / 1e12 == pytest.approx(0.878, rel=0.02)
+    assert low.linear_state_bytes == full.linear_state_bytes and low.vision_flops == full.vision_flops
+
+
+def test_efficiency_command_prints_the_reduction_table(capsys):
+    from lt_opd_ray.cli import main
+
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--budgets", "500"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "728 visual tokens" in lines[0]
+    assert lines[-1].split()[:3] == ["5%", "121", "0.875"] and "-85.3%" in lines[-1]
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--image", "big"]) == 2
