@@ -1,0 +1,1 @@
+"""Benchmark evaluation: answer extraction, scorers, retain ratios."""
