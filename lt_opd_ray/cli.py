@@ -155,6 +155,31 @@ def cmd_serve(args) -> int:
     os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach it directly
 
 
+def cmd_eval(args) -> int:
+    import transformers
+
+    from .evals.benchmarks import BenchmarkError
+    from .evals.run import run_eval
+    from .models.processor import InputError
+
+    transformers.logging.set_verbosity_error()
+    files = {}
+    for spec in args.bench:
+        name, _, path = spec.partition("=")
+        if not path:
+            print(f"eval: --bench {spec!r} is not NAME=FILE", file=sys.stderr)
+            return 2
+        files[name] = path
+    try:
+        run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit)
+    except (BenchmarkError, InputError, ValueError) as exc:
+        print(f"eval failed: {exc}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "retain_table.md").read_text())
+    print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, retain.png")
+    return 0
+
+
 def cmd_efficiency(args) -> int:
     import json
 
@@ -243,6 +268,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.set_defaults(func=cmd_serve)
+
+    evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
+    evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:board)")
+    evaluate.add_argument("--bench", action="append", required=True, metavar="NAME=FILE",
+                          help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench")
+    evaluate.add_argument("--budgets", type=int, nargs="+", default=[500, 1000, 2500], help="budgets in basis points")
+    evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"])
+    evaluate.add_argument("--k-min", type=int, default=1)
+    evaluate.add_argument("--max-new-tokens", type=int, default=16)
+    evaluate.add_argument("--limit", type=int, default=None, help="first N items of each benchmark")
+    evaluate.add_argument("--out", default="runs/eval", help="output folder")
+    evaluate.set_defaults(func=cmd_eval)
 
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
     efficiency.add_argument("model", nargs="?", default=None, help="model folder (its config.json)")

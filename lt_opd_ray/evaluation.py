@@ -41,7 +41,7 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate_answers(
+def generate_responses(
     vlm: QwenVLM,
     processor: VLMProcessor,
     samples: list[Sample],
@@ -51,15 +51,13 @@ def evaluate_answers(
     system_prompt: str | None = None,
     max_new_tokens: int = 16,
     batch_size: int = 32,
-) -> Evaluation:
-    """Greedy answers of `vlm` with `selector` at `budget_bps`; a sample is correct when its parsed answer equals `answer`."""
-    unanswerable = [s.uid for s in samples if s.answer is None]
-    if unanswerable:
-        raise ValueError(f"samples without a reference answer cannot be scored: {', '.join(unanswerable[:5])}")
+    stop: tuple[str, ...] = (),
+) -> list[str]:
+    """Greedy responses of `vlm` with `selector` at `budget_bps` (10000: every visual token), one per sample."""
     choose = build_selector(selector)
     tokenizer = processor.tokenizer
     params = SamplingParams(
-        max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=("</answer>",), eos_token_ids=(tokenizer.eos_token_id,)
+        max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,)
     )
     was_training = vlm.model.training
     vlm.model.eval()
@@ -77,5 +75,26 @@ def evaluate_answers(
         completions = sample(vlm, reduced, params, [0] * len(reduced), tokenizer)
         responses += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     vlm.model.train(was_training)
+    return responses
+
+
+def evaluate_answers(
+    vlm: QwenVLM,
+    processor: VLMProcessor,
+    samples: list[Sample],
+    budget_bps: int,
+    selector: str = "cdpruner",
+    k_min: int = 1,
+    system_prompt: str | None = None,
+    max_new_tokens: int = 16,
+    batch_size: int = 32,
+) -> Evaluation:
+    """Greedy answers at `budget_bps`; a sample is correct when its parsed <answer> equals `answer`."""
+    unanswerable = [s.uid for s in samples if s.answer is None]
+    if unanswerable:
+        raise ValueError(f"samples without a reference answer cannot be scored: {', '.join(unanswerable[:5])}")
+    responses = generate_responses(
+        vlm, processor, samples, budget_bps, selector, k_min, system_prompt, max_new_tokens, batch_size, stop=("</answer>",)
+    )
     correct = [parse_answer(r) == str(s.answer).strip().lower() for r, s in zip(responses, samples)]
     return Evaluation(budget_bps, selector, responses, correct)

@@ -1,0 +1,377 @@
+"""Adapters for the nine benchmarks of the paper, stored locally in their usual release layouts.
+
+Each adapter reads one benchmark file into items (a prompt with one image and its
+references) and scores a list of responses with the benchmark's own metric
+(`scoring`). Every problem of a file is collected (row id, field) and reported at
+once: a file with any bad row is refused whole, so no score is ever computed on a
+silently shortened benchmark.
+
+| name      | file                                   | fields                                             | score |
+|-----------|----------------------------------------|----------------------------------------------------|-------|
+| mmbench   | TSV (VLMEvalKit)                       | index, question, [hint], A, B, C, D.., answer, image (base64) | accuracy x 100 |
+| hrbench   | TSV (VLMEvalKit)                       | as mmbench                                         | accuracy x 100 |
+| mmmu      | JSONL                                  | id, question, options (list), answer (letter), image | accuracy x 100 |
+| vstar     | JSONL                                  | as mmmu                                            | accuracy x 100 |
+| pope      | JSONL                                  | question_id, image, text, label (yes/no)           | F1 x 100 (+ accuracy, precision, recall) |
+| gqa       | JSON {qid: {imageId, question, answer}}| images in images/<imageId>.jpg                      | exact match x 100 |
+| textvqa   | JSON {"data": [...]}                   | question_id, question, image_id, answers (10); images/<image_id>.jpg | VQA accuracy x 100 |
+| mme       | TSV (VLMEvalKit)                       | index, image (base64), question, answer (Yes/No), category, [image_path] | perception + cognition |
+| ocrbench  | JSON list                              | dataset_name, image_path, question, answers         | correct count |
+
+Images are base64 strings or paths relative to the benchmark file's folder.
+"""
+
+from __future__ import annotations
+
+import abc
+import ast
+import base64
+import binascii
+import csv
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..data import Sample
+from . import scoring
+
+MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
+SHORT_INSTRUCTION = "Answer the question using a single word or phrase."
+YES_NO_INSTRUCTION = "Please answer yes or no."
+
+
+class BenchmarkError(ValueError):
+    """A benchmark file that cannot be evaluated; the message lists every bad row by id."""
+
+
+@dataclass
+class Item:
+    sample: Sample  # uid, image (bytes or path), the full prompt text
+    reference: dict = field(default_factory=dict)
+
+
+class _Problems:
+    def __init__(self, path: Path):
+        self.path, self.items = path, []
+
+    def add(self, row_id, message: str) -> None:
+        self.items.append(f"{row_id}: {message}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            shown = "\n  ".join(self.items[:20])
+            more = f"\n  ... and {len(self.items) - 20} more" if len(self.items) > 20 else ""
+            raise BenchmarkError(f"{self.path}: {len(self.items)} problem(s)\n  {shown}{more}")
+
+
+class Benchmark(abc.ABC):
+    name: str
+    headline: str
+
+    def load(self, path: str | Path) -> list[Item]:
+        path = Path(path)
+        if not path.exists():
+            raise BenchmarkError(f"{path}: benchmark file not found")
+        problems = _Problems(path)
+        items = self._read(path, problems)
+        seen: set[str] = set()
+        for item in items:
+            if item.sample.uid in seen:
+                problems.add(item.sample.uid, "duplicate id")
+            seen.add(item.sample.uid)
+        if not items and not problems.items:
+            problems.add("-", "no rows")
+        problems.raise_if_any()
+        return items
+
+    @abc.abstractmethod
+    def _read(self, path: Path, problems: _Problems) -> list[Item]: ...
+
+    @abc.abstractmethod
+    def score(self, items: list[Item], responses: list[str]) -> dict[str, float]:
+        """Metrics, with the headline under "score"."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def _image(value, folder: Path, row_id, problems: _Problems):
+    """bytes of a base64 image, or the path of an image file, that decodes; None (and a problem) otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not value:
+        problems.add(row_id, "no image")
+        return None
+    text = str(value)
+    candidate = folder / text
+    if len(text) < 512 and candidate.exists():
+        image = candidate
+    else:
+        try:
+            image = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            problems.add(row_id, f"image {text[:60]!r} is neither a file under {folder} nor base64")
+            return None
+    try:
+        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as opened:
+            opened.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError):
+        source = "the base64 data" if isinstance(image, bytes) else f"{image}"
+        problems.add(row_id, f"image does not decode ({source} is not a readable image)")
+        return None
+    return image
+
+
+def _required(row: dict, names: tuple[str, ...], row_id, problems: _Problems) -> bool:
+    missing = [n for n in names if row.get(n) in (None, "")]
+    for name in missing:
+        problems.add(row_id, f"no {name}")
+    return not missing
+
+
+def _read_tsv(path: Path) -> list[dict]:
+    csv.field_size_limit(1 << 30)  # base64 images
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle, delimiter="\t"))
+
+
+def _read_jsonl(path: Path, problems: _Problems) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            problems.add(f"line {number}", f"not JSON ({exc.msg})")
+    return rows
+
+
+def _mc_prompt(question: str, options: list[str], hint: str = "") -> str:
+    lines = [hint.strip()] if hint and hint.strip() and hint.strip().lower() != "nan" else []
+    lines.append(question.strip())
+    lines += [f"{scoring.LETTERS[i]}. {option}" for i, option in enumerate(options)]
+    lines.append(MC_INSTRUCTION)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- multiple choice
+class _MultipleChoice(Benchmark):
+    headline = "accuracy x 100"
+
+    def score(self, items, responses):
+        accuracy = scoring.multiple_choice_accuracy(
+            responses, [i.reference["options"] for i in items], [i.reference["answer"] for i in items]
+        )
+        return {"score": 100 * accuracy, "accuracy": accuracy}
+
+
+class MMBench(_MultipleChoice):
+    name = "mmbench"
+
+    def _read(self, path, problems):
+        items = []
+        for row in _read_tsv(path):
+            row_id = row.get("index") or "?"
+            if not _required(row, ("index", "question", "answer", "image"), row_id, problems):
+                continue
+            options = [row[letter] for letter in scoring.LETTERS if row.get(letter) not in (None, "", "nan")]
+            if len(options) < 2:
+                problems.add(row_id, "fewer than two options (columns A, B, ...)")
+                continue
+            if row["answer"] not in scoring.LETTERS[: len(options)]:
+                problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
+                continue
+            image = _image(row["image"], path.parent, row_id, problems)
+            if image is not None:
+                prompt = _mc_prompt(row["question"], options, row.get("hint", ""))
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"options": options, "answer": row["answer"]}))
+        return items
+
+
+class HRBench(MMBench):
+    name = "hrbench"
+
+
+class MMMU(_MultipleChoice):
+    name = "mmmu"
+
+    def _read(self, path, problems):
+        items = []
+        for row in _read_jsonl(path, problems):
+            row_id = row.get("id", "?")
+            if not _required(row, ("id", "question", "options", "answer", "image"), row_id, problems):
+                continue
+            options = row["options"]
+            if isinstance(options, str):  # MMMU releases store the list as its Python repr
+                try:
+                    options = ast.literal_eval(options)
+                except (ValueError, SyntaxError):
+                    problems.add(row_id, "options is neither a list nor a list literal")
+                    continue
+            if not isinstance(options, list) or len(options) < 2:
+                problems.add(row_id, "options must list at least two choices")
+                continue
+            if row["answer"] not in scoring.LETTERS[: len(options)]:
+                problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
+                continue
+            image = _image(row["image"], path.parent, row_id, problems)
+            if image is not None:
+                question = str(row["question"]).replace("<image 1>", "the image")
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, _mc_prompt(question, [str(o) for o in options])),
+                                  {"options": [str(o) for o in options], "answer": row["answer"]}))
+        return items
+
+
+class VStarBench(MMMU):
+    name = "vstar"
+
+
+# --------------------------------------------------------------------------------- POPE
+class POPE(Benchmark):
+    name = "pope"
+    headline = "F1 x 100"
+
+    def _read(self, path, problems):
+        items = []
+        for row in _read_jsonl(path, problems):
+            row_id = row.get("question_id", "?")
+            if not _required(row, ("question_id", "image", "text", "label"), row_id, problems):
+                continue
+            if str(row["label"]).strip().lower() not in ("yes", "no"):
+                problems.add(row_id, f"label {row['label']!r} is not yes/no")
+                continue
+            image = _image(row["image"], path.parent, row_id, problems)
+            if image is not None:
+                prompt = f"{row['text'].strip()} {YES_NO_INSTRUCTION}"
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"label": str(row["label"])}))
+        return items
+
+    def score(self, items, responses):
+        metrics = scoring.pope_scores(responses, [i.reference["label"] for i in items])
+        return {"score": 100 * metrics["f1"], **metrics}
+
+
+# ------------------------------------------------------------------------- short answers
+class GQA(Benchmark):
+    name = "gqa"
+    headline = "exact match x 100"
+
+    def _read(self, path, problems):
+        try:
+            questions = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            problems.add("file", f"not JSON ({exc.msg})")
+            return []
+        items = []
+        for qid, row in questions.items():
+            if not _required(row, ("imageId", "question", "answer"), qid, problems):
+                continue
+            image = _image(f"images/{row['imageId']}.jpg", path.parent, qid, problems)
+            if image is not None:
+                items.append(Item(Sample(f"{self.name}-{qid}", image, f"{row['question']}\n{SHORT_INSTRUCTION}"), {"answer": row["answer"]}))
+        return items
+
+    def score(self, items, responses):
+        accuracy = sum(scoring.exact_match(r, i.reference["answer"]) for r, i in zip(responses, items, strict=True)) / len(items)
+        return {"score": 100 * accuracy, "accuracy": accuracy}
+
+
+class TextVQA(Benchmark):
+    name = "textvqa"
+    headline = "VQA accuracy x 100"
+
+    def _read(self, path, problems):
+        try:
+            rows = json.loads(path.read_text()).get("data", [])
+        except (json.JSONDecodeError, AttributeError) as exc:
+            problems.add("file", f"not a TextVQA JSON with a data list ({exc})")
+            return []
+        items = []
+        for row in rows:
+            row_id = row.get("question_id", "?")
+            if not _required(row, ("question_id", "question", "image_id", "answers"), row_id, problems):
+                continue
+            image = _image(f"images/{row['image_id']}.jpg", path.parent, row_id, problems)
+            if image is not None:
+                prompt = f"{row['question']}\n{SHORT_INSTRUCTION}"
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"answers": list(row["answers"])}))
+        return items
+
+    def score(self, items, responses):
+        accuracy = sum(scoring.vqa_accuracy(r, i.reference["answers"]) for r, i in zip(responses, items, strict=True)) / len(items)
+        return {"score": 100 * accuracy, "accuracy": accuracy}
+
+
+# ----------------------------------------------------------------------------------- MME
+class MME(Benchmark):
+    name = "mme"
+    headline = "perception + cognition"
+
+    def _read(self, path, problems):
+        items = []
+        for row in _read_tsv(path):
+            row_id = row.get("index") or "?"
+            if not _required(row, ("index", "image", "question", "answer", "category"), row_id, problems):
+                continue
+            if row["answer"].strip().lower() not in ("yes", "no"):
+                problems.add(row_id, f"answer {row['answer']!r} is not Yes/No")
+                continue
+            if row["category"] not in scoring.MME_PERCEPTION + scoring.MME_COGNITION:
+                problems.add(row_id, f"unknown category {row['category']!r}")
+                continue
+            image = _image(row["image"], path.parent, row_id, problems)
+            if image is not None:
+                question = row["question"].strip()
+                prompt = question if YES_NO_INSTRUCTION.lower() in question.lower() else f"{question} {YES_NO_INSTRUCTION}"
+                key = row.get("image_path") or hashlib.sha256(str(row["image"]).encode()).hexdigest()
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt),
+                                  {"subtask": row["category"], "image": key, "answer": row["answer"]}))
+        return items
+
+    def score(self, items, responses):
+        records = [{**i.reference, "response": r} for i, r in zip(items, responses, strict=True)]
+        scores = scoring.mme_scores(records)
+        return {"score": scores["perception"] + scores["cognition"], **scores}
+
+
+# ------------------------------------------------------------------------------ OCRBench
+class OCRBench(Benchmark):
+    name = "ocrbench"
+    headline = "correct answers (of the file's questions)"
+
+    def _read(self, path, problems):
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            problems.add("file", f"not JSON ({exc.msg})")
+            return []
+        items = []
+        for number, row in enumerate(rows):
+            row_id = row.get("id", number)
+            if not _required(row, ("dataset_name", "image_path", "question", "answers"), row_id, problems):
+                continue
+            image = _image(row["image_path"], path.parent, row_id, problems)
+            answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
+            if image is not None:
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, row["question"]),
+                                  {"answers": [str(a) for a in answers], "dataset": row["dataset_name"]}))
+        return items
+
+    def score(self, items, responses):
+        correct = scoring.ocrbench_score(
+            responses, [i.reference["answers"] for i in items], [i.reference["dataset"] for i in items]
+        )
+        return {"score": float(correct), "correct": float(correct)}
+
+
+BENCHMARKS: dict[str, type[Benchmark]] = {
+    cls.name: cls for cls in (MMBench, MMMU, VStarBench, HRBench, POPE, GQA, TextVQA, MME, OCRBench)
+}
+
+
+def benchmark(name: str) -> Benchmark:
+    try:
+        return BENCHMARKS[name]()
+    except KeyError:
+        raise BenchmarkError(f"unknown benchmark format {name!r}; known: {', '.join(sorted(BENCHMARKS))}") from None

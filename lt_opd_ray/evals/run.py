@@ -1,0 +1,114 @@
+"""`lt-opd eval`: a model at full tokens and at budgets, with selectors, over local benchmarks -> the retain table.
+
+Every benchmark file is read and checked before any model runs. The full-token
+score (every visual token, no selector) is computed once per benchmark; each
+(selector, budget) score is divided by it and averaged over benchmarks (a
+benchmark whose full-token score is 0 has no retain ratio: it is listed, not
+averaged). Results go to a folder assembled beside `out` and renamed into place:
+results.json, retain_table.md / .csv, retain.png (retain ratio against budget).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..config import BPS
+from .benchmarks import benchmark
+from .scoring import retain_ratio
+
+
+def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selectors: list[str], out: str | Path,
+             k_min: int = 1, max_new_tokens: int = 16, limit: int | None = None, log=print) -> dict:
+    from ..evaluation import generate_responses
+    from ..models.adapter import QwenVLM
+    from ..models.loading import load_vlm
+    from ..models.processor import VLMProcessor
+    from ..selectors import build_selector
+
+    for name in selectors:
+        build_selector(name)  # unknown selectors fail before anything runs
+    suites = {}
+    for name, path in files.items():
+        adapter = benchmark(name)
+        suites[name] = (adapter, adapter.load(path)[:limit])
+    model_dir, model = load_vlm(model_path)
+    vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
+
+    def score(adapter, items, budget_bps, selector):
+        responses = generate_responses(vlm, processor, [i.sample for i in items], budget_bps, selector, k_min,
+                                       max_new_tokens=max_new_tokens)
+        return adapter.score(items, responses), responses
+
+    results = {"model": str(model_path), "k_min": k_min, "benchmarks": {}, "retain": {}}
+    for name, (adapter, items) in suites.items():
+        full, _ = score(adapter, items, BPS, selectors[0])
+        entry = {"headline": adapter.headline, "items": len(items), "full": full, "pruned": {}}
+        for selector in selectors:
+            for budget in budgets:
+                metrics, _ = score(adapter, items, budget, selector)
+                entry["pruned"][f"{selector}@{budget}"] = metrics
+                log(f"{name}: {selector} at {budget / 100:g}%: {metrics['score']:.2f} (full {full['score']:.2f})")
+        results["benchmarks"][name] = entry
+    for selector in selectors:
+        for budget in budgets:
+            key = f"{selector}@{budget}"
+            scored = {n: e["full"]["score"] for n, e in results["benchmarks"].items() if e["full"]["score"] > 0}
+            at_budget = {n: results["benchmarks"][n]["pruned"][key]["score"] for n in scored}
+            results["retain"][key] = {
+                "retain": retain_ratio(at_budget, scored) if scored else None,
+                "per_benchmark": {n: at_budget[n] / scored[n] for n in scored},
+                "without_full_score": sorted(set(results["benchmarks"]) - set(scored)),
+            }
+    _write(results, selectors, budgets, Path(out))
+    return results
+
+
+def _write(results: dict, selectors: list[str], budgets: list[int], out: Path) -> None:
+    staging = out.with_name(out.name + ".incoming")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    (staging / "results.json").write_text(json.dumps(results, indent=2))
+    names = list(results["benchmarks"])
+    header = ["selector", "budget"] + [f"{n} ({results['benchmarks'][n]['headline']})" for n in names] + ["avg retain"]
+    rows = [["full tokens", "100%"] + [f"{results['benchmarks'][n]['full']['score']:.2f}" for n in names] + ["1.000"]]
+    for selector in selectors:
+        for budget in budgets:
+            key = f"{selector}@{budget}"
+            retain = results["retain"][key]
+            cells = []
+            for n in names:
+                score = results["benchmarks"][n]["pruned"][key]["score"]
+                ratio = retain["per_benchmark"].get(n)
+                cells.append(f"{score:.2f} ({ratio:.3f})" if ratio is not None else f"{score:.2f} (n/a)")
+            average = f"{retain['retain']:.3f}" if retain["retain"] is not None else "n/a"
+            rows.append([selector, f"{budget / 100:g}%"] + cells + [average])
+    (staging / "retain_table.md").write_text(
+        "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n" + "".join("| " + " | ".join(r) + " |\n" for r in rows)
+    )
+    (staging / "retain_table.csv").write_text("\n".join(",".join(f'"{c}"' for c in r) for r in [header] + rows) + "\n")
+    _plot(results, selectors, budgets, staging / "retain.png")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(staging, out)
+
+
+def _plot(results: dict, selectors: list[str], budgets: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    for selector in selectors:
+        points = [(b / 100, results["retain"][f"{selector}@{b}"]["retain"]) for b in sorted(budgets)]
+        points = [(x, y) for x, y in points if y is not None]
+        axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=selector)
+    axis.set_xlabel("visual tokens kept (%)")
+    axis.set_ylabel("average retain ratio")
+    axis.axhline(1.0, color="grey", lw=0.5)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,137 @@
+"""Benchmark adapters on small fixtures in each benchmark's release layout, and `lt-opd eval` end to end."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+
+import pytest
+
+from conftest import random_image
+from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
+
+
+def _b64(seed: int) -> str:
+    buffer = io.BytesIO()
+    random_image(seed, 64, 64).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _save(folder, name: str, seed: int) -> str:
+    (folder / "images").mkdir(exist_ok=True)
+    random_image(seed, 64, 64).save(folder / "images" / name)
+    return f"images/{name}"
+
+
+def _tsv(path, rows):
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]), delimiter="\t")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def fixture(name: str, folder):
+    """(file, responses that score perfectly, expected perfect score) for each format."""
+    if name in ("mmbench", "hrbench"):
+        rows = [
+            {"index": i, "question": f"Q{i}?", "hint": "", "A": "cat", "B": "dog", "C": "bird", "D": "", "answer": "ABC"[i],
+             "category": "x", "image": _b64(i)}
+            for i in range(3)
+        ]
+        return _tsv(folder / f"{name}.tsv", rows), ["A", "(B)", "The answer is C."], 100.0
+    if name in ("mmmu", "vstar"):
+        rows = [{"id": f"v{i}", "question": "What is in <image 1>?", "options": "['cat', 'dog']" if i else ["cat", "dog"],
+                 "answer": "AB"[i], "image": _save(folder, f"{i}.png", i)} for i in range(2)]
+        return _jsonl(folder / f"{name}.jsonl", rows), ["A", "dog"], 100.0
+    if name == "pope":
+        rows = [{"question_id": i, "image": _save(folder, f"{i}.png", i), "text": "Is there a cat?", "label": "yes" if i % 2 else "no"}
+                for i in range(4)]
+        return _jsonl(folder / "pope.jsonl", rows), ["No.", "Yes", "no", "yes, there is"], 100.0
+    if name == "gqa":
+        questions = {f"q{i}": {"imageId": f"n{i}", "question": "What colour?", "answer": "red"} for i in range(2)}
+        for i in range(2):
+            _save(folder, f"n{i}.jpg", i)
+        (folder / "gqa.json").write_text(json.dumps(questions))
+        return folder / "gqa.json", ["Red.", "the red"], 100.0
+    if name == "textvqa":
+        data = [{"question_id": i, "question": "What does it say?", "image_id": f"t{i}", "answers": ["stop"] * 10} for i in range(2)]
+        for i in range(2):
+            _save(folder, f"t{i}.jpg", i)
+        (folder / "textvqa.json").write_text(json.dumps({"data": data}))
+        return folder / "textvqa.json", ["STOP", "stop"], 100.0
+    if name == "mme":
+        rows = [{"index": i, "image": _b64(i // 2), "image_path": f"img{i // 2}", "question": "Is there a cat? Please answer yes or no.",
+                 "answer": "Yes" if i % 2 == 0 else "No", "category": "existence" if i < 2 else "code_reasoning"} for i in range(4)]
+        return _tsv(folder / "mme.tsv", rows), ["Yes", "No", "yes", "no"], 400.0  # 200 per subtask
+    if name == "ocrbench":
+        rows = [{"dataset_name": "IIIT5K", "image_path": _save(folder, f"o{i}.png", i), "question": "What is written?",
+                 "answers": ["hello"], "type": "Regular Text Recognition"} for i in range(2)]
+        (folder / "ocrbench.json").write_text(json.dumps(rows))
+        return folder / "ocrbench.json", ["It says Hello.", "hello world"], 2.0
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_each_adapter_reads_its_format_and_scores_perfect_answers(name, tmp_path):
+    path, perfect, best = fixture(name, tmp_path)
+    adapter = benchmark(name)
+    items = adapter.load(path)
+    assert len(items) == len(perfect) and len({i.sample.uid for i in items}) == len(items)
+    assert adapter.score(items, perfect)["score"] == pytest.approx(best)
+    assert adapter.score(items, ["unrelated"] * len(items))["score"] < best
+    if name in ("mmbench", "hrbench", "mmmu", "vstar"):
+        assert "A. cat" in items[0].sample.question and "letter" in items[0].sample.question
+
+
+def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
+    rows = [
+        {"question_id": 1, "image": "images/missing.png", "text": "Is there a cat?", "label": "yes"},
+        {"question_id": 2, "image": _save(tmp_path, "ok.png", 0), "text": "", "label": "yes"},
+        {"question_id": 3, "image": "images/ok.png", "text": "Is there a dog?", "label": "maybe"},
+        {"question_id": 5, "image": "images/ok.png", "text": "Is there a dog?", "label": "no"},
+        {"question_id": 5, "image": "images/ok.png", "text": "Is there a cat?", "label": "no"},
+        {"question_id": 4, "image": base64.b64encode(b"not an image").decode(), "text": "A cat?", "label": "no"},
+    ]
+    path = _jsonl(tmp_path / "pope.jsonl", rows)
+    with path.open("a") as handle:
+        handle.write("{broken\n")
+    with pytest.raises(BenchmarkError) as info:
+        benchmark("pope").load(path)
+    message = str(info.value)
+    for expected in ("1: image 'images/missing.png' is neither a file", "2: no text", "3: label 'maybe' is not yes/no",
+                     "4: image does not decode (the base64 data", "line 7: not JSON", "pope-5: duplicate id"):
+        assert expected in message, message
+    with pytest.raises(BenchmarkError, match="unknown benchmark format 'seedbench'"):
+        benchmark("seedbench")
+
+
+@pytest.mark.slow
+def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, capsys):
+    from lt_opd_ray.cli import main
+
+    mmbench, _, _ = fixture("mmbench", tmp_path)
+    pope, _, _ = fixture("pope", tmp_path)
+    out = tmp_path / "eval"
+    argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}",
+            "--budgets", "500", "2500", "--selectors", "cdpruner", "divprune", "--max-new-tokens", "4", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["benchmarks"]) == {"mmbench", "pope"}
+    for key, retain in results["retain"].items():
+        scored = {n: e for n, e in results["benchmarks"].items() if e["full"]["score"] > 0}
+        ratios = [scored[n]["pruned"][key]["score"] / scored[n]["full"]["score"] for n in scored]
+        assert retain["retain"] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
+        assert sorted(retain["without_full_score"]) == sorted(set(results["benchmarks"]) - set(scored))
+    table = (out / "retain_table.md").read_text()
+    assert table.count("\n") == 2 + 1 + 4  # header, rule, full tokens, 2 selectors x 2 budgets
+    assert (out / "retain.png").read_bytes()[:4] == b"\x89PNG" and (out / "retain_table.csv").exists()
+    assert main(["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"nope={pope}", "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
