@@ -155,6 +155,30 @@ def cmd_serve(args) -> int:
     os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach it directly
 
 
+def cmd_data(args) -> int:
+    from tqdm import tqdm
+
+    from .models.processor import InputError
+    from .prepare import DataError, prepare
+
+    with tqdm(desc="rows", unit="row") as bar:
+        def progress(done: int) -> None:
+            bar.update(done - bar.n)
+
+        try:
+            manifest = prepare(args.source, args.out, args.images, args.shard_rows, args.max_shards, progress)
+        except (DataError, InputError) as exc:
+            bar.close()
+            print(f"data: {exc}", file=sys.stderr)
+            return 1
+    if manifest is None:
+        print(f"stopped after {args.max_shards} new shard(s); run the same command again to continue")
+        return 0
+    print(f"wrote {args.out}: {manifest['rows']} rows in {len(manifest['shards'])} shard(s) + manifest.json"
+          f" (use it as data.path: {args.out})")
+    return 0
+
+
 def cmd_eval(args) -> int:
     import transformers
 
@@ -268,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.set_defaults(func=cmd_serve)
+
+    data = sub.add_parser("data", help="verify and shard a training set (LT-14K layout, datasets folder, JSONL/parquet)")
+    data.add_argument("source", help="LT-14K folder, datasets save_to_disk folder, or .jsonl/.parquet file")
+    data.add_argument("--out", required=True, help="output folder (manifest.json is written last)")
+    data.add_argument("--images", default=None, help="image folder of a JSONL/parquet source (default: its folder)")
+    data.add_argument("--shard-rows", type=int, default=1000)
+    data.add_argument("--max-shards", type=int, default=None, help="stop after N new shards (run again to continue)")
+    data.set_defaults(func=cmd_data)
 
     evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
     evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:board)")

@@ -58,26 +58,31 @@ def synthetic_sample(index: int, seed: int = 0, size: int = 128) -> Sample:
     return Sample(uid=f"synthetic-{seed}-{index}", image=image, question=question, answer=answers[asked])
 
 
-def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
-    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question."""
+def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
+    """(line or row number, record) of a JSONL or parquet file, unchecked."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file not found")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        records = [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-        where = "row"
-    else:
-        records = []
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append((line_no, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}: line {line_no}: not valid JSON: {exc.msg}") from None
-        where = "line"
+        return [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    records = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((line_no, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}: line {line_no}: not valid JSON: {exc.msg}") from None
+    return records
+
+
+def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
+    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question."""
+    path = Path(path)
+    records = read_rows_raw(path)
+    where = "row" if path.suffix == ".parquet" else "line"
     samples, seen = [], {}
     for number, row in records:
         missing = [f for f in REQUIRED_FIELDS if not row.get(f)]
@@ -96,7 +101,7 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
     """`synthetic:<n>` (coloured quadrants), `board:<n>` / `board-test:<n>` (the toy board task's
-    training / held-out split) or a file path."""
+    training / held-out split), a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
     kind, _, count = spec.partition(":")
     if kind in ("synthetic", "board", "board-test"):
         if not count.isdigit() or int(count) < 1:
@@ -106,4 +111,8 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list
 
             return board_samples(int(count), seed=0, split="test" if kind == "board-test" else "train")
         return [synthetic_sample(i, seed) for i in range(int(count))]
+    if (Path(spec) / "manifest.json").exists():  # prepared by `lt-opd data`
+        from .prepare import read_prepared
+
+        return read_prepared(spec)
     return read_rows(spec, image_root)

@@ -48,6 +48,8 @@ def load_image(source: Any, where: str = "image"):
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
+    if hasattr(source, "read"):  # an image inside a prepared shard (lt_opd_ray.prepare.ShardImage)
+        source = source.read()
     try:
         if isinstance(source, (bytes, bytearray)):
             image = Image.open(io.BytesIO(source))

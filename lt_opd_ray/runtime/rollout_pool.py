@@ -80,9 +80,10 @@ class RolloutWorker:
         uids = [s.uid for s in mine]
         if self.engine is not None:
             from ..engines.vllm_roles import vllm_rollout
+            from ..models.processor import load_image
 
             rollouts = vllm_rollout(
-                self.engine, prompts, [[s.image] for s in mine], uids, self.job.selector.name, budget_bps,
+                self.engine, prompts, [[load_image(s.image, s.uid)] for s in mine], uids, self.job.selector.name, budget_bps,
                 self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step,
             )
         else:

@@ -135,8 +135,9 @@ class TeacherModel:
         dense = [encoded.get(i) for i in range(max(used) + 1)] if used else []  # indexed by prompt_index
         if self.engine is not None:
             from ..engines.vllm_roles import vllm_teacher_scores
+            from ..models.processor import load_image
 
-            images = [[samples[i].image] if i in encoded else None for i in range(len(dense))]
+            images = [[load_image(samples[i].image, samples[i].uid)] if i in encoded else None for i in range(len(dense))]
             scores = vllm_teacher_scores(self.engine, dense, images, rollouts, self.job.objective.top_k)
         else:
             with compute_precision(self.job.model.dtype, self.vlm.device):

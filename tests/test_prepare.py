@@ -1,0 +1,136 @@
+"""`lt-opd data`: LT-14K-style sources -> verified shards + manifest, refusals, resume, and the loader."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from conftest import random_image
+from lt_opd_ray.prepare import DataError, prepare, read_prepared
+
+
+def _png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    random_image(seed, 48, 64).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def lt14k(folder, count=5, break_rows=()):
+    """An LT-14K-style folder: train.parquet, media.jsonl, images/part-000.tar; `break_rows` names faults to inject."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (folder / "images").mkdir(parents=True)
+    rows, media = [], []
+    with tarfile.open(folder / "images" / "part-000.tar", "w") as archive:
+        for i in range(count):
+            data = _png(i)
+            info = tarfile.TarInfo(f"img/{i}.png")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+            entry = {"sample_uid": f"s{i}", "path": f"img/{i}.png", "url": None, "access": "bundled", "archive": "images/part-000.tar",
+                     "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "source_media_key": f"k{i}"}
+            media.append(entry)
+            rows.append({"sample_uid": f"s{i}", "question": f"What is in picture {i}?", "answer": None})
+    faults = dict(break_rows)
+    if "sha" in faults:
+        media[faults["sha"]]["sha256"] = "0" * 64
+    if "member" in faults:
+        media[faults["member"]]["path"] = "img/missing.png"
+    if "url" in faults:
+        media[faults["url"]].update(access="url", url="https://example.org/x.png")
+    if "question" in faults:
+        rows[faults["question"]]["question"] = ""
+    if "duplicate" in faults:
+        rows[faults["duplicate"]]["sample_uid"] = "s0"
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    (folder / "media.jsonl").write_text("".join(json.dumps(m) + "\n" for m in media))
+    return folder
+
+
+def test_an_lt14k_folder_becomes_shards_whose_images_are_the_originals(tmp_path):
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.models.processor import load_image
+
+    source = lt14k(tmp_path / "src")
+    manifest = prepare(source, tmp_path / "out", shard_rows=2)
+    assert manifest["rows"] == 5 and [s["rows"] for s in manifest["shards"]] == [2, 2, 1]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
+    samples = load_samples(str(tmp_path / "out"))
+    assert [s.uid for s in samples] == [f"s{i}" for i in range(5)]
+    for i, sample in enumerate(samples):
+        assert np.array_equal(np.asarray(load_image(sample.image)), np.asarray(random_image(i, 48, 64)))
+    with pytest.raises(DataError, match="already a prepared data set"):
+        prepare(source, tmp_path / "out")
+
+
+def test_every_bad_row_is_reported_and_nothing_is_written(tmp_path):
+    source = lt14k(tmp_path / "src", count=6, break_rows={"sha": 1, "member": 2, "url": 3, "question": 4, "duplicate": 5}.items())
+    with pytest.raises(DataError) as info:
+        prepare(source, tmp_path / "out", shard_rows=2)
+    message = str(info.value)
+    for expected in ("5 problem(s), nothing written", "s1: image SHA-256", "s2: image: 'img/missing.png' is not in",
+                     "s3: image: media is a url", "s4: no question", "s0: duplicate sample_uid"):
+        assert expected in message, message
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.incoming").exists()
+
+
+def test_an_interrupted_preparation_resumes_to_the_same_data_set(tmp_path):
+    source = lt14k(tmp_path / "src")
+    assert prepare(source, tmp_path / "part", shard_rows=2, max_shards=1) is None
+    assert not (tmp_path / "part").exists()  # no manifest, not under the final name
+    assert json.loads((tmp_path / "part.incoming" / "progress.json").read_text())["uids"] == ["s0", "s1"]
+    resumed = prepare(source, tmp_path / "part", shard_rows=2)
+    whole = prepare(source, tmp_path / "whole", shard_rows=2)
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in whole["shards"]]
+    assert [s.uid for s in read_prepared(tmp_path / "part")] == [s.uid for s in read_prepared(tmp_path / "whole")]
+
+
+def test_a_datasets_folder_and_a_jsonl_file_are_sources_too(tmp_path):
+    import datasets
+
+    images = [random_image(i, 32, 32) for i in range(3)]
+    data = datasets.Dataset.from_dict(
+        {"sample_uid": ["a", "b", "c"], "question": ["q1", "q2", "q3"], "answer": ["x", None, "z"], "image": images},
+        features=datasets.Features({"sample_uid": datasets.Value("string"), "question": datasets.Value("string"),
+                                    "answer": datasets.Value("string"), "image": datasets.Image()}),
+    )
+    data.save_to_disk(str(tmp_path / "hf"))
+    assert prepare(tmp_path / "hf", tmp_path / "from_hf")["rows"] == 3
+
+    (tmp_path / "pics").mkdir()
+    lines = []
+    for i in range(2):
+        (tmp_path / "pics" / f"{i}.png").write_bytes(_png(i))
+        lines.append(json.dumps({"sample_uid": f"j{i}", "question": "q", "image": f"{i}.png", "sha256": hashlib.sha256(_png(i)).hexdigest()}))
+    lines.append(json.dumps({"sample_uid": "j2", "question": "q", "image": "absent.png"}))
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match="j2: image: .*absent.png not found"):
+        prepare(tmp_path / "rows.jsonl", tmp_path / "from_jsonl", images=tmp_path / "pics")
+    with pytest.raises(DataError, match="not a source this command reads"):
+        prepare(tmp_path / "pics", tmp_path / "nope")
+
+
+def test_training_reads_a_prepared_folder_in_a_resumable_order(tiny_dirs, tmp_path):
+    """The loader streams images from the shards; the data order resumes exactly from a cursor."""
+    import math
+
+    from conftest import job_for
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.train_loop import batches
+
+    prepare(lt14k(tmp_path / "src", count=5), tmp_path / "data", shard_rows=2)
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path / "run")
+    job = job.model_copy(update={"data": job.data.model_copy(update={"path": str(tmp_path / "data")})})
+    samples = load_samples(job.data.path)
+    fresh = batches(samples, 2, job.data.shuffle_seed)
+    order = [[s.uid for s in next(fresh)] for _ in range(4)]
+    resumed = batches(samples, 2, job.data.shuffle_seed, cursor=4)
+    assert [[s.uid for s in next(resumed)] for _ in range(2)] == order[2:]
+    assert math.isfinite(ReferenceTrainer(job).update(batches(samples, 2, job.data.shuffle_seed).__next__()).stats.loss)
