@@ -217,8 +217,12 @@ class CheckpointConfig(_Strict):
     """Complete checkpoints kept on disk."""
 
 
+BenchmarkName = Literal["mmbench", "mmmu", "vstar", "hrbench", "pope", "gqa", "textvqa", "mme", "ocrbench"]
+
+
 class EvalConfig(_Strict):
-    """Answer accuracy of the current student during training, on a rollout worker (greedy, exact match)."""
+    """Scores of the current student during training, on the rollout workers (greedy): answer accuracy on `data`
+    (exact match on <answer>) and each benchmark's own metric."""
 
     data: str | None = None
     """Rows with reference answers (file, `synthetic:<n>`, `board-test:<n>`); None: no evaluation."""
@@ -230,6 +234,12 @@ class EvalConfig(_Strict):
     """Selectors evaluated at that budget (the first is the headline metric)."""
     max_new_tokens: int = Field(16, ge=1)
     """Longest answer."""
+    benchmarks: dict[BenchmarkName, str] = {}
+    """Benchmark files scored with their own metric at the same budget and selectors (name -> file; see `lt-opd eval`)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.data is not None or bool(self.benchmarks)
 
 
 class MetricsConfig(_Strict):

@@ -91,6 +91,14 @@ def test_each_adapter_reads_its_format_and_scores_perfect_answers(name, tmp_path
         assert "A. cat" in items[0].sample.question and "letter" in items[0].sample.question
 
 
+def test_the_job_schema_knows_every_benchmark():
+    from typing import get_args
+
+    from lt_opd_ray.config import BenchmarkName
+
+    assert set(get_args(BenchmarkName)) == set(BENCHMARKS)
+
+
 def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
     rows = [
         {"question_id": 1, "image": "images/missing.png", "text": "Is there a cat?", "label": "yes"},

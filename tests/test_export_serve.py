@@ -86,9 +86,13 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
     from lt_opd_ray.export import CompressionConfig
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
 
-    student = tmp_path / "student"
-    shutil.copytree(tiny_dirs["qwen3_vl"], student)
-    CompressionConfig("cdpruner", 2500, 2).write(student)
+    from lt_opd_ray.export import export_student
+
+    job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
+    job = job.model_copy(update={"budget": job.budget.model_copy(update={"target_bps": 2500})})
+    shutil.copytree(tiny_dirs["qwen3_vl"], tmp_path / "run" / "final")  # what a finished run leaves
+    student = export_student(job, tmp_path / "student")
+    assert CompressionConfig.read(student) == CompressionConfig("cdpruner", 2500, 2)
     image, question = random_image(7), "What is in the picture?"
     prompt = VLMProcessor(student).encode(question_messages(question), [image])
     n = int((prompt.mm_token_type_ids == 1).sum())

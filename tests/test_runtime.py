@@ -302,9 +302,14 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
 
     from lt_opd_ray.runtime.launch import run
 
-    extra = 'eval: {data: "synthetic:4", every_steps: 2, selectors: [cdpruner, uniform]}\n'
+    from test_benchmarks import fixture
+
+    pope, _, _ = fixture("pope", tmp_path)
+    extra = f'eval: {{data: "synthetic:4", every_steps: 2, selectors: [cdpruner, uniform], benchmarks: {{pope: "{pope}"}}}}\n'
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, total=5, every=4, name="export", extra=extra)
     logs = run(job)
+    assert all(sorted(log.eval_scores) == ["pope[cdpruner]", "pope[uniform]"] for log in logs if log.eval_accuracy)
+    assert all(0 <= v <= 100 for log in logs for v in log.eval_scores.values())
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4]
     evaluated = [log.step + 1 for log in logs if log.eval_accuracy]

@@ -17,6 +17,7 @@ import ray
 from ..config import JobConfig
 from ..curriculum import BudgetSchedule
 from ..data import load_samples
+from ..evals.benchmarks import benchmark
 from ..models.loading import resolve_model_dir
 from ..train_loop import batches
 from .checkpoint import CheckpointStore
@@ -41,6 +42,7 @@ class StepLog:
     sync_bytes: int = 0
     payload_bytes_per_token: float = 0.0
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
+    eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
 
 
 class Driver:
@@ -50,6 +52,8 @@ class Driver:
         self.job = job
         self.schedule = BudgetSchedule.from_config(job.budget)
         self.samples = load_samples(job.data.path, job.data.image_root, job.seed)
+        # benchmark files are read and checked before any actor starts
+        benchmarks = {name: benchmark(name).load(path) for name, path in job.eval.benchmarks.items()}
         self.checkpoints = CheckpointStore(job)
         self.rollouts = RolloutPool(job)
         self.teacher = TeacherService(job)
@@ -64,6 +68,7 @@ class Driver:
         self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
         self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
         self.eval_ref = ray.put(load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
+        self.benchmarks_ref = ray.put(benchmarks) if benchmarks else None
 
     def run_step(self) -> StepLog:
         t0 = time.perf_counter()
@@ -81,7 +86,7 @@ class Driver:
         if self.step % self.job.checkpoint.every_steps == 0 or self.step == self.job.budget.total_steps:
             self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor})
         t3 = time.perf_counter()
-        accuracy = self.evaluate() if self._evaluates_now() else {}
+        accuracy, scores = self.evaluate() if self._evaluates_now() else ({}, {})
         t4 = time.perf_counter()
         phases = {
             "rollout": max(s["seconds"] for s in ray.get(summary_refs)),  # workers run in parallel
@@ -109,18 +114,25 @@ class Driver:
             sync_bytes=sync["bytes"],
             payload_bytes_per_token=ranks[0]["payload_bytes_per_token"],
             eval_accuracy=accuracy,
+            eval_scores=scores,
         )
 
     def _evaluates_now(self) -> bool:
-        return self.eval_ref is not None and (self.step % self.job.eval.every_steps == 0 or self.step == self.job.budget.total_steps)
+        return self.job.eval.enabled and (self.step % self.job.eval.every_steps == 0 or self.step == self.job.budget.total_steps)
 
-    def evaluate(self) -> dict[str, float]:
-        """Accuracy of the current student (just synced to the rollout workers) per evaluation selector."""
+    def evaluate(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The current student (just synced to the rollout workers): accuracy per selector, benchmark scores."""
         budget = self.job.eval.budget_bps or self.job.budget.target_bps
-        results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
-        accuracy = {r["selector"]: r["accuracy"] for r in results}
-        self.metrics.record_eval(budget, accuracy)
-        return accuracy
+        accuracy, scores = {}, {}
+        if self.eval_ref is not None:
+            results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
+            accuracy = {r["selector"]: r["accuracy"] for r in results}
+            self.metrics.record_eval(budget, accuracy)
+        if self.benchmarks_ref is not None:
+            results = self.rollouts.evaluate_benchmarks(self.benchmarks_ref, list(self.job.eval.benchmarks), budget, self.job.eval.selectors)
+            scores = {f"{r['benchmark']}[{r['selector']}]": r["score"] for r in results}
+            self.metrics.record_benchmarks(budget, results)
+        return accuracy, scores
 
     def export_student(self, directory) -> None:
         """The current student as a Hugging Face folder (written atomically by learner rank 0)."""

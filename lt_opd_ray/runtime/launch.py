@@ -46,6 +46,7 @@ def format_step(log, total: int) -> str:
         f"  | rollout {p['rollout']:.2f}s teacher {p['teacher']:.2f}s learner {p['learner']:.2f}s sync {p['sync']:.2f}s"
         f" total {p['step']:.2f}s"
         + "".join(f"  | acc[{name}] {value:.3f}" for name, value in log.eval_accuracy.items())
+        + "".join(f"  | {name} {value:.2f}" for name, value in log.eval_scores.items())
     )
 
 

@@ -87,6 +87,11 @@ class DriverMetrics:
             description="Answer accuracy of the student at the evaluation budget, per selector",
             tag_keys=(*TAGS, "selector", "budget_bps"),
         )
+        self.eval_score = metrics.Gauge(
+            "lt_opd_eval_score",
+            description="Benchmark score of the student at the evaluation budget (each benchmark's own metric), per selector",
+            tag_keys=(*TAGS, "benchmark", "selector", "budget_bps"),
+        )
 
     def record(self, step: int, budget_bps: int, phases: dict[str, float], samples: int, pool_sizes: dict[str, int]) -> None:
         self.step.set(step, tags=self.tags)
@@ -101,6 +106,11 @@ class DriverMetrics:
     def record_eval(self, budget_bps: int, accuracy: dict[str, float]) -> None:
         for selector, value in accuracy.items():
             self.eval_accuracy.set(value, tags={**self.tags, "selector": selector, "budget_bps": str(budget_bps)})
+
+    def record_benchmarks(self, budget_bps: int, results: list[dict]) -> None:
+        for r in results:
+            tags = {**self.tags, "benchmark": r["benchmark"], "selector": r["selector"], "budget_bps": str(budget_bps)}
+            self.eval_score.set(r["score"], tags=tags)
 
     def record_restart(self, pool: str) -> None:
         self.restart_counts[pool] = self.restart_counts.get(pool, 0) + 1

@@ -112,6 +112,21 @@ class RolloutWorker:
             )
         return {"selector": selector, "budget_bps": budget_bps, "accuracy": result.accuracy, "weights_version": self.weights_version}
 
+    def evaluate_benchmark(self, benchmarks: dict, name: str, budget_bps: int, selector: str) -> dict:
+        """One benchmark's own score for the current student weights (greedy) at `budget_bps` with `selector`."""
+        from ..evals.benchmarks import benchmark
+        from ..evaluation import generate_responses
+        from ..models.loading import compute_precision
+
+        items = benchmarks[name]
+        with compute_precision(self.job.model.dtype, self.vlm.device):
+            responses = generate_responses(
+                self.vlm, self.processor, [i.sample for i in items], budget_bps, selector, self.job.budget.k_min,
+                max_new_tokens=self.job.eval.max_new_tokens,
+            )
+        score = benchmark(name).score(items, responses)["score"]
+        return {"benchmark": name, "selector": selector, "score": score, "weights_version": self.weights_version}
+
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, generation: int, timeout_s: float) -> str:
         from .weight_sync import SyncGroup, join_store
 
@@ -173,6 +188,15 @@ class RolloutPool:
     def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[dict]:
         """One evaluation per selector, spread over the workers (all hold the same weights)."""
         refs = [self.workers[i % len(self.workers)].evaluate.remote(samples_ref, budget_bps, name) for i, name in enumerate(selectors)]
+        return ray.get(refs)
+
+    def evaluate_benchmarks(self, benchmarks_ref, names: list[str], budget_bps: int, selectors: list[str]) -> list[dict]:
+        """Every (benchmark, selector) score, spread over the workers."""
+        pairs = [(name, selector) for name in names for selector in selectors]
+        refs = [
+            self.workers[i % len(self.workers)].evaluate_benchmark.remote(benchmarks_ref, name, budget_bps, selector)
+            for i, (name, selector) in enumerate(pairs)
+        ]
         return ray.get(refs)
 
     def dead_workers(self, timeout_s: float = 10.0) -> list[int]:
