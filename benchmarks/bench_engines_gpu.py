@@ -102,7 +102,7 @@ def main() -> None:
 
         engine = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=4096, max_logprobs=args.top_k + 1)
         print(f"{args.prompts} prompts x {args.n} responses, {args.tokens} new tokens, top-{args.top_k}, device {device},"
-              f" vLLM runner {'V2' if engine._v2_runner else 'V1'}")
+              f" vLLM runner {'V2' if engine.v2_runner else 'V1'}")
         vllm_rates, last = {}, None
         for budget in (500, 2500, 10000):
             run = lambda: vllm_rollout(engine, prompts, images, uids, "cdpruner", budget, 2, params, args.n, 0, 1)  # noqa: E731

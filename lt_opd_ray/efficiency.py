@@ -159,7 +159,7 @@ def prefill_cost(config: dict, text_tokens: int, image_grids: list[tuple[int, in
 
 
 def patch_grid(config: dict, height: int, width: int) -> tuple[int, int, int]:
-    """Qwen's smart resize of an image within [min_pixels, max_pixels] is the caller's; this rounds sides to patch x merge."""
+    """Patch grid (1, h, w) of an image whose sides are rounded to multiples of patch x merge (no min/max_pixels bounds)."""
     vision = config["vision_config"]
     unit = vision["patch_size"] * vision["spatial_merge_size"]
     return 1, max(1, round(height / unit)) * vision["spatial_merge_size"], max(1, round(width / unit)) * vision["spatial_merge_size"]

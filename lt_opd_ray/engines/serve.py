@@ -23,10 +23,10 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
                   max_model_len: int = 8192, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the server process for `model_dir`."""
     from ..export import CompressionConfig
-    from .vllm_engine import _check_architecture
+    from .vllm_engine import check_architecture
 
     model_dir = Path(model_dir).resolve()
-    _check_architecture(model_dir)
+    check_architecture(model_dir)
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
     config = json.loads((model_dir / "config.json").read_text())
     on_gpu = torch.cuda.is_available()

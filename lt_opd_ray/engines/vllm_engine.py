@@ -80,7 +80,7 @@ class VLLMEngine:
                  max_logprobs: int = 128, max_images: int = 1, seed: int = 0,
                  min_pixels: int | None = None, max_pixels: int | None = None):
         self.model_dir = Path(model_dir)
-        _check_architecture(self.model_dir)
+        check_architecture(self.model_dir)
         configure_environment()
         from vllm import LLM
 
@@ -104,7 +104,7 @@ class VLLMEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        self._v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+        self.v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
 
     # --------------------------------------------------------------- rollouts
     def generate(
@@ -198,13 +198,13 @@ class VLLMEngine:
             request["prompt_token_ids"] = prompt.token_ids + response.tolist()
             requests.append(request)
             extra = {}
-            if self._v2_runner:
+            if self.v2_runner:
                 # rows count in vLLM's expanded prompt: the full-token prompt, then the response
                 extra = dict(prompt_logprob_token_ids=ids.tolist(), prompt_logprob_start=prompt.full_length - 1)
             vllm_params.append(
                 VLLMSamplingParams(
                     max_tokens=1,
-                    prompt_logprobs=top_k if self._v2_runner else -1,
+                    prompt_logprobs=top_k if self.v2_runner else -1,
                     detokenize=False,
                     flat_logprobs=True,
                     **extra,
@@ -221,7 +221,7 @@ class VLLMEngine:
         # `length` rows are the response's
         flat = output.prompt_logprobs
         rows = range(len(flat.start_indices) - length, len(flat.start_indices))
-        if self._v2_runner:
+        if self.v2_runner:
             top_ids = torch.empty(length, top_k, dtype=torch.int32)
             top_logp = torch.empty(length, top_k)
             for i, row in enumerate(rows):
@@ -317,7 +317,7 @@ def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:
     return SelectionRequest(**{**selection.__dict__, "nonce": nonce})
 
 
-def _check_architecture(model_dir: Path) -> None:
+def check_architecture(model_dir: Path) -> None:
     import json
 
     from ..models.adapter import UnsupportedArchitectureError

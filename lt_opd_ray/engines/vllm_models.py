@@ -27,6 +27,7 @@ what the teacher scorer uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -117,12 +118,18 @@ class PruningProcessorMixin:
         completed = self._with_defaults(inputs.prompt, inputs.hf_processor_mm_kwargs)
         return super().apply(dataclasses.replace(inputs, hf_processor_mm_kwargs=completed), *args, **kwargs)
 
-    def _with_defaults(self, prompt_ids, kwargs: Mapping[str, object]) -> dict[str, object]:
+    @functools.cached_property
+    def _compression(self):
+        """The model folder's compression config, read once per processor (not per request)."""
         from ..export import CompressionConfig
+
+        return CompressionConfig.read(self.info.ctx.model_config.model)
+
+    def _with_defaults(self, prompt_ids, kwargs: Mapping[str, object]) -> dict[str, object]:
         from ..models.processor import question_token_ids
 
         completed = dict(kwargs)
-        compression = CompressionConfig.read(self.info.ctx.model_config.model)
+        compression = self._compression
         if compression is not None:
             for name in ("selector", "budget_bps", "k_min"):
                 completed.setdefault(SelectionRequest.PREFIX + name, getattr(compression, name))

@@ -147,6 +147,15 @@ def _read_jsonl(path: Path, problems: _Problems) -> list[dict]:
     return rows
 
 
+def _read_json(path: Path, problems: _Problems):
+    """The parsed file, or None (and a problem) when it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        problems.add("file", f"not JSON ({exc.msg})")
+        return None
+
+
 def _mc_prompt(question: str, options: list[str], hint: str = "") -> str:
     lines = [hint.strip()] if hint and hint.strip() and hint.strip().lower() != "nan" else []
     lines.append(question.strip())
@@ -258,10 +267,9 @@ class GQA(Benchmark):
     headline = "exact match x 100"
 
     def _read(self, path, problems):
-        try:
-            questions = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            problems.add("file", f"not JSON ({exc.msg})")
+        questions = _read_json(path, problems)
+        if not isinstance(questions, dict):
+            problems.add("file", "expected a JSON object of questions keyed by question id")
             return []
         items = []
         for qid, row in questions.items():
@@ -282,11 +290,11 @@ class TextVQA(Benchmark):
     headline = "VQA accuracy x 100"
 
     def _read(self, path, problems):
-        try:
-            rows = json.loads(path.read_text()).get("data", [])
-        except (json.JSONDecodeError, AttributeError) as exc:
-            problems.add("file", f"not a TextVQA JSON with a data list ({exc})")
+        data = _read_json(path, problems)
+        if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+            problems.add("file", 'expected a TextVQA JSON object with a "data" list')
             return []
+        rows = data["data"]
         items = []
         for row in rows:
             row_id = row.get("question_id", "?")
@@ -341,10 +349,9 @@ class OCRBench(Benchmark):
     headline = "correct answers (of the file's questions)"
 
     def _read(self, path, problems):
-        try:
-            rows = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            problems.add("file", f"not JSON ({exc.msg})")
+        rows = _read_json(path, problems)
+        if not isinstance(rows, list):
+            problems.add("file", "expected a JSON list of questions")
             return []
         items = []
         for number, row in enumerate(rows):
