@@ -101,7 +101,8 @@ def main() -> None:
             print(f"rollout workers {w}: {rate:8.1f} tokens/s  ({rate / rollout[1]:.2f}x)")
 
     pool = RolloutPool(with_pools(job, rollout={"workers": 2}))
-    shard_refs, summaries = pool.async_generate(samples_ref, args.prompts, 2500, 0)
+    shards, summaries = pool.async_generate(samples_ref, args.prompts, 2500, 0)
+    shard_refs = [s.shard for s in shards]
     tokens = sum(s["tokens"] for s in ray.get(summaries))
     shard_refs = [ref for ref in shard_refs for _ in range(2)]  # 4 requests per round
     if not args.autoscaling_only:

@@ -173,6 +173,9 @@ class TeacherPool(Resources):
     """How long the queue must stay above target before a replica is added."""
     downscale_delay_s: float = Field(60.0, ge=0)
     """How long the queue must stay below target before a replica is removed."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Response tokens (responses x longest response) per teacher forward; the n responses of a prompt
+    share its full-token prompt cache, computed once."""
     payload_dtype: Literal["float16", "float32"] = "float32"
     """Dtype of the teacher's log-probs on the wire (ids are always int32)."""
     backend: Literal["transformers", "vllm"] = "transformers"
@@ -193,6 +196,12 @@ class LearnerPool(Resources):
     """Data-parallel learner ranks (DeepSpeed)."""
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Padded tokens (sequences x longest reduced prompt + response) per forward/backward; a rank's share
+    runs as several micro-batches accumulated into the update's one optimizer step, so activation memory
+    follows this budget, not the share. A sequence longer than the budget runs alone."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder and vision block in the backward instead of keeping its activations."""
     sync_bucket_mb: float = Field(16.0, gt=0)
     """Size of the flat buckets the weights are broadcast in (4-16 MB measured fastest on gloo; see bench_runtime)."""
     sync_timeout_s: float = Field(300.0, gt=0)
@@ -354,6 +363,14 @@ def _check_cross_fields(job: JobConfig, source: str, root: yaml.Node | None) -> 
                 f"budget.k_min (line {line})" if line else "budget.k_min",
                 f"k_min ({job.budget.k_min}) is above N = {max_tokens}, the visual tokens of the largest"
                 f" image allowed by data.max_pixels ({job.data.max_pixels})",
+            )
+        )
+    if job.sampling.prompts_per_step < job.pools.learner.ranks:
+        problems.append(
+            (
+                "pools.learner.ranks",
+                f"{job.pools.learner.ranks} ranks but only {job.sampling.prompts_per_step} prompts per update"
+                " (sampling.prompts_per_step): every rank needs at least one prompt",
             )
         )
     if job.budget.decay_end > job.budget.total_steps:

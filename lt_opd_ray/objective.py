@@ -150,15 +150,6 @@ def truncated_importance_weight(logp: torch.Tensor, old_logp: torch.Tensor, clip
     return torch.exp(logp.detach().float() - old_logp.float()).clamp(max=clip)
 
 
-def seq_mean_token_mean(per_token: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """Mean over each sequence's valid tokens, then mean over sequences; per_token/token_mask are [B, T]."""
-    counts = token_mask.sum(-1)
-    if bool((counts == 0).any()):
-        raise ValueError("a sequence has no response tokens: nothing to average")
-    per_sequence = (per_token * token_mask).sum(-1) / counts
-    return per_sequence.mean()
-
-
 def lt_opd_token_losses(
     student_lp: torch.Tensor,
     teacher_lp: torch.Tensor,

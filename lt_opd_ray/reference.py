@@ -84,7 +84,10 @@ class ReferenceTrainer:
                 c,
                 behaviour=None if self.job.objective.mode == "lt_opd" else self.teacher,
             )
-            scores = teacher_scores(self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
+            scores = teacher_scores(
+                self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,
+                self.job.pools.teacher.micro_batch_tokens,
+            )
             loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

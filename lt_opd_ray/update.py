@@ -7,16 +7,17 @@ own actor pool and must reproduce the reference.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from .data import stable_seed
+from .microbatch import Sequence, pack
 from .models.adapter import QwenVLM, ReducedPrompt
-from .models.processor import PromptInputs
+from .models.processor import IMAGE, PromptInputs
 from .models.sampler import Completion, SamplingParams, sample
-from .objective import gather_log_probs, lt_opd_token_losses, seq_mean_token_mean, top_k_log_probs, union_support
+from .objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs, union_support
 from .selectors import Selector
 
 
@@ -49,6 +50,24 @@ class LossStats:
     importance_weight: float  # token-mean truncated importance weight
     top_k_overlap: float  # mean |student top-k ∩ teacher top-k| / k
     tokens: int
+    sequences: int = 0
+    vision_forwards: int = 0  # vision tower + merger passes: one per prompt when its group fits one micro-batch
+
+    @staticmethod
+    def combine(parts: list[LossStats]) -> LossStats:
+        """Stats of consecutive micro-batches of one update: losses add (each is already normalised by the
+        update's sequence count), token means are re-weighted by tokens."""
+        tokens = sum(p.tokens for p in parts)
+        weighted = lambda key: sum(getattr(p, key) * p.tokens for p in parts) / max(tokens, 1)  # noqa: E731
+        return LossStats(
+            loss=sum(p.loss for p in parts),
+            divergence=weighted("divergence"),
+            importance_weight=weighted("importance_weight"),
+            top_k_overlap=weighted("top_k_overlap"),
+            tokens=tokens,
+            sequences=sum(p.sequences for p in parts),
+            vision_forwards=sum(p.vision_forwards for p in parts),
+        )
 
 
 @torch.no_grad()
@@ -123,22 +142,41 @@ def student_view(vlm: QwenVLM, reduced: list[ReducedPrompt], completions: list[C
 
 @torch.no_grad()
 def teacher_scores(
-    teacher: QwenVLM, prompts: list[PromptInputs], rollouts: list[Rollout], top_k: int, chunk_size: int
+    teacher: QwenVLM,
+    prompts: Mapping[int, PromptInputs] | list[PromptInputs],
+    rollouts: list[Rollout],
+    top_k: int,
+    chunk_size: int,
+    token_budget: int = 16384,
 ) -> list[TeacherScore]:
-    """Full-vocabulary log-softmax of the full-token teacher at every response position, compacted to top-k."""
-    full_prompts = {}
-    for r in rollouts:
-        if r.prompt_index not in full_prompts:
-            prompt = prompts[r.prompt_index]
-            features = teacher.visual_features(prompt)
-            full_prompts[r.prompt_index] = teacher.reduce(prompt, features, teacher.keep_all(features))
-    hidden = teacher.response_hidden([full_prompts[r.prompt_index] for r in rollouts], [r.response_ids for r in rollouts])
+    """Full-vocabulary log-softmax of the full-token teacher at every response position, compacted to top-k.
+
+    Each prompt's full-token prefix (vision tower, merger and language model) runs once;
+    its cache (attention KV and Gated DeltaNet state) is shared by the prompt's responses,
+    which continue from it in micro-batches of at most `token_budget` response tokens.
+    Log-probs are computed at response positions only.
+    """
     weight = teacher.lm_head.weight
-    scores = []
-    for h, r in zip(hidden, rollouts):
-        requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
-        ids, logp, requested_logp = top_k_log_probs(h, weight, min(top_k, weight.shape[0]), chunk_size, requested)
-        scores.append(TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu()))
+    k = min(top_k, weight.shape[0])
+    scores: list[TeacherScore | None] = [None] * len(rollouts)
+    by_prompt: dict[int, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        by_prompt.setdefault(r.prompt_index, []).append(i)
+    for prompt_index, indices in by_prompt.items():
+        prompt = prompts[prompt_index]
+        features = teacher.visual_features(prompt)
+        full = teacher.reduce(prompt, features, teacher.keep_all(features))
+        prefix_hidden, cache = teacher.run_language_model(teacher.pad_batch([full]), use_cache=True)
+        first = prefix_hidden[0, -1:]  # the prompt's last position predicts response token 0
+        sequences = [Sequence(i, prompt_index, rollouts[i].response_ids.numel()) for i in indices]
+        for micro in pack(sequences, token_budget):
+            chosen = [rollouts[i] for i in micro.sequences]
+            hidden = teacher.continue_hidden(full, cache, [r.response_ids for r in chosen])
+            for i, r, h in zip(micro.sequences, chosen, hidden):
+                predicting = torch.cat([first, h[:-1]])  # response token j is predicted at position j - 1
+                requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
+                ids, logp, requested_logp = top_k_log_probs(predicting, weight, k, chunk_size, requested)
+                scores[i] = TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu())
     return scores
 
 
@@ -151,21 +189,38 @@ def support(rollout_: Rollout, score: TeacherScore) -> tuple[torch.Tensor, torch
     return ids, valid, teacher_logp
 
 
+def reduced_length(prompt: PromptInputs, selected: list[torch.Tensor]) -> int:
+    """Tokens of the reduced prompt: the full prompt less the image tokens that were not kept."""
+    image_tokens = int((prompt.mm_token_type_ids == IMAGE).sum())
+    return prompt.input_ids.numel() - image_tokens + sum(int(s.numel()) for s in selected)
+
+
 def student_loss(
     student: QwenVLM,
-    prompts: list[PromptInputs],
+    prompts: Mapping[int, PromptInputs] | list[PromptInputs],
     rollouts: list[Rollout],
     scores: list[TeacherScore],
     objective,
+    normaliser: int | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Seq-mean-token-mean LT-OPD loss of the student on the replayed reduced inputs (differentiable)."""
+    """Σ over these rollouts of each one's token-mean LT-OPD loss, / `normaliser` (differentiable).
+
+    With the default normaliser (the number of rollouts) this is the seq-mean-token-mean of
+    the batch. A micro-batch of an update passes the update's sequence count instead, so
+    the micro-batch losses add up to the update's seq-mean-token-mean, not to a mean of
+    micro-batch means. The vision tower runs once per prompt: the n rollouts of a prompt
+    replay their selections on the same features, and autograd sums their gradients.
+    """
+    normaliser = normaliser or len(rollouts)
+    features = {}
     reduced = []
     for r in rollouts:
         prompt = prompts[r.prompt_index]
-        features = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
-        reduced.append(student.reduce(prompt, features, r.selected))  # replayed, never recomputed
+        if r.prompt_index not in features:
+            features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
+        reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected))  # replayed, never recomputed
     hidden = student.response_hidden(reduced, [r.response_ids for r in rollouts])
-    token_losses, divs, weights, overlaps = [], [], [], []
+    sequence_losses, divs, weights, overlaps = [], [], [], []
     for h, r, s in zip(hidden, rollouts, scores):
         ids, valid, teacher_logp = (t.to(h.device) for t in support(r, s))
         student_logp = gather_log_probs(h, student.lm_head.weight, ids, objective.logsoftmax_chunk)
@@ -181,19 +236,21 @@ def student_loss(
         )
         if objective.mode == "sft":
             token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy on the teacher's sampled token
-        token_losses.append(token_loss)
+        if token_loss.numel() == 0:
+            raise ValueError(f"a rollout of prompt {r.prompt_index} has no response tokens: nothing to average")
+        sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens
         divs.append(div.detach())
         weights.append(weight)
         k = r.student_top_ids.shape[1]
         overlaps.append((k - valid[:, k : 2 * k].sum(-1)).float() / k)  # teacher top-k ids already in student top-k
-    padded = pad_sequence(token_losses, batch_first=True)
-    mask = pad_sequence([torch.ones_like(t) for t in token_losses], batch_first=True)
-    loss = seq_mean_token_mean(padded, mask)
+    loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
     stats = LossStats(
         loss=float(loss.detach()),
         divergence=float(torch.cat(divs).mean()),
         importance_weight=float(torch.cat(weights).mean()),
         top_k_overlap=float(torch.cat(overlaps).mean()),
         tokens=int(sum(r.response_ids.numel() for r in rollouts)),
+        sequences=len(rollouts),
+        vision_forwards=len(features),
     )
     return loss, stats

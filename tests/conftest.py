@@ -49,8 +49,8 @@ def loaded(tiny_dirs):
 
 
 def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra="",
-            dtype="float32", backend="transformers"):
-    """A small distributed job on a tiny model: 2 prompts x 2 responses per update; `extra` is appended YAML."""
+            dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2):
+    """A small distributed job on a tiny model: `prompts` (2) x 2 responses per update; `extra` is appended YAML."""
     from lt_opd_ray.config import parse_job
 
     return parse_job(
@@ -61,12 +61,12 @@ model: {{path: "{model_dir}", dtype: {dtype}}}
 data: {{path: "synthetic:16", max_pixels: 65536}}
 budget: {{start_bps: 2500, target_bps: 500, warm_steps: 1, decay_end: 4, total_steps: {total}, k_min: 2}}
 objective: {{top_k: 8, logsoftmax_chunk: 32, mode: {mode}}}
-sampling: {{prompts_per_step: 2, n: 2, max_new_tokens: 6}}
+sampling: {{prompts_per_step: {prompts}, n: 2, max_new_tokens: 6}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}}, warmup_steps: 1}}
 pools:
   rollout: {{workers: {workers}, cpus: 1, backend: {backend}}}
   teacher: {{replicas: 1, cpus: 1, max_batch_size: 4, backend: {backend}}}
-  learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120}}
+  learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120, micro_batch_tokens: {micro_batch_tokens}}}
 checkpoint: {{dir: "{ckpt_dir}", every_steps: {every}, keep: 2}}
 metrics: {{export_port: 8099}}
 {extra}"""

@@ -10,7 +10,6 @@ from lt_opd_ray.objective import (
     divergence,
     gather_log_probs,
     lt_opd_token_losses,
-    seq_mean_token_mean,
     top_k_log_probs,
     union_support,
 )
@@ -153,14 +152,6 @@ def test_bf16_inputs_are_finite_and_match_fp32_of_the_same_values(kind):
     got = divergence(s16, t16, valid, kind)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     torch.testing.assert_close(got, divergence(s16.float(), t16.float(), valid, kind))
-
-
-def test_seq_mean_token_mean_brute_force():
-    per_token = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 7.0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]).float()
-    assert seq_mean_token_mean(per_token, mask).item() == pytest.approx(((1 + 2 + 3) / 3 + 4 / 1) / 2)
-    with pytest.raises(ValueError, match="no response tokens"):
-        seq_mean_token_mean(per_token, torch.zeros_like(mask))
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])

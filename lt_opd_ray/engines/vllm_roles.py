@@ -8,6 +8,8 @@ selections do not.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..data import stable_seed
@@ -56,7 +58,7 @@ def vllm_rollout(
 
 
 def vllm_teacher_scores(
-    engine: VLLMEngine, prompts: list[PromptInputs | None], images: list[list | None], rollouts: list[Rollout], top_k: int
+    engine: VLLMEngine, prompts: Mapping[int, PromptInputs], images: Mapping[int, list], rollouts: list[Rollout], top_k: int
 ) -> list[TeacherScore]:
     """The full-token teacher's top-k and its log-probs at the student's top-k ids and the sampled token."""
     engine_prompts = [engine_prompt(prompts[r.prompt_index], images[r.prompt_index]) for r in rollouts]

@@ -11,6 +11,7 @@ For Qwen3-VL the deepstack features are pruned with the same indices.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -235,6 +236,37 @@ class QwenVLM:
             # the token at column width - t + j is predicted by the hidden state one column earlier
             out.append(hidden[b, width - t - 1 : width - 1])
         return out
+
+
+    def continue_hidden(self, prefix: ReducedPrompt, prefix_cache, responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Teacher-forced hidden states of responses that all continue one prefix from its cache, per response [T_i, H].
+
+        The cache (attention KV and, for Qwen3.5, Gated DeltaNet conv/recurrent state) of the
+        prefix run alone is copied once per response row; responses are right-padded, which
+        cannot reach their real positions in a causal model.
+        """
+        rows, width, device = len(responses), max(r.numel() for r in responses), self.device
+        cache = copy.deepcopy(prefix_cache)  # the continuation appends to it; the prefix's own stays for the next rows
+        cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=device))  # row 0 (the prefix) for every response
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, prefix.length + width, dtype=torch.long, device=device)
+        mask[:, : prefix.length] = 1
+        for b, response in enumerate(responses):
+            ids[b, : response.numel()] = response
+            mask[b, prefix.length : prefix.length + response.numel()] = 1
+        steps = torch.arange(width, device=device)
+        positions = torch.empty(4, rows, width, dtype=torch.long, device=device)
+        positions[0] = prefix.length + steps  # seq_index continues after the prefix
+        positions[1:] = prefix.next_position + steps  # M-RoPE continues where the full sequence would
+        batch = PaddedBatch(
+            inputs_embeds=self.embed_tokens(ids).to(prefix.inputs_embeds.dtype),
+            attention_mask=mask,
+            position_ids=positions,
+            visual_pos_masks=torch.zeros(rows, width, dtype=torch.bool, device=device),
+            deepstack=None,
+        )
+        hidden, _ = self.run_language_model(batch, past_key_values=cache, use_cache=True)
+        return [hidden[b, : r.numel()] for b, r in enumerate(responses)]
 
 
 def _run_starts(mask: torch.Tensor) -> list[int]:

@@ -38,9 +38,14 @@ class StepLog:
     importance_weight: float
     top_k_overlap: float
     tokens: int
+    grad_norm: float = 0.0  # global gradient norm before clipping
     phases: dict[str, float] = field(default_factory=dict)
     sync_bytes: int = 0
     payload_bytes_per_token: float = 0.0
+    sequences: int = 0  # rollouts trained on, over all ranks
+    micro_batches: int = 0  # learner forward/backward passes with sequences, over all ranks
+    filler_micro_batches: int = 0  # zero-weighted passes that keep the ranks' backward counts equal
+    vision_forwards: int = 0  # learner vision-tower passes: one per prompt when its group fits a micro-batch
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
 
@@ -75,9 +80,9 @@ class Driver:
         budget = self.schedule.budget_bps(self.step)  # c = optimizer steps completed before this update
         batch = next(self.data)
         samples_ref = ray.put(batch)
-        shard_refs, summary_refs = self.rollouts.async_generate(samples_ref, len(batch), budget, self.step)
-        payload_refs = self.teacher.async_score(samples_ref, shard_refs)
-        ranks = self.learners.train_step(samples_ref, shard_refs, payload_refs)  # one optimizer step
+        shards, summary_refs = self.rollouts.async_generate(samples_ref, len(batch), budget, self.step, self.learners.prompt_ranges(len(batch)))
+        payload_refs = self.teacher.async_score(samples_ref, [s.shard for s in shards])
+        ranks = self.learners.train_step(samples_ref, shards, payload_refs, len(batch) * self.job.sampling.n)  # one optimizer step
         t1 = time.perf_counter()
         self.step += 1
         self.cursor += len(batch)
@@ -101,18 +106,20 @@ class Driver:
         phases["step"] = t4 - t0
         pool_sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
         self.metrics.record(self.step, budget, phases, samples=sum(r["samples"] for r in ranks), pool_sizes=pool_sizes)
-        mean = lambda key: sum(r[key] for r in ranks) / len(ranks)  # noqa: E731
+        by_tokens = lambda key: sum(r[key] * r["tokens"] for r in ranks) / max(sum(r["tokens"] for r in ranks), 1)  # noqa: E731
         return StepLog(
             step=self.step - 1,
             budget_bps=budget,
-            loss=mean("loss"),
-            divergence=mean("divergence"),
-            importance_weight=mean("importance_weight"),
-            top_k_overlap=mean("top_k_overlap"),
+            loss=sum(r["loss"] for r in ranks) / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
+            divergence=by_tokens("divergence"),
+            importance_weight=by_tokens("importance_weight"),
+            top_k_overlap=by_tokens("top_k_overlap"),
             tokens=sum(r["tokens"] for r in ranks),
+            grad_norm=ranks[0]["grad_norm"],  # global: the same on every rank
             phases=phases,
             sync_bytes=sync["bytes"],
-            payload_bytes_per_token=ranks[0]["payload_bytes_per_token"],
+            payload_bytes_per_token=sum(r["payload_bytes"] for r in ranks) / max(sum(r["payload_tokens"] for r in ranks), 1),
+            **{key: sum(r[key] for r in ranks) for key in ("sequences", "micro_batches", "filler_micro_batches", "vision_forwards")},
             eval_accuracy=accuracy,
             eval_scores=scores,
         )

@@ -1,9 +1,13 @@
 """The learner group: M DeepSpeed ZeRO-2/3 ranks over torch.distributed (gloo on CPU, NCCL on GPU).
 
-Each rank takes an equal, contiguous slice of the update's rollouts; its loss is
-the seq-mean-token-mean over its slice, and DeepSpeed averages gradients over
-ranks, so with equal slices the step equals one step on the global mean. One
-optimizer step per rollout batch.
+Each rank trains on the rollouts of its own contiguous range of the update's
+prompts, in token-budgeted micro-batches (`microbatch.pack`) whose gradients
+accumulate into the update's one optimizer step. Every micro-batch loss is
+normalised by the update's sequence count over ranks (N / M, as DeepSpeed averages
+gradients over the M ranks), so the step is that of the update's seq-mean-token-mean
+whatever the micro-batches and however unevenly the prompts split over ranks.
+ZeRO-2/3 reduce gradients in every backward, so every rank runs the same number of
+micro-batches: a rank with fewer adds zero-weighted ones.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from datetime import timedelta
 import torch
 
 from ..config import JobConfig
+from ..microbatch import MicroBatch, Sequence, pack, split_evenly
 from ..models.adapter import QwenVLM
 from ..models.loading import compute_precision, load_vlm
 from ..models.processor import VLMProcessor, encode_samples
 from ..optim import build_optimizer
-from ..update import LossStats, student_loss
+from ..update import LossStats, Rollout, TeacherScore, reduced_length, student_loss
 
 
 class StudentObjective(torch.nn.Module):
@@ -34,12 +39,13 @@ class StudentObjective(torch.nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, prompts, rollouts, scores) -> tuple[torch.Tensor, LossStats]:
-        return student_loss(QwenVLM(self.model), prompts, rollouts, scores, self.objective)
+    def forward(self, prompts, rollouts, scores, normaliser: float) -> tuple[torch.Tensor, LossStats]:
+        return student_loss(QwenVLM(self.model), prompts, rollouts, scores, self.objective, normaliser)
 
 
 def deepspeed_config(job: JobConfig) -> dict:
     return {
+        # one "micro-batch" per backward as DeepSpeed counts; the real accumulation boundary is set per update
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": job.optimizer.grad_clip,
@@ -52,12 +58,20 @@ def deepspeed_config(job: JobConfig) -> dict:
     }
 
 
-def rank_slice(count: int, rank: int, world: int) -> slice:
-    """Rank r's contiguous share of `count` rollouts; the shares must be equal (see module docstring)."""
-    if count % world:
-        raise ValueError(f"{count} rollouts do not split evenly over {world} learner ranks: make prompts_per_step * n a multiple of ranks")
-    share = count // world
-    return slice(rank * share, (rank + 1) * share)
+def learner_ranges(prompts: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's contiguous [start, stop) of an update's prompts (near-equal); every rank needs one."""
+    if prompts < world:
+        raise ValueError(f"{prompts} prompts per update cannot give each of {world} learner ranks one: lower pools.learner.ranks")
+    return split_evenly(prompts, world)
+
+
+def plan(prompts, rollouts: list[Rollout], token_budget: int) -> list[MicroBatch]:
+    """This rank's micro-batches: each sequence is its reduced prompt (replayed selection) plus its response."""
+    sequences = [
+        Sequence(i, r.prompt_index, reduced_length(prompts[r.prompt_index], r.selected) + r.response_ids.numel())
+        for i, r in enumerate(rollouts)
+    ]
+    return pack(sequences, token_budget)
 
 
 class Learner:
@@ -68,6 +82,9 @@ class Learner:
 
         self.job, self.rank, self.world = job, rank, world
         model_dir, model = load_vlm(job.model.path)
+        if job.pools.learner.activation_checkpointing:
+            # recompute each decoder / vision block in backward: activations of one block per layer stay alive
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.model_dir = model_dir
         self.module = StudentObjective(model.train(), job.objective)
@@ -79,17 +96,40 @@ class Learner:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
 
-    def train_step(self, samples, rollouts, scores) -> dict:
-        """One optimizer step on this rank's slice of the rollouts (prompt_index refers to `samples`)."""
-        share = rank_slice(len(rollouts), self.rank, self.world)
-        prompts = encode_samples(self.processor, samples, self.job.data.system_prompt)
-        with compute_precision(self.job.model.dtype, self.engine.device):
-            loss, stats = self.engine(prompts, rollouts[share], scores[share])
-        self.engine.backward(loss)
+    def train_step(self, samples, rollouts: list[Rollout], scores: list[TeacherScore], total_sequences: int) -> dict:
+        """One optimizer step; `rollouts` are this rank's (prompt_index refers to `samples`), of `total_sequences` in the update."""
+        import torch.distributed as dist
+
+        if not rollouts:
+            raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
+        used = sorted({r.prompt_index for r in rollouts})
+        prompts = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))
+        micro = plan(prompts, rollouts, self.job.pools.learner.micro_batch_tokens)
+        count = torch.tensor([len(micro)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs the same number of backwards
+        shortest = min(range(len(rollouts)), key=lambda i: rollouts[i].response_ids.numel())
+        filler = MicroBatch((shortest,), (rollouts[shortest].prompt_index,), 0)
+        normaliser = total_sequences / self.world
+        parts = []
+        for index in range(int(count)):
+            batch = micro[index] if index < len(micro) else filler
+            chosen = [rollouts[i] for i in batch.sequences]
+            self.engine.set_gradient_accumulation_boundary(index == int(count) - 1)
+            with compute_precision(self.job.model.dtype, self.engine.device):
+                loss, stats = self.engine(prompts, chosen, [scores[i] for i in batch.sequences], normaliser)
+            if index >= len(micro):
+                loss = loss * 0.0  # a filler: the same graph as a real micro-batch, no contribution
+            else:
+                parts.append(stats)
+            self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
         self.engine.step()
         self.steps_done += 1
+        stats = LossStats.combine(parts)
         return {"loss": stats.loss, "divergence": stats.divergence, "importance_weight": stats.importance_weight,
-                "top_k_overlap": stats.top_k_overlap, "tokens": stats.tokens, "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
+                "top_k_overlap": stats.top_k_overlap, "tokens": stats.tokens, "sequences": stats.sequences,
+                "micro_batches": len(micro), "filler_micro_batches": int(count) - len(micro),
+                "vision_forwards": stats.vision_forwards, "prompts": len(prompts),
+                "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """All student weights as full fp32 tensors (ZeRO-3 shards gathered: a collective, every rank calls it)."""

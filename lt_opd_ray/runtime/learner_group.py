@@ -56,7 +56,8 @@ class LearnerActor:
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s)
         return 0
 
-    def train_step(self, samples, shard_refs: list, payload_refs: list) -> dict:
+    def train_step(self, samples, shard_refs: list, payload_refs: list, total_sequences: int) -> dict:
+        """One optimizer step on this rank's shards (and their teacher payloads) only."""
         from .teacher import unpack_scores
 
         shards = ray.get(shard_refs)
@@ -67,11 +68,11 @@ class LearnerActor:
         for shard, payload in zip(shards, payloads):
             rollouts += shard.rollouts
             scores += unpack_scores(payload, shard.rollouts, vocab, source=payload.replica or "teacher")
-        stats = self.learner.train_step(samples, rollouts, scores)
+        stats = self.learner.train_step(samples, rollouts, scores, total_sequences)
         seconds = time.perf_counter() - begin
         self.metrics.record_step(stats, seconds)
-        return {**stats, "seconds": seconds, "samples": len(rollouts) // self.world, "teacher_seconds": max((p.seconds for p in payloads), default=0.0),
-                "payload_bytes_per_token": sum(p.nbytes for p in payloads) / max(sum(int(p.lengths.sum()) for p in payloads), 1)}
+        return {**stats, "seconds": seconds, "samples": len(rollouts), "teacher_seconds": max((p.seconds for p in payloads), default=0.0),
+                "payload_bytes": sum(p.nbytes for p in payloads), "payload_tokens": sum(int(p.lengths.sum()) for p in payloads)}
 
     def broadcast_weights(self, version: int) -> dict:
         """Every rank gathers (ZeRO-3 is a collective); rank 0 sends to the rollout workers."""
@@ -126,8 +127,19 @@ class LearnerGroup:
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.setup.remote(master_addr, master_port) for a in self.actors])  # rendezvous: all at once
 
-    def train_step(self, samples_ref, shard_refs: list, payload_refs: list) -> list[dict]:
-        return ray.get([a.train_step.remote(samples_ref, shard_refs, payload_refs) for a in self.actors])
+    def train_step(self, samples_ref, shards: list, payload_refs: list, total_sequences: int) -> list[dict]:
+        """One optimizer step; each rank fetches only its own shards (`ShardRef.learner_rank`) and their payloads."""
+        mine = [([], []) for _ in self.actors]
+        for shard, payload in zip(shards, payload_refs):
+            mine[shard.learner_rank][0].append(shard.shard)
+            mine[shard.learner_rank][1].append(payload)
+        return ray.get([a.train_step.remote(samples_ref, s, p, total_sequences) for a, (s, p) in zip(self.actors, mine)])
+
+    def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
+        """Each rank's [start, stop) of an update's prompts."""
+        from ..microbatch import split_evenly
+
+        return split_evenly(prompts, len(self.actors))
 
     def full_state_dict(self) -> dict:
         return ray.get([a.full_state_dict.remote() for a in self.actors])[0]

@@ -1,9 +1,11 @@
 """The rollout pool: N Ray actors, each owning one engine that holds the current student.
 
-`async_generate` splits an update's prompts contiguously over the workers and
-returns one ObjectRef[RolloutShard] per worker. Sampling and selection are seeded
-by (seed, step, sample uid, response index), so the rollouts do not depend on the
-worker count.
+`async_generate` splits an update's prompts contiguously over the workers. Each
+worker hands back its rollouts cut along the learner ranks' prompt ranges: one
+ObjectRef[RolloutShard] per (worker, learner rank) that share prompts, so a learner
+rank fetches only its own rollouts. Sampling and selection are seeded by (seed,
+step, sample uid, response index), so the rollouts depend on neither the worker
+nor the rank count.
 """
 
 from __future__ import annotations
@@ -14,17 +16,28 @@ from dataclasses import dataclass
 import ray
 
 from ..config import JobConfig
+from ..microbatch import split_evenly
 from ..update import Rollout
 
 
 @dataclass
 class RolloutShard:
+    """The rollouts of a contiguous range of an update's prompts, sampled by one worker."""
+
     offset: int  # index of this shard's first prompt in the update's sample list
     rollouts: list[Rollout]  # prompt_index is global (offset already added)
     worker: str
     weights_version: int
     seconds: float
     tokens: int
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Where one RolloutShard lives and which learner rank trains on it."""
+
+    learner_rank: int
+    shard: ray.ObjectRef  # ObjectRef[RolloutShard]
 
 
 class RolloutWorker:
@@ -68,8 +81,12 @@ class RolloutWorker:
     def ready(self) -> str:
         return self.name
 
-    def generate(self, samples, start: int, stop: int, budget_bps: int, step: int) -> tuple[RolloutShard, dict]:
-        """(the shard, a small summary); called with num_returns=2 so the driver only fetches the summary."""
+    def generate(self, samples, start: int, stop: int, budget_bps: int, step: int, cuts: tuple[int, ...] = ()) -> tuple:
+        """(a small summary, one RolloutShard per piece of [start, stop) between `cuts`).
+
+        Called with num_returns = 1 + pieces, so the driver fetches only the summary and
+        each piece goes to the learner rank whose prompts it holds.
+        """
         from ..models.loading import compute_precision
         from ..models.processor import encode_samples
         from ..update import rollout
@@ -98,7 +115,12 @@ class RolloutWorker:
         tokens = sum(r.response_ids.numel() for r in rollouts)
         self.metrics.record(tokens, seconds, budget_bps)
         summary = {"worker": self.name, "seconds": seconds, "tokens": tokens, "weights_version": self.weights_version}
-        return RolloutShard(start, rollouts, self.name, self.weights_version, seconds, tokens), summary
+        bounds = [start, *(c for c in cuts if start < c < stop), stop]
+        pieces = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            mine = [r for r in rollouts if lo <= r.prompt_index < hi]
+            pieces.append(RolloutShard(lo, mine, self.name, self.weights_version, seconds, sum(r.response_ids.numel() for r in mine)))
+        return (summary, *pieces)
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> dict:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
@@ -151,17 +173,6 @@ class RolloutWorker:
         return os.getpid()
 
 
-def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) ranges of near-equal size (the first ones one larger)."""
-    base, extra = divmod(count, parts)
-    ranges, start = [], 0
-    for p in range(parts):
-        stop = start + base + (1 if p < extra else 0)
-        ranges.append((start, stop))
-        start = stop
-    return ranges
-
-
 class RolloutPool:
     """Creates, calls and replaces the rollout actors."""
 
@@ -176,14 +187,24 @@ class RolloutPool:
     def _spawn(self, name: str):
         return self._actor_cls.remote(self.job, name)
 
-    def async_generate(self, samples_ref, count: int, budget_bps: int, step: int) -> tuple[list, list]:
-        """(ObjectRef[RolloutShard], ObjectRef[summary dict]) lists, one per worker that has prompts."""
-        pairs = [
-            worker.generate.options(num_returns=2).remote(samples_ref, start, stop, budget_bps, step)
-            for worker, (start, stop) in zip(self.workers, split_evenly(count, len(self.workers)))
-            if stop > start
-        ]
-        return [shard for shard, _ in pairs], [summary for _, summary in pairs]
+    def async_generate(
+        self, samples_ref, count: int, budget_bps: int, step: int, learner_ranges: list[tuple[int, int]] | None = None
+    ) -> tuple[list[ShardRef], list]:
+        """The shards of every (worker, learner rank) pair that share prompts, and one summary ref per worker.
+
+        `learner_ranges`: each learner rank's [start, stop) of the `count` prompts (default: one rank, all).
+        """
+        learner_ranges = learner_ranges or [(0, count)]
+        shards, summaries = [], []
+        for worker, (start, stop) in zip(self.workers, split_evenly(count, len(self.workers))):
+            if stop == start:
+                continue
+            ranks = [rank for rank, (lo, hi) in enumerate(learner_ranges) if max(lo, start) < min(hi, stop)]
+            cuts = tuple(learner_ranges[rank][0] for rank in ranks[1:])
+            summary, *pieces = worker.generate.options(num_returns=1 + len(ranks)).remote(samples_ref, start, stop, budget_bps, step, cuts)
+            summaries.append(summary)
+            shards += [ShardRef(rank, piece) for rank, piece in zip(ranks, pieces)]
+        return shards, summaries
 
     def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[dict]:
         """One evaluation per selector, spread over the workers (all hold the same weights)."""

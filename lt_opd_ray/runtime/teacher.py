@@ -123,7 +123,7 @@ class TeacherModel:
         self.metrics = TeacherMetrics(job.name, name)
 
     def score_shards(self, samples, shards) -> list[TeacherPayload]:
-        """One teacher forward over every rollout of every shard; one payload per shard."""
+        """Scores every rollout of every shard (each prompt's full-token prefix once); one payload per shard."""
         from ..models.loading import compute_precision
         from ..models.processor import encode_samples
         from ..update import teacher_scores
@@ -132,16 +132,18 @@ class TeacherModel:
         rollouts = [r for shard in shards for r in shard.rollouts]
         used = sorted({r.prompt_index for r in rollouts})
         encoded = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))
-        dense = [encoded.get(i) for i in range(max(used) + 1)] if used else []  # indexed by prompt_index
         if self.engine is not None:
             from ..engines.vllm_roles import vllm_teacher_scores
             from ..models.processor import load_image
 
-            images = [[load_image(samples[i].image, samples[i].uid)] if i in encoded else None for i in range(len(dense))]
-            scores = vllm_teacher_scores(self.engine, dense, images, rollouts, self.job.objective.top_k)
+            images = {i: [load_image(samples[i].image, samples[i].uid)] for i in used}
+            scores = vllm_teacher_scores(self.engine, encoded, images, rollouts, self.job.objective.top_k)
         else:
             with compute_precision(self.job.model.dtype, self.vlm.device):
-                scores = teacher_scores(self.vlm, dense, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk)
+                scores = teacher_scores(
+                    self.vlm, encoded, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,
+                    self.job.pools.teacher.micro_batch_tokens,
+                )
         seconds = time.perf_counter() - begin
         payloads, offset = [], 0
         for shard in shards:

@@ -1,0 +1,159 @@
+"""Micro-batches, vision once per prompt and the teacher's shared prompt cache, against brute-force references.
+
+The brute force runs every rollout alone: its own vision-tower pass, its own
+full-sequence forward, its own loss; the update's loss is the mean of those.
+"""
+
+import random
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+from lt_opd_ray.microbatch import MicroBatch, Sequence, pack
+from lt_opd_ray.objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs
+from lt_opd_ray.reference import ReferenceTrainer
+from lt_opd_ray.update import reduced_length, student_loss, support, teacher_scores
+from test_reference_update import tiny_job
+
+
+# ------------------------------------------------------------------ packing
+def test_pack_covers_every_sequence_once_within_the_budget():
+    rng = random.Random(0)
+    for trial in range(200):
+        sequences = [Sequence(i, rng.randrange(6), rng.randint(1, 60)) for i in range(rng.randint(1, 40))]
+        budget = rng.randint(1, 300)
+        batches = pack(sequences, budget)
+        placed = [i for b in batches for i in b.sequences]
+        assert sorted(placed) == list(range(len(sequences))), trial
+        for b in batches:
+            longest = max(sequences[i].tokens for i in b.sequences)
+            assert b.padded_tokens == len(b.sequences) * longest
+            assert b.padded_tokens <= budget or len(b.sequences) == 1  # only a sequence longer than the budget exceeds it
+            assert list(b.sequences) == sorted(b.sequences)
+            assert b.prompts == tuple(dict.fromkeys(sequences[i].prompt for i in b.sequences))
+
+
+def test_pack_keeps_a_prompts_group_together_when_it_fits():
+    # 3 prompts x 4 responses of 100..130 tokens, budget = one group
+    sequences = [Sequence(4 * p + j, p, 100 + 10 * j) for p in range(3) for j in range(4)]
+    batches = pack(sequences, 4 * 130)
+    assert [b.prompts for b in batches] == [(0,), (1,), (2,)]
+    assert pack(sequences, 10**6) == [MicroBatch(tuple(range(12)), (0, 1, 2), 12 * 130)]
+
+
+def test_pack_buckets_by_length():
+    """Long groups first, short ones together: less padding than packing in arrival order."""
+    lengths = [1000, 20, 1000, 20, 1000, 20, 1000, 20]
+    sequences = [Sequence(i, i, t) for i, t in enumerate(lengths)]
+    bucketed = sum(b.padded_tokens for b in pack(sequences, 2000))
+    assert bucketed == 2 * 2000 + 80  # [1000, 1000] x 2, then the four 20s in one batch
+    in_order = 4 * (2 * 1000)  # arrival order pairs every 20 with a 1000
+    assert bucketed < in_order
+
+
+def test_pack_refuses_a_non_positive_budget():
+    with pytest.raises(ValueError, match="token budget"):
+        pack([Sequence(0, 0, 3)], 0)
+
+
+# --------------------------------------------------------- student and teacher
+@pytest.fixture(scope="module")
+def updates(tiny_dirs):
+    """family -> (trainer, prompts, rollouts, scores): 2 prompts x 3 rollouts at 25%, scored by the teacher."""
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.update import rollout
+
+    samples = load_samples("synthetic:4")[:2]
+    out = {}
+    for family in FAMILIES:
+        trainer = ReferenceTrainer(tiny_job(tiny_dirs[family]))
+        prompts = trainer.encode(samples)
+        rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 2500, 2, trainer.params, 3, 0, 0)
+        scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16)
+        out[family] = (trainer, prompts, rollouts, scores)
+    return out
+
+
+def brute_force_loss(student, prompts, rollouts, scores, objective) -> torch.Tensor:
+    """Mean over rollouts of each rollout's token-mean loss, every rollout with its own vision pass and forward."""
+    per_rollout = []
+    for r, s in zip(rollouts, scores):
+        prompt = prompts[r.prompt_index]
+        reduced = student.reduce(prompt, student.visual_features(prompt), r.selected)
+        (hidden,) = student.response_hidden([reduced], [r.response_ids])
+        ids, valid, teacher_logp = support(r, s)
+        student_logp = gather_log_probs(hidden, student.lm_head.weight, ids, 4)
+        token_loss, _, _ = lt_opd_token_losses(
+            student_logp, teacher_logp, valid, ids.shape[1] - 1, r.old_logp, objective.divergence, objective.alpha, objective.importance_clip
+        )
+        per_rollout.append(token_loss.mean())
+    return torch.stack(per_rollout).mean()
+
+
+def gradients(model, loss_fn) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_micro_batched_gradients_equal_the_brute_force(updates, family):
+    trainer, prompts, rollouts, scores = updates[family]
+    student, objective = trainer.student, trainer.job.objective
+    total = len(rollouts)
+
+    def micro_batched(budget):
+        sequences = [Sequence(i, r.prompt_index, reduced_length(prompts[r.prompt_index], r.selected) + r.response_ids.numel())
+                     for i, r in enumerate(rollouts)]
+        batches = pack(sequences, budget)
+        loss = sum(
+            student_loss(student, prompts, [rollouts[i] for i in b.sequences], [scores[i] for i in b.sequences], objective, total)[0]
+            for b in batches
+        )
+        return loss, batches
+
+    expected = gradients(student.model, lambda: brute_force_loss(student, prompts, rollouts, scores, objective))
+    one_per_prompt = max(reduced_length(prompts[r.prompt_index], r.selected) + r.response_ids.numel() for r in rollouts) * 3
+    for budget, shape in [(10**6, 1), (one_per_prompt, 2), (1, 6)]:  # everything at once, one prompt each, one sequence each
+        loss, batches = micro_batched(budget)
+        assert len(batches) == shape
+        got = gradients(student.model, lambda: micro_batched(budget)[0])
+        assert got.keys() == expected.keys()
+        assert any(n.startswith("model.visual") for n in got)  # the vision tower and merger are trained
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-8, msg=f"{family} budget {budget}: {name}")
+        assert float(loss) == pytest.approx(float(brute_force_loss(student, prompts, rollouts, scores, objective)), rel=1e-5)
+
+
+def test_student_loss_runs_the_vision_tower_once_per_prompt(updates):
+    trainer, prompts, rollouts, scores = updates["qwen3_5"]
+    calls = []
+    hook = trainer.student.model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        _, stats = student_loss(trainer.student, prompts, rollouts, scores, trainer.job.objective)
+    finally:
+        hook.remove()
+    assert len(calls) == stats.vision_forwards == 2 and stats.sequences == 6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prompt_teacher_scores_equal_one_forward_per_rollout(updates, family):
+    trainer, prompts, rollouts, _ = updates[family]
+    teacher = trainer.teacher
+    weight = teacher.lm_head.weight
+    expected = []
+    with torch.no_grad():
+        for r in rollouts:  # brute force: the full-token prompt + response in one forward, per rollout
+            prompt = prompts[r.prompt_index]
+            features = teacher.visual_features(prompt)
+            (hidden,) = teacher.response_hidden([teacher.reduce(prompt, features, teacher.keep_all(features))], [r.response_ids])
+            requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1)
+            expected.append(top_k_log_probs(hidden, weight, 8, 16, requested))
+    for budget in (10**6, 7, 1):  # one micro-batch per prompt, several, one response each
+        got = teacher_scores(teacher, prompts, rollouts, 8, 16, token_budget=budget)
+        for score, (ids, logp, requested_logp) in zip(got, expected):
+            torch.testing.assert_close(score.top_logp, logp, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(score.requested_logp, requested_logp, rtol=1e-5, atol=1e-5)
+            gathered = torch.gather(torch.full((ids.shape[0], weight.shape[0]), -1e9).scatter(1, ids, logp), 1, score.top_ids.long())
+            torch.testing.assert_close(gathered, score.top_logp, rtol=1e-5, atol=1e-5)  # same ids up to ties
