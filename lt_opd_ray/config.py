@@ -156,6 +156,9 @@ class RolloutPool(Resources):
     """Rollout workers, each owning one engine with the current student."""
     backend: Literal["transformers", "vllm"] = "transformers"
     """Inference engine of the rollout workers."""
+    verify_weights: bool = False
+    """Each worker hashes the weights it is sent (about 1 s per GB), so `checksums()` can prove the engine
+    got exactly the learners' weights; needed for a vLLM worker's checksum (it keeps no other copy)."""
 
 
 class TeacherPool(Resources):
@@ -203,7 +206,8 @@ class LearnerPool(Resources):
     activation_checkpointing: bool = False
     """Recompute each decoder and vision block in the backward instead of keeping its activations."""
     sync_bucket_mb: float = Field(16.0, gt=0)
-    """Size of the flat buckets the weights are broadcast in (4-16 MB measured fastest on gloo; see bench_runtime)."""
+    """Size of the flat buckets the weights are broadcast in (4-16 MB measured fastest on gloo; see bench_runtime).
+    A bucket never splits a layer (vLLM fuses a layer's weights), so a layer larger than this gets its own."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """A weight broadcast not finished in this time fails, naming the workers that did not answer."""
 

@@ -34,23 +34,24 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def synthetic_sample(index: int, seed: int = 0, size: int = 128) -> Sample:
-    """One image with a shape in each quadrant; the question asks for the colour at one quadrant."""
+def synthetic_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 128) -> Sample:
+    """One image (size: side, or (width, height)) with a shape in each quadrant; the question asks for the colour at one."""
     import random
 
     from PIL import Image, ImageDraw
 
     rng = random.Random(stable_seed("synthetic", seed, index))
-    image = Image.new("RGB", (size, size), (245, 245, 245))
+    width, height = (size, size) if isinstance(size, int) else size
+    image = Image.new("RGB", (width, height), (245, 245, 245))
     draw = ImageDraw.Draw(image)
     quadrants = ["top left", "top right", "bottom left", "bottom right"]
     answers = {}
-    half = size // 2
+    half_w, half_h = width // 2, height // 2
     for q, name in enumerate(quadrants):
         colour = rng.choice(list(COLOURS))
         shape = rng.choice(SHAPES)
-        x0, y0 = (q % 2) * half + half // 4, (q // 2) * half + half // 4
-        box = (x0, y0, x0 + half // 2, y0 + half // 2)
+        x0, y0 = (q % 2) * half_w + half_w // 4, (q // 2) * half_h + half_h // 4
+        box = (x0, y0, x0 + half_w // 2, y0 + half_h // 2)
         (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLOURS[colour])
         answers[name] = colour
     asked = rng.choice(quadrants)
@@ -100,12 +101,19 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
 
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
-    """`synthetic:<n>` (coloured quadrants), `board:<n>` / `board-test:<n>` (the toy board task's
-    training / held-out split), a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
+    """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size),
+    `board:<n>` / `board-test:<n>` (the toy board task's training / held-out split), a folder
+    prepared by `lt-opd data`, or a JSONL / parquet file."""
     kind, _, count = spec.partition(":")
     if kind in ("synthetic", "board", "board-test"):
+        count, _, size = count.partition("@")
         if not count.isdigit() or int(count) < 1:
             raise InputError(f"data {spec!r}: expected {kind}:<positive count>")
+        if size:
+            width, _, height = size.partition("x")
+            if kind != "synthetic" or not (width.isdigit() and height.isdigit() and int(width) >= 32 and int(height) >= 32):
+                raise InputError(f"data {spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
+            return [synthetic_sample(i, seed, (int(width), int(height))) for i in range(int(count))]
         if kind.startswith("board"):
             from .toy.task import board_samples
 

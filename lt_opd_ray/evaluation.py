@@ -90,11 +90,21 @@ def evaluate_answers(
     batch_size: int = 32,
 ) -> Evaluation:
     """Greedy answers at `budget_bps`; a sample is correct when its parsed <answer> equals `answer`."""
-    unanswerable = [s.uid for s in samples if s.answer is None]
-    if unanswerable:
-        raise ValueError(f"samples without a reference answer cannot be scored: {', '.join(unanswerable[:5])}")
+    check_answerable(samples)  # before any generation
     responses = generate_responses(
         vlm, processor, samples, budget_bps, selector, k_min, system_prompt, max_new_tokens, batch_size, stop=("</answer>",)
     )
+    return score_answers(samples, responses, budget_bps, selector)
+
+
+def check_answerable(samples: list[Sample]) -> None:
+    unanswerable = [s.uid for s in samples if s.answer is None]
+    if unanswerable:
+        raise ValueError(f"samples without a reference answer cannot be scored: {', '.join(unanswerable[:5])}")
+
+
+def score_answers(samples: list[Sample], responses: list[str], budget_bps: int, selector: str) -> Evaluation:
+    """Exact match of each response's parsed <answer> against the sample's reference answer."""
+    check_answerable(samples)
     correct = [parse_answer(r) == str(s.answer).strip().lower() for r, s in zip(responses, samples)]
     return Evaluation(budget_bps, selector, responses, correct)

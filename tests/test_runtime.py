@@ -103,27 +103,40 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
 
 @pytest.mark.slow
 def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path):
-    """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights."""
+    """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights and sends bf16,
+    straight into the engine's parameters: the worker holds no transformers copy of the student."""
     from lt_opd_ray.curriculum import tokens_to_keep
 
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="vllm", dtype="bfloat16", backend="vllm")
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="vllm", dtype="bfloat16", backend="vllm", verify_weights=True)
     driver = Driver(job)
     try:
         worker = driver.rollouts.workers[0]
-        assert ray.get(worker.__ray_call__.remote(lambda w: type(w.engine).__name__)) == "VLLMEngine"
+
+        def modules_held(w):
+            """(engine type, models the worker or its engine hold outside vLLM)."""
+            from lt_opd_ray.models.adapter import QwenVLM
+
+            held = [*vars(w).values(), *vars(w.engine).values()]
+            return type(w.engine).__name__, [type(v).__name__ for v in held if isinstance(v, (torch.nn.Module, QwenVLM))]
+
+        assert ray.get(worker.__ray_call__.remote(modules_held)) == ("VLLMRolloutEngine", [])
+        numel = sum(p.numel() for p in driver.learners.full_state_dict().values())
         logs = []
         for step in range(1, 4):
             log = driver.run_step()
             logs.append(log)
             assert log.tokens > 0 and torch.isfinite(torch.tensor(log.loss))
-            # the engine was reloaded from the synced weights the learner holds
-            assert driver.rollouts.checksums() == [(step, driver.learners.weights_checksum())]
+            # the engine was written with exactly the learners' weights, in bf16
+            assert driver.rollouts.checksums("bfloat16") == [(step, driver.learners.weights_checksum("bfloat16"))]
+            assert log.sync_bytes == 2 * numel
             assert 0.5 < log.importance_weight <= job.objective.importance_clip  # bf16 sampler vs fp32 learner: near 1
         assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
         samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
         _, shard = ray.get(worker.generate.options(num_returns=2).remote(samples, 0, 2, 1500, 9))
         for rollout in shard.rollouts:
             assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
+        evaluation = ray.get(worker.evaluate.remote(samples, 500, "cdpruner"))  # greedy answers from the engine
+        assert evaluation["weights_version"] == 3 and 0.0 <= evaluation["accuracy"] <= 1.0
     finally:
         driver.shutdown()
 

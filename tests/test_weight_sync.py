@@ -8,7 +8,16 @@ import torch
 
 from lt_opd_ray.runtime.learner_group import free_port
 from lt_opd_ray.runtime.teacher import MalformedPayloadError, pack_scores, unpack_scores
-from lt_opd_ray.runtime.weight_sync import SyncGroup, WeightSyncError, bucket_layout, host_store, join_store, weights_checksum
+from lt_opd_ray.runtime.weight_sync import (
+    Layout,
+    ModuleSink,
+    SyncGroup,
+    WeightUpdateRefused,
+    group_key,
+    host_store,
+    join_store,
+    weights_checksum,
+)
 from lt_opd_ray.update import Rollout, TeacherScore
 
 
@@ -17,7 +26,23 @@ def model(seed, width=40):
     return torch.nn.Sequential(torch.nn.Linear(30, width), torch.nn.Linear(width, 7))
 
 
-def broadcast(sender, receiver, version, expected, bucket_bytes=1024):
+class RecordingSink(ModuleSink):
+    """A module sink that also records each tensor it is handed: its dtype and the bytes of the buffer under it."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.written = []
+
+    def write(self, stream):
+        def recorded():
+            for name, tensor in stream:
+                self.written.append((name, tensor.dtype, tensor.untyped_storage().nbytes()))
+                yield name, tensor
+
+        super().write(recorded())
+
+
+def broadcast(sender, sink, version, expected, bucket_bytes=1024, dtype="float32"):
     port = free_port()
     store = host_store("127.0.0.1", port, 2, 30)
     errors, received = [], {}
@@ -25,46 +50,78 @@ def broadcast(sender, receiver, version, expected, bucket_bytes=1024):
     def receive():
         try:
             group = SyncGroup(join_store("127.0.0.1", port, 30), 1, 2, 0, 30)
-            received["version"] = group.receive(receiver, expected, bucket_bytes)
+            received["version"] = group.receive(sink, expected)
         except Exception as exc:  # surfaced to the test below
             errors.append(exc)
 
     thread = threading.Thread(target=receive)
     thread.start()
-    sent = SyncGroup(store, 0, 2, 0, 30).send(list(sender.named_parameters()), version, bucket_bytes)
+    sent = SyncGroup(store, 0, 2, 0, 30).send(list(sender.named_parameters()), version, bucket_bytes, dtype)
     thread.join(timeout=60)
     return sent, received, errors
 
 
 def test_bucketed_broadcast_copies_every_weight_and_version():
     a, b = model(0), model(1)
-    sent, received, errors = broadcast(a, b, version=3, expected=3, bucket_bytes=1024)
+    sent, received, errors = broadcast(a, ModuleSink(b), version=3, expected=3, bucket_bytes=1024)
     assert not errors and received == {"version": 3}
     assert weights_checksum(a.named_parameters()) == weights_checksum(b.named_parameters())
     assert sent == 4 * sum(p.numel() for p in a.parameters())
 
 
+def test_bf16_wire_sends_half_the_bytes_and_the_receiver_holds_the_rounded_weights():
+    a, b = model(0), model(1)
+    sink = RecordingSink(b)
+    sent, received, errors = broadcast(a, sink, version=1, expected=1, bucket_bytes=1024, dtype="bfloat16")
+    assert not errors and sent == 2 * sum(p.numel() for p in a.parameters())
+    assert {dtype for _, dtype, _ in sink.written} == {torch.bfloat16}
+    assert weights_checksum(a.named_parameters(), torch.bfloat16) == weights_checksum(b.named_parameters(), torch.bfloat16)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pb, pa.detach().bfloat16().float()), name  # fp32 receiver: exactly the bf16-rounded weights
+
+
+def test_the_receiver_holds_one_bucket_at_a_time():
+    a, b = model(0, width=400), model(1, width=400)
+    sink = RecordingSink(b)
+    _, _, errors = broadcast(a, sink, version=1, expected=1, bucket_bytes=4096)
+    assert not errors
+    total = 4 * sum(p.numel() for p in a.parameters())
+    biggest_layer = 4 * max(sum(p.numel() for p in layer.parameters()) for layer in a)  # weight + bias travel together
+    assert max(nbytes for _, _, nbytes in sink.written) <= max(4096, biggest_layer) < total
+
+
 def test_wrong_version_is_refused_and_nothing_changes():
     a, b = model(0), model(1)
     before = weights_checksum(b.named_parameters())
-    _, _, errors = broadcast(a, b, version=4, expected=3)
-    assert len(errors) == 1 and "got version 4, expected 3" in str(errors[0])
+    _, _, errors = broadcast(a, ModuleSink(b), version=4, expected=3)
+    assert len(errors) == 1 and isinstance(errors[0], WeightUpdateRefused) and "got version 4, expected 3" in str(errors[0])
     assert weights_checksum(b.named_parameters()) == before
 
 
 def test_mismatched_names_or_shapes_are_refused_before_any_weight_changes():
     a, b = model(0, width=40), model(1, width=41)
     before = weights_checksum(b.named_parameters())
-    _, _, errors = broadcast(a, b, version=1, expected=1)
-    assert isinstance(errors[0], WeightSyncError) and "names/shapes differ" in str(errors[0])
+    _, _, errors = broadcast(a, ModuleSink(b), version=1, expected=1)
+    assert isinstance(errors[0], WeightUpdateRefused) and "names/shapes differ" in str(errors[0])
+    assert "0.weight: shape (40, 30) != (41, 30)" in str(errors[0])
     assert weights_checksum(b.named_parameters()) == before
 
 
-def test_bucket_layout_packs_in_order_within_the_size():
-    shapes = [("a", (10,)), ("b", (300,)), ("c", (5, 5)), ("d", (2,))]
-    buckets = bucket_layout(shapes, bucket_bytes=400)  # 100 fp32 per bucket
+def test_buckets_pack_in_order_within_the_size_and_never_split_a_layer():
+    layout = Layout(("a", "b", "c", "d"), ((10,), (300,), (5, 5), (2,)), "float32")
+    buckets = layout.buckets(400)  # 100 fp32 per bucket
     assert [b.names for b in buckets] == [("a",), ("b",), ("c", "d")]
     assert sum(b.numel for b in buckets) == 10 + 300 + 25 + 2
+    names = ("model.embed.weight", "model.layers.0.q.weight", "model.layers.0.k.weight", "model.layers.1.q.weight", "lm_head.weight")
+    layers = Layout(names, ((4,), (4,), (4,), (4,), (4,)), "bfloat16").buckets(8)  # one 4-element tensor per bucket
+    assert [b.names for b in layers] == [names[:1], names[1:3], names[3:4], names[4:]]  # layer 0 stays whole
+    assert group_key("model.visual.blocks.12.attn.qkv.weight") == "model.visual.blocks.12"
+    assert group_key("model.visual.merger.linear_fc1.weight") == "model.visual.merger.linear_fc1"
+
+
+def test_layout_survives_the_wire_encoding():
+    layout = Layout(("x.weight", "y.bias"), ((3, 2), (7,)), "bfloat16")
+    assert Layout.decode(layout.encode()) == layout
 
 
 def rollouts_and_scores(lengths=(3, 2), k=4, vocab=50):

@@ -12,8 +12,9 @@ images, and vLLM's processor expands each image to the k kept placeholders.
   for each response position, on the full-token prompt plus the response. vLLM's V2
   runner scores requested ids in the engine (`prompt_logprob_token_ids`); the V1
   runner (vLLM's CPU build) returns the full vocabulary, gathered here.
-- `load_weights`: an in-place update from in-memory tensors, refused before any
-  weight changes when names or shapes do not match.
+- `write_weights` / `EngineSink`: an in-place update streamed into the engine's own
+  parameters (the weight sync's sink); `load_weights`: the same from tensors at hand,
+  refused before any weight changes when names or shapes do not match.
 """
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ TEXT_TOKENS = 1024  # room for the system prompt, the question and the chat temp
 
 class WeightMismatchError(ValueError):
     pass
+
+
+# vLLM's V1 runner (its CPU build) answers prompt log-probs over the whole vocabulary, as Python
+# lists, at every prompt row: fine for tiny models, hopeless at Qwen3.5's 248,320 ids per row.
+V1_SCORING_VOCAB_LIMIT = 32768
+
+
+def check_teacher_scoring(engine: VLLMEngine) -> None:
+    """Refuse a vLLM teacher whose runner would return full-vocabulary prompt log-probs at a real vocabulary."""
+    if not engine.v2_runner and engine.vocab_size > V1_SCORING_VOCAB_LIMIT:
+        raise ValueError(
+            f"pools.teacher.backend vllm: this vLLM runner (V1, e.g. vLLM's CPU build) scores a response by returning"
+            f" prompt log-probs over the whole vocabulary ({engine.vocab_size:,} ids) at every prompt row; above"
+            f" {V1_SCORING_VOCAB_LIMIT:,} ids that is unusable. Set pools.teacher.backend: transformers (it scores"
+            " response rows only and shares each prompt's cache), or run the teacher where vLLM's V2 runner is used (GPU)"
+        )
 
 
 class VLLMEngine:
@@ -238,9 +255,24 @@ class VLLMEngine:
         return ScoredResponse(top_ids.to(torch.int32), top_logp, full.gather(-1, ids.long()))
 
     # ---------------------------------------------------------------- weights
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The weights an update must bring: the model folder's tensors, less the multi-token-prediction
+        head (`mtp.*`, in Qwen3.5 checkpoints) that the student neither has nor samples with."""
+        return {n: s for n, s in _checkpoint_shapes(self.model_dir).items() if not n.startswith("mtp.")}
+
+    def write_weights(self, stream) -> None:
+        """Write (name, tensor) pairs in checkpoint format into the engine's own parameters, in place.
+
+        vLLM's layerwise reload buffers a layer's tensors until the layer is complete, then loads
+        and repacks it: with a stream that brings each layer in one piece (the weight sync's buckets
+        never split a layer), no more than a layer is held besides the model.
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Replace the model's weights in place; names and shapes are checked against the checkpoint first."""
-        expected = _checkpoint_shapes(self.model_dir)
+        """Replace weights in place from tensors at hand; names and shapes are checked first, and a mismatch is refused whole."""
+        expected = self.weight_shapes()
         problems = [f"{name}: not a weight of this model" for name, _ in named_tensors if name not in expected]
         problems += [
             f"{name}: shape {tuple(t.shape)} != {expected[name]}"
@@ -249,8 +281,40 @@ class VLLMEngine:
         ]
         if problems:
             raise WeightMismatchError(f"weight update refused, nothing changed ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.write_weights(iter(named_tensors))
+
+
+class EngineSink:
+    """The weight-sync sink of a vLLM rollout worker: the engine's own parameters, no second copy of the model.
+
+    With `digest`, it hashes what it writes (as `weights_checksum` in the wire dtype does), so the
+    driver can check the engine got exactly the learner's weights.
+    """
+
+    def __init__(self, engine: VLLMEngine, digest: bool = False):
+        self.engine = engine
+        self.digest = digest
+        self.last_digest: str | None = None  # of the last complete write, when `digest`
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.engine.weight_shapes()
+
+    def write(self, stream) -> None:
+        import hashlib
+
+        from ..runtime.weight_sync import add_to_digest
+
+        self.last_digest = None
+        hasher = hashlib.blake2b(digest_size=16) if self.digest else None
+
+        def hashed():
+            for name, tensor in stream:
+                if hasher is not None:
+                    add_to_digest(hasher, name, tensor)
+                yield name, tensor
+
+        self.engine.write_weights(hashed())
+        self.last_digest = hasher.hexdigest() if hasher is not None else None
 
 
 def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
@@ -271,7 +335,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
             f"pools.{role}.backend vllm with model.dtype {job.model.dtype}: vLLM's CPU kernels run Qwen3.5"
             " (Gated DeltaNet) only in bfloat16; set model.dtype: bfloat16"
         )
-    return VLLMEngine(
+    engine = VLLMEngine(
         model_dir,
         dtype=job.model.dtype,
         max_model_len=_context_length(job, config),
@@ -280,6 +344,9 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         min_pixels=job.data.min_pixels,
         max_pixels=job.data.max_pixels,
     )
+    if role == "teacher":
+        check_teacher_scoring(engine)
+    return engine
 
 
 def _context_length(job, config: dict) -> int:

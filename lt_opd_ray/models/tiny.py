@@ -94,8 +94,12 @@ def _mrope_section(rotary_dim: int) -> list[int]:
     return [frequencies - 2 * spatial, spatial, spatial]
 
 
-def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32):
+def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vocab_size: int | None = None):
     """A tiny config of `family` whose special-token ids match `tokenizer`.
+
+    `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as Qwen3.5-4B's
+    248,320 rows do: the output head then has the real shape, and ids past the
+    tokenizer decode to nothing.
 
     head_dim 32 is the smallest that vLLM's CPU attention kernels accept, so every
     tiny model also runs in the vLLM engines.
@@ -103,7 +107,9 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32):
     from transformers import AutoConfig
 
     ids = _token_ids(tokenizer)
-    vocab = len(tokenizer)
+    vocab = vocab_size or len(tokenizer)
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens")
     heads = 4 if family in ("qwen3_5", "qwen3_vl") else hidden // head_dim  # Qwen2.5-VL: head_dim = hidden / heads
     text_common = dict(
         vocab_size=vocab,
@@ -200,14 +206,14 @@ def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: i
     }
 
 
-def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64) -> Path:
+def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, vocab_size: int | None = None) -> Path:
     """Write a tiny random `family` VLM to `out_dir` (an ordinary HF folder) and return the path."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = tiny_config(family, tokenizer, hidden=hidden)
+    config = tiny_config(family, tokenizer, hidden=hidden, vocab_size=vocab_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id
@@ -219,10 +225,13 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: in
     return out_dir
 
 
-def tiny_model_dir(family: str, cache_root: str | Path | None = None) -> Path:
-    """The embedded tiny model of `family`, built once into a cache folder (seed 0) named by its recipe.
+def tiny_model_dir(name: str, cache_root: str | Path | None = None) -> Path:
+    """The embedded tiny model `name` (`<family>` or `<family>-vocab<N>`), built once into a cache folder
+    (seed 0) named by its recipe.
 
-    The folder name carries a hash of this file, so a changed recipe builds anew.
+    `qwen3_5-vocab248320` is the narrow model of the paper-shaped job: the tiny body with
+    Qwen3.5-4B's real output vocabulary. The folder name carries a hash of this file, so a
+    changed recipe builds anew.
     """
     import hashlib
     import os
@@ -230,10 +239,13 @@ def tiny_model_dir(family: str, cache_root: str | Path | None = None) -> Path:
 
     root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
     recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # this file is the recipe
-    target = root / "tiny" / f"{family}-{recipe}"
+    family, _, vocab = name.partition("-vocab")
+    if family not in FAMILIES or (vocab and not vocab.isdigit()):
+        raise ValueError(f"model.path tiny:{name}: expected tiny:<family> or tiny:<family>-vocab<N>, family one of {', '.join(FAMILIES)}")
+    target = root / "tiny" / f"{name}-{recipe}"
     if not (target / "config.json").exists():
         staging = target.with_name(target.name + f".tmp{os.getpid()}")
-        build_tiny_model(family, staging)
+        build_tiny_model(family, staging, vocab_size=int(vocab) if vocab else None)
         try:
             staging.rename(target)  # atomic: a half-built folder never looks complete
         except OSError:  # another process finished first

@@ -63,9 +63,7 @@ class Driver:
         self.rollouts = RolloutPool(job)
         self.teacher = TeacherService(job)
         self.learners = LearnerGroup(job)
-        self.sync = WeightBroadcaster(
-            self.learners, self.rollouts, job.pools.learner.sync_timeout_s, int(job.pools.learner.sync_bucket_mb * 2**20)
-        )
+        self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
         self.metrics = DriverMetrics(job.name)
         self.step, self.cursor = 0, 0
         if resume and (state := self.checkpoints.restore(self.learners)) is not None:

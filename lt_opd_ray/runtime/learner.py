@@ -131,6 +131,32 @@ class Learner:
                 "vision_forwards": stats.vision_forwards, "prompts": len(prompts),
                 "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
 
+    @property
+    def wire_dtype(self) -> str:
+        """The weight broadcast's dtype: the student's compute dtype."""
+        return "bfloat16" if self.job.model.dtype == "bfloat16" else "float32"
+
+    def wire_layout(self):
+        """Names and full shapes of every student parameter (a ZeRO-3 shard's own shape is empty: ds_shape)."""
+        from .weight_sync import Layout
+
+        named = list(self.module.model.named_parameters())
+        return Layout(tuple(n for n, _ in named), tuple(tuple(getattr(p, "ds_shape", p.shape)) for _, p in named), self.wire_dtype)
+
+    def stream_weights(self, send_bucket, bucket_bytes: int) -> int:
+        """Gather the weights one bucket at a time (ZeRO-3: a collective, every rank calls it) and hand each
+        bucket's full tensors to `send_bucket` (rank 0; None elsewhere). Returns the bytes it reported."""
+        import deepspeed
+
+        params = dict(self.module.model.named_parameters())
+        sent = 0
+        for bucket in self.wire_layout().buckets(bucket_bytes):
+            chosen = [params[n] for n in bucket.names]
+            with deepspeed.zero.GatheredParameters(chosen, modifier_rank=None, enabled=self.job.pools.learner.zero_stage == 3):
+                if send_bucket is not None:
+                    sent += send_bucket(chosen)
+        return sent
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """All student weights as full fp32 tensors (ZeRO-3 shards gathered: a collective, every rank calls it)."""
         import deepspeed

@@ -51,9 +51,10 @@ class LearnerActor:
         return host, port
 
     def join_weight_sync(self, world: int, generation: int) -> int:
+        from .rollout_pool import sync_device
         from .weight_sync import SyncGroup
 
-        self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s)
+        self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
 
     def train_step(self, samples, shard_refs: list, payload_refs: list, total_sequences: int) -> dict:
@@ -75,15 +76,20 @@ class LearnerActor:
                 "payload_bytes": sum(p.nbytes for p in payloads), "payload_tokens": sum(int(p.lengths.sum()) for p in payloads)}
 
     def broadcast_weights(self, version: int) -> dict:
-        """Every rank gathers (ZeRO-3 is a collective); rank 0 sends to the rollout workers."""
+        """Every rank gathers bucket by bucket (ZeRO-3 is a collective); rank 0 sends each bucket in the wire dtype."""
         begin = time.perf_counter()
-        state = self.learner.full_state_dict()
+        bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
+        send = None
+        if self.rank == 0:
+            layout = self.learner.wire_layout()
+            self.sync.send_header(layout, version, bucket_bytes)
+            send = lambda tensors: self.sync.send_bucket(tensors, layout.torch_dtype)  # noqa: E731
+        nbytes = self.learner.stream_weights(send, bucket_bytes)
         if self.rank != 0:
             return {"rank": self.rank}
-        nbytes = self.sync.send(list(state.items()), version, int(self.job.pools.learner.sync_bucket_mb * 2**20))
         seconds = time.perf_counter() - begin
         self.metrics.record_sync(seconds, nbytes)
-        return {"rank": 0, "bytes": nbytes, "seconds": seconds}
+        return {"rank": 0, "bytes": nbytes, "seconds": seconds, "dtype": self.learner.wire_dtype}
 
     def full_state_dict(self) -> dict | None:
         """Rank 0 answers; the other ranks take part in the ZeRO-3 gather and answer None."""
@@ -148,10 +154,11 @@ class LearnerGroup:
         """The current student as a Hugging Face folder at `directory` (written by rank 0)."""
         ray.get([a.save_pretrained.remote(directory) for a in self.actors])
 
-    def weights_checksum(self) -> str:
-        from .weight_sync import weights_checksum
+    def weights_checksum(self, dtype: str = "float32") -> str:
+        """A digest of the learners' weights in `dtype` (the wire dtype compares with the rollout workers')."""
+        from .weight_sync import WIRE_DTYPES, weights_checksum
 
-        return weights_checksum(self.full_state_dict().items())
+        return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 
     def shutdown(self) -> None:
         ray.get([a.finish.remote() for a in self.actors])

@@ -41,40 +41,19 @@ class ShardRef:
 
 
 class RolloutWorker:
-    """Holds the student and answers generate / evaluate / weight-sync calls.
-
-    The transformers model is always there: it receives the weight broadcast (and
-    answers checksums and evaluations). With `pools.rollout.backend: vllm` a vLLM
-    engine samples the rollouts and is reloaded in place from that model after every
-    sync. In the fixed-prefix and SFT modes the worker also holds a frozen copy of the
-    initial weights that samples the responses at full tokens (transformers only).
-    """
+    """Owns one rollout engine (`engines.rollout_engines`: transformers or vLLM) holding the current student,
+    and answers generate / evaluate / weight-sync calls."""
 
     def __init__(self, job: JobConfig, name: str):
         import transformers
 
-        from ..models.adapter import QwenVLM
-        from ..models.loading import load_vlm
-        from ..models.processor import VLMProcessor
-        from ..reference import sampling_params
-        from ..selectors import build_selector
+        from ..engines.rollout_engines import build_rollout_engine
         from .metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
-        model_dir, model = load_vlm(job.model.path)
-        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
-        self.vlm = QwenVLM(model.eval().requires_grad_(False))
-        # the fixed-prefix and SFT ablations sample with the frozen initial weights (the teacher)
-        self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
-        self.selector = build_selector(job.selector.name)
-        self.params = sampling_params(job, self.processor.tokenizer)
-        self.engine = None
-        if job.pools.rollout.backend == "vllm":
-            from ..engines.vllm_engine import engine_for_job
-
-            self.engine = engine_for_job(job, model_dir, role="rollout")
-        self.weights_version = 0
+        self.engine = build_rollout_engine(job)
+        self.weights_version: int | None = 0  # None while an update is half written
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
 
@@ -87,28 +66,8 @@ class RolloutWorker:
         Called with num_returns = 1 + pieces, so the driver fetches only the summary and
         each piece goes to the learner rank whose prompts it holds.
         """
-        from ..models.loading import compute_precision
-        from ..models.processor import encode_samples
-        from ..update import rollout
-
         begin = time.perf_counter()
-        mine = samples[start:stop]
-        prompts = encode_samples(self.processor, mine, self.job.data.system_prompt)
-        uids = [s.uid for s in mine]
-        if self.engine is not None:
-            from ..engines.vllm_roles import vllm_rollout
-            from ..models.processor import load_image
-
-            rollouts = vllm_rollout(
-                self.engine, prompts, [[load_image(s.image, s.uid)] for s in mine], uids, self.job.selector.name, budget_bps,
-                self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step,
-            )
-        else:
-            with compute_precision(self.job.model.dtype, self.vlm.device):
-                rollouts = rollout(
-                    self.vlm, self.processor.tokenizer, prompts, uids, self.selector, budget_bps,
-                    self.job.budget.k_min, self.params, self.job.sampling.n, self.job.seed, step, self.behaviour,
-                )
+        rollouts = self.engine.rollout(samples[start:stop], budget_bps, step)
         for r in rollouts:
             r.prompt_index += start
         seconds = time.perf_counter() - begin
@@ -124,53 +83,58 @@ class RolloutWorker:
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> dict:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
-        from ..evaluation import evaluate_answers
-        from ..models.loading import compute_precision
+        from ..evaluation import score_answers
 
-        with compute_precision(self.job.model.dtype, self.vlm.device):
-            result = evaluate_answers(
-                self.vlm, self.processor, samples, budget_bps, selector, self.job.budget.k_min,
-                self.job.data.system_prompt, self.job.eval.max_new_tokens,
-            )
+        responses = self.engine.respond(
+            samples, budget_bps, selector, self.job.eval.max_new_tokens, self.job.data.system_prompt, stop=("</answer>",)
+        )
+        result = score_answers(samples, responses, budget_bps, selector)
         return {"selector": selector, "budget_bps": budget_bps, "accuracy": result.accuracy, "weights_version": self.weights_version}
 
     def evaluate_benchmark(self, benchmarks: dict, name: str, budget_bps: int, selector: str) -> dict:
         """One benchmark's own score for the current student weights (greedy) at `budget_bps` with `selector`."""
         from ..evals.benchmarks import benchmark
-        from ..evaluation import generate_responses
-        from ..models.loading import compute_precision
 
         items = benchmarks[name]
-        with compute_precision(self.job.model.dtype, self.vlm.device):
-            responses = generate_responses(
-                self.vlm, self.processor, [i.sample for i in items], budget_bps, selector, self.job.budget.k_min,
-                max_new_tokens=self.job.eval.max_new_tokens,
-            )
+        responses = self.engine.respond([i.sample for i in items], budget_bps, selector, self.job.eval.max_new_tokens, None, stop=())
         score = benchmark(name).score(items, responses)["score"]
         return {"benchmark": name, "selector": selector, "score": score, "weights_version": self.weights_version}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, generation: int, timeout_s: float) -> str:
         from .weight_sync import SyncGroup, join_store
 
-        self.sync = SyncGroup(join_store(host, port, timeout_s), rank, world, generation, timeout_s)
+        self.sync = SyncGroup(join_store(host, port, timeout_s), rank, world, generation, timeout_s, device=sync_device())
         return self.name
 
-    def receive_weights(self, version: int, bucket_bytes: int) -> dict:
+    def receive_weights(self, version: int) -> dict:
+        """One weight update, written into the engine bucket by bucket as it arrives."""
+        from .weight_sync import WeightUpdateRefused
+
         begin = time.perf_counter()
-        self.weights_version = self.sync.receive(self.vlm.model, version, bucket_bytes)
-        if self.engine is not None:
-            self.engine.load_weights(list(self.vlm.model.state_dict().items()))
+        previous, self.weights_version = self.weights_version, None  # torn until the update is complete
+        try:
+            self.weights_version = self.sync.receive(self.engine.sink(), version)
+        except WeightUpdateRefused:
+            self.weights_version = previous  # refused before anything was written
+            raise
         return {"worker": self.name, "version": self.weights_version, "seconds": time.perf_counter() - begin}
 
-    def weights_checksum(self) -> tuple[int, str]:
-        from .weight_sync import weights_checksum
+    def weights_checksum(self, dtype: str) -> tuple[int | None, str]:
+        from .weight_sync import WIRE_DTYPES
 
-        return self.weights_version, weights_checksum(self.vlm.model.named_parameters())
+        return self.weights_version, self.engine.weights_checksum(WIRE_DTYPES[dtype])
 
     def pid(self) -> int:
         import os
 
         return os.getpid()
+
+
+def sync_device() -> str:
+    """The weight-sync transport's device: NCCL on this process's GPU, else gloo on CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class RolloutPool:
@@ -230,8 +194,9 @@ class RolloutPool:
                 dead.append(i)
         return dead
 
-    def checksums(self) -> list[tuple[int, str]]:
-        return ray.get([w.weights_checksum.remote() for w in self.workers])
+    def checksums(self, dtype: str = "float32") -> list[tuple[int | None, str]]:
+        """(weights version, digest of the weights in `dtype`) of every worker."""
+        return ray.get([w.weights_checksum.remote(dtype) for w in self.workers])
 
     def shutdown(self) -> None:
         for worker in self.workers:

@@ -23,9 +23,9 @@ def wait_all(refs: list, names: list[str], timeout_s: float, what: str) -> list:
 
 
 class WeightBroadcaster:
-    def __init__(self, learners: LearnerGroup, pool: RolloutPool, timeout_s: float, bucket_bytes: int):
+    def __init__(self, learners: LearnerGroup, pool: RolloutPool, timeout_s: float):
         self.learners, self.pool = learners, pool
-        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
+        self.timeout_s = timeout_s
         self.generation = 0
         self.host, self.port = ray.get(learners.actors[0].host_weight_sync.remote())
         self.connect()
@@ -44,8 +44,8 @@ class WeightBroadcaster:
     def broadcast(self, version: int) -> dict:
         """Send the learners' current weights as `version`; every worker checks it received exactly that."""
         send = [actor.broadcast_weights.remote(version) for actor in self.learners.actors]
-        receive = [worker.receive_weights.remote(version, self.bucket_bytes) for worker in self.pool.workers]
+        receive = [worker.receive_weights.remote(version) for worker in self.pool.workers]
         names = [f"learner-{r}" for r in range(len(send))] + list(self.pool.names)
         results = wait_all(send + receive, names, self.timeout_s, f"weight broadcast v{version}")
         sent = results[0]
-        return {"bytes": sent["bytes"], "seconds": max(r["seconds"] for r in results if "seconds" in r)}
+        return {"bytes": sent["bytes"], "dtype": sent["dtype"], "seconds": max(r["seconds"] for r in results if "seconds" in r)}

@@ -1,0 +1,151 @@
+"""The rollout worker's engine: one small protocol, a transformers and a vLLM backend.
+
+A rollout worker owns one engine that holds the current student. The engine samples
+the update's rollouts at a visual budget, answers evaluation prompts greedily, and
+is the sink of the weight broadcast. Each backend holds the student once: the
+transformers engine as a torch module, the vLLM engine in vLLM's own parameters
+(written bucket by bucket by the sync; no transformers copy beside it).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..config import JobConfig
+from ..data import Sample, stable_seed
+from ..runtime.weight_sync import WeightSink
+from ..update import Rollout
+
+
+class RolloutEngine(Protocol):
+    def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
+        """n responses per sample at `budget_bps`, seeded by (job seed, step, uid, response index); prompt_index is local."""
+
+    def respond(self, samples: list[Sample], budget_bps: int, selector: str, max_new_tokens: int,
+                system_prompt: str | None, stop: tuple[str, ...]) -> list[str]:
+        """One greedy response per sample with `selector` at `budget_bps` (10000: every visual token)."""
+
+    def sink(self) -> WeightSink:
+        """Where the weight broadcast writes the student's new weights."""
+
+    def weights_checksum(self, dtype: torch.dtype) -> str:
+        """A digest of the weights the engine holds, comparable with `weights_checksum` of the learner's in `dtype`."""
+
+
+class TransformersRolloutEngine:
+    """The student as a transformers module (fp32 master layout, computing under the job's precision).
+
+    In the fixed-prefix and SFT ablations it also holds a frozen copy of the initial
+    weights (the teacher) that samples the responses at full tokens.
+    """
+
+    def __init__(self, job: JobConfig):
+        from ..models.adapter import QwenVLM
+        from ..models.loading import load_vlm
+        from ..models.processor import VLMProcessor
+        from ..reference import sampling_params
+        from ..selectors import build_selector
+
+        self.job = job
+        model_dir, model = load_vlm(job.model.path)
+        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+        self.vlm = QwenVLM(model.eval().requires_grad_(False))
+        self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
+        self.selector = build_selector(job.selector.name)
+        self.params = sampling_params(job, self.processor.tokenizer)
+
+    def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
+        from ..models.loading import compute_precision
+        from ..models.processor import encode_samples
+        from ..update import rollout
+
+        job = self.job
+        prompts = encode_samples(self.processor, samples, job.data.system_prompt)
+        with compute_precision(job.model.dtype, self.vlm.device):
+            return rollout(
+                self.vlm, self.processor.tokenizer, prompts, [s.uid for s in samples], self.selector, budget_bps,
+                job.budget.k_min, self.params, job.sampling.n, job.seed, step, self.behaviour,
+            )
+
+    def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
+        from ..evaluation import generate_responses
+        from ..models.loading import compute_precision
+
+        with compute_precision(self.job.model.dtype, self.vlm.device):
+            return generate_responses(
+                self.vlm, self.processor, samples, budget_bps, selector, self.job.budget.k_min, system_prompt, max_new_tokens, stop=stop
+            )
+
+    def sink(self) -> WeightSink:
+        from ..runtime.weight_sync import ModuleSink
+
+        return ModuleSink(self.vlm.model)
+
+    def weights_checksum(self, dtype: torch.dtype) -> str:
+        from ..runtime.weight_sync import weights_checksum
+
+        return weights_checksum(self.vlm.model.named_parameters(), dtype)
+
+
+class VLLMRolloutEngine:
+    """The student inside a vLLM engine with our pruning plugin; the weight sync writes into its parameters."""
+
+    def __init__(self, job: JobConfig):
+        from ..models.loading import resolve_model_dir
+        from ..models.processor import VLMProcessor
+        from ..reference import sampling_params
+        from .vllm_engine import EngineSink, engine_for_job
+
+        self.job = job
+        model_dir = resolve_model_dir(job.model.path)
+        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+        self.engine = engine_for_job(job, model_dir, role="rollout")
+        self.params = sampling_params(job, self.processor.tokenizer)
+        self._sink = EngineSink(self.engine, digest=job.pools.rollout.verify_weights)
+
+    def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
+        from ..models.processor import encode_samples, load_image
+        from .vllm_roles import vllm_rollout
+
+        job = self.job
+        prompts = encode_samples(self.processor, samples, job.data.system_prompt)
+        return vllm_rollout(
+            self.engine, prompts, [[load_image(s.image, s.uid)] for s in samples], [s.uid for s in samples], job.selector.name,
+            budget_bps, job.budget.k_min, self.params, job.sampling.n, job.seed, step,
+        )
+
+    def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
+        from ..models.processor import encode_samples, load_image
+        from ..models.sampler import SamplingParams
+        from .vllm_engine import engine_prompt
+        from .vllm_models import SelectionRequest
+
+        prompts = encode_samples(self.processor, samples, system_prompt)
+        engine_prompts = [engine_prompt(p, [load_image(s.image, s.uid)]) for p, s in zip(prompts, samples)]
+        tokenizer = self.processor.tokenizer
+        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,))
+        selections = [  # at 10000 bps the selector keeps every visual token
+            SelectionRequest(budget_bps=budget_bps, k_min=self.job.budget.k_min, selector=selector, seed=stable_seed("eval", s.uid))
+            for s in samples
+        ]
+        results = self.engine.generate(engine_prompts, selections, params, [0] * len(samples))
+        return [tokenizer.decode(completion.token_ids, skip_special_tokens=True) for completion, _ in results]
+
+    def sink(self) -> WeightSink:
+        return self._sink
+
+    def weights_checksum(self, dtype: torch.dtype) -> str:
+        if not self.job.pools.rollout.verify_weights:
+            raise ValueError("a vLLM rollout worker can only report the digest of the weights it was sent: set pools.rollout.verify_weights: true")
+        if self._sink.last_digest is None:
+            raise ValueError("no complete weight update has been written into this engine yet")
+        return self._sink.last_digest
+
+
+ENGINES = {"transformers": TransformersRolloutEngine, "vllm": VLLMRolloutEngine}
+
+
+def build_rollout_engine(job: JobConfig) -> RolloutEngine:
+    return ENGINES[job.pools.rollout.backend](job)
