@@ -238,7 +238,7 @@ def wait_until_idle(timeout_s: float = 60.0) -> float:
 
 
 def test_job_larger_than_the_cluster_is_refused_before_anything_starts(cluster, tiny_dirs, tmp_path):
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=4, workers=3, name="big")
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=4, workers=3, name="big", prompts=4)
     job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"cpus": 2.0, "gpus": 1.0})})})
     before = wait_until_idle()
     with pytest.raises(InsufficientResourcesError) as info:
@@ -353,7 +353,9 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     assert all(sorted(log.eval_accuracy) == ["cdpruner", "uniform"] for log in logs if log.eval_accuracy)
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "final", dtype=torch.float32)
     learner = reference_run(job, 5)[1]  # the distributed run reproduces the reference (tested above)
-    assert relative_distance({n: p.detach() for n, p in exported.named_parameters()}, learner) <= 1e-4
+    # 4-5 Adam steps amplify fp32 rounding to ~1.4e-4 (measured, also before micro-batching); a wrong export is off by O(1)
+    drift = 5e-4
+    assert relative_distance({n: p.detach() for n, p in exported.named_parameters()}, learner) <= drift
     assert not (tmp_path / "final.incoming").exists()
 
     # lt-opd export: the finished student, and the ZeRO-partitioned checkpoint of step 4 gathered to fp32
@@ -363,4 +365,4 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     assert CompressionConfig.read(tmp_path / "served") == CompressionConfig("cdpruner", 500, 2)
     export_student(job, tmp_path / "step4", step=4)
     at_step_4 = AutoModelForImageTextToText.from_pretrained(tmp_path / "step4", dtype=torch.float32)
-    assert relative_distance({n: p.detach() for n, p in at_step_4.named_parameters()}, reference_run(job, 4)[1]) <= 1e-4
+    assert relative_distance({n: p.detach() for n, p in at_step_4.named_parameters()}, reference_run(job, 4)[1]) <= drift

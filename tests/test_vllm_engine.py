@@ -243,3 +243,19 @@ def test_the_jobs_pixel_bounds_resize_alike_in_both_backends(tiny_dirs):
     engine = VLLMEngine(tiny_dirs[family], max_model_len=1024, min_pixels=bounds[0], max_pixels=bounds[1])
     (_, kept), = engine.generate([engine_prompt(prompt, [image])], [SelectionRequest(k_min=1)], GREEDY, seeds=[1])
     assert kept[0].numel() == t * h * w // 4  # 100%: every one of the same N tokens
+
+
+@pytest.mark.slow
+def test_a_vllm_teacher_on_the_v1_runner_is_refused_at_a_real_vocabulary(tiny_dirs, tmp_path):
+    """vLLM's CPU build (V1 runner) would return 248,320 prompt log-probs per scored row: refused at start, naming the fix."""
+    from conftest import job_for
+    from lt_opd_ray.engines.vllm_engine import check_teacher_scoring, engine_for_job
+    from lt_opd_ray.models.tiny import build_tiny_model
+
+    real_vocab = build_tiny_model("qwen3_5", tmp_path / "real-vocab", vocab_size=248320)
+    job = job_for(real_vocab, tmp_path, dtype="bfloat16", backend="vllm")
+    with pytest.raises(ValueError, match=r"whole vocabulary \(248,320 ids\).*Set pools.teacher.backend: transformers"):
+        engine_for_job(job, real_vocab, role="teacher")
+    small = engine_for_job(job_for(tiny_dirs["qwen3_5"], tmp_path, dtype="bfloat16", backend="vllm"), tiny_dirs["qwen3_5"], role="teacher")
+    assert not small.v2_runner
+    check_teacher_scoring(small)  # a tiny vocabulary is fine on the V1 runner
