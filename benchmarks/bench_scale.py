@@ -17,6 +17,8 @@ vocabulary (248,320), 896x832 images (728 visual tokens, 37 kept at 5%), respons
   vLLM engine reloaded from it, as the rollout worker did) and after (the compute dtype, bf16, streamed
   into the vLLM engine's own parameters): bytes, seconds, and the receiver's extra copy of the model.
 - job: one update of the paper-shaped job through the distributed driver, per phase.
+- split: the tiny job's step-time split (benchmarks/bench_runtime.py) at `--before` (a git revision,
+  default: the last commit before micro-batches) and in this working tree, one after the other.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def synthetic_share(model_dir: str, prompts: int, n: int, response_tokens: int, 
 
 def learner_step_memory(model_path: str, prompts: int, budget: int, response_tokens: int, top_k: int, chunk: int) -> dict:
     """One rank's micro-batched forward/backward (the learner's own code path, without DeepSpeed); runs in a child."""
+    import ctypes
+
     import psutil
     import torch
 
@@ -90,9 +94,12 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     watcher = threading.Thread(target=sample_rss, daemon=True)
     watcher.start()
     begin = time.perf_counter()
+    release = ctypes.CDLL("libc.so.6").malloc_trim  # hand freed heap back to the OS, so RSS tracks live memory
     for batch in micro:
         loss, _ = student_loss(vlm, encoded, [rollouts[i] for i in batch.sequences], [scores[i] for i in batch.sequences], objective, len(rollouts))
         loss.backward()
+        del loss
+        release(0)
     seconds = time.perf_counter() - begin
     running[0] = False
     watcher.join()
@@ -208,10 +215,31 @@ def job_part(small: bool) -> None:
     print("RESULT phases: " + "  ".join(f"{name} {seconds:.1f}s" for name, seconds in log.phases.items()))
 
 
+# ---------------------------------------------------------------- tiny job before / after
+def split_part(before: str, steps: int = 4) -> None:
+    import os
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[1]
+    code = f"import bench_runtime; bench_runtime.step_split('jobs/train_tiny.yaml', {steps})"
+    with tempfile.TemporaryDirectory() as scratch:
+        old = Path(scratch) / "before"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-q", str(old), before], check=True)
+        try:
+            for label, tree in ((f"before ({before})", old), ("after (this working tree)", repo)):
+                env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'benchmarks'}"}  # Ray's workers inherit it
+                out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True)
+                print(f"== tiny job step split, {label}")
+                print("\n".join(line for line in out.stdout.splitlines() if not line.startswith("==")))
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(old)], check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="the tiny model and short responses (seconds; CI)")
-    parser.add_argument("--parts", default="memory,payload,sync,job", help="comma-separated: memory, payload, sync, job")
+    parser.add_argument("--parts", default="memory,payload,sync,job,split", help="comma-separated: memory, payload, sync, job, split")
+    parser.add_argument("--before", default="55091b1", help="git revision of the 'before' tiny-job split")
     parser.add_argument("--learner-child", help=argparse.SUPPRESS)  # one memory configuration, in a fresh process
     args = parser.parse_args()
     if args.learner_child:
@@ -226,6 +254,8 @@ def main() -> None:
         sync_part(args.small)
     if "job" in parts:
         job_part(args.small)
+    if "split" in parts and not args.small:
+        split_part(args.before)
 
 
 if __name__ == "__main__":

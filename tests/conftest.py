@@ -49,7 +49,8 @@ def loaded(tiny_dirs):
 
 
 def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra="",
-            dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False):
+            dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False,
+            activation_checkpointing=False):
     """A small distributed job on a tiny model: `prompts` (2) x 2 responses per update; `extra` is appended YAML."""
     from lt_opd_ray.config import parse_job
 
@@ -66,7 +67,8 @@ optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-
 pools:
   rollout: {{workers: {workers}, cpus: 1, backend: {backend}, verify_weights: {str(verify_weights).lower()}}}
   teacher: {{replicas: 1, cpus: 1, max_batch_size: 4, backend: {backend}}}
-  learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120, micro_batch_tokens: {micro_batch_tokens}}}
+  learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120, micro_batch_tokens: {micro_batch_tokens},
+            activation_checkpointing: {str(activation_checkpointing).lower()}}}
 checkpoint: {{dir: "{ckpt_dir}", every_steps: {every}, keep: 2}}
 metrics: {{export_port: 8099}}
 {extra}"""

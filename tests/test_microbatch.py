@@ -157,3 +157,35 @@ def test_shared_prompt_teacher_scores_equal_one_forward_per_rollout(updates, fam
             torch.testing.assert_close(score.requested_logp, requested_logp, rtol=1e-5, atol=1e-5)
             gathered = torch.gather(torch.full((ids.shape[0], weight.shape[0]), -1e9).scatter(1, ids, logp), 1, score.top_ids.long())
             torch.testing.assert_close(gathered, score.top_logp, rtol=1e-5, atol=1e-5)  # same ids up to ties
+
+
+def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(updates):
+    """pools.learner.activation_checkpointing: each decoder and vision block runs again in the backward; same gradients."""
+    trainer, prompts, rollouts, scores = updates["qwen3_5"]
+    student, objective = trainer.student, trainer.job.objective
+    model = student.model
+    loss = lambda: student_loss(student, prompts, rollouts, scores, objective)[0]  # noqa: E731
+    expected = gradients(model, loss)
+    calls = {"decoder": 0, "vision": 0}
+
+    def counted(module, key):  # forward itself: the recompute in the backward does not run module hooks
+        forward = module.forward
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return forward(*args, **kwargs)
+
+        module.forward = wrapper
+
+    decoder, block = model.model.language_model.layers[0], model.model.visual.blocks[0]
+    counted(decoder, "decoder")
+    counted(block, "vision")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        got = gradients(model, loss)
+    finally:
+        model.gradient_checkpointing_disable()
+        del decoder.forward, block.forward
+    assert calls == {"decoder": 2, "vision": 4}  # forward + recompute; the vision tower runs once for each of the 2 prompts
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-8, msg=name)
