@@ -146,8 +146,6 @@ def payload_part() -> None:
 
 # ---------------------------------------------------------------- weight sync
 def sync_part(small: bool) -> None:
-    import torch
-
     from lt_opd_ray.engines.vllm_engine import EngineSink, VLLMEngine
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner_group import free_port

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import ray
 from ray import serve
 
 from ..config import JobConfig
