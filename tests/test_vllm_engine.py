@@ -174,6 +174,32 @@ def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines
     assert not torch.allclose(after.logprobs, before.logprobs)
 
 
+@pytest.mark.slow
+def test_the_samples_of_a_prompt_share_one_vision_pass_and_selection(tiny_dirs, engines):
+    """n identical requests carry one nonce, so vLLM sees equal multimodal inputs: one selection for the n samples.
+
+    Before the tests that build and drop engines of their own (that resets vLLM's process-wide parallel state)."""
+    family = "qwen3_vl"
+    engine = engines(family)
+    _, _, engine_prompts = _prompts(tiny_dirs[family], count=2)
+    model = engine.llm.collective_rpc(lambda worker: worker.get_model())[0]  # the in-process engine's model
+    recorded = []
+    original = model._record
+    model._record = lambda nonce, image, indices: (recorded.append(nonce), original(nonce, image, indices))
+    try:
+        n = 4
+        selections = _selections(2)
+        prompts = [engine_prompts[0]] * n + [engine_prompts[1]] * n
+        results = engine.generate(prompts, [selections[0]] * n + [selections[1]] * n, SamplingParams(max_new_tokens=3, top_k_logprobs=2, stop=()),
+                                  seeds=list(range(2 * n)))
+    finally:
+        model._record = original
+    assert len(set(recorded)) == 2 and len(recorded) == 2  # one selection per prompt, not per sample
+    kept = [k[0] for _, k in results]
+    assert all(torch.equal(k, kept[0]) for k in kept[:n]) and all(torch.equal(k, kept[n]) for k in kept[n:])
+    assert len({tuple(c.token_ids.tolist()) for c, _ in results[:n]}) > 1  # the samples still differ (own seeds)
+
+
 def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
     from lt_opd_ray.engines.vllm_engine import VLLMEngine
     from lt_opd_ray.models.adapter import UnsupportedArchitectureError
@@ -247,7 +273,9 @@ def test_the_jobs_pixel_bounds_resize_alike_in_both_backends(tiny_dirs):
 
 @pytest.mark.slow
 def test_a_vllm_teacher_on_the_v1_runner_is_refused_at_a_real_vocabulary(tiny_dirs, tmp_path):
-    """vLLM's CPU build (V1 runner) would return 248,320 prompt log-probs per scored row: refused at start, naming the fix."""
+    """vLLM's CPU build (V1 runner) would return 248,320 prompt log-probs per scored row: refused at start, naming the fix.
+
+    Last in this module: the engines it builds and drops reset vLLM's process-wide parallel state."""
     from conftest import job_for
     from lt_opd_ray.engines.vllm_engine import check_teacher_scoring, engine_for_job
     from lt_opd_ray.models.tiny import build_tiny_model

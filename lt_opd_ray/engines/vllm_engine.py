@@ -137,9 +137,13 @@ class VLLMEngine:
         if not len(prompts) == len(selections) == len(seeds):
             raise ValueError(f"{len(prompts)} prompts, {len(selections)} selections, {len(seeds)} seeds")
         requests, vllm_params = [], []
+        nonces: dict[tuple, int] = {}
         for prompt, selection, seed in zip(prompts, selections, seeds):
-            selection = _with_nonce(selection, next(self._nonces))
-            requests.append(self._request(prompt, selection))
+            # identical requests (the n samples of a prompt) share one nonce: their multimodal inputs and
+            # hashes are then equal, so vLLM runs the vision tower and the selection once and can reuse the prefix
+            same = (selection, tuple(prompt.token_ids), tuple(id(image) for image in prompt.images))
+            nonce = nonces.setdefault(same, next(self._nonces))
+            requests.append(self._request(prompt, _with_nonce(selection, nonce)))
             vllm_params.append(
                 VLLMSamplingParams(
                     max_tokens=params.max_new_tokens,
@@ -156,7 +160,7 @@ class VLLMEngine:
                 )
             )
         outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
-        kept = self.selections([r["mm_processor_kwargs"][SelectionRequest.PREFIX + "nonce"] for r in requests])
+        kept = self.selections(list(nonces.values()))
         results = []
         for request, output in zip(requests, outputs):
             completion = output.outputs[0]
