@@ -50,13 +50,13 @@ class DataConfig(_Strict):
 
 class SelectorConfig(_Strict):
     name: Literal["cdpruner", "divprune", "random", "uniform"] = "cdpruner"
-    """Which visual tokens the student keeps: CDPruner (DESIGN §1), DivPrune, seeded random, uniform grid."""
+    """Which visual tokens the student keeps: CDPruner (docs/architecture.md §1), DivPrune, seeded random, uniform grid."""
     seed: int = 0
     """Seed of the random selector (combined with each sample's id)."""
 
 
 class BudgetConfig(_Strict):
-    """The visual-budget curriculum of DESIGN §1, in basis points of the N visual tokens."""
+    """The visual-budget curriculum of docs/architecture.md §1, in basis points of the N visual tokens."""
 
     start_bps: int = Field(2500, gt=0, le=BPS)
     """Budget of the warm-up updates (2500 = 25%)."""
@@ -83,7 +83,7 @@ class BudgetConfig(_Strict):
 class ObjectiveConfig(_Strict):
     mode: Literal["lt_opd", "fixed_prefix", "sft"] = "lt_opd"
     """What the student learns from. `lt_opd`: its own rollouts at budget r, scored by the teacher
-    (DESIGN §1). The ablations of the paper: `fixed_prefix` distils the teacher's distributions on
+    (docs/architecture.md §1). The ablations of the paper: `fixed_prefix` distils the teacher's distributions on
     responses the full-token teacher sampled; `sft` trains cross-entropy on those responses. Both
     make each rollout worker hold a frozen copy of the initial weights to sample with."""
     divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"

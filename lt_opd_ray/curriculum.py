@@ -1,4 +1,4 @@
-"""The visual-budget curriculum and the per-image token rule (DESIGN §1).
+"""The visual-budget curriculum and the per-image token rule (docs/architecture.md §1).
 
 Budgets are integer basis points (bps) so that the schedule is exact and
 comparable across machines: 2500 bps = 25% of an image's visual tokens.

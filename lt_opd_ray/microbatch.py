@@ -1,6 +1,6 @@
 """Token-budgeted micro-batches for the learner and the teacher (pure Python, no torch).
 
-A rank's share of an update is far larger than one forward can hold (DESIGN §6:
+A rank's share of an update is far larger than one forward can hold (docs/scale.md:
 ~320 sequences x ~1,150 positions per rank at the paper's shapes), so it runs as
 micro-batches whose padded size `rows x longest sequence` stays within a token
 budget, with gradients accumulated into the update's one optimizer step.

@@ -1,4 +1,4 @@
-"""The LT-OPD objective (DESIGN §1, steps 3-5), pure torch.
+"""The LT-OPD objective (docs/architecture.md §1, steps 3-5), pure torch.
 
 Per response position, both distributions are evaluated on the support
 U = student top-k ∪ teacher top-k ∪ {sampled token} plus one tail bin holding the

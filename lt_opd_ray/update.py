@@ -1,4 +1,4 @@
-"""The three roles of one LT-OPD update (DESIGN §1), as plain functions on one process.
+"""The three roles of one LT-OPD update (docs/architecture.md §1), as plain functions on one process.
 
 rollout -> teacher_scores -> student_loss. The single-process reference update
 (`reference.py`) composes them directly; the distributed runtime runs each in its

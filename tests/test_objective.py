@@ -20,7 +20,7 @@ KINDS = ["jsd", "forward_kl", "reverse_kl"]
 def reference_divergence(p_s_full, p_t_full, support, kind, alpha):
     """Explicit probability vectors over the distinct ids of `support` plus one tail bin, float64.
 
-    The tail holds the leftover mass, floored at 1 - exp(-1e-7) as DESIGN §1 specifies
+    The tail holds the leftover mass, floored at 1 - exp(-1e-7) as docs/architecture.md §1 specifies
     (the min(logsumexp, -1e-7) clamp), so a tail of ~0 stays a finite log.
     """
     distinct = sorted(set(int(i) for i in support))

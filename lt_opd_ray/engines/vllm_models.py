@@ -2,7 +2,7 @@
 
 `register()` (entry point `vllm.general_plugins`) replaces vLLM's three Qwen VLM
 classes by subclasses that keep only the selected visual tokens, exactly as the
-transformers adapter does (DESIGN §1):
+transformers adapter does (docs/architecture.md §1):
 
 - the multimodal processor reads the request's selection settings
   (`mm_processor_kwargs`, see `SelectionRequest`) and emits k = tokens_to_keep(N, r,

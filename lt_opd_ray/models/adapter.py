@@ -1,6 +1,6 @@
 """VLM adapter for Qwen3.5, Qwen3-VL and Qwen2.5-VL: visual tokens in, reduced sequence out.
 
-The student sees a *reduced* prompt (DESIGN §1): image placeholder tokens that the
+The student sees a *reduced* prompt (docs/architecture.md §1): image placeholder tokens that the
 selector did not keep are dropped; kept visual tokens keep their original M-RoPE
 (t, h, w); text tokens keep the positions they have in the full sequence (never
 rebased). Positions are passed as 4 channels [seq_index, t, h, w], where seq_index

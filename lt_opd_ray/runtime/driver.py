@@ -1,4 +1,4 @@
-"""The driver: the LT-OPD update loop over the four Ray roles (DESIGN §2).
+"""The driver: the LT-OPD update loop over the four Ray roles (docs/architecture.md §2).
 
     budget = curriculum(step) -> rollouts -> teacher scores -> learner update
            -> weight sync -> metrics -> checkpoint

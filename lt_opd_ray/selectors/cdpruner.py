@@ -1,4 +1,4 @@
-"""CDPruner for Qwen-style VLMs (DESIGN §1): conditional DPP, greedy MAP.
+"""CDPruner for Qwen-style VLMs (docs/architecture.md §1): conditional DPP, greedy MAP.
 
 Kernel L = diag(rho) V V^T diag(rho) + eps I over L2-normalised visual tokens V,
 with relevance rho_i = cos(V_i, q) min-max normalised to [1e-6, 1]. Greedy MAP

@@ -5,7 +5,7 @@ Arms (all at the job's target budget, same teacher, same data):
   sft             cross-entropy on responses the full-token teacher sampled
   fixed_prefix    distillation on teacher-sampled prefixes, with the curriculum
   lt_opd_no_curriculum   LT-OPD at the target budget from the first update
-  lt_opd          LT-OPD (DESIGN §1)
+  lt_opd          LT-OPD (docs/architecture.md §1)
   lt_opd_reverse_kl      LT-OPD with reverse KL instead of JSD
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
