@@ -8,8 +8,8 @@ budget, with gradients accumulated into the update's one optimizer step.
 Packing keeps the n responses of a prompt together, because they share one
 vision-tower forward (the learner) or one prompt cache (the teacher): prompts are
 taken longest-first and each prompt's sequences longest-first, so sequences of
-similar length share a micro-batch (length bucketing) and a prompt only spans two
-micro-batches when its group does not fit in what is left of the current one.
+similar length share a micro-batch (length bucketing) and a prompt spans several
+micro-batches only when its group does not fit in what is left of the current one.
 A single sequence longer than the budget gets a micro-batch of its own: the
 budget bounds every other micro-batch, and that one holds exactly one sequence.
 """

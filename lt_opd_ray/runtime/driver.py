@@ -80,7 +80,7 @@ class Driver:
         samples_ref = ray.put(batch)
         shards, summary_refs = self.rollouts.async_generate(samples_ref, len(batch), budget, self.step, self.learners.prompt_ranges(len(batch)))
         payload_refs = self.teacher.async_score(samples_ref, [s.shard for s in shards])
-        ranks = self.learners.train_step(samples_ref, shards, payload_refs, len(batch) * self.job.sampling.n)  # one optimizer step
+        ranks = self.learners.train_step(batch, shards, payload_refs, len(batch) * self.job.sampling.n)  # one optimizer step
         t1 = time.perf_counter()
         self.step += 1
         self.cursor += len(batch)

@@ -97,7 +97,7 @@ class Learner:
         self.steps_done = 0
 
     def train_step(self, samples, rollouts: list[Rollout], scores: list[TeacherScore], total_sequences: int) -> dict:
-        """One optimizer step; `rollouts` are this rank's (prompt_index refers to `samples`), of `total_sequences` in the update."""
+        """One optimizer step; `rollouts` are this rank's, of `total_sequences` in the update; `samples[prompt_index]` is each one's sample."""
         import torch.distributed as dist
 
         if not rollouts:

@@ -57,8 +57,8 @@ class LearnerActor:
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
 
-    def train_step(self, samples, shard_refs: list, payload_refs: list, total_sequences: int) -> dict:
-        """One optimizer step on this rank's shards (and their teacher payloads) only."""
+    def train_step(self, samples: dict, shard_refs: list, payload_refs: list, total_sequences: int) -> dict:
+        """One optimizer step on this rank's shards (and their teacher payloads) only; `samples`: its prompts by index."""
         from .teacher import unpack_scores
 
         shards = ray.get(shard_refs)
@@ -133,13 +133,15 @@ class LearnerGroup:
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.setup.remote(master_addr, master_port) for a in self.actors])  # rendezvous: all at once
 
-    def train_step(self, samples_ref, shards: list, payload_refs: list, total_sequences: int) -> list[dict]:
-        """One optimizer step; each rank fetches only its own shards (`ShardRef.learner_rank`) and their payloads."""
+    def train_step(self, batch: list, shards: list, payload_refs: list, total_sequences: int) -> list[dict]:
+        """One optimizer step; each rank gets only its own prompts' samples, shards (`ShardRef.learner_rank`) and payloads."""
         mine = [([], []) for _ in self.actors]
         for shard, payload in zip(shards, payload_refs):
             mine[shard.learner_rank][0].append(shard.shard)
             mine[shard.learner_rank][1].append(payload)
-        return ray.get([a.train_step.remote(samples_ref, s, p, total_sequences) for a, (s, p) in zip(self.actors, mine)])
+        own_samples = [ray.put({i: batch[i] for i in range(start, stop)}) for start, stop in self.prompt_ranges(len(batch))]
+        refs = [a.train_step.remote(own, s, p, total_sequences) for a, own, (s, p) in zip(self.actors, own_samples, mine)]
+        return ray.get(refs)
 
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         """Each rank's [start, stop) of an update's prompts."""
