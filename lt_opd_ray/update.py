@@ -151,10 +151,11 @@ def teacher_scores(
 ) -> list[TeacherScore]:
     """Full-vocabulary log-softmax of the full-token teacher at every response position, compacted to top-k.
 
-    Each prompt's full-token prefix (vision tower, merger and language model) runs once;
-    its cache (attention KV and Gated DeltaNet state) is shared by the prompt's responses,
-    which continue from it in micro-batches of at most `token_budget` response tokens.
-    Log-probs are computed at response positions only.
+    Each prompt's full-token prefix (vision tower, merger and language model) runs once, with
+    other prompts' in a left-padded batch of at most `token_budget` tokens; its cache (attention
+    KV and Gated DeltaNet state) is shared by the prompt's responses, which continue from it in
+    micro-batches of at most `token_budget` response tokens. Log-probs are computed at
+    response positions only.
     """
     weight = teacher.lm_head.weight
     k = min(top_k, weight.shape[0])
@@ -162,21 +163,27 @@ def teacher_scores(
     by_prompt: dict[int, list[int]] = {}
     for i, r in enumerate(rollouts):
         by_prompt.setdefault(r.prompt_index, []).append(i)
-    for prompt_index, indices in by_prompt.items():
-        prompt = prompts[prompt_index]
-        features = teacher.visual_features(prompt)
-        full = teacher.reduce(prompt, features, teacher.keep_all(features))
-        prefix_hidden, cache = teacher.run_language_model(teacher.pad_batch([full]), use_cache=True)
-        first = prefix_hidden[0, -1:]  # the prompt's last position predicts response token 0
-        sequences = [Sequence(i, prompt_index, rollouts[i].response_ids.numel()) for i in indices]
-        for micro in pack(sequences, token_budget):
-            chosen = [rollouts[i] for i in micro.sequences]
-            hidden = teacher.continue_hidden(full, cache, [r.response_ids for r in chosen])
-            for i, r, h in zip(micro.sequences, chosen, hidden):
-                predicting = torch.cat([first, h[:-1]])  # response token j is predicted at position j - 1
-                requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
-                ids, logp, requested_logp = top_k_log_probs(predicting, weight, k, chunk_size, requested)
-                scores[i] = TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu())
+    groups = list(by_prompt.items())
+    prefixes = [Sequence(j, prompt_index, prompts[prompt_index].input_ids.numel()) for j, (prompt_index, _) in enumerate(groups)]
+    for prefix_batch in pack(prefixes, token_budget):
+        chosen = [groups[j] for j in prefix_batch.sequences]
+        full = []
+        for prompt_index, _ in chosen:
+            features = teacher.visual_features(prompts[prompt_index])
+            full.append(teacher.reduce(prompts[prompt_index], features, teacher.keep_all(features)))
+        batch = teacher.pad_batch(full)
+        prefix_hidden, cache = teacher.run_language_model(batch, use_cache=True)
+        for row, (prompt_index, indices) in enumerate(chosen):
+            first = prefix_hidden[row, -1:]  # the prompt's last position predicts response token 0
+            sequences = [Sequence(i, prompt_index, rollouts[i].response_ids.numel()) for i in indices]
+            for micro in pack(sequences, token_budget):
+                responses = [rollouts[i] for i in micro.sequences]
+                hidden = teacher.continue_hidden(full[row], cache, row, batch.attention_mask[row], [r.response_ids for r in responses])
+                for i, r, h in zip(micro.sequences, responses, hidden):
+                    predicting = torch.cat([first, h[:-1]])  # response token j is predicted at position j - 1
+                    requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
+                    ids, logp, requested_logp = top_k_log_probs(predicting, weight, k, chunk_size, requested)
+                    scores[i] = TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu())
     return scores
 
 

@@ -122,8 +122,12 @@ def test_micro_batched_gradients_equal_the_brute_force(updates, family):
         assert got.keys() == expected.keys()
         assert any(n.startswith("model.visual") for n in got)  # the vision tower and merger are trained
         for name, grad in expected.items():
-            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-8, msg=f"{family} budget {budget}: {name}")
-        assert float(loss) == pytest.approx(float(brute_force_loss(student, prompts, rollouts, scores, objective)), rel=1e-5)
+            # fp32: a row forwarded alone rounds differently from the same row in a padded batch
+            # (measured: up to 2e-5 relative on Qwen2.5-VL's merger); a wrong normalisation or a
+            # gradient lost through the shared vision features is off by O(1)
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{family} budget {budget}: {name}: {m}")
+        # a ~6e-5 loss (student = teacher but for the pruning): fp32 rounding of the per-token JSD is ~1e-9 absolute
+        assert float(loss) == pytest.approx(float(brute_force_loss(student, prompts, rollouts, scores, objective)), rel=1e-5, abs=1e-8)
 
 
 def test_student_loss_runs_the_vision_tower_once_per_prompt(updates):

@@ -238,25 +238,28 @@ class QwenVLM:
         return out
 
 
-    def continue_hidden(self, prefix: ReducedPrompt, prefix_cache, responses: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Teacher-forced hidden states of responses that all continue one prefix from its cache, per response [T_i, H].
+    def continue_hidden(
+        self, prefix: ReducedPrompt, prefix_cache, row: int, prefix_mask: torch.Tensor, responses: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Teacher-forced hidden states of responses that all continue one prefix from a cache, per response [T_i, H].
 
-        The cache (attention KV and, for Qwen3.5, Gated DeltaNet conv/recurrent state) of the
-        prefix run alone is copied once per response row; responses are right-padded, which
-        cannot reach their real positions in a causal model.
+        `prefix_cache` holds a batch of left-padded prefixes (attention KV and, for Qwen3.5, Gated
+        DeltaNet conv/recurrent state); row `row` is this prefix, `prefix_mask` its padding mask.
+        The row is copied once per response; responses are right-padded, which cannot reach
+        their real positions in a causal model.
         """
         rows, width, device = len(responses), max(r.numel() for r in responses), self.device
-        cache = copy.deepcopy(prefix_cache)  # the continuation appends to it; the prefix's own stays for the next rows
-        cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=device))  # row 0 (the prefix) for every response
+        cache = copy.deepcopy(prefix_cache)  # the continuation appends to it; the prefixes' own stays for the next rows
+        cache.reorder_cache(torch.full((rows,), row, dtype=torch.long, device=device))  # this prefix for every response
         ids = torch.zeros(rows, width, dtype=torch.long)
-        mask = torch.zeros(rows, prefix.length + width, dtype=torch.long, device=device)
-        mask[:, : prefix.length] = 1
+        mask = torch.zeros(rows, prefix_mask.numel() + width, dtype=torch.long, device=device)
+        mask[:, : prefix_mask.numel()] = prefix_mask
         for b, response in enumerate(responses):
             ids[b, : response.numel()] = response
-            mask[b, prefix.length : prefix.length + response.numel()] = 1
+            mask[b, prefix_mask.numel() : prefix_mask.numel() + response.numel()] = 1
         steps = torch.arange(width, device=device)
         positions = torch.empty(4, rows, width, dtype=torch.long, device=device)
-        positions[0] = prefix.length + steps  # seq_index continues after the prefix
+        positions[0] = prefix.length + steps  # seq_index continues after the prefix's real tokens
         positions[1:] = prefix.next_position + steps  # M-RoPE continues where the full sequence would
         batch = PaddedBatch(
             inputs_embeds=self.embed_tokens(ids).to(prefix.inputs_embeds.dtype),
