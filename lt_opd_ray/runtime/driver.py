@@ -93,8 +93,8 @@ class Driver:
         t4 = time.perf_counter()
         phases = {
             "rollout": max(s["seconds"] for s in ray.get(summary_refs)),  # workers run in parallel
-            "teacher": max(r["teacher_seconds"] for r in ranks),
-            "learner": max(r["seconds"] for r in ranks),
+            "teacher": max(r.teacher_seconds for r in ranks),
+            "learner": max(r.seconds for r in ranks),
             "sync": t2 - t1,
             "checkpoint": t3 - t2,
             "eval": t4 - t3,
@@ -103,21 +103,25 @@ class Driver:
         phases["driver_overhead"] = max(0.0, (t1 - t0) - phases["rollout"] - phases["teacher"] - phases["learner"])
         phases["step"] = t4 - t0
         pool_sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
-        self.metrics.record(self.step, budget, phases, samples=sum(r["samples"] for r in ranks), pool_sizes=pool_sizes)
-        by_tokens = lambda key: sum(r[key] * r["tokens"] for r in ranks) / max(sum(r["tokens"] for r in ranks), 1)  # noqa: E731
+        self.metrics.record(self.step, budget, phases, samples=sum(r.sequences for r in ranks), pool_sizes=pool_sizes)
+        total = lambda key: sum(getattr(r, key) for r in ranks)  # noqa: E731
+        by_tokens = lambda key: sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)  # noqa: E731
         return StepLog(
             step=self.step - 1,
             budget_bps=budget,
-            loss=sum(r["loss"] for r in ranks) / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
+            loss=total("loss") / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
             divergence=by_tokens("divergence"),
             importance_weight=by_tokens("importance_weight"),
             top_k_overlap=by_tokens("top_k_overlap"),
-            tokens=sum(r["tokens"] for r in ranks),
-            grad_norm=ranks[0]["grad_norm"],  # global: the same on every rank
+            tokens=total("tokens"),
+            grad_norm=ranks[0].grad_norm,  # global: the same on every rank
             phases=phases,
             sync_bytes=sync["bytes"],
-            payload_bytes_per_token=sum(r["payload_bytes"] for r in ranks) / max(sum(r["payload_tokens"] for r in ranks), 1),
-            **{key: sum(r[key] for r in ranks) for key in ("sequences", "micro_batches", "filler_micro_batches", "vision_forwards")},
+            payload_bytes_per_token=total("payload_bytes") / max(total("payload_tokens"), 1),
+            sequences=total("sequences"),
+            micro_batches=total("micro_batches"),
+            filler_micro_batches=total("filler_micro_batches"),
+            vision_forwards=total("vision_forwards"),
             eval_accuracy=accuracy,
             eval_scores=scores,
         )

@@ -18,12 +18,13 @@ from datetime import timedelta
 import torch
 
 from ..config import JobConfig
-from ..microbatch import MicroBatch, Sequence, pack, split_evenly
+from ..microbatch import MicroBatch, Sequence, pack
 from ..models.adapter import QwenVLM
 from ..models.loading import compute_precision, load_vlm
 from ..models.processor import VLMProcessor, encode_samples
 from ..optim import build_optimizer
 from ..update import LossStats, Rollout, TeacherScore, reduced_length, student_loss
+from ..wire import LearnerStepResult
 
 
 class StudentObjective(torch.nn.Module):
@@ -58,13 +59,6 @@ def deepspeed_config(job: JobConfig) -> dict:
     }
 
 
-def learner_ranges(prompts: int, world: int) -> list[tuple[int, int]]:
-    """Each rank's contiguous [start, stop) of an update's prompts (near-equal); every rank needs one."""
-    if prompts < world:
-        raise ValueError(f"{prompts} prompts per update cannot give each of {world} learner ranks one: lower pools.learner.ranks")
-    return split_evenly(prompts, world)
-
-
 def plan(prompts, rollouts: list[Rollout], token_budget: int) -> list[MicroBatch]:
     """This rank's micro-batches: each sequence is its reduced prompt (replayed selection) plus its response."""
     sequences = [
@@ -96,7 +90,7 @@ class Learner:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
 
-    def train_step(self, samples, rollouts: list[Rollout], scores: list[TeacherScore], total_sequences: int) -> dict:
+    def train_step(self, samples, rollouts: list[Rollout], scores: list[TeacherScore], total_sequences: int) -> LearnerStepResult:
         """One optimizer step; `rollouts` are this rank's, of `total_sequences` in the update; `samples[prompt_index]` is each one's sample."""
         import torch.distributed as dist
 
@@ -125,11 +119,12 @@ class Learner:
         self.engine.step()
         self.steps_done += 1
         stats = LossStats.combine(parts)
-        return {"loss": stats.loss, "divergence": stats.divergence, "importance_weight": stats.importance_weight,
-                "top_k_overlap": stats.top_k_overlap, "tokens": stats.tokens, "sequences": stats.sequences,
-                "micro_batches": len(micro), "filler_micro_batches": int(count) - len(micro),
-                "vision_forwards": stats.vision_forwards, "prompts": len(prompts),
-                "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
+        return LearnerStepResult(
+            loss=stats.loss, divergence=stats.divergence, importance_weight=stats.importance_weight,
+            top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(prompts),
+            micro_batches=len(micro), filler_micro_batches=int(count) - len(micro), vision_forwards=stats.vision_forwards,
+            grad_norm=float(self.engine.get_global_grad_norm() or 0.0),
+        )
 
     @property
     def wire_dtype(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -10,6 +11,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
+from ..wire import LearnerStepResult
 
 
 def free_port() -> int:
@@ -57,7 +59,7 @@ class LearnerActor:
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
 
-    def train_step(self, samples: dict, shard_refs: list, payload_refs: list, total_sequences: int) -> dict:
+    def train_step(self, samples: dict, shard_refs: list, payload_refs: list, total_sequences: int):
         """One optimizer step on this rank's shards (and their teacher payloads) only; `samples`: its prompts by index."""
         from .teacher import unpack_scores
 
@@ -69,11 +71,16 @@ class LearnerActor:
         for shard, payload in zip(shards, payloads):
             rollouts += shard.rollouts
             scores += unpack_scores(payload, shard.rollouts, vocab, source=payload.replica or "teacher")
-        stats = self.learner.train_step(samples, rollouts, scores, total_sequences)
-        seconds = time.perf_counter() - begin
-        self.metrics.record_step(stats, seconds)
-        return {**stats, "seconds": seconds, "samples": len(rollouts), "teacher_seconds": max((p.seconds for p in payloads), default=0.0),
-                "payload_bytes": sum(p.nbytes for p in payloads), "payload_tokens": sum(int(p.lengths.sum()) for p in payloads)}
+        result = self.learner.train_step(samples, rollouts, scores, total_sequences)
+        result = dataclasses.replace(
+            result,
+            seconds=time.perf_counter() - begin,
+            teacher_seconds=max((p.seconds for p in payloads), default=0.0),
+            payload_bytes=sum(p.nbytes for p in payloads),
+            payload_tokens=sum(int(p.lengths.sum()) for p in payloads),
+        )
+        self.metrics.record_step(result)
+        return result
 
     def broadcast_weights(self, version: int) -> dict:
         """Every rank gathers bucket by bucket (ZeRO-3 is a collective); rank 0 sends each bucket in the wire dtype."""
@@ -133,7 +140,7 @@ class LearnerGroup:
         master_addr, master_port = ray.get(self.actors[0].address.remote())
         ray.get([a.setup.remote(master_addr, master_port) for a in self.actors])  # rendezvous: all at once
 
-    def train_step(self, batch: list, shards: list, payload_refs: list, total_sequences: int) -> list[dict]:
+    def train_step(self, batch: list, shards: list, payload_refs: list, total_sequences: int) -> list[LearnerStepResult]:
         """One optimizer step; each rank gets only its own prompts' samples, shards (`ShardRef.learner_rank`) and payloads."""
         mine = [([], []) for _ in self.actors]
         for shard, payload in zip(shards, payload_refs):

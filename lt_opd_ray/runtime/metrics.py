@@ -56,12 +56,13 @@ class LearnerMetrics:
         self.sync_seconds = _gauge("weight_sync_seconds", "Seconds of the last weight broadcast")
         self.sync_bytes = _counter("weight_sync_bytes", "Bytes broadcast to rollout workers")
 
-    def record_step(self, stats: dict, seconds: float) -> None:
-        self.step_seconds.set(seconds, tags=self.tags)
-        self.loss.set(stats["loss"], tags=self.tags)
-        self.divergence.set(stats["divergence"], tags=self.tags)
-        self.importance_weight.set(stats["importance_weight"], tags=self.tags)
-        self.overlap.set(stats["top_k_overlap"], tags=self.tags)
+    def record_step(self, result) -> None:
+        """One rank's `wire.LearnerStepResult`."""
+        self.step_seconds.set(result.seconds, tags=self.tags)
+        self.loss.set(result.loss, tags=self.tags)
+        self.divergence.set(result.divergence, tags=self.tags)
+        self.importance_weight.set(result.importance_weight, tags=self.tags)
+        self.overlap.set(result.top_k_overlap, tags=self.tags)
 
     def record_sync(self, seconds: float, nbytes: int) -> None:
         self.sync_seconds.set(seconds, tags=self.tags)
