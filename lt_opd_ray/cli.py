@@ -269,9 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.set_defaults(func=cmd_check_cluster)
 
     ablation = sub.add_parser(
-        "ablation", help="the paper's ablations on the toy board task through the distributed runtime: retain table + curves"
+        "ablation", help="the paper's ablations on a toy task through the distributed runtime: retain table + curves"
     )
-    ablation.add_argument("job", nargs="?", default="jobs/toy_board.yaml", help="base job YAML (default: jobs/toy_board.yaml)")
+    ablation.add_argument("job", nargs="?", default="jobs/toy_sizes.yaml", help="base job YAML (default: jobs/toy_sizes.yaml)")
     ablation.add_argument("--out", default="runs/ablation", help="output folder")
     ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     ablation.add_argument("--steps", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(func=cmd_data)
 
     evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
-    evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:board)")
+    evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:<task>)")
     evaluate.add_argument("--bench", action="append", required=True, metavar="NAME=FILE",
                           help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench")
     evaluate.add_argument("--budgets", type=int, nargs="+", default=[500, 1000, 2500], help="budgets in basis points")

@@ -22,14 +22,14 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     path: str
-    """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model; `toy:board` trains the toy board-task teacher once."""
+    """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model; `toy:<task>` trains a toy task's teacher once (lt_opd_ray/toy)."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Compute dtype of student and teacher forwards (master weights stay fp32)."""
 
 
 class DataConfig(_Strict):
     path: str
-    """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `board:<n>` for the toy board task's training rows."""
+    """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
     min_pixels: int = Field(3136, gt=0)
@@ -238,7 +238,7 @@ class EvalConfig(_Strict):
     (exact match on <answer>) and each benchmark's own metric."""
 
     data: str | None = None
-    """Rows with reference answers (file, `synthetic:<n>`, `board-test:<n>`); None: no evaluation."""
+    """Rows with reference answers (file, `synthetic:<n>`, `toy-<task>-test:<n>`); None: no evaluation."""
     every_steps: int = Field(10, ge=1)
     """Evaluate after every this many optimizer steps (and after the last)."""
     budget_bps: int | None = Field(None, gt=0, le=BPS)

@@ -102,10 +102,10 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
     """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size),
-    `board:<n>` / `board-test:<n>` (the toy board task's training / held-out split), a folder
-    prepared by `lt-opd data`, or a JSONL / parquet file."""
+    `toy-<task>:<n>` / `toy-<task>-test:<n>` (a toy task's training / held-out split, lt_opd_ray/toy),
+    a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
     kind, _, count = spec.partition(":")
-    if kind in ("synthetic", "board", "board-test"):
+    if kind == "synthetic" or kind.startswith("toy-"):
         count, _, size = count.partition("@")
         if not count.isdigit() or int(count) < 1:
             raise InputError(f"data {spec!r}: expected {kind}:<positive count>")
@@ -114,10 +114,11 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list
             if kind != "synthetic" or not (width.isdigit() and height.isdigit() and int(width) >= 32 and int(height) >= 32):
                 raise InputError(f"data {spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
             return [synthetic_sample(i, seed, (int(width), int(height))) for i in range(int(count))]
-        if kind.startswith("board"):
-            from .toy.task import board_samples
+        if kind.startswith("toy-"):
+            from .toy.tasks import toy_task
 
-            return board_samples(int(count), seed=0, split="test" if kind == "board-test" else "train")
+            name = kind.removeprefix("toy-").removesuffix("-test")
+            return toy_task(name).samples(int(count), "test" if kind.endswith("-test") else "train")
         return [synthetic_sample(i, seed) for i in range(int(count))]
     if (Path(spec) / "manifest.json").exists():  # prepared by `lt-opd data`
         from .prepare import read_prepared

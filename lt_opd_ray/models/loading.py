@@ -1,4 +1,4 @@
-"""Resolve a model path (a local HF folder, `tiny:<family>` or `toy:board`) and load the VLM in fp32 master weights."""
+"""Resolve a model path (a local HF folder, `tiny:<family>` or `toy:<task>`) and load the VLM in fp32 master weights."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ def resolve_model_dir(path: str) -> Path:
         from .tiny import tiny_model_dir
 
         return tiny_model_dir(path.split(":", 1)[1])
-    if path == "toy:board":
-        from ..toy.teacher import toy_teacher_dir
+    if path.startswith("toy:"):
+        from ..toy.teacher import RECIPES, toy_teacher_dir
 
-        return toy_teacher_dir()
+        task = path.split(":", 1)[1]
+        if task not in RECIPES:
+            raise FileNotFoundError(f"model.path {path!r}: no toy task {task!r} (known: {', '.join(RECIPES)})")
+        return toy_teacher_dir(RECIPES[task])
     model_dir = Path(path)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model.path {path!r}: no config.json there (expected a Hugging Face model folder)")

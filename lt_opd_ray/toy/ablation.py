@@ -1,4 +1,4 @@
-"""The paper's ablations on the toy board task, each trained through the real distributed system.
+"""The paper's ablations on a toy task (lt_opd_ray/toy), each trained through the real distributed system.
 
 Arms (all at the job's target budget, same teacher, same data):
   untrained       the teacher itself with the selector, no training
@@ -10,7 +10,7 @@ Arms (all at the job's target budget, same teacher, same data):
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
 Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
-held-out boards; mean ± std over seeds.
+held-out items; mean ± std over seeds.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     rows = retain_rows(results)
     budget = results["budget_bps"] / 100
     lines = [
-        f"Toy board task, budget {budget:g}% of the visual tokens, teacher full-token accuracy"
+        f"Toy task ({results['base_job']}), budget {budget:g}% of the visual tokens, teacher full-token accuracy"
         f" {results['teacher']['full']:.3f}; retain = accuracy / full-token accuracy, mean ± std over"
         f" {len(results['seeds'])} seed(s), {results['steps']} updates per run, wall time {results['seconds'] / 60:.1f} min.",
         "",

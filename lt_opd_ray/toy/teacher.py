@@ -1,9 +1,9 @@
-"""The toy teacher: a small Qwen-architecture VLM trained at full visual tokens on the board task.
+"""The toy teachers: small Qwen-architecture VLMs trained here at full visual tokens, one per toy task.
 
 Training is seeded, with a fixed thread count and sample order, so machines with
 the same CPU kernels produce the same weights (others the same accuracy up to
-float rounding); the folder is cached under a hash of the recipe. About 4
-minutes on 2 cores.
+float rounding); the folder is cached under a hash of the recipe. A few minutes
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -17,18 +17,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .task import IMAGE_SIZE, board_samples, target_text
+from .tasks import TILE, ToyTask, toy_task
 
 
 @dataclass(frozen=True)
 class TeacherRecipe:
+    task: str = "sizes"
     family: str = "qwen3_vl"
     hidden: int = 64
     layers: int = 4
     vision_hidden: int = 64
-    train_boards: int = 1024
-    steps: int = 1500
-    boards_per_step: int = 16
+    train_vision: bool = True
+    # grid sides (tiles) the training images are drawn at, one per image, as real VLMs are
+    # pretrained at many resolutions; the full-resolution side only: full tokens only
+    resolutions: tuple[int, ...] = (4, 5, 6, 7, 8, 9, 10, 10, 10)
+    train_items: int = 2048
+    steps: int = 800
+    items_per_step: int = 16
     lr: float = 3e-3
     seed: int = 0
     threads: int = 2
@@ -36,6 +41,13 @@ class TeacherRecipe:
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+RECIPES = {
+    # design 1: the language model learns to count over a random, frozen vision tower
+    "board": TeacherRecipe(task="board", train_vision=False, resolutions=(6,), train_items=1024, steps=1500),
+    "sizes": TeacherRecipe(),
+}
 
 
 def build_untrained(recipe: TeacherRecipe, out_dir: Path) -> Path:
@@ -59,39 +71,61 @@ def build_untrained(recipe: TeacherRecipe, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    pixels = IMAGE_SIZE * IMAGE_SIZE
+    pixels = toy_task(recipe.task).image_size ** 2
     (out_dir / "preprocessor_config.json").write_text(json.dumps(image_processor_config(recipe.family, pixels, pixels), indent=2))
     return out_dir
 
 
-def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
-    """Cross-entropy on the reference answers at full tokens; returns the training record it also writes.
+def _at_resolution(sample, side: int):
+    """The sample with its image redrawn at `side` x `side` tiles (bilinear), the question unchanged."""
+    from dataclasses import replace
 
-    The vision tower stays at its random initialisation (frozen); the merger and
-    the language model learn. So the teacher counts tiles in its language model,
-    over all 36 visual tokens, like a VLM whose encoder was pretrained for local
-    features: exactly what token pruning breaks and what the student's encoder
-    (trained by LT-OPD) can learn to compensate.
+    from PIL import Image
+
+    if sample.image.width == side * TILE:
+        return sample
+    return replace(sample, image=sample.image.resize((side * TILE, side * TILE), Image.BILINEAR))
+
+
+def training_prompts(recipe: TeacherRecipe, task: ToyTask, out_dir: Path, items) -> list:
+    """Each training item encoded at one of the recipe's resolutions (seeded draw)."""
+    import random
+
+    from ..models.processor import VLMProcessor, encode_samples
+
+    low, high = min(recipe.resolutions) * TILE, task.image_size
+    processor = VLMProcessor(out_dir, min_pixels=low * low, max_pixels=high * high)
+    draw = random.Random(recipe.seed)
+    return encode_samples(processor, [_at_resolution(item.sample, draw.choice(recipe.resolutions)) for item in items])
+
+
+def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
+    """Cross-entropy on the task's reference responses at full tokens; returns the training record it also writes.
+
+    `train_vision`: the vision tower learns with the rest (design 2), or stays at
+    its random initialisation (design 1, board: the language model then counts
+    over all visual tokens, like a VLM whose encoder only has local features).
     """
     import torch
 
     from ..evaluation import evaluate_answers
     from ..models.adapter import QwenVLM
     from ..models.loading import load_vlm
-    from ..models.processor import VLMProcessor, encode_samples
+    from ..models.processor import VLMProcessor
     from ..optim import module_of
 
+    task = toy_task(recipe.task)
     torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     build_untrained(recipe, out_dir)
     _, model = load_vlm(str(out_dir), "cpu")
-    processor = VLMProcessor(out_dir)
     vlm = QwenVLM(model.train())
     for name, param in model.named_parameters():
-        param.requires_grad_(module_of(name) != "vision_encoder")
-    train = board_samples(recipe.train_boards, seed=0, split="train")
-    prompts = encode_samples(processor, train)
-    targets = [torch.tensor(processor.tokenizer(target_text(s.answer), add_special_tokens=False)["input_ids"]) for s in train]
+        param.requires_grad_(recipe.train_vision or module_of(name) != "vision_encoder")
+    train = task.items(recipe.train_items, "train")
+    prompts = training_prompts(recipe, task, out_dir, train)
+    tokenizer = VLMProcessor(out_dir).tokenizer
+    targets = [torch.tensor(tokenizer(item.response, add_special_tokens=False)["input_ids"]) for item in train]
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, weight_decay=0.0)
     # linear warm-up over the first 5%, then cosine decay to zero
@@ -102,7 +136,7 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
     order = torch.Generator().manual_seed(recipe.seed)
     losses, begin = [], time.perf_counter()
     for step in range(recipe.steps):
-        batch = torch.randint(0, len(train), (recipe.boards_per_step,), generator=order).tolist()
+        batch = torch.randint(0, len(train), (recipe.items_per_step,), generator=order).tolist()
         full = []
         for i in batch:
             features = vlm.visual_features(prompts[i])
@@ -116,20 +150,21 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
         schedule.step()
         losses.append(float(loss.detach()))
         if step % 100 == 0 or step == recipe.steps - 1:
-            log(f"teacher step {step + 1}/{recipe.steps}  loss {losses[-1]:.4f}  {time.perf_counter() - begin:.0f}s")
+            log(f"{task.name} teacher step {step + 1}/{recipe.steps}  loss {losses[-1]:.4f}  {time.perf_counter() - begin:.0f}s")
     model.save_pretrained(out_dir)
-    held_out = board_samples(recipe.eval_size, seed=0, split="test")
-    accuracy = evaluate_answers(vlm, processor, held_out, budget_bps=10_000).accuracy
+    held_out = task.samples(recipe.eval_size, "test")
+    model.eval()
+    accuracy = evaluate_answers(vlm, VLMProcessor(out_dir), held_out, 10_000, max_new_tokens=task.response_tokens).accuracy
     record = {"recipe": asdict(recipe), "losses": losses, "full_token_accuracy": accuracy, "seconds": time.perf_counter() - begin}
     (out_dir / "training.json").write_text(json.dumps(record))
-    log(f"teacher: full-token accuracy {accuracy:.3f} on {recipe.eval_size} held-out boards")
+    log(f"{task.name} teacher: full-token accuracy {accuracy:.3f} on {recipe.eval_size} held-out items")
     return record
 
 
-def toy_teacher_dir(recipe: TeacherRecipe = TeacherRecipe(), cache_root: str | Path | None = None, log=print) -> Path:
+def toy_teacher_dir(recipe: TeacherRecipe, cache_root: str | Path | None = None, log=print) -> Path:
     """The trained toy teacher for `recipe`, trained once into a cache folder (atomic rename when complete)."""
     root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
-    target = root / "toy" / f"board-teacher-{recipe.key()}"
+    target = root / "toy" / f"{recipe.task}-teacher-{recipe.key()}"
     if not (target / "training.json").exists():
         staging = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)

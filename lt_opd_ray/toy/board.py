@@ -1,4 +1,4 @@
-"""A seeded synthetic visual question-answering task whose answer is spread over the image.
+"""Toy task design 1, `board`: the answer is a count spread over the whole image.
 
 Each image is a GRID x GRID board of 32 px tiles, one tile per merged visual
 token; TILES_PER_IMAGE tiles carry a coloured pattern at random cells, the rest is
@@ -17,6 +17,7 @@ import random
 from typing import Any
 
 from ..data import Sample, stable_seed
+from .tasks import ToyItem, ToyTask
 
 COLOURS = {
     "red": (220, 40, 40),
@@ -79,16 +80,11 @@ def board(index: int, seed: int, split: str = "train") -> tuple[Any, str]:
 QUESTION = "Which colour is on the most tiles?"
 
 
-def board_sample(index: int, seed: int, split: str = "train") -> Sample:
-    """Board `index` of `split` under `seed` with its question and answer, all seeded."""
+def board_item(index: int, seed: int, split: str = "train") -> ToyItem:
+    """Board `index` of `split` under `seed` with its question, answer and the teacher's response, all seeded."""
     image, answer = board(index, seed, split)
-    return Sample(uid=f"board-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
+    sample = Sample(uid=f"board-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
+    return ToyItem(sample, response=f"<answer>{answer}</answer>")
 
 
-def board_samples(count: int, seed: int, split: str = "train") -> list[Sample]:
-    return [board_sample(i, seed, split) for i in range(count)]
-
-
-def target_text(answer: str) -> str:
-    """The response the full-token teacher is trained to give."""
-    return f"<answer>{answer}</answer>"
+TASK = ToyTask(name="board", image_size=IMAGE_SIZE, item=board_item, response_tokens=10)

@@ -1,0 +1,81 @@
+"""Toy task design 2, `sizes`: "which colour is the biggest shape?", after listing the shapes.
+
+Each image is a 320 px board of 10 x 10 tiles, one tile per merged visual token
+(100 tokens; 5% keeps 5). Three squares of distinct colours and distinct sides
+(2, 3 and 4 tiles: 4, 9 and 16 tokens) sit on a flat grey background, each tile a
+little lighter or darker than its square's colour, so a square looks like a
+textured object and a larger one offers a selector more distinct tokens, as in a
+photograph. The teacher answers after writing the colours in reading order (by
+each square's top-left tile), so the answer follows a response the model writes
+itself: `yellow orange red <answer>orange</answer>`.
+
+What pruning does: a budget of 5 tokens keeps a tile or two of most squares
+(listing survives, partly) but not their extents (the size comparison does not).
+What training can do: the vision tower sees every patch before selection (full
+attention), so a student's encoder can learn to write a square's size into each
+of its tiles, which the teacher's encoder never needed to.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..data import Sample, stable_seed
+from .tasks import TILE, ToyItem, ToyTask
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 205, 30),
+    "purple": (140, 50, 170),
+    "orange": (245, 140, 20),
+}
+GRID = 10  # tiles per side: 10 x 32 px = 320 px
+IMAGE_SIZE = GRID * TILE
+SIDES = (1, 3, 5)  # each square's side in tiles; distinct, so the biggest is unique
+SHADE = (0.7, 1.15)  # per-tile brightness factor range
+BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisation
+QUESTION = "Which colour is the biggest shape?"
+
+
+def _place(rng: random.Random) -> list[tuple[int, int, int]]:
+    """(x, y, side) per square, in SIDES order, on distinct tiles (rejection sampling, always terminates in practice)."""
+    while True:
+        taken: set[tuple[int, int]] = set()
+        squares = []
+        for side in SIDES:
+            for _ in range(100):
+                x, y = rng.randrange(GRID - side + 1), rng.randrange(GRID - side + 1)
+                tiles = {(x + i, y + j) for i in range(side) for j in range(side)}
+                if not tiles & taken:
+                    taken |= tiles
+                    squares.append((x, y, side))
+                    break
+        if len(squares) == len(SIDES):
+            return squares
+
+
+def sizes_item(index: int, seed: int, split: str = "train") -> ToyItem:
+    """Image `index` of `split` under `seed`, its question, answer and the teacher's response, all seeded."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(stable_seed("sizes", split, seed, index))
+    colours = rng.sample(list(COLOURS), len(SIDES))
+    squares = _place(rng)
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for colour, (x, y, side) in zip(colours, squares):
+        for i in range(side):
+            for j in range(side):
+                shade = rng.uniform(*SHADE)
+                fill = tuple(min(255, int(channel * shade)) for channel in COLOURS[colour])
+                left, top = (x + i) * TILE, (y + j) * TILE
+                draw.rectangle((left, top, left + TILE - 1, top + TILE - 1), fill=fill)
+    answer = colours[SIDES.index(max(SIDES))]
+    reading_order = [colour for (x, y, _), colour in sorted(zip(squares, colours), key=lambda sc: (sc[0][1], sc[0][0]))]
+    sample = Sample(uid=f"sizes-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
+    return ToyItem(sample, response=" ".join(reading_order) + f" <answer>{answer}</answer>")
+
+
+TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, item=sizes_item, response_tokens=24)

@@ -1,0 +1,48 @@
+"""The toy tasks: seeded synthetic visual question answering whose full-token teacher is trained here.
+
+Each design is one module (`board.py`, `sizes.py`) exposing a `ToyTask`; this
+module names them. A task's items are pure functions of (index, seed, split), so
+every process and machine draws the same images, questions and answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..data import InputError, Sample
+
+TILE = 32  # pixels per merged visual token at Qwen's 16 px patches and 2 x 2 merge
+
+
+@dataclass(frozen=True)
+class ToyItem:
+    sample: Sample
+    response: str  # what the full-token teacher is trained to write, ending in <answer>...</answer>
+
+
+@dataclass(frozen=True)
+class ToyTask:
+    name: str
+    image_size: int  # pixels per side: (image_size / TILE)^2 visual tokens at full resolution
+    item: Callable[[int, int, str], ToyItem]  # (index, seed, split) -> item
+    response_tokens: int  # at least the tokens of any reference response (the toy tokenizer's)
+
+    def items(self, count: int, split: str = "train", seed: int = 0) -> list[ToyItem]:
+        return [self.item(i, seed, split) for i in range(count)]
+
+    def samples(self, count: int, split: str = "train", seed: int = 0) -> list[Sample]:
+        return [item.sample for item in self.items(count, split, seed)]
+
+
+def toy_tasks() -> dict[str, ToyTask]:
+    from . import board, sizes
+
+    return {task.name: task for task in (board.TASK, sizes.TASK)}
+
+
+def toy_task(name: str) -> ToyTask:
+    tasks = toy_tasks()
+    if name not in tasks:
+        raise InputError(f"unknown toy task {name!r}; known: {', '.join(tasks)}")
+    return tasks[name]
