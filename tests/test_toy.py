@@ -101,6 +101,25 @@ def test_retain_rows_average_over_seeds():
     assert untrained["retain_mean"] == pytest.approx(0.5)
     assert (trained["trained_with"], trained["evaluated_with"]) == ("divprune", "cdpruner")
     assert trained["retain_mean"] == pytest.approx(0.8125) and trained["retain_std"] == pytest.approx(0.0884, abs=1e-4)
+    assert trained["retain_se"] == pytest.approx(0.0884 / 2**0.5, abs=1e-4) and untrained["retain_se"] == 0.0  # no item count
+    results["eval_items"] = 100
+    assert retain_rows(results)[0]["retain_se"] == pytest.approx((0.4 * 0.6 / 100) ** 0.5 / 0.8)
+
+
+def test_the_ordering_report_weighs_each_step_against_its_standard_error():
+    from lt_opd_ray.toy.ablation import ordering_lines
+
+    def row(arm, mean, se):
+        return {"arm": arm, "evaluated_with": "cdpruner", "retain_mean": mean, "retain_se": se}
+
+    rows = [row("untrained", 0.40, 0.02), row("sft", 0.50, 0.03), row("fixed_prefix", 0.52, 0.03),
+            row("lt_opd_no_curriculum", 0.70, 0.01), row("lt_opd", 0.69, 0.01)]
+    lines = ordering_lines(rows + [dict(row("sft", 0.9, 0.0), evaluated_with="divprune")], "cdpruner")
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["holds", "does not hold", "holds", "holds"]
+    assert lines[0] == "- untrained < SFT on teacher answers: difference +0.100 ± 0.036 (SE): holds"
+    assert lines[3].startswith("- LT-OPD, no curriculum <= LT-OPD: difference -0.010")
+    assert len(ordering_lines([r for r in rows if r["arm"] != "sft"], "cdpruner")) == 3  # a missing arm is skipped
+    assert ordering_lines([rows[0], rows[4]], "cdpruner")[0].startswith("- untrained < LT-OPD: difference +0.290")
 
 
 # ---------------------------------------------------------------- trained teacher (slow: trains it once)
@@ -152,26 +171,24 @@ def test_evaluation_at_full_tokens_agrees_with_transformers_generate(teacher):
 
 
 @pytest.mark.slow
-def test_reduced_ablation_trains_lt_opd_without_losing_what_the_untrained_student_keeps(teacher, tmp_path):
-    """CI's regression run: one seed, a shortened curriculum, LT-OPD only, through Ray + DeepSpeed + Serve.
-
-    Training at the target budget must not cost held-out accuracy: a broken
-    update (wrong sign, wrong tokens, stale weights) drops it well below the
-    untrained student within these updates. Whether training *recovers* accuracy
-    is the full study's question (docs/ablation/), not this run's.
-    """
+def test_reduced_ablation_lt_opd_beats_the_untrained_student(teacher, tmp_path):
+    """CI's regression run: one seed, the job's curriculum rescaled to REDUCED_STEPS, LT-OPD only,
+    through Ray + DeepSpeed + Serve. Held-out accuracy at the target budget must rise by the
+    margin every measured seed cleared; a broken update (wrong sign, wrong tokens, stale
+    weights) leaves it flat or drops it."""
     from lt_opd_ray.toy.ablation import run_ablation
 
     results = run_ablation(BASE_JOB, str(tmp_path), seeds=[0], steps=REDUCED_STEPS, arms=["lt_opd"])
     untrained, _, lt_opd, _ = retain_rows(results)
     assert (untrained["arm"], lt_opd["arm"]) == ("untrained", "lt_opd")
-    assert lt_opd["retain_mean"] >= untrained["retain_mean"] - RETAIN_TOLERANCE
+    assert lt_opd["retain_mean"] >= untrained["retain_mean"] + RETAIN_MARGIN
     run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
     assert run["arm"] == "lt_opd" and [p["step"] for p in run["curve"] if p["eval"]][-1] == REDUCED_STEPS
     assert (tmp_path / "curves.png").stat().st_size > 0 and "LT-OPD" in (tmp_path / "retain_table.md").read_text()
 
 
-REDUCED_STEPS = 60
-# measured (lt-opd ablation --seeds 1 --steps 60 --arms lt_opd): untrained 0.436 / 0.496, LT-OPD 0.457 / 0.393
-# (CDPruner / DivPrune, 512 held-out items); a wrong-sign or stale-weight update ends far below
-RETAIN_TOLERANCE = 0.08
+REDUCED_STEPS = 150
+# measured (lt-opd ablation --seeds 3 --steps 150 --arms lt_opd, 512 held-out items, CDPruner):
+# untrained 0.436, LT-OPD 0.500 / 0.516 / 0.469 (+0.064 / +0.080 / +0.033); the binomial SE of one
+# evaluation is 0.022, so this margin only says "up", not "by how much" (that is the study's job)
+RETAIN_MARGIN = 0.02

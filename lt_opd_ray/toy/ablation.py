@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -67,8 +68,8 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
     return JobConfig.model_validate(data)
 
 
-def evaluate_untrained(job: JobConfig) -> dict[str, float]:
-    """The teacher's accuracy at full tokens and, per eval selector, at the eval budget (single process)."""
+def evaluate_untrained(job: JobConfig) -> tuple[dict[str, float], int]:
+    """The teacher's accuracy at full tokens and, per eval selector, at the eval budget (single process); the item count."""
     from ..data import load_samples
     from ..evaluation import evaluate_answers
     from ..models.adapter import QwenVLM
@@ -83,7 +84,7 @@ def evaluate_untrained(job: JobConfig) -> dict[str, float]:
     result = {"full": evaluate_answers(vlm, processor, samples, BPS, **kwargs).accuracy}
     for selector in job.eval.selectors:
         result[selector] = evaluate_answers(vlm, processor, samples, budget, selector, **kwargs).accuracy
-    return result
+    return result, len(samples)
 
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None) -> dict:
@@ -102,7 +103,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
-    teacher = evaluate_untrained(base)  # also trains the toy teacher on first use
+    teacher, eval_items = evaluate_untrained(base)  # also trains the toy teacher on first use
     print(f"teacher: full-token accuracy {teacher['full']:.3f}; at the budget: "
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
     runs = []
@@ -126,45 +127,78 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
                "budget_bps": base.eval.budget_bps or base.budget.target_bps, "selectors": list(base.eval.selectors),
                "trained_with": base.selector.name,
-               "teacher": teacher, "runs": runs, "seconds": time.perf_counter() - begin}
+               "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": time.perf_counter() - begin}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, out_dir)
     return results
 
 
+# the paper's ordering at 5% (68.6 < 70.4 < 77.6 < 81.5 <= 82.3)
+PAPER_ORDER = ("untrained", "sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd")
+
+
 def retain_rows(results: dict) -> list[dict]:
-    """One row per (arm, eval selector): mean and std of retain over seeds."""
-    full = results["teacher"]["full"]
+    """One row per (arm, eval selector): retain's mean, std and standard error.
+
+    A trained arm's standard error is over seeds (std / sqrt(seeds)); the untrained
+    student has one evaluation, so its standard error is the binomial one over the
+    held-out items (when the results record how many).
+    """
+    full, items = results["teacher"]["full"], results.get("eval_items")
     rows = []
     for selector in results["selectors"]:
+        accuracy = results["teacher"][selector]
+        binomial = math.sqrt(accuracy * (1 - accuracy) / items) / full if items else 0.0
         rows.append({"arm": "untrained", "trained_with": "-", "evaluated_with": selector,
-                     "retain_mean": results["teacher"][selector] / full, "retain_std": 0.0, "seeds": 0})
+                     "retain_mean": accuracy / full, "retain_std": 0.0, "retain_se": binomial, "seeds": 0})
     arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
     for arm in arms:
         for selector in results["selectors"]:
             values = [r["final"][selector] / full for r in results["runs"] if r["arm"] == arm]
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
             rows.append({"arm": arm, "trained_with": results["trained_with"], "evaluated_with": selector,
-                         "retain_mean": statistics.fmean(values),
-                         "retain_std": statistics.stdev(values) if len(values) > 1 else 0.0, "seeds": len(values)})
+                         "retain_mean": statistics.fmean(values), "retain_std": std,
+                         "retain_se": std / math.sqrt(len(values)), "seeds": len(values)})
     return rows
+
+
+def ordering_lines(rows: list[dict], selector: str) -> list[str]:
+    """Each step of the paper's ordering on `selector`: the difference of means, its standard error, and whether it holds."""
+    by_arm = {r["arm"]: r for r in rows if r["evaluated_with"] == selector}
+    present = [arm for arm in PAPER_ORDER if arm in by_arm]
+    lines = []
+    for lower, upper in zip(present, present[1:]):
+        a, b = by_arm[lower], by_arm[upper]
+        difference, se = b["retain_mean"] - a["retain_mean"], math.hypot(a["retain_se"], b["retain_se"])
+        strict = (lower, upper) != ("lt_opd_no_curriculum", "lt_opd")  # the paper's last step is "<=" (81.5 vs 82.3)
+        verdict = "holds" if (difference > 2 * se if strict else difference > -2 * se) else "does not hold"
+        relation = "<" if strict else "<="
+        lines.append(f"- {LABELS[lower]} {relation} {LABELS[upper]}: difference {difference:+.3f} ± {se:.3f} (SE): {verdict}")
+    return lines
 
 
 def write_report(results: dict, out_dir: Path) -> None:
     """retain_table.md / .csv and curves.png."""
     rows = retain_rows(results)
     budget = results["budget_bps"] / 100
+    items = results.get("eval_items")
     lines = [
         f"Toy task ({results['base_job']}), budget {budget:g}% of the visual tokens, teacher full-token accuracy"
-        f" {results['teacher']['full']:.3f}; retain = accuracy / full-token accuracy, mean ± std over"
-        f" {len(results['seeds'])} seed(s), {results['steps']} updates per run, wall time {results['seconds'] / 60:.1f} min.",
+        f" {results['teacher']['full']:.3f}; retain = accuracy / full-token accuracy"
+        + (f" on {items} held-out items" if items else "")
+        + f", mean ± standard error over {len(results['seeds'])} seed(s) (std in brackets), {results['steps']} updates per run,"
+        f" wall time {results['seconds'] / 60:.1f} min.",
         "",
         "| arm | evaluated with | retain |",
         "|---|---|---|",
     ]
-    lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | {r['retain_mean']:.3f} ± {r['retain_std']:.3f} |" for r in rows]
+    lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | {r['retain_mean']:.3f} ± {r['retain_se']:.3f} ({r['retain_std']:.3f}) |" for r in rows]
+    lines += ["", f"The paper's ordering, evaluated with {results['trained_with']} (a step holds when the difference exceeds 2 SE;"
+              " the last, `<=`, when it is not below -2 SE):", ""]
+    lines += ordering_lines(rows, results["trained_with"])
     (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
-    csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,seeds"]
-    csv += [f"{r['arm']},{r['trained_with']},{r['evaluated_with']},{r['retain_mean']:.4f},{r['retain_std']:.4f},{r['seeds']}" for r in rows]
+    csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,retain_se,seeds"]
+    csv += [f"{r['arm']},{r['trained_with']},{r['evaluated_with']},{r['retain_mean']:.4f},{r['retain_std']:.4f},{r['retain_se']:.4f},{r['seeds']}" for r in rows]
     (out_dir / "retain_table.csv").write_text("\n".join(csv) + "\n")
     plot_curves(results, out_dir / "curves.png")
 

@@ -17,23 +17,13 @@ import random
 from typing import Any
 
 from ..data import Sample, stable_seed
-from .tasks import ToyItem, ToyTask
+from .tasks import BACKGROUND, COLOURS, TILE, ToyItem, ToyTask
 
-COLOURS = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 220),
-    "yellow": (235, 205, 30),
-    "purple": (140, 50, 170),
-    "orange": (245, 140, 20),
-}
 PATTERNS = ("solid", "hollow", "checked", "striped", "dotted")
 GRID = 6  # one tile per merged visual token: 6 x 32 px = 192 px
-TILE = 32
 IMAGE_SIZE = GRID * TILE  # 12 x 12 patches of 16 px -> 6 x 6 = 36 merged visual tokens
 TILES_PER_IMAGE = 7
 MAJORITY = 3  # tiles of the answer colour; every other colour is on at most MAJORITY - 1
-BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisation, so empty patches carry no signal
 
 
 def _draw_tile(draw, pattern: str, x0: int, y0: int, fill) -> None:

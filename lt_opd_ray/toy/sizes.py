@@ -21,21 +21,12 @@ from __future__ import annotations
 import random
 
 from ..data import Sample, stable_seed
-from .tasks import TILE, ToyItem, ToyTask
+from .tasks import BACKGROUND, COLOURS, TILE, ToyItem, ToyTask
 
-COLOURS = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 220),
-    "yellow": (235, 205, 30),
-    "purple": (140, 50, 170),
-    "orange": (245, 140, 20),
-}
 GRID = 10  # tiles per side: 10 x 32 px = 320 px
 IMAGE_SIZE = GRID * TILE
 SIDES = (1, 3, 5)  # each square's side in tiles; distinct, so the biggest is unique
 SHADE = (0.7, 1.15)  # per-tile brightness factor range
-BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisation
 QUESTION = "Which colour is the biggest shape?"
 
 

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from ..data import InputError, Sample
 
 TILE = 32  # pixels per merged visual token at Qwen's 16 px patches and 2 x 2 merge
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 205, 30),
+    "purple": (140, 50, 170),
+    "orange": (245, 140, 20),
+}
+BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisation, so empty patches carry no signal
 
 
 @dataclass(frozen=True)
