@@ -106,6 +106,24 @@ def test_retain_rows_average_over_seeds():
     assert retain_rows(results)[0]["retain_se"] == pytest.approx((0.4 * 0.6 / 100) ** 0.5 / 0.8)
 
 
+def test_a_study_cut_short_keeps_its_finished_runs_and_says_so(tmp_path):
+    import time
+
+    from lt_opd_ray.toy.ablation import save_results
+
+    curve = [{"step": 1, "budget_bps": 500, "loss": 0.1, "divergence": 0.1, "eval": {"cdpruner": 0.5}}]
+    results = {"base_job": "jobs/toy_sizes.yaml", "seeds": [0, 1], "steps": 1, "budget_bps": 500, "selectors": ["cdpruner"],
+               "trained_with": "cdpruner", "teacher": {"full": 1.0, "cdpruner": 0.4}, "eval_items": 512,
+               "runs": [{"arm": "lt_opd", "seed": 0, "seconds": 1.0, "final": {"cdpruner": 0.5}, "curve": curve}],
+               "seconds": 0.0, "complete": False}
+    save_results(results, tmp_path, time.perf_counter())
+    assert json.loads((tmp_path / "results.json").read_text())["runs"] == results["runs"]
+    assert "PARTIAL" in (tmp_path / "retain_table.md").read_text() and not (tmp_path / "results.json.tmp").exists()
+    results["complete"] = True
+    save_results(results, tmp_path, time.perf_counter())
+    assert "PARTIAL" not in (tmp_path / "retain_table.md").read_text()
+
+
 def test_the_ordering_report_weighs_each_step_against_its_standard_error():
     from lt_opd_ray.toy.ablation import ordering_lines
 
@@ -182,8 +200,9 @@ def test_reduced_ablation_lt_opd_beats_the_untrained_student(teacher, tmp_path):
     untrained, _, lt_opd, _ = retain_rows(results)
     assert (untrained["arm"], lt_opd["arm"]) == ("untrained", "lt_opd")
     assert lt_opd["retain_mean"] >= untrained["retain_mean"] + RETAIN_MARGIN
-    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
-    assert run["arm"] == "lt_opd" and [p["step"] for p in run["curve"] if p["eval"]][-1] == REDUCED_STEPS
+    saved = json.loads((tmp_path / "results.json").read_text())
+    run = saved["runs"][0]
+    assert saved["complete"] and run["arm"] == "lt_opd" and [p["step"] for p in run["curve"] if p["eval"]][-1] == REDUCED_STEPS
     assert (tmp_path / "curves.png").stat().st_size > 0 and "LT-OPD" in (tmp_path / "retain_table.md").read_text()
 
 

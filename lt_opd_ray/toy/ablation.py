@@ -106,7 +106,11 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     teacher, eval_items = evaluate_untrained(base)  # also trains the toy teacher on first use
     print(f"teacher: full-token accuracy {teacher['full']:.3f}; at the budget: "
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
-    runs = []
+    runs: list[dict] = []
+    results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
+               "budget_bps": base.eval.budget_bps or base.budget.target_bps, "selectors": list(base.eval.selectors),
+               "trained_with": base.selector.name,
+               "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False}
     init_ray(base)
     try:
         for seed in seeds:
@@ -122,19 +126,25 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 })
                 print(f"{arm} seed {seed}: " + ", ".join(f"{s} {a:.3f}" for s, a in final.items())
                       + f"  ({runs[-1]['seconds']:.0f}s)", flush=True)
+                save_results(results, out_dir, begin)  # a study cut short keeps every finished run
     finally:
         ray.shutdown()
-    results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
-               "budget_bps": base.eval.budget_bps or base.budget.target_bps, "selectors": list(base.eval.selectors),
-               "trained_with": base.selector.name,
-               "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": time.perf_counter() - begin}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    write_report(results, out_dir)
+    results["complete"] = True
+    save_results(results, out_dir, begin)
     return results
 
 
 # the paper's ordering at 5% (68.6 < 70.4 < 77.6 < 81.5 <= 82.3)
 PAPER_ORDER = ("untrained", "sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd")
+
+
+def save_results(results: dict, out_dir: Path, begin: float) -> None:
+    """results.json (replaced atomically), the tables and the curves, for the runs finished so far."""
+    results["seconds"] = time.perf_counter() - begin
+    staging = out_dir / "results.json.tmp"
+    staging.write_text(json.dumps(results, indent=1))
+    staging.replace(out_dir / "results.json")
+    write_report(results, out_dir)
 
 
 def retain_rows(results: dict) -> list[dict]:
@@ -187,7 +197,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         f" {results['teacher']['full']:.3f}; retain = accuracy / full-token accuracy"
         + (f" on {items} held-out items" if items else "")
         + f", mean ± standard error over {len(results['seeds'])} seed(s) (std in brackets), {results['steps']} updates per run,"
-        f" wall time {results['seconds'] / 60:.1f} min.",
+        f" wall time {results['seconds'] / 60:.1f} min." + ("" if results.get("complete", True) else " PARTIAL: the study was cut short."),
         "",
         "| arm | evaluated with | retain |",
         "|---|---|---|",
