@@ -49,12 +49,12 @@ def step_split(job_path: str, steps: int) -> None:
     pools = job.pools
     print(f"== step split: {job_path}, {steps} updates ({job.sampling.prompts_per_step} prompts x {job.sampling.n} responses,"
           f" {pools.rollout.workers} rollout worker, {pools.teacher.replicas} teacher replica, {pools.learner.ranks} learner ranks ZeRO-{pools.learner.zero_stage})")
-    phases = ["rollout", "teacher", "learner", "sync", "driver_overhead", "step"]
+    phases = ["rollout", "teacher", "learner", "sync", "step"]
     print(f"{'update':>6} " + " ".join(f"{p:>15}" for p in phases) + f" {'reference':>10}")
     for i, (log, ref) in enumerate(zip(logs, reference)):
-        print(f"{i:>6} " + " ".join(f"{log.phases[p]:>14.3f}s" for p in phases) + f" {ref:>9.3f}s")
+        print(f"{i:>6} " + " ".join(f"{getattr(log.phases, p):>14.3f}s" for p in phases) + f" {ref:>9.3f}s")
     warm = slice(1, None)
-    dist_mean = statistics.mean(log.phases["step"] for log in logs[warm])
+    dist_mean = statistics.mean(log.phases.step for log in logs[warm])
     ref_mean = statistics.mean(reference[warm])
     print(f"RESULT mean after warm-up: distributed step {dist_mean:.3f} s, reference update {ref_mean:.3f} s,"
           f" ratio distributed/reference = {dist_mean / ref_mean:.2f}x;"

@@ -42,7 +42,7 @@ def synthetic_share(model_dir: str, prompts: int, n: int, response_tokens: int, 
     from lt_opd_ray.curriculum import tokens_to_keep
     from lt_opd_ray.data import load_samples
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
-    from lt_opd_ray.update import Rollout, TeacherScore
+    from lt_opd_ray.wire import Rollout, TeacherScore
 
     job_data = "synthetic:4@896x832" if "vocab" in model_dir else "synthetic:4"
     processor = VLMProcessor(model_dir, max_pixels=1003520)
@@ -74,7 +74,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     from lt_opd_ray.config import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
-    from lt_opd_ray.runtime.learner import plan
+    from lt_opd_ray.runtime.learner import MicroBatchStream, StreamedGroup
     from lt_opd_ray.update import student_loss
 
     torch.set_num_threads(2)
@@ -82,7 +82,8 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     vlm = QwenVLM(model.train())
     encoded, rollouts, scores = synthetic_share(str(model_dir), prompts, 8, response_tokens, top_k, 500, 32 if "vocab" in model_path else 2)
     objective = ObjectiveConfig(top_k=top_k, logsoftmax_chunk=chunk)
-    micro = plan(encoded, rollouts, budget)
+    groups = [StreamedGroup([r for r in rollouts if r.prompt_index == p], [s for r, s in zip(rollouts, scores) if r.prompt_index == p]) for p in encoded]
+    micro = list(MicroBatchStream(iter(groups), lambda indices: [encoded[i] for i in indices], budget))  # the learner's own packing
     process, peak, running = psutil.Process(), [0], [True]
 
     def sample_rss():
@@ -131,8 +132,7 @@ def memory_part(small: bool) -> None:
 def payload_part() -> None:
     import torch
 
-    from lt_opd_ray.runtime.teacher import pack_scores
-    from lt_opd_ray.update import TeacherScore
+    from lt_opd_ray.wire import TeacherScore, pack_scores
 
     positions, k = 1024, 100
     logp = torch.log_softmax(torch.randn(positions, 248320 // 64), -1)  # any valid rows
@@ -210,7 +210,7 @@ def job_part(small: bool) -> None:
     print(f"== one update of {SHAPE_JOB if not small else 'jobs/train_tiny.yaml'}: {log.sequences} rollouts, {log.tokens} response tokens,"
           f" {log.micro_batches} learner micro-batches (+{log.filler_micro_batches} fillers), {log.vision_forwards} learner vision passes,"
           f" payload {log.payload_bytes_per_token:.0f} B/position, sync {log.sync_bytes / 2**20:.1f} MB")
-    print("RESULT phases: " + "  ".join(f"{name} {seconds:.1f}s" for name, seconds in log.phases.items()))
+    print("RESULT phases: " + "  ".join(f"{name} {seconds:.1f}s" for name, seconds in vars(log.phases).items() if name != "busy"))
 
 
 # ---------------------------------------------------------------- tiny job before / after

@@ -28,6 +28,8 @@ PANELS = [
     ("Learner samples/s", "short", [(f"rate(ray_lt_opd_learner_samples_total{{{RUN}}}[$__rate_interval])", "samples/s")]),
     ("Step-time split", "s", [(f'ray_lt_opd_phase_seconds{{{RUN}, phase!="step"}}', "{{phase}}")]),
     ("Step seconds", "s", [(f'ray_lt_opd_phase_seconds{{{RUN}, phase="step"}}', "step")]),
+    ("Pool busy fraction", "percentunit", [(f"ray_lt_opd_pool_busy_fraction{{{RUN}}}", "{{pool}}")]),
+    ("Rollout staleness (weight versions)", "short", [(f"ray_lt_opd_staleness{{{RUN}}}", "staleness")]),
     ("Weight-sync seconds", "s", [(f"ray_lt_opd_weight_sync_seconds{{{RUN}}}", "{{actor}}")]),
     ("Weight-sync bytes/s", "Bps", [(f"rate(ray_lt_opd_weight_sync_bytes_total{{{RUN}}}[$__rate_interval])", "{{actor}}")]),
     ("Visual budget (curriculum)", "percent", [(f"ray_lt_opd_budget_bps{{{RUN}, actor=\"driver\"}} / 100", "budget %")]),

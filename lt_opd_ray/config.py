@@ -178,7 +178,7 @@ class TeacherPool(Resources):
     """How long the queue must stay below target before a replica is removed."""
     micro_batch_tokens: int = Field(16384, ge=1)
     """Response tokens (responses x longest response) per teacher forward; the n responses of a prompt
-    share its full-token prompt cache, computed once."""
+    share its full-token prompt cache, computed once (each prompt's prefix in a forward of its own)."""
     payload_dtype: Literal["float16", "float32"] = "float32"
     """Dtype of the teacher's log-probs on the wire (ids are always int32)."""
     backend: Literal["transformers", "vllm"] = "transformers"
@@ -219,6 +219,22 @@ class PoolsConfig(_Strict):
     """Frozen full-token teacher service."""
     learner: LearnerPool = LearnerPool()
     """DeepSpeed learner group."""
+
+
+class ScheduleConfig(_Strict):
+    """How the pools overlap (docs/architecture.md §4)."""
+
+    max_staleness: Literal[0, 1] = 0
+    """0: every update trains on rollouts of the weights it starts from (on-policy). 1: the rollouts of update t+1
+    are sampled by the weights of update t while the learners train on update t (one-step off-policy; the clipped
+    importance weight corrects for the lag). The learners refuse a rollout staler than this. Deeper lags would
+    only queue weight broadcasts behind busy workers, so they are not offered."""
+    group_prompts: int = Field(1, ge=1)
+    """Prompts per rollout group, the unit that streams: a group goes to the teacher and on to its learner rank as
+    soon as it is sampled. Smaller: earlier hand-over; larger: bigger engine batches."""
+    wait_timeout_s: float = Field(1800.0, gt=0)
+    """Longest wait on any actor (a rollout group, a teacher payload, a learner step, a checkpoint write); one that
+    does not answer in time fails the run, naming the role and actor."""
 
 
 class CheckpointConfig(_Strict):
@@ -291,6 +307,8 @@ class JobConfig(_Strict):
     """AdamW with per-module learning rates."""
     pools: PoolsConfig = PoolsConfig()
     """Actor pools and their resources."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Streaming and staleness: how the pools overlap."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
     eval: EvalConfig = EvalConfig()

@@ -12,6 +12,9 @@ similar length share a micro-batch (length bucketing) and a prompt spans several
 micro-batches only when its group does not fit in what is left of the current one.
 A single sequence longer than the budget gets a micro-batch of its own: the
 budget bounds every other micro-batch, and that one holds exactly one sequence.
+
+The streaming learner feeds its groups to a `Packer` in prompt order as they
+arrive (it cannot sort a set it has not seen yet); `pack` sorts a whole set first.
 """
 
 from __future__ import annotations
@@ -35,26 +38,48 @@ class MicroBatch:
     padded_tokens: int  # rows x longest sequence: what the forward allocates
 
 
+class Packer:
+    """Greedy packing of sequences fed one prompt group at a time: `add` returns the micro-batches it closed.
+
+    A micro-batch closes when the next sequence would take it past the budget, so the
+    packing depends only on the order of the groups fed, never on when they arrive.
+    """
+
+    def __init__(self, token_budget: int):
+        if token_budget < 1:
+            raise ValueError(f"token budget must be >= 1, got {token_budget}")
+        self.token_budget = token_budget
+        self.current: list[Sequence] = []
+        self.longest = 0
+
+    def add(self, group: list[Sequence]) -> list[MicroBatch]:
+        """Feed one prompt's sequences (longest first, so similar lengths share a micro-batch)."""
+        closed = []
+        for seq in sorted(group, key=lambda s: (-s.tokens, s.index)):
+            width = max(self.longest, seq.tokens)
+            if self.current and (len(self.current) + 1) * width > self.token_budget:
+                closed.append(_close(self.current, self.longest))
+                self.current, width = [], seq.tokens
+            self.current.append(seq)
+            self.longest = width
+        return closed
+
+    def flush(self) -> list[MicroBatch]:
+        closed = [_close(self.current, self.longest)] if self.current else []
+        self.current, self.longest = [], 0
+        return closed
+
+
 def pack(sequences: list[Sequence], token_budget: int) -> list[MicroBatch]:
-    """Greedy length-bucketed packing into micro-batches of at most `token_budget` padded tokens."""
-    if token_budget < 1:
-        raise ValueError(f"token budget must be >= 1, got {token_budget}")
+    """Length-bucketed packing of a whole set: prompts longest-first, each prompt's sequences longest-first."""
     by_prompt: dict[int, list[Sequence]] = {}
     for seq in sequences:
         by_prompt.setdefault(seq.prompt, []).append(seq)
-    groups = sorted(by_prompt.values(), key=lambda group: (-max(s.tokens for s in group), group[0].prompt))
-    ordered = [s for group in groups for s in sorted(group, key=lambda s: (-s.tokens, s.index))]
-    batches, current, longest = [], [], 0
-    for seq in ordered:
-        width = max(longest, seq.tokens)
-        if current and (len(current) + 1) * width > token_budget:
-            batches.append(_close(current, longest))
-            current, width = [], seq.tokens
-        current.append(seq)
-        longest = width
-    if current:
-        batches.append(_close(current, longest))
-    return batches
+    packer = Packer(token_budget)
+    batches = []
+    for group in sorted(by_prompt.values(), key=lambda group: (-max(s.tokens for s in group), group[0].prompt)):
+        batches += packer.add(group)
+    return batches + packer.flush()
 
 
 def _close(current: list[Sequence], longest: int) -> MicroBatch:

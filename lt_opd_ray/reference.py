@@ -3,7 +3,9 @@
 One update = student rollouts at budget r(c) with the selector -> teacher top-k
 scores on the full-token prompt -> student loss on the replayed reduced input ->
 one clipped AdamW step. Student and teacher start from the same checkpoint; the
-teacher is frozen.
+teacher is frozen. With schedule.max_staleness 1 it runs the lagged schedule of the
+distributed runtime: update c's rollouts are sampled by the weights of update
+c - 1 (the initial weights for c = 0 and 1), kept in a second copy of the student.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class ReferenceTrainer:
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
         self.step_index = 0  # optimizer steps completed: the curriculum's c
+        # max_staleness 1: the weights one optimizer step behind, which sample the rollouts
+        self.lagged = QwenVLM(copy.deepcopy(model).eval().requires_grad_(False)) if job.schedule.max_staleness else None
 
     def encode(self, samples: list[Sample]):
         return encode_samples(self.processor, samples, self.job.data.system_prompt)
@@ -71,7 +75,7 @@ class ReferenceTrainer:
         prompts = self.encode(samples)
         with compute_precision(self.job.model.dtype, self.student.device):
             rollouts = rollout(
-                self.student,
+                self.student if self.lagged is None else self.lagged,
                 self.processor.tokenizer,
                 prompts,
                 [s.uid for s in samples],
@@ -89,6 +93,8 @@ class ReferenceTrainer:
                 self.job.pools.teacher.micro_batch_tokens,
             )
             loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective)
+        if self.lagged is not None:
+            self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.student.model.parameters(), self.job.optimizer.grad_clip)

@@ -19,28 +19,7 @@ from .models.processor import IMAGE, PromptInputs
 from .models.sampler import Completion, SamplingParams, sample
 from .objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs, union_support
 from .selectors import Selector
-
-
-@dataclass
-class Rollout:
-    """One sampled response of the student at budget r; everything the learner replays."""
-
-    prompt_index: int  # index into the update's prompt list
-    response_ids: torch.Tensor  # [T] long
-    old_logp: torch.Tensor  # [T] fp32, sampled token under the rollout policy
-    student_top_ids: torch.Tensor  # [T, k] long
-    selected: list[torch.Tensor]  # per image: kept visual-token indices (sorted)
-    budget_bps: int
-    finish_reason: str
-
-
-@dataclass
-class TeacherScore:
-    """The frozen teacher's view of one rollout, on the full-token prompt."""
-
-    top_ids: torch.Tensor  # [T, k] int32
-    top_logp: torch.Tensor  # [T, k]
-    requested_logp: torch.Tensor  # [T, k + 1]: at the student's top-k ids, then at the sampled token
+from .wire import Rollout, TeacherScore
 
 
 @dataclass
@@ -151,11 +130,12 @@ def teacher_scores(
 ) -> list[TeacherScore]:
     """Full-vocabulary log-softmax of the full-token teacher at every response position, compacted to top-k.
 
-    Each prompt's full-token prefix (vision tower, merger and language model) runs once, with
-    other prompts' in a left-padded batch of at most `token_budget` tokens; its cache (attention
-    KV and Gated DeltaNet state) is shared by the prompt's responses, which continue from it in
-    micro-batches of at most `token_budget` response tokens. Log-probs are computed at
-    response positions only.
+    Each prompt's full-token prefix (vision tower, merger and language model) runs once, alone;
+    its cache (attention KV and Gated DeltaNet state) is shared by the prompt's responses, which
+    continue from it in micro-batches of at most `token_budget` response tokens. Log-probs are
+    computed at response positions only. A prompt's scores depend on its own rollouts only, never
+    on which other prompts share the call, so the teacher service may batch groups as they arrive
+    and the update stays deterministic (a long prefix fills a forward on its own).
     """
     weight = teacher.lm_head.weight
     k = min(top_k, weight.shape[0])
@@ -163,27 +143,21 @@ def teacher_scores(
     by_prompt: dict[int, list[int]] = {}
     for i, r in enumerate(rollouts):
         by_prompt.setdefault(r.prompt_index, []).append(i)
-    groups = list(by_prompt.items())
-    prefixes = [Sequence(j, prompt_index, prompts[prompt_index].input_ids.numel()) for j, (prompt_index, _) in enumerate(groups)]
-    for prefix_batch in pack(prefixes, token_budget):
-        chosen = [groups[j] for j in prefix_batch.sequences]
-        full = []
-        for prompt_index, _ in chosen:
-            features = teacher.visual_features(prompts[prompt_index])
-            full.append(teacher.reduce(prompts[prompt_index], features, teacher.keep_all(features)))
-        batch = teacher.pad_batch(full)
+    for prompt_index, indices in by_prompt.items():
+        features = teacher.visual_features(prompts[prompt_index])
+        full = teacher.reduce(prompts[prompt_index], features, teacher.keep_all(features))
+        batch = teacher.pad_batch([full])
         prefix_hidden, cache = teacher.run_language_model(batch, use_cache=True)
-        for row, (prompt_index, indices) in enumerate(chosen):
-            first = prefix_hidden[row, -1:]  # the prompt's last position predicts response token 0
-            sequences = [Sequence(i, prompt_index, rollouts[i].response_ids.numel()) for i in indices]
-            for micro in pack(sequences, token_budget):
-                responses = [rollouts[i] for i in micro.sequences]
-                hidden = teacher.continue_hidden(full[row], cache, row, batch.attention_mask[row], [r.response_ids for r in responses])
-                for i, r, h in zip(micro.sequences, responses, hidden):
-                    predicting = torch.cat([first, h[:-1]])  # response token j is predicted at position j - 1
-                    requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
-                    ids, logp, requested_logp = top_k_log_probs(predicting, weight, k, chunk_size, requested)
-                    scores[i] = TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu())
+        first = prefix_hidden[0, -1:]  # the prompt's last position predicts response token 0
+        sequences = [Sequence(i, prompt_index, rollouts[i].response_ids.numel()) for i in indices]
+        for micro in pack(sequences, token_budget):
+            responses = [rollouts[i] for i in micro.sequences]
+            hidden = teacher.continue_hidden(full, cache, 0, batch.attention_mask[0], [r.response_ids for r in responses])
+            for i, r, h in zip(micro.sequences, responses, hidden):
+                predicting = torch.cat([first, h[:-1]])  # response token j is predicted at position j - 1
+                requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
+                ids, logp, requested_logp = top_k_log_probs(predicting, weight, k, chunk_size, requested)
+                scores[i] = TeacherScore(top_ids=ids.to(torch.int32).cpu(), top_logp=logp.cpu(), requested_logp=requested_logp.cpu())
     return scores
 
 

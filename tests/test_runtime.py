@@ -134,8 +134,8 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
             assert 0.5 < log.importance_weight <= job.objective.importance_clip  # bf16 sampler vs fp32 learner: near 1
         assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
         samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
-        _, shard = ray.get(worker.generate.options(num_returns=2).remote(samples, 0, 2, 1500, 9))
-        for rollout in shard.rollouts:
+        _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, 0, 2, 1500, 9, 0))
+        for rollout in group.rollouts:
             assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
         evaluation = ray.get(worker.evaluate.remote(samples, 500, "cdpruner"))  # greedy answers from the engine
         assert evaluation["weights_version"] == 3 and 0.0 <= evaluation["accuracy"] <= 1.0
@@ -270,51 +270,55 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
 
     refs = [answer.remote(0), answer.remote(60)]
     ray.get(refs[0])  # the prompt worker has answered (a busy 2-core box may take seconds to start a task)
-    with pytest.raises(WeightSyncError, match=r"weight broadcast v7 timed out after 3 s waiting for: rollout-1$"):
+    with pytest.raises(WeightSyncError, match=r"weight broadcast v7: no answer after 3 s from rollout-1$"):
         wait_all(refs, ["rollout-0", "rollout-1"], 3, "weight broadcast v7")
     ray.cancel(refs[1], force=True)
 
 
-def test_teacher_batch_of_shards_equals_scoring_each_shard_alone(cluster, tiny_dirs, tmp_path):
+def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(cluster, tiny_dirs, tmp_path):
     from lt_opd_ray.models.processor import question_messages
-    from lt_opd_ray.runtime.rollout_pool import RolloutShard
-    from lt_opd_ray.runtime.teacher import TeacherModel, unpack_scores
+    from lt_opd_ray.runtime.teacher import TeacherModel
     from lt_opd_ray.update import rollout
+    from lt_opd_ray.wire import RolloutGroup, Span, unpack_scores
 
     job = job_for(tiny_dirs["qwen3_5"], tmp_path)
     samples = load_samples("synthetic:4")
     trainer = ReferenceTrainer(job)
     prompts = [trainer.processor.encode(question_messages(s.question), [s.image], s.uid) for s in samples]
     rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in samples], trainer.selector, 2500, 2, trainer.params, 2, 0, 0)
-    shards = [RolloutShard(0, rollouts[:4], "w0", 0, 0.0, 0), RolloutShard(2, rollouts[4:], "w1", 0, 0.0, 0)]
+    span = Span("rollout", "w", "", 0.0, 0.0)
+    groups = [RolloutGroup(0, 0, 2, 0, rollouts[:4], "w0", 0, span), RolloutGroup(0, 2, 4, 1, rollouts[4:], "w1", 0, span)]
     teacher = TeacherModel(job)
-    together = teacher.score_shards(samples, shards)
-    alone = [teacher.score_shards(samples, [shard])[0] for shard in shards]
-    vocab = teacher.vlm.model.config.text_config.vocab_size
-    for a, b, shard in zip(together, alone, shards):
-        for x, y in zip(unpack_scores(a, shard.rollouts, vocab), unpack_scores(b, shard.rollouts, vocab)):
+    together = teacher.score_groups(samples, groups)
+    alone = [teacher.score_groups(samples, [group])[0] for group in groups]
+    vocab = teacher.engine.vlm.model.config.text_config.vocab_size
+    for a, b, group in zip(together, alone, groups):  # bit for bit: groups may be batched however they arrive
+        for x, y in zip(unpack_scores(a, group.rollouts, vocab), unpack_scores(b, group.rollouts, vocab)):
             assert torch.equal(x.top_ids, y.top_ids)
-            torch.testing.assert_close(x.top_logp, y.top_logp, atol=1e-5, rtol=0)
-            torch.testing.assert_close(x.requested_logp, y.requested_logp, atol=1e-5, rtol=0)
+            assert torch.equal(x.top_logp, y.top_logp) and torch.equal(x.requested_logp, y.requested_logp)
 
 
 def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny_dirs, tmp_path):
+    """Two updates' groups in flight at once (as with max_staleness 1), requested before any is sampled."""
     from lt_opd_ray.runtime.rollout_pool import RolloutPool
-    from lt_opd_ray.runtime.teacher import TeacherService, unpack_scores
+    from lt_opd_ray.runtime.teacher import TeacherService
+    from lt_opd_ray.wire import unpack_scores
 
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="twoupdates")
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="twoupdates", workers=2)
     samples = load_samples("synthetic:4")
     pool, service = RolloutPool(job), TeacherService(job)
     try:
         first, second = ray.put(samples[:2]), ray.put(samples[2:])
-        shards_a = [s.shard for s in pool.async_generate(first, 2, 2500, 0)[0]]
-        shards_b = [s.shard for s in pool.async_generate(second, 2, 2500, 1)[0]]
-        payloads = ray.get(service.async_score(first, shards_a) + service.async_score(second, shards_b))  # may share a batch
+        groups = pool.submit(first, 2500, 0, [(0, 1), (1, 2)], 1) + pool.submit(second, 2500, 1, [(0, 2)], 1)
+        assert [(g.update, g.start, g.stop, g.learner_rank, g.worker) for g in groups] == [
+            (0, 0, 1, 0, 0), (0, 1, 2, 1, 1), (1, 0, 1, 0, 0), (1, 1, 2, 0, 1)]  # each rank's first group first, over the workers
+        payloads = ray.get(service.async_score(first, [g.group for g in groups[:2]]) + service.async_score(second, [g.group for g in groups[2:]]))
         import json
 
         vocab = json.loads((Path(tiny_dirs["qwen3_5"]) / "config.json").read_text())["text_config"]["vocab_size"]
-        for payload, shard in zip(payloads, ray.get(shards_a + shards_b)):
-            assert len(unpack_scores(payload, shard.rollouts, vocab)) == len(shard.rollouts)
+        for payload, group in zip(payloads, ray.get([g.group for g in groups])):
+            assert len(unpack_scores(payload, group.rollouts, vocab)) == len(group.rollouts) == 2
+            assert payload.span.start >= group.span.end  # scored after it was sampled
     finally:
         service.shutdown()
         pool.shutdown()

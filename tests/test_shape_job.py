@@ -37,4 +37,4 @@ def test_one_update_of_the_paper_shaped_job(tmp_path, monkeypatch):
     # each rank's 8 responses of ~1,090 positions do not fit one 4,096-token micro-batch
     assert log.micro_batches >= 4 and log.filler_micro_batches >= 0
     assert log.payload_bytes_per_token <= 1.2 * 1024  # top-100 ids + values + 101 requested values, fp32
-    assert log.loss >= 0 and log.phases["learner"] > 0
+    assert log.loss >= 0 and log.phases.learner > 0

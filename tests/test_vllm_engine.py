@@ -117,7 +117,8 @@ def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs
 
 @pytest.mark.slow
 def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines):
-    from lt_opd_ray.update import Rollout, teacher_scores
+    from lt_opd_ray.update import teacher_scores
+    from lt_opd_ray.wire import Rollout
 
     family = "qwen3_vl"
     engine = engines(family)

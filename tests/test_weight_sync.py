@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lt_opd_ray.runtime.learner_group import free_port
-from lt_opd_ray.runtime.teacher import MalformedPayloadError, pack_scores, unpack_scores
+from lt_opd_ray.wire import MalformedPayloadError, pack_scores, unpack_scores
 from lt_opd_ray.runtime.weight_sync import (
     Layout,
     ModuleSink,
@@ -18,7 +18,7 @@ from lt_opd_ray.runtime.weight_sync import (
     join_store,
     weights_checksum,
 )
-from lt_opd_ray.update import Rollout, TeacherScore
+from lt_opd_ray.wire import Rollout, TeacherScore
 
 
 def model(seed, width=40):

@@ -16,7 +16,7 @@ import torch
 from ..config import JobConfig
 from ..data import Sample, stable_seed
 from ..runtime.weight_sync import WeightSink
-from ..update import Rollout
+from ..wire import Rollout
 
 
 class RolloutEngine(Protocol):

@@ -15,7 +15,7 @@ import torch
 from ..data import stable_seed
 from ..models.processor import PromptInputs
 from ..models.sampler import SamplingParams
-from ..update import Rollout, TeacherScore
+from ..wire import Rollout, TeacherScore
 from .vllm_engine import VLLMEngine, engine_prompt
 from .vllm_models import SelectionRequest
 

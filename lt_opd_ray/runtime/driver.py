@@ -1,10 +1,13 @@
-"""The driver: the LT-OPD update loop over the four Ray roles (docs/architecture.md §2).
+"""The driver: the LT-OPD update loop over the four Ray roles (docs/architecture.md §2, §4).
 
-    budget = curriculum(step) -> rollouts -> teacher scores -> learner update
-           -> weight sync -> metrics -> checkpoint
+    submit(t)          budget r(t), the update's prompts -> rollout groups -> teacher (streamed, group by group)
+    train(t)           the learners train on update t's groups as they arrive: one optimizer step
+    [submit(t + 1)]    max_staleness 1: the next update is sampled by the current weights meanwhile
+    sync(t + 1)        the new weights to every rollout worker, once they are idle
+    checkpoint, eval
 
 It passes ObjectRefs between the roles; rollouts and teacher payloads never
-travel through this process.
+travel through this process (but for a checkpoint's in-flight rollouts).
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ import ray
 
 from ..config import JobConfig
 from ..curriculum import BudgetSchedule
-from ..data import load_samples
+from ..data import Sample, load_samples
 from ..evals.benchmarks import benchmark
 from ..models.loading import resolve_model_dir
 from ..train_loop import batches
+from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, Span, Stopwatch
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
 from .resources import check_resources
-from .rollout_pool import RolloutPool
+from .rollout_pool import GroupRef, RolloutPool, RolloutSummary
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
+from .waits import NoAnswerError
 
 
 @dataclass
@@ -39,7 +44,8 @@ class StepLog:
     top_k_overlap: float
     tokens: int
     grad_norm: float = 0.0  # global gradient norm before clipping
-    phases: dict[str, float] = field(default_factory=dict)
+    staleness: int = 0  # learner version - the oldest sampling version of this update's rollouts
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
     sync_bytes: int = 0
     payload_bytes_per_token: float = 0.0
     sequences: int = 0  # rollouts trained on, over all ranks
@@ -48,6 +54,19 @@ class StepLog:
     vision_forwards: int = 0  # learner vision-tower passes: one per prompt when its group fits a micro-batch
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
+    timeline: list[Span] = field(default_factory=list)  # every piece of this update's work (`lt-opd timeline` draws it)
+
+
+@dataclass
+class InFlight:
+    """One update's submitted work: its prompts, its rollout groups and their teacher payloads (ObjectRefs)."""
+
+    update: int
+    budget_bps: int
+    batch: list[Sample]
+    samples_ref: ray.ObjectRef
+    groups: list[GroupRef]
+    payloads: list[ray.ObjectRef]
 
 
 class Driver:
@@ -65,58 +84,143 @@ class Driver:
         self.learners = LearnerGroup(job)
         self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
         self.metrics = DriverMetrics(job.name)
-        self.step, self.cursor = 0, 0
-        if resume and (state := self.checkpoints.restore(self.learners)) is not None:
+        self.step, self.cursor, kept = 0, 0, []
+        if resume and (restored := self.checkpoints.restore(self.learners)) is not None:
+            state, kept = restored
             self.step, self.cursor = state["step"], state["cursor"]
         self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
         self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
+        self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
         self.eval_ref = ray.put(load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
         self.benchmarks_ref = ray.put(benchmarks) if benchmarks else None
+        self.last_end = time.time()
 
+    # ------------------------------------------------------------------ the schedule
     def run_step(self) -> StepLog:
-        t0 = time.perf_counter()
-        budget = self.schedule.budget_bps(self.step)  # c = optimizer steps completed before this update
+        update = self.step
+        current, self.next = self.next or self.submit(update), None
+        training = self.learners.async_train_step(current.batch, current.groups, current.payloads, self.rollouts.names, update)
+        if self.job.schedule.max_staleness and update + 1 < self.job.budget.total_steps:
+            self.next = self.submit(update + 1)  # sampled by weights v(update) while the learners train on update
+        ranks = self.learners.wait(training, f"learner step of update {update}")
+        self.step += 1
+        self.cursor += len(current.batch)
+        summaries = self.rollouts.wait([g.summary for g in current.groups], self.group_workers(current), f"rollout summaries of update {update}")
+        lost = self.settle(self.next) if self.next else []
+        with Stopwatch() as sync_watch:
+            sync = self.sync.broadcast(version=self.step)  # before any rollout of the next weights
+        if lost:
+            self.resubmit_lost(self.next, lost)  # sampled by the new weights: staleness 0
+        spans = [sync_watch.span("sync", "learner-0", f"v{self.step}")]
+        if self.step % self.job.checkpoint.every_steps == 0 or self.step == self.job.budget.total_steps:
+            with Stopwatch() as watch:
+                self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor}, self.fetch_groups(self.next))
+            spans.append(watch.span("checkpoint", "driver", f"step-{self.step}"))
+        accuracy, scores = {}, {}
+        if self._evaluates_now():
+            with Stopwatch() as watch:
+                accuracy, scores = self.evaluate()
+            spans.append(watch.span("eval", "rollout", f"v{self.step}"))
+        return self.log(current, ranks, summaries, sync.bytes, spans, accuracy, scores)
+
+    def submit(self, update: int) -> InFlight:
+        """Queue update `update`'s rollout groups on the workers and their scoring on the teacher, all at once."""
+        batch = next(self.data)
+        budget = self.schedule.budget_bps(update)  # c = optimizer steps completed before this update
+        samples_ref = ray.put(batch)
+        ranges = self.learners.prompt_ranges(len(batch))
+        groups = self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts)
+        return InFlight(update, budget, batch, samples_ref, groups, self.teacher.async_score(samples_ref, [g.group for g in groups]))
+
+    def settle(self, pending: InFlight) -> list[int]:
+        """Wait (bounded) until the next update's groups are sampled, so the workers are free for the weights.
+        Returns the groups whose worker died before finishing them; their workers are replaced."""
+        names = self.group_workers(pending)
+        _, late = ray.wait([g.summary for g in pending.groups], num_returns=len(pending.groups), timeout=self.job.schedule.wait_timeout_s)
+        if late:
+            late_names = sorted({names[i] for i, g in enumerate(pending.groups) if g.summary in late})
+            raise NoAnswerError(f"rollout groups of update {pending.update}: no answer after {self.job.schedule.wait_timeout_s:.0f} s from {', '.join(late_names)}")
+        lost = []
+        for i, group in enumerate(pending.groups):
+            try:
+                ray.get(group.summary)
+            except ray.exceptions.RayActorError:
+                lost.append(i)
+        for index in sorted({pending.groups[i].worker for i in lost}):
+            self.rollouts.replace(index)
+            self.metrics.record_restart("rollout")
+        if lost:
+            self.sync.connect()  # the replacements join; the broadcast that follows gives them the weights
+        return lost
+
+    def resubmit_lost(self, pending: InFlight, lost: list[int]) -> None:
+        for i in lost:
+            old = pending.groups[i]
+            group = self.rollouts.submit_group(pending.samples_ref, old.start, old.stop, old.learner_rank, pending.budget_bps, old.update, old.worker)
+            pending.groups[i] = group
+            pending.payloads[i] = self.teacher.async_score(pending.samples_ref, [group.group])[0]
+
+    def fetch_groups(self, pending: InFlight | None) -> list[RolloutGroup]:
+        """The finished groups of the update in flight, to be kept with a checkpoint."""
+        if pending is None:
+            return []
+        return self.rollouts.wait([g.group for g in pending.groups], self.group_workers(pending), "rollout groups for a checkpoint")
+
+    def resubmit(self, kept: list[RolloutGroup]) -> InFlight | None:
+        """The in-flight update a checkpoint kept: its groups go back into the object store and to the teacher."""
+        if self.job.schedule.max_staleness == 0:
+            return None  # sampled one version behind: an on-policy job samples that update afresh
         batch = next(self.data)
         samples_ref = ray.put(batch)
-        shards, summary_refs = self.rollouts.async_generate(samples_ref, len(batch), budget, self.step, self.learners.prompt_ranges(len(batch)))
-        payload_refs = self.teacher.async_score(samples_ref, [s.shard for s in shards])
-        ranks = self.learners.train_step(batch, shards, payload_refs, len(batch) * self.job.sampling.n)  # one optimizer step
-        t1 = time.perf_counter()
-        self.step += 1
-        self.cursor += len(batch)
-        sync = self.sync.broadcast(version=self.step)  # before the next rollout
-        t2 = time.perf_counter()
-        if self.step % self.job.checkpoint.every_steps == 0 or self.step == self.job.budget.total_steps:
-            self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor})
-        t3 = time.perf_counter()
-        accuracy, scores = self.evaluate() if self._evaluates_now() else ({}, {})
-        t4 = time.perf_counter()
-        phases = {
-            "rollout": max(s["seconds"] for s in ray.get(summary_refs)),  # workers run in parallel
-            "teacher": max(r.teacher_seconds for r in ranks),
-            "learner": max(r.seconds for r in ranks),
-            "sync": t2 - t1,
-            "checkpoint": t3 - t2,
-            "eval": t4 - t3,
+        groups = [
+            GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, ray.put(g), ray.put(RolloutSummary(g.worker, g.weights_version, g.tokens, g.span)))
+            for g in kept
+        ]
+        payloads = self.teacher.async_score(samples_ref, [g.group for g in groups])
+        return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups, payloads)
+
+    def group_workers(self, flight: InFlight) -> list[str]:
+        return [self.rollouts.names[g.worker] for g in flight.groups]
+
+    # ------------------------------------------------------------------ reporting
+    def log(
+        self, current: InFlight, ranks: list[LearnerStepResult], summaries: list[RolloutSummary], sync_bytes: int,
+        spans: list[Span], accuracy: dict, scores: dict,
+    ) -> StepLog:
+        end = time.time()
+        rollout_spans = [s.span for s in summaries]
+        teacher_spans = list(dict.fromkeys(s for r in ranks for s in r.spans if s.role == "teacher"))  # a batch of groups shares one
+        learner_spans = [s for r in ranks for s in r.spans if s.role == "learner"]
+        extent = lambda chosen: max(s.end for s in chosen) - min(s.start for s in chosen) if chosen else 0.0  # noqa: E731
+        of = lambda role: sum(s.seconds for s in spans if s.role == role)  # noqa: E731
+        period = end - self.last_end
+        self.last_end = end
+        sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
+        busy = {
+            "rollout": sum(s.seconds for s in rollout_spans) / (sizes["rollout"] * period),
+            "teacher": sum(s.seconds for s in teacher_spans) / (max(sizes["teacher"], 1) * period),
+            "learner": sum(s.seconds for s in learner_spans) / (sizes["learner"] * period),
         }
-        # what the chain rollout -> teacher -> learner took beyond its parts: scheduling, transfers, waits
-        phases["driver_overhead"] = max(0.0, (t1 - t0) - phases["rollout"] - phases["teacher"] - phases["learner"])
-        phases["step"] = t4 - t0
-        pool_sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
-        self.metrics.record(self.step, budget, phases, samples=sum(r.sequences for r in ranks), pool_sizes=pool_sizes)
+        phases = PhaseTimes(
+            rollout=extent(rollout_spans), teacher=extent(teacher_spans), learner=max(r.seconds for r in ranks),
+            sync=of("sync"), checkpoint=of("checkpoint"), eval=of("eval"), step=period, busy=busy,
+        )
+        staleness = max(r.staleness for r in ranks)
+        self.metrics.record(self.step, current.budget_bps, phases, samples=sum(r.sequences for r in ranks), pool_sizes=sizes, staleness=staleness)
         total = lambda key: sum(getattr(r, key) for r in ranks)  # noqa: E731
         by_tokens = lambda key: sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)  # noqa: E731
         return StepLog(
-            step=self.step - 1,
-            budget_bps=budget,
+            step=current.update,
+            budget_bps=current.budget_bps,
             loss=total("loss") / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
             divergence=by_tokens("divergence"),
             importance_weight=by_tokens("importance_weight"),
             top_k_overlap=by_tokens("top_k_overlap"),
             tokens=total("tokens"),
             grad_norm=ranks[0].grad_norm,  # global: the same on every rank
+            staleness=staleness,
             phases=phases,
-            sync_bytes=sync["bytes"],
+            sync_bytes=sync_bytes,
             payload_bytes_per_token=total("payload_bytes") / max(total("payload_tokens"), 1),
             sequences=total("sequences"),
             micro_batches=total("micro_batches"),
@@ -124,6 +228,7 @@ class Driver:
             vision_forwards=total("vision_forwards"),
             eval_accuracy=accuracy,
             eval_scores=scores,
+            timeline=sorted([*rollout_spans, *teacher_spans, *learner_spans, *spans], key=lambda s: s.start),
         )
 
     def _evaluates_now(self) -> bool:
@@ -148,7 +253,8 @@ class Driver:
         self.learners.save_pretrained(str(directory))
 
     def replace_dead_rollout_workers(self) -> list[str]:
-        """Replace workers that died, re-form the sync group and give them the current weights."""
+        """Between updates: replace workers that died, re-form the sync group and give them the current weights.
+        (Groups a worker finished before it died stay in the object store; unfinished ones are resubmitted by `settle`.)"""
         dead = self.rollouts.dead_workers()
         if not dead:
             return []

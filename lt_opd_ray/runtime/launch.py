@@ -43,8 +43,8 @@ def format_step(log, total: int) -> str:
     return (
         f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {log.divergence:.5f}"
         f"  is_w {log.importance_weight:.3f}  overlap {log.top_k_overlap:.3f}  tokens {log.tokens}"
-        f"  | rollout {p['rollout']:.2f}s teacher {p['teacher']:.2f}s learner {p['learner']:.2f}s sync {p['sync']:.2f}s"
-        f" total {p['step']:.2f}s"
+        f"  | rollout {p.rollout:.2f}s teacher {p.teacher:.2f}s learner {p.learner:.2f}s sync {p.sync:.2f}s"
+        f" step {p.step:.2f}s" + (f" (staleness {log.staleness})" if log.staleness else "")
         + "".join(f"  | acc[{name}] {value:.3f}" for name, value in log.eval_accuracy.items())
         + "".join(f"  | {name} {value:.2f}" for name, value in log.eval_scores.items())
     )

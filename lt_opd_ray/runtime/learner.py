@@ -1,30 +1,35 @@
 """The learner group: M DeepSpeed ZeRO-2/3 ranks over torch.distributed (gloo on CPU, NCCL on GPU).
 
 Each rank trains on the rollouts of its own contiguous range of the update's
-prompts, in token-budgeted micro-batches (`microbatch.pack`) whose gradients
-accumulate into the update's one optimizer step. Every micro-batch loss is
+prompts, in token-budgeted micro-batches (`microbatch.Packer`, fed group by group
+as the groups arrive, in prompt order) whose gradients accumulate into the
+update's one optimizer step. Every micro-batch loss is
 normalised by the update's sequence count over ranks (N / M, as DeepSpeed averages
 gradients over the M ranks), so the step is that of the update's seq-mean-token-mean
 whatever the micro-batches and however unevenly the prompts split over ranks.
 ZeRO-2/3 reduce gradients in every backward, so every rank runs the same number of
-micro-batches: a rank with fewer adds zero-weighted ones.
+micro-batches: a rank with fewer adds zero-weighted ones. The micro-batches and
+their order depend only on the rollouts, never on when they arrive, so a streamed
+step is deterministic.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from ..config import JobConfig
-from ..microbatch import MicroBatch, Sequence, pack
+from ..microbatch import MicroBatch, Packer, Sequence
 from ..models.adapter import QwenVLM
 from ..models.loading import compute_precision, load_vlm
-from ..models.processor import VLMProcessor, encode_samples
+from ..models.processor import PromptInputs, VLMProcessor, encode_samples
 from ..optim import build_optimizer
-from ..update import LossStats, Rollout, TeacherScore, reduced_length, student_loss
-from ..wire import LearnerStepResult
+from ..update import LossStats, reduced_length, student_loss
+from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 
 
 class StudentObjective(torch.nn.Module):
@@ -59,13 +64,41 @@ def deepspeed_config(job: JobConfig) -> dict:
     }
 
 
-def plan(prompts, rollouts: list[Rollout], token_budget: int) -> list[MicroBatch]:
-    """This rank's micro-batches: each sequence is its reduced prompt (replayed selection) plus its response."""
-    sequences = [
-        Sequence(i, r.prompt_index, reduced_length(prompts[r.prompt_index], r.selected) + r.response_ids.numel())
-        for i, r in enumerate(rollouts)
-    ]
-    return pack(sequences, token_budget)
+@dataclass
+class StreamedGroup:
+    """One rollout group with its teacher scores, as the learner receives it."""
+
+    rollouts: list[Rollout]
+    scores: list[TeacherScore]
+
+
+class MicroBatchStream:
+    """This rank's micro-batches, packed as its groups arrive (in prompt order) within the token budget.
+
+    Each sequence is its reduced prompt (the replayed selection) plus its response.
+    """
+
+    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int):
+        self.groups, self.encode = groups, encode
+        self.packer = Packer(token_budget)
+        self.rollouts: list[Rollout] = []
+        self.scores: list[TeacherScore] = []
+        self.prompts: dict[int, PromptInputs] = {}
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for group in self.groups:
+            first = len(self.rollouts)
+            self.rollouts += group.rollouts
+            self.scores += group.scores
+            new = sorted({r.prompt_index for r in group.rollouts} - self.prompts.keys())
+            self.prompts.update(zip(new, self.encode(new)))
+            by_prompt: dict[int, list[Sequence]] = {}
+            for i, r in enumerate(group.rollouts, start=first):
+                length = reduced_length(self.prompts[r.prompt_index], r.selected) + r.response_ids.numel()
+                by_prompt.setdefault(r.prompt_index, []).append(Sequence(i, r.prompt_index, length))
+            for sequences in by_prompt.values():
+                yield from self.packer.add(sequences)
+        yield from self.packer.flush()
 
 
 class Learner:
@@ -90,40 +123,56 @@ class Learner:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
 
-    def train_step(self, samples, rollouts: list[Rollout], scores: list[TeacherScore], total_sequences: int) -> LearnerStepResult:
-        """One optimizer step; `rollouts` are this rank's, of `total_sequences` in the update; `samples[prompt_index]` is each one's sample."""
+    def train_step(self, samples, groups: Iterator[StreamedGroup], total_sequences: int, version: int) -> LearnerStepResult:
+        """One optimizer step on this rank's groups, run as micro-batches while later groups still arrive.
+
+        `groups` yields this rank's groups in prompt order (blocking until each is there), of `total_sequences` in
+        the update; `samples[prompt_index]` is each one's sample. Ranks run their backwards in lockstep (ZeRO
+        reduces in each): before each, they agree whether any rank still has a micro-batch and whether any has
+        one after it (the accumulation boundary), so a rank that is done runs zero-weighted fillers.
+        """
         import torch.distributed as dist
 
-        if not rollouts:
+        encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
+        stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens)
+        batches = iter(stream)
+        current = next(batches, None)
+        if current is None:
             raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
-        used = sorted({r.prompt_index for r in rollouts})
-        prompts = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))
-        micro = plan(prompts, rollouts, self.job.pools.learner.micro_batch_tokens)
-        count = torch.tensor([len(micro)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs the same number of backwards
-        shortest = min(range(len(rollouts)), key=lambda i: rollouts[i].response_ids.numel())
-        filler = MicroBatch((shortest,), (rollouts[shortest].prompt_index,), 0)
+        filler = MicroBatch((0,), (stream.rollouts[0].prompt_index,), 0)  # any real sequence, weighted 0
         normaliser = total_sequences / self.world
-        parts = []
-        for index in range(int(count)):
-            batch = micro[index] if index < len(micro) else filler
-            chosen = [rollouts[i] for i in batch.sequences]
-            self.engine.set_gradient_accumulation_boundary(index == int(count) - 1)
-            with compute_precision(self.job.model.dtype, self.engine.device):
-                loss, stats = self.engine(prompts, chosen, [scores[i] for i in batch.sequences], normaliser)
-            if index >= len(micro):
-                loss = loss * 0.0  # a filler: the same graph as a real micro-batch, no contribution
-            else:
-                parts.append(stats)
-            self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
-        self.engine.step()
+        parts, spans, real, passes = [], [], 0, 0
+        while True:
+            following = next(batches, None) if current is not None else None
+            flags = torch.tensor([current is not None, following is not None], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if not flags[0]:
+                break
+            batch = current or filler
+            with Stopwatch() as watch:
+                self.engine.set_gradient_accumulation_boundary(not bool(flags[1]))
+                with compute_precision(self.job.model.dtype, self.engine.device):
+                    chosen = [stream.rollouts[i] for i in batch.sequences]
+                    loss, stats = self.engine(stream.prompts, chosen, [stream.scores[i] for i in batch.sequences], normaliser)
+                if current is None:
+                    loss = loss * 0.0  # a filler: the same graph as a real micro-batch, no contribution
+                else:
+                    parts.append(stats)
+                    real += 1
+                self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
+            spans.append(watch.span("learner", f"learner-{self.rank}", f"u{version} {'mb' if current else 'filler'}{passes}"))
+            passes += 1
+            current = following
+        with Stopwatch() as watch:
+            self.engine.step()
+        spans.append(watch.span("learner", f"learner-{self.rank}", f"u{version} optimizer"))
         self.steps_done += 1
         stats = LossStats.combine(parts)
         return LearnerStepResult(
             loss=stats.loss, divergence=stats.divergence, importance_weight=stats.importance_weight,
-            top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(prompts),
-            micro_batches=len(micro), filler_micro_batches=int(count) - len(micro), vision_forwards=stats.vision_forwards,
-            grad_norm=float(self.engine.get_global_grad_norm() or 0.0),
+            top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(stream.prompts),
+            micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
+            grad_norm=float(self.engine.get_global_grad_norm() or 0.0), seconds=sum(s.seconds for s in spans), spans=tuple(spans),
         )
 
     @property

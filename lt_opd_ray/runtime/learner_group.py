@@ -11,7 +11,8 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
-from ..wire import LearnerStepResult
+from ..wire import LearnerStepResult, RolloutGroup, StaleRolloutError, unpack_scores
+from .waits import wait_for, wait_one
 
 
 def free_port() -> int:
@@ -59,25 +60,15 @@ class LearnerActor:
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
 
-    def train_step(self, samples: dict, shard_refs: list, payload_refs: list, total_sequences: int):
-        """One optimizer step on this rank's shards (and their teacher payloads) only; `samples`: its prompts by index."""
-        from .teacher import unpack_scores
-
-        shards = ray.get(shard_refs)
-        payloads = ray.get(payload_refs)
-        begin = time.perf_counter()  # compute only: waiting for rollouts and teacher is not learner time
-        rollouts, scores = [], []
-        vocab = self.learner.module.model.config.text_config.vocab_size  # not lm_head.shape: a ZeRO-3 shard is empty
-        for shard, payload in zip(shards, payloads):
-            rollouts += shard.rollouts
-            scores += unpack_scores(payload, shard.rollouts, vocab, source=payload.replica or "teacher")
-        result = self.learner.train_step(samples, rollouts, scores, total_sequences)
+    def train_step(self, samples: dict, work: list, total_sequences: int, version: int) -> LearnerStepResult:
+        """One optimizer step (weights `version` -> `version + 1`) on this rank's groups only, streamed: `work` is
+        [(worker name, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload])] in prompt order (nested in a list, so
+        Ray hands the refs over unresolved); `samples`: this rank's prompts by index."""
+        receiver = GroupReceiver(work, version, self.job, self.rank, self.learner.module.model.config.text_config.vocab_size)
+        result = self.learner.train_step(samples, iter(receiver), total_sequences, version)
         result = dataclasses.replace(
-            result,
-            seconds=time.perf_counter() - begin,
-            teacher_seconds=max((p.seconds for p in payloads), default=0.0),
-            payload_bytes=sum(p.nbytes for p in payloads),
-            payload_tokens=sum(int(p.lengths.sum()) for p in payloads),
+            result, staleness=receiver.staleness, payload_bytes=receiver.payload_bytes, payload_tokens=receiver.payload_tokens,
+            spans=(*receiver.spans, *result.spans),
         )
         self.metrics.record_step(result)
         return result
@@ -120,13 +111,55 @@ class LearnerActor:
             dist.destroy_process_group()
 
 
+class GroupReceiver:
+    """A learner rank's groups with their teacher scores, in prompt order, each waited for (bounded) as it is needed.
+
+    Checks every group before it is trained on: it belongs to this update and rank, and its sampling weights are
+    at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
+    """
+
+    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int):
+        self.work, self.version, self.rank, self.vocab_size = work, version, rank, vocab_size
+        self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
+        self.staleness = self.payload_bytes = self.payload_tokens = 0
+        self.spans: list = []
+
+    def __iter__(self):
+        from .learner import StreamedGroup
+
+        me = f"learner-{self.rank}"
+        for worker, group_ref, payload_ref in self.work:
+            group = wait_one(group_ref, worker, self.timeout_s, f"{me} waiting for a rollout group of update {self.version}")
+            self.check(group)
+            payload = wait_one(payload_ref, "teacher", self.timeout_s, f"{me} waiting for the teacher's scores of {group.worker}'s group")
+            scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
+            self.payload_bytes += payload.nbytes
+            self.payload_tokens += int(payload.lengths.sum())
+            self.spans += [group.span, payload.span]
+            yield StreamedGroup(group.rollouts, scores)
+
+    def check(self, group: RolloutGroup) -> None:
+        where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"
+        if group.update != self.version or group.learner_rank != self.rank:
+            raise ValueError(f"learner-{self.rank} at update {self.version} was sent the {where} for update {group.update}, rank {group.learner_rank}")
+        if group.weights_version is None:
+            raise StaleRolloutError(f"the {where} was sampled while its worker's weights were half written")
+        lag = self.version - group.weights_version
+        if not 0 <= lag <= self.max_staleness:
+            raise StaleRolloutError(
+                f"the {where} was sampled by weights v{group.weights_version}; learner-{self.rank} is at v{self.version}"
+                f" and schedule.max_staleness is {self.max_staleness}"
+            )
+        self.staleness = max(self.staleness, lag)
+
+
 class LearnerGroup:
     def __init__(self, job: JobConfig):
         pool = job.pools.learner
         self.job = job
         bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {}), **pool.ray_resources()}
         self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
-        ray.get(self.placement.ready())
+        wait_for([self.placement.ready()], ["placement group"], job.schedule.wait_timeout_s, "reserving the learners' resources")
         actor_cls = ray.remote(LearnerActor)
         self.actors = [
             actor_cls.options(
@@ -137,18 +170,22 @@ class LearnerGroup:
             ).remote(job, rank, pool.ranks)
             for rank in range(pool.ranks)
         ]
-        master_addr, master_port = ray.get(self.actors[0].address.remote())
-        ray.get([a.setup.remote(master_addr, master_port) for a in self.actors])  # rendezvous: all at once
+        master_addr, master_port = self.wait([self.actors[0].address.remote()], "learner-0's address")[0]
+        self.wait([a.setup.remote(master_addr, master_port) for a in self.actors], "learner setup")  # rendezvous: all at once
 
-    def train_step(self, batch: list, shards: list, payload_refs: list, total_sequences: int) -> list[LearnerStepResult]:
-        """One optimizer step; each rank gets only its own prompts' samples, shards (`ShardRef.learner_rank`) and payloads."""
-        mine = [([], []) for _ in self.actors]
-        for shard, payload in zip(shards, payload_refs):
-            mine[shard.learner_rank][0].append(shard.shard)
-            mine[shard.learner_rank][1].append(payload)
+    def async_train_step(self, batch: list, groups: list, payload_refs: list, worker_names: list[str], version: int) -> list:
+        """Start one optimizer step (ObjectRef[LearnerStepResult] per rank; `wait` for them); each rank gets only its own
+        prompts' samples, groups (`GroupRef.learner_rank`) and payloads, and trains on each group as it arrives."""
+        work = [[] for _ in self.actors]
+        for group, payload in sorted(zip(groups, payload_refs), key=lambda pair: pair[0].start):  # each rank in prompt order
+            work[group.learner_rank].append((worker_names[group.worker], group.group, payload))
         own_samples = [ray.put({i: batch[i] for i in range(start, stop)}) for start, stop in self.prompt_ranges(len(batch))]
-        refs = [a.train_step.remote(own, s, p, total_sequences) for a, own, (s, p) in zip(self.actors, own_samples, mine)]
-        return ray.get(refs)
+        total = len(batch) * self.job.sampling.n
+        return [a.train_step.remote(own, mine, total, version) for a, own, mine in zip(self.actors, own_samples, work)]
+
+    def wait(self, refs: list, what: str) -> list:
+        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer)."""
+        return wait_for(refs, [f"learner-{r}" for r in range(len(refs))], self.job.schedule.wait_timeout_s, what)
 
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         """Each rank's [start, stop) of an update's prompts."""
@@ -157,11 +194,11 @@ class LearnerGroup:
         return split_evenly(prompts, len(self.actors))
 
     def full_state_dict(self) -> dict:
-        return ray.get([a.full_state_dict.remote() for a in self.actors])[0]
+        return self.wait([a.full_state_dict.remote() for a in self.actors], "gathering the weights")[0]
 
     def save_pretrained(self, directory: str) -> None:
         """The current student as a Hugging Face folder at `directory` (written by rank 0)."""
-        ray.get([a.save_pretrained.remote(directory) for a in self.actors])
+        self.wait([a.save_pretrained.remote(directory) for a in self.actors], f"writing {directory}")
 
     def weights_checksum(self, dtype: str = "float32") -> str:
         """A digest of the learners' weights in `dtype` (the wire dtype compares with the rollout workers')."""
@@ -170,7 +207,7 @@ class LearnerGroup:
         return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 
     def shutdown(self) -> None:
-        ray.get([a.finish.remote() for a in self.actors])
+        self.wait([a.finish.remote() for a in self.actors], "leaving the process group")
         for actor in self.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement)

@@ -78,6 +78,10 @@ class DriverMetrics:
             "lt_opd_phase_seconds", description="Seconds of each phase of the last step", tag_keys=(*TAGS, "phase")
         )
         self.samples = _counter("learner_samples", "Rollouts (sampled responses) the learners trained on")
+        self.staleness = _gauge("staleness", "Weight versions between the learner and the rollouts it trained on (largest in the update)")
+        self.pool_busy = metrics.Gauge(
+            "lt_opd_pool_busy_fraction", description="Busy seconds of a pool's actors / (actors x seconds per update)", tag_keys=(*TAGS, "pool")
+        )
         self.pool_actors = metrics.Gauge("lt_opd_pool_actors", description="Actors per pool", tag_keys=(*TAGS, "pool"))
         self.restarts = metrics.Gauge(
             "lt_opd_actor_restarts", description="Actors replaced after a failure in this run, per pool", tag_keys=(*TAGS, "pool")
@@ -94,12 +98,17 @@ class DriverMetrics:
             tag_keys=(*TAGS, "benchmark", "selector", "budget_bps"),
         )
 
-    def record(self, step: int, budget_bps: int, phases: dict[str, float], samples: int, pool_sizes: dict[str, int]) -> None:
+    def record(self, step: int, budget_bps: int, phases, samples: int, pool_sizes: dict[str, int], staleness: int) -> None:
+        """`phases`: the update's `wire.PhaseTimes`."""
         self.step.set(step, tags=self.tags)
         self.budget.set(budget_bps, tags=self.tags)
         self.samples.inc(samples, tags=self.tags)
-        for phase, seconds in phases.items():
-            self.phase_seconds.set(seconds, tags={**self.tags, "phase": phase})
+        self.staleness.set(staleness, tags=self.tags)
+        for phase, seconds in vars(phases).items():
+            if phase != "busy":
+                self.phase_seconds.set(seconds, tags={**self.tags, "phase": phase})
+        for pool, fraction in phases.busy.items():
+            self.pool_busy.set(fraction, tags={**self.tags, "pool": pool})
         for pool, size in pool_sizes.items():
             self.pool_actors.set(size, tags={**self.tags, "pool": pool})
             self.restarts.set(self.restart_counts.get(pool, 0), tags={**self.tags, "pool": pool})

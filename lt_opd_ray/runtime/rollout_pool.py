@@ -1,11 +1,13 @@
 """The rollout pool: N Ray actors, each owning one engine that holds the current student.
 
-`async_generate` splits an update's prompts contiguously over the workers. Each
-worker hands back its rollouts cut along the learner ranks' prompt ranges: one
-ObjectRef[RolloutShard] per (worker, learner rank) that share prompts, so a learner
-rank fetches only its own rollouts. Sampling and selection are seeded by (seed,
-step, sample uid, response index), so the rollouts depend on neither the worker
-nor the rank count.
+`submit` cuts an update's prompts into groups of `schedule.group_prompts` prompts,
+never across two learner ranks' prompt ranges, and queues them over the workers
+in the order the learners consume them (each rank's first group, then each
+rank's second, ...). Every group is its own actor call, so it is handed over
+(to the teacher, then to its one learner rank) as soon as it is finished, while
+the worker samples the next. Sampling and selection are seeded by (seed, update,
+sample uid, response index), so the rollouts depend on neither the worker, the
+grouping nor the rank count.
 """
 
 from __future__ import annotations
@@ -17,27 +19,35 @@ import ray
 
 from ..config import JobConfig
 from ..microbatch import split_evenly
-from ..update import Rollout
-
-
-@dataclass
-class RolloutShard:
-    """The rollouts of a contiguous range of an update's prompts, sampled by one worker."""
-
-    offset: int  # index of this shard's first prompt in the update's sample list
-    rollouts: list[Rollout]  # prompt_index is global (offset already added)
-    worker: str
-    weights_version: int
-    seconds: float
-    tokens: int
+from ..wire import RolloutGroup, Span, Stopwatch
+from .waits import wait_for
 
 
 @dataclass(frozen=True)
-class ShardRef:
-    """Where one RolloutShard lives and which learner rank trains on it."""
+class GroupRef:
+    """Where one RolloutGroup will live, which learner rank trains on it, and its small summary."""
 
+    update: int
+    start: int
+    stop: int
     learner_rank: int
-    shard: ray.ObjectRef  # ObjectRef[RolloutShard]
+    worker: int  # index into the pool's workers
+    group: ray.ObjectRef  # ObjectRef[RolloutGroup]
+    summary: ray.ObjectRef  # ObjectRef[RolloutSummary]: what the driver reads, without the bulk data
+
+
+@dataclass(frozen=True)
+class RolloutSummary:
+    worker: str
+    weights_version: int | None
+    tokens: int
+    span: Span
+
+
+def group_bounds(ranges: list[tuple[int, int]], group_prompts: int) -> list[tuple[int, int, int]]:
+    """(start, stop, learner rank) of every group, in the order the learners consume them."""
+    per_rank = [[(lo, min(lo + group_prompts, stop), rank) for lo in range(start, stop, group_prompts)] for rank, (start, stop) in enumerate(ranges)]
+    return [group for position in range(max(map(len, per_rank))) for groups in per_rank if position < len(groups) for group in [groups[position]]]
 
 
 class RolloutWorker:
@@ -60,26 +70,17 @@ class RolloutWorker:
     def ready(self) -> str:
         return self.name
 
-    def generate(self, samples, start: int, stop: int, budget_bps: int, step: int, cuts: tuple[int, ...] = ()) -> tuple:
-        """(a small summary, one RolloutShard per piece of [start, stop) between `cuts`).
-
-        Called with num_returns = 1 + pieces, so the driver fetches only the summary and
-        each piece goes to the learner rank whose prompts it holds.
-        """
-        begin = time.perf_counter()
-        rollouts = self.engine.rollout(samples[start:stop], budget_bps, step)
+    def generate(self, samples, start: int, stop: int, budget_bps: int, update: int, learner_rank: int) -> tuple[RolloutSummary, RolloutGroup]:
+        """The rollouts of prompts [start, stop) for `update` (called with num_returns=2: the driver reads the summary,
+        the teacher and the learner rank read the group)."""
+        with Stopwatch() as watch:
+            rollouts = self.engine.rollout(samples[start:stop], budget_bps, update)
         for r in rollouts:
             r.prompt_index += start
-        seconds = time.perf_counter() - begin
-        tokens = sum(r.response_ids.numel() for r in rollouts)
-        self.metrics.record(tokens, seconds, budget_bps)
-        summary = {"worker": self.name, "seconds": seconds, "tokens": tokens, "weights_version": self.weights_version}
-        bounds = [start, *(c for c in cuts if start < c < stop), stop]
-        pieces = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            mine = [r for r in rollouts if lo <= r.prompt_index < hi]
-            pieces.append(RolloutShard(lo, mine, self.name, self.weights_version, seconds, sum(r.response_ids.numel() for r in mine)))
-        return (summary, *pieces)
+        span = watch.span("rollout", self.name, f"u{update} p{start}-{stop - 1}")
+        group = RolloutGroup(update, start, stop, learner_rank, rollouts, self.name, self.weights_version, span)
+        self.metrics.record(group.tokens, span.seconds, budget_bps)
+        return RolloutSummary(self.name, self.weights_version, group.tokens, span), group
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> dict:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
@@ -146,34 +147,26 @@ class RolloutPool:
         self._actor_cls = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources())(RolloutWorker)
         self.names = [f"rollout-{i}" for i in range(pool.workers)]
         self.workers = [self._spawn(name) for name in self.names]
-        ray.get([w.ready.remote() for w in self.workers])
+        self.wait([w.ready.remote() for w in self.workers], self.names, "starting the rollout workers")
 
     def _spawn(self, name: str):
         return self._actor_cls.remote(self.job, name)
 
-    def async_generate(
-        self, samples_ref, count: int, budget_bps: int, step: int, learner_ranges: list[tuple[int, int]] | None = None
-    ) -> tuple[list[ShardRef], list]:
-        """The shards of every (worker, learner rank) pair that share prompts, and one summary ref per worker.
+    def submit(self, samples_ref, budget_bps: int, update: int, learner_ranges: list[tuple[int, int]], group_prompts: int) -> list[GroupRef]:
+        """Queue every group of an update over the workers; `learner_ranges`: each rank's [start, stop) of its prompts."""
+        return [
+            self.submit_group(samples_ref, start, stop, rank, budget_bps, update, i % len(self.workers))
+            for i, (start, stop, rank) in enumerate(group_bounds(learner_ranges, group_prompts))
+        ]
 
-        `learner_ranges`: each learner rank's [start, stop) of the `count` prompts (default: one rank, all).
-        """
-        learner_ranges = learner_ranges or [(0, count)]
-        shards, summaries = [], []
-        for worker, (start, stop) in zip(self.workers, split_evenly(count, len(self.workers))):
-            if stop == start:
-                continue
-            ranks = [rank for rank, (lo, hi) in enumerate(learner_ranges) if max(lo, start) < min(hi, stop)]
-            cuts = tuple(learner_ranges[rank][0] for rank in ranks[1:])
-            summary, *pieces = worker.generate.options(num_returns=1 + len(ranks)).remote(samples_ref, start, stop, budget_bps, step, cuts)
-            summaries.append(summary)
-            shards += [ShardRef(rank, piece) for rank, piece in zip(ranks, pieces)]
-        return shards, summaries
+    def submit_group(self, samples_ref, start: int, stop: int, rank: int, budget_bps: int, update: int, worker: int) -> GroupRef:
+        summary, group = self.workers[worker].generate.options(num_returns=2).remote(samples_ref, start, stop, budget_bps, update, rank)
+        return GroupRef(update, start, stop, rank, worker, group, summary)
 
     def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[dict]:
         """One evaluation per selector, spread over the workers (all hold the same weights)."""
         refs = [self.workers[i % len(self.workers)].evaluate.remote(samples_ref, budget_bps, name) for i, name in enumerate(selectors)]
-        return ray.get(refs)
+        return self.wait(refs, [self.names[i % len(self.workers)] for i in range(len(refs))], "evaluation")
 
     def evaluate_benchmarks(self, benchmarks_ref, names: list[str], budget_bps: int, selectors: list[str]) -> list[dict]:
         """Every (benchmark, selector) score, spread over the workers."""
@@ -182,7 +175,10 @@ class RolloutPool:
             self.workers[i % len(self.workers)].evaluate_benchmark.remote(benchmarks_ref, name, budget_bps, selector)
             for i, (name, selector) in enumerate(pairs)
         ]
-        return ray.get(refs)
+        return self.wait(refs, [self.names[i % len(self.workers)] for i in range(len(refs))], "benchmark evaluation")
+
+    def wait(self, refs: list, names: list[str], what: str) -> list:
+        return wait_for(refs, names, self.job.schedule.wait_timeout_s, what)
 
     def dead_workers(self, timeout_s: float = 10.0) -> list[int]:
         refs = [w.ready.remote() for w in self.workers]
@@ -196,7 +192,7 @@ class RolloutPool:
 
     def checksums(self, dtype: str = "float32") -> list[tuple[int | None, str]]:
         """(weights version, digest of the weights in `dtype`) of every worker."""
-        return ray.get([w.weights_checksum.remote(dtype) for w in self.workers])
+        return self.wait([w.weights_checksum.remote(dtype) for w in self.workers], self.names, "weight checksums")
 
     def shutdown(self) -> None:
         for worker in self.workers:
@@ -205,4 +201,4 @@ class RolloutPool:
     def replace(self, index: int) -> None:
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._spawn(self.names[index])
-        ray.get(self.workers[index].ready.remote())
+        self.wait([self.workers[index].ready.remote()], [self.names[index]], "starting a replacement rollout worker")

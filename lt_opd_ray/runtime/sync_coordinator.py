@@ -7,19 +7,15 @@ the names of the workers that did not answer.
 
 from __future__ import annotations
 
-import ray
-
+from ..wire import SyncResult
 from .learner_group import LearnerGroup
 from .rollout_pool import RolloutPool
+from .waits import wait_for
 from .weight_sync import WeightSyncError
 
 
 def wait_all(refs: list, names: list[str], timeout_s: float, what: str) -> list:
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = [name for ref, name in zip(refs, names) if ref in pending]
-        raise WeightSyncError(f"{what} timed out after {timeout_s:.0f} s waiting for: {', '.join(late)}")
-    return ray.get(refs)
+    return wait_for(refs, names, timeout_s, what, error=WeightSyncError)
 
 
 class WeightBroadcaster:
@@ -27,7 +23,7 @@ class WeightBroadcaster:
         self.learners, self.pool = learners, pool
         self.timeout_s = timeout_s
         self.generation = 0
-        self.host, self.port = ray.get(learners.actors[0].host_weight_sync.remote())
+        self.host, self.port = wait_all([learners.actors[0].host_weight_sync.remote()], ["learner-0"], timeout_s, "hosting the weight-sync store")[0]
         self.connect()
 
     def connect(self) -> None:
@@ -41,11 +37,11 @@ class WeightBroadcaster:
         ]
         wait_all(refs, ["learner-0", *self.pool.names], self.timeout_s, "joining the weight-sync group")
 
-    def broadcast(self, version: int) -> dict:
+    def broadcast(self, version: int) -> SyncResult:
         """Send the learners' current weights as `version`; every worker checks it received exactly that."""
         send = [actor.broadcast_weights.remote(version) for actor in self.learners.actors]
         receive = [worker.receive_weights.remote(version) for worker in self.pool.workers]
         names = [f"learner-{r}" for r in range(len(send))] + list(self.pool.names)
         results = wait_all(send + receive, names, self.timeout_s, f"weight broadcast v{version}")
         sent = results[0]
-        return {"bytes": sent["bytes"], "dtype": sent["dtype"], "seconds": max(r["seconds"] for r in results if "seconds" in r)}
+        return SyncResult(version, sent["bytes"], sent["dtype"], max(r["seconds"] for r in results if "seconds" in r))

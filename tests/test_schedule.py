@@ -1,0 +1,136 @@
+"""Streaming and bounded staleness (schedule.*) on a real local Ray cluster: DeepSpeed, Serve, tiny real Qwen3.5.
+
+Streaming (every job: one rollout group per prompt, learners training as groups arrive) is checked against
+the single-process reference in test_runtime.py; here, max_staleness 1 against the reference's lagged
+schedule, its independence of the weights when nothing is learned, a worker killed while the learners
+train, and an exact resume with rollouts in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+import torch
+
+from lt_opd_ray.config import LearningRates
+from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.learner_group import GroupReceiver
+from lt_opd_ray.wire import RolloutGroup, Span, StaleRolloutError
+from conftest import job_for
+from test_runtime import cluster, driver_run, reference_run, relative_distance  # noqa: F401  (cluster: the module's Ray)
+
+
+def lagged(job, staleness: int = 1, learning: bool = True, adam_eps: float | None = None):
+    updates = {"schedule": job.schedule.model_copy(update={"max_staleness": staleness})}
+    if adam_eps is not None:
+        updates["optimizer"] = job.optimizer.model_copy(update={"eps": adam_eps})
+    if not learning:
+        updates["optimizer"] = job.optimizer.model_copy(update={"lr": LearningRates(language_model=0.0, vision_encoder=0.0, merger=0.0)})
+    return job.model_copy(update=updates)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_staleness_one_reproduces_the_lagged_reference(cluster, tiny_dirs, tmp_path, ranks):  # noqa: F811
+    """Update t trains on rollouts of the weights after update t - 1 (the first two on the initial weights)."""
+    steps = 4
+    # Adam's eps at 1e-5: with the default 1e-8 an entry whose gradient is fp32 rounding noise (~1e-10) still moves by
+    # ~lr, so runs that round differently drift apart by ~1e-3 by update 4 (measured, on-policy too); 1e-5 keeps
+    # updates proportional to gradients and the comparison tight
+    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, name=f"lag{ranks}", total=steps, prompts=3), adam_eps=1e-5)
+    reports, ref_weights = reference_run(job, steps)
+    _, logs, weights = driver_run(job, steps)
+    assert [log.staleness for log in logs] == [0, 1, 1, 1]
+    assert [log.budget_bps for log in logs] == [r.budget_bps for r in reports]
+    assert [log.tokens for log in logs] == [r.stats.tokens for r in reports]  # the same rollouts, update by update
+    assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
+    for log, report in zip(logs[1:], reports[1:]):
+        assert log.loss == pytest.approx(report.stats.loss, rel=1e-5)
+    assert relative_distance(weights, ref_weights) <= 1e-5  # measured 4e-7
+    # the lag is real: the on-policy reference samples update 1 on from other weights
+    on_policy, _ = reference_run(lagged(job, 0, adam_eps=1e-5), steps)
+    assert on_policy[0].stats.loss == reports[0].stats.loss
+    assert all(a.stats.loss != pytest.approx(b.stats.loss, rel=1e-2) for a, b in zip(on_policy[1:], reports[1:]))
+
+
+def test_with_nothing_learned_staleness_one_samples_the_same_rollouts(cluster, tiny_dirs, tmp_path):  # noqa: F811
+    steps = 4
+    base = job_for(tiny_dirs["qwen3_5"], tmp_path / "a", ranks=1, name="lr0a", total=steps)
+    _, synchronous, _ = driver_run(lagged(base, 0, learning=False), steps)
+    other = job_for(tiny_dirs["qwen3_5"], tmp_path / "b", ranks=1, name="lr0b", total=steps)
+    _, pipelined, _ = driver_run(lagged(other, 1, learning=False), steps)
+    assert [log.staleness for log in pipelined] == [0, 1, 1, 1]
+    assert [log.tokens for log in pipelined] == [log.tokens for log in synchronous]
+    assert [log.loss for log in pipelined] == [log.loss for log in synchronous]  # same rollouts, same weights: bit for bit
+
+
+class KillsAWorker(Driver):
+    """SIGKILLs rollout-1 as soon as update 2's groups are queued on it, i.e. while the learners train on update 1."""
+
+    victim: int | None = None
+
+    def submit(self, update: int):
+        flight = super().submit(update)
+        if update == 2 and self.victim is not None:
+            os.kill(self.victim, signal.SIGKILL)
+        return flight
+
+
+def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(cluster, tiny_dirs, tmp_path):  # noqa: F811
+    steps = 4
+    straight = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "a", ranks=1, workers=2, name="killa", total=steps), learning=False)
+    _, expected, _ = driver_run(straight, steps)
+    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "b", ranks=1, workers=2, name="killb", total=steps), learning=False)
+    driver = KillsAWorker(job)
+    try:
+        driver.victim = ray.get(driver.rollouts.workers[1].pid.remote())
+        logs = [driver.run_step() for _ in range(steps)]
+        assert driver.metrics.restart_counts == {"rollout": 1}
+        assert ray.get(driver.rollouts.workers[1].pid.remote()) != driver.victim
+    finally:
+        driver.shutdown()
+    assert driver.cursor == steps * job.sampling.prompts_per_step
+    assert [log.sequences for log in logs] == [job.sampling.prompts_per_step * job.sampling.n] * steps
+    # the lost group was sampled again, by the weights after update 1: with nothing learned, the same rollouts
+    assert [log.tokens for log in logs] == [log.tokens for log in expected]
+    assert [log.loss for log in logs] == pytest.approx([log.loss for log in expected], rel=1e-6)
+    assert [log.staleness for log in logs] == [0, 1, 1, 1]  # update 2's resampled group is fresher, its other is not
+
+
+def test_resume_with_rollouts_in_flight_continues_exactly(cluster, tiny_dirs, tmp_path):  # noqa: F811
+    total = 4
+    straight = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "straight", ranks=1, every=2, total=total, name="flight-a"))
+    _, straight_logs, straight_weights = driver_run(straight, total)
+    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "cut", ranks=1, every=2, total=total, name="flight-b"))
+    driver_run(job, 2)  # stops after the step-2 checkpoint, which keeps update 2's rollouts (sampled by v1)
+    assert (tmp_path / "cut" / "step-2" / "in_flight.pt").exists()
+    first, resumed_logs, resumed_weights = driver_run(job, total, resume=True)
+    assert first == 2
+    assert [log.staleness for log in resumed_logs] == [1, 1]  # update 2 trained on the kept v1 rollouts, not fresh ones
+    assert [round(log.loss, 12) for log in resumed_logs] == [round(log.loss, 12) for log in straight_logs[2:]]
+    for name, value in straight_weights.items():
+        assert torch.equal(resumed_weights[name], value), name
+
+
+# ------------------------------------------------------------------ the learner's checks, without Ray
+def group(update: int, version: int | None, rank: int = 0) -> RolloutGroup:
+    return RolloutGroup(update, 4, 6, rank, [], "rollout-3", version, Span("rollout", "rollout-3", "", 0.0, 1.0))
+
+
+@pytest.mark.parametrize("staleness, version, message", [
+    (0, 6, "sampled by weights v6; learner-0 is at v7 and schedule.max_staleness is 0"),
+    (1, 5, "sampled by weights v5; learner-0 is at v7 and schedule.max_staleness is 1"),
+    (1, 8, "sampled by weights v8; learner-0 is at v7"),  # from the future: a broken version count
+    (1, None, "sampled while its worker's weights were half written"),
+])
+def test_the_learner_refuses_rollouts_staler_than_the_bound(tiny_dirs, tmp_path, staleness, version, message):
+    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path), staleness)
+    receiver = GroupReceiver([], version=7, job=job, rank=0, vocab_size=100)
+    with pytest.raises(StaleRolloutError, match=f"rollout group of prompts 4-5 from rollout-3 was {message}"):
+        receiver.check(group(7, version))
+    receiver.check(group(7, 7 - staleness))
+    assert receiver.staleness == staleness
+    with pytest.raises(ValueError, match="learner-0 at update 7 was sent the rollout group of prompts 4-5 from rollout-3 for update 6, rank 0"):
+        receiver.check(group(6, 6))
