@@ -4,7 +4,7 @@ and the teacher deployment autoscales with its queue within the YAML's bounds.
     python benchmarks/bench_scaling.py
 
 Rollout: one batch of prompts split over W rollout workers (W = 1, 2), teacher fixed.
-Teacher: the same rollout shards scored through R replicas (R = 1, 2), rollout fixed.
+Teacher: the same rollout groups scored through R replicas (R = 1, 2), rollout fixed.
 Autoscaling: min 1 / max 2 replicas, a burst of concurrent requests, replicas sampled
 every second. Each actor uses one CPU thread (Ray sets OMP_NUM_THREADS from num_cpus),
 so on this 2-core machine 2 is the most a pool can use in parallel.
@@ -32,12 +32,12 @@ def with_pools(job, **pools):
 def rollout_throughput(job, samples_ref, count: int, repeats: int = 3) -> float:
     """Best of `repeats` batches (tokens/s), after one warm-up batch."""
     pool = RolloutPool(job)
-    ray.get(pool.async_generate(samples_ref, count, 2500, 0)[1])  # warm-up
+    groups = lambda update: pool.submit(samples_ref, 2500, update, [(0, count)], -(-count // len(pool.workers)))  # noqa: E731
+    ray.get([g.summary for g in groups(0)])  # warm-up
     rates = []
     for step in range(1, repeats + 1):
         begin = time.perf_counter()
-        _, summaries = pool.async_generate(samples_ref, count, 2500, step)
-        tokens = sum(s["tokens"] for s in ray.get(summaries))
+        tokens = sum(s.tokens for s in ray.get([g.summary for g in groups(step)]))
         rates.append(tokens / (time.perf_counter() - begin))
     pool.shutdown()
     return max(rates)
@@ -101,12 +101,11 @@ def main() -> None:
             print(f"rollout workers {w}: {rate:8.1f} tokens/s  ({rate / rollout[1]:.2f}x)")
 
     pool = RolloutPool(with_pools(job, rollout={"workers": 2}))
-    shards, summaries = pool.async_generate(samples_ref, args.prompts, 2500, 0)
-    shard_refs = [s.shard for s in shards]
-    tokens = sum(s["tokens"] for s in ray.get(summaries))
-    shard_refs = [ref for ref in shard_refs for _ in range(2)]  # 4 requests per round
+    groups = pool.submit(samples_ref, 2500, 0, [(0, args.prompts)], args.prompts // 2)
+    tokens = sum(s.tokens for s in ray.get([g.summary for g in groups]))
+    shard_refs = [g.group for g in groups for _ in range(2)]  # 4 requests per round
     if not args.autoscaling_only:
-        print(f"== teacher service ({len(shard_refs)} shard requests per round, {2 * tokens} positions, 3 rounds, best of 3)")
+        print(f"== teacher service ({len(shard_refs)} group requests per round, {2 * tokens} positions, 3 rounds, best of 3)")
         for r in (1, 2):
             teacher[r] = teacher_throughput(with_pools(job, teacher={"replicas": r, "min_replicas": r, "max_replicas": r}), samples_ref, shard_refs, 2 * tokens, 3)
             print(f"teacher replicas {r}: {teacher[r]:8.1f} tokens/s  ({teacher[r] / teacher[1]:.2f}x)")

@@ -235,6 +235,22 @@ def cmd_efficiency(args) -> int:
     return 0
 
 
+def cmd_timeline(args) -> int:
+    from .timeline import busy_lines, draw, read_steps
+
+    try:
+        steps = read_steps(args.run)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"timeline: {exc}", file=sys.stderr)
+        return 2
+    steps = steps[-args.last :] if args.last else steps
+    out = Path(args.out or Path(args.run) / "timeline.png")
+    draw(steps, out)
+    print("\n".join(busy_lines(steps)))
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -321,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
     efficiency.add_argument("--k-min", type=int, default=1)
     efficiency.set_defaults(func=cmd_efficiency)
+
+    timeline = sub.add_parser("timeline", help="draw a run's per-update timeline (steps.jsonl) as a Gantt chart PNG; pool busy fractions")
+    timeline.add_argument("run", help="the run's checkpoint.dir (holds steps.jsonl)")
+    timeline.add_argument("--last", type=int, default=0, help="only the last K updates (default: all)")
+    timeline.add_argument("--out", default=None, help="PNG path (default: RUN/timeline.png)")
+    timeline.set_defaults(func=cmd_timeline)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
     tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])

@@ -1,0 +1,65 @@
+"""The per-update timeline of a run (`steps.jsonl`'s spans) as a Gantt chart, one row per actor.
+
+    lt-opd timeline runs/tiny                  # writes runs/tiny/timeline.png, prints busy fractions
+    lt-opd timeline runs/tiny --last 3 --out t.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .wire import Span
+
+ROLE_COLOURS = {"rollout": "tab:blue", "teacher": "tab:orange", "learner": "tab:green", "sync": "tab:red",
+                "checkpoint": "tab:purple", "eval": "tab:gray"}
+ROW_ORDER = ["rollout", "teacher", "learner", "sync", "checkpoint", "eval"]
+
+
+def read_steps(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "steps.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass the run's checkpoint.dir (where `lt-opd train` writes steps.jsonl)")
+    steps = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            steps.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+        if "timeline" not in steps[-1]:
+            raise ValueError(f"{path}, line {number}: no timeline (written by a version before timelines were recorded)")
+    return steps
+
+
+def draw(steps: list[dict], out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = [(step["step"], Span(**s)) for step in steps for s in step["timeline"]]
+    origin = min(s.start for _, s in spans)
+    rows = sorted({(s.role, s.actor) for _, s in spans}, key=lambda key: (ROW_ORDER.index(key[0]) if key[0] in ROW_ORDER else 99, key[1]))
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.6))
+    for update, span in spans:
+        y = rows.index((span.role, span.actor))
+        ax.barh(y, span.seconds, left=span.start - origin, height=0.7, color=ROLE_COLOURS.get(span.role, "black"),
+                alpha=0.55 + 0.45 * (update % 2), edgecolor="black", linewidth=0.3)
+    for step in steps:  # where each update ended
+        end = max(Span(**s).end for s in step["timeline"])
+        ax.axvline(end - origin, color="black", linewidth=0.5, linestyle=":")
+    ax.set_yticks(range(len(rows)), [f"{role}: {actor}" for role, actor in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first span shown (bars of alternate updates alternate in shade)")
+    ax.set_title(f"updates {steps[0]['step']}-{steps[-1]['step']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def busy_lines(steps: list[dict]) -> list[str]:
+    lines = [f"{'update':>6} {'step s':>8} " + " ".join(f"{pool + ' busy':>13}" for pool in ("rollout", "teacher", "learner"))]
+    for step in steps:
+        phases = step["phases"]
+        lines.append(f"{step['step']:>6} {phases['step']:>8.2f} " + " ".join(f"{phases['busy'].get(pool, 0.0):>13.2f}" for pool in ("rollout", "teacher", "learner")))
+    return lines
