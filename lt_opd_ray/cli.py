@@ -251,6 +251,63 @@ def cmd_timeline(args) -> int:
     return 0
 
 
+PAPER_SECONDS_PER_UPDATE = 311  # the paper's reported training time per update (8 GPUs)
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from .config import JobConfigError, load_job
+    from .efficiency import PRESETS
+    from .planner import EFFICIENCY, GPUS, SCHEDULES, best_split, job_split, plan, shapes_of
+
+    try:
+        job = load_job(args.job)
+    except JobConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    config_path = Path(job.model.path) / "config.json"
+    if args.preset:
+        config, source = PRESETS[args.preset], f"preset {args.preset}"
+    elif config_path.exists():
+        config, source = json.loads(config_path.read_text()), str(config_path)
+    else:
+        print(f"plan: {config_path} not found; pass --preset qwen3.5-4b to plan with the built-in Qwen3.5-4B layout", file=sys.stderr)
+        return 2
+    efficiency = dict(EFFICIENCY)
+    for item in args.efficiency:
+        name, _, value = item.partition("=")
+        if name not in efficiency:
+            print(f"plan: --efficiency {item!r}: unknown name (known: {', '.join(efficiency)})", file=sys.stderr)
+            return 2
+        efficiency[name] = float(value)
+    try:
+        height, width = (int(v) for v in args.image.lower().split("x"))
+    except ValueError:
+        print(f"plan: --image {args.image!r} is not HEIGHTxWIDTH in pixels", file=sys.stderr)
+        return 2
+    gpu, shapes = GPUS[args.gpu], shapes_of(job, args.text_tokens, (height, width))
+    split = job_split(job)
+    if sum(split) != args.gpus:
+        split = best_split(config, shapes, gpu, args.gpus, efficiency, "staleness 1").split
+    print(f"ESTIMATE (analytic, not measured) for {args.job} on {args.gpus}x {gpu.name}; model {source}; {shapes.prompts} prompts x"
+          f" {shapes.n} responses of up to {shapes.max_new_tokens} tokens (mean {efficiency['mean_response_fraction']:.0%}),"
+          f" budget {shapes.budget_bps / 100:g}%")
+    print("efficiencies: " + ", ".join(f"{k} {v:g}" for k, v in efficiency.items()))
+    rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
+    rows += [(f"best for {name}", best_split(config, shapes, gpu, args.gpus, efficiency, name)) for name in SCHEDULES]
+    print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "
+          + " ".join(f"{name + ' s/upd':>19}" for name in SCHEDULES))
+    for label, p in rows:
+        print(f"{label:<24} {'/'.join(map(str, p.split)):>10} {p.phases['rollout']:>7.1f}s {p.phases['teacher']:>7.1f}s"
+              f" {p.phases['learner']:>7.1f}s {p.phases['sync']:>5.2f}s | " + " ".join(f"{p.step[name]:>18.1f}s" for name in SCHEDULES))
+    chosen = rows[0][1]
+    for name in SCHEDULES:
+        busy = ", ".join(f"{pool} {fraction:.0%}" for pool, fraction in chosen.busy[name].items())
+        print(f"busy ({rows[0][0]}, {name}): {busy}; {PAPER_SECONDS_PER_UPDATE / chosen.step[name]:.1f}x the paper's {PAPER_SECONDS_PER_UPDATE} s/update")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,6 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
     efficiency.add_argument("--k-min", type=int, default=1)
     efficiency.set_defaults(func=cmd_efficiency)
+
+    planner = sub.add_parser("plan", help="estimate seconds per update of a job on N GPUs per schedule, and a pool split (analytic)")
+    planner.add_argument("job", help="job YAML")
+    planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    planner.add_argument("--gpu", choices=["a100", "h100", "h200"], default="a100")
+    planner.add_argument("--preset", choices=["qwen3.5-4b"], default=None, help="the model's layout when its config.json is not at hand")
+    planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")
+    planner.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
+    planner.add_argument("--efficiency", nargs="*", default=[], metavar="NAME=VALUE", help="override an assumed efficiency (see lt_opd_ray/planner.py)")
+    planner.set_defaults(func=cmd_plan)
 
     timeline = sub.add_parser("timeline", help="draw a run's per-update timeline (steps.jsonl) as a Gantt chart PNG; pool busy fractions")
     timeline.add_argument("run", help="the run's checkpoint.dir (holds steps.jsonl)")
