@@ -1,7 +1,7 @@
 """Rollout and teacher throughput: the vLLM engines against the transformers backends, same prompts.
 
 A batch of the tiny job's shape (P prompts x n responses, 128 px images, CDPruner at
-25%) goes through `update.rollout` / `update.teacher_scores` (transformers) and
+25%) goes through `rollouts.rollout` / `scoring.teacher_scores` (transformers) and
 `vllm_rollout` / `vllm_teacher_scores` (vLLM with our pruning plugin). Figures are
 generated (rollout) or scored (teacher) response tokens per second, after one
 warm-up batch, best of --repeats; vLLM / transformers ratios side by side.
@@ -28,7 +28,8 @@ from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 from lt_opd_ray.models.sampler import SamplingParams
 from lt_opd_ray.models.tiny import tiny_model_dir
 from lt_opd_ray.selectors import build_selector
-from lt_opd_ray.update import rollout, teacher_scores
+from lt_opd_ray.rollouts import rollout
+from lt_opd_ray.scoring import teacher_scores
 
 BUDGET_BPS, K_MIN, TOP_K = 2500, 2, 16
 

@@ -80,7 +80,8 @@ def main() -> None:
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
     from lt_opd_ray.models.sampler import SamplingParams
     from lt_opd_ray.selectors import build_selector
-    from lt_opd_ray.update import rollout, teacher_scores
+    from lt_opd_ray.rollouts import rollout
+    from lt_opd_ray.scoring import teacher_scores
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=16)

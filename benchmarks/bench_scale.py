@@ -75,7 +75,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner import MicroBatchStream, StreamedGroup
-    from lt_opd_ray.update import student_loss
+    from lt_opd_ray.loss import student_loss
 
     torch.set_num_threads(2)
     model_dir, model = load_vlm(model_path, device="cpu")

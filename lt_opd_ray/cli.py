@@ -239,11 +239,10 @@ def cmd_timeline(args) -> int:
     from .timeline import busy_lines, draw, read_steps
 
     try:
-        steps = read_steps(args.run)
+        steps = read_steps(args.run, args.last)
     except (FileNotFoundError, ValueError) as exc:
         print(f"timeline: {exc}", file=sys.stderr)
         return 2
-    steps = steps[-args.last :] if args.last else steps
     out = Path(args.out or Path(args.run) / "timeline.png")
     draw(steps, out)
     print("\n".join(busy_lines(steps)))

@@ -24,7 +24,9 @@ from .models.processor import VLMProcessor, encode_samples
 from .models.sampler import SamplingParams
 from .optim import build_optimizer
 from .selectors import build_selector
-from .update import LossStats, rollout, student_loss, teacher_scores
+from .loss import LossStats, student_loss
+from .rollouts import rollout
+from .scoring import teacher_scores
 
 
 @dataclass

@@ -16,18 +16,22 @@ ROLE_COLOURS = {"rollout": "tab:blue", "teacher": "tab:orange", "learner": "tab:
 ROW_ORDER = ["rollout", "teacher", "learner", "sync", "checkpoint", "eval"]
 
 
-def read_steps(run_dir: str | Path) -> list[dict]:
+def read_steps(run_dir: str | Path, last: int = 0) -> list[dict]:
+    """The run's step records (the last `last`, or all), each checked to carry a timeline."""
     path = Path(run_dir) / "steps.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: pass the run's checkpoint.dir (where `lt-opd train` writes steps.jsonl)")
+    numbered = list(enumerate(path.read_text().splitlines(), start=1))
     steps = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in numbered[-last:] if last else numbered:
         try:
             steps.append(json.loads(line))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}, line {number}: not JSON ({exc.msg})") from None
         if "timeline" not in steps[-1]:
-            raise ValueError(f"{path}, line {number}: no timeline (written by a version before timelines were recorded)")
+            raise ValueError(f"{path}, line {number}: no timeline (written by a version before timelines were recorded; try --last)")
+    if not steps:
+        raise ValueError(f"{path} holds no steps yet")
     return steps
 
 

@@ -194,6 +194,25 @@ class LearnerStepResult:
 
 
 @dataclass(frozen=True)
+class WeightsSent:
+    """A learner rank's part of a weight broadcast (rank 0 sends; the others take part in ZeRO-3 gathers)."""
+
+    rank: int
+    bytes: int
+    dtype: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WeightsReceived:
+    """A rollout worker's side of a weight broadcast: the version its engine now holds."""
+
+    worker: str
+    version: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class SyncResult:
     """One weight broadcast, learner rank 0 -> every rollout worker."""
 
@@ -201,6 +220,26 @@ class SyncResult:
     bytes: int
     dtype: str
     seconds: float
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Greedy answer accuracy of a rollout worker's current student at a budget with one selector."""
+
+    selector: str
+    budget_bps: int
+    accuracy: float
+    weights_version: int | None
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    """One benchmark's own score of a rollout worker's current student at a budget with one selector."""
+
+    benchmark: str
+    selector: str
+    score: float
+    weights_version: int | None
 
 
 @dataclass

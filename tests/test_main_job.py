@@ -28,6 +28,16 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     lines = step_lines(out.stderr + out.stdout)
     assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert lines[0].startswith("step    1/12  budget 25.00%") and "rollout" in lines[0] and "sync" in lines[0]
+    # the two updates' timeline as a Gantt chart, with the pools' busy fractions
+    drawn = run([str(BIN / "lt-opd"), "timeline", "runs/tiny", "--last", "2", "--out", str(tmp_path / "timeline.png")])
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    table = drawn.stdout.splitlines()
+    assert table[0].split() == ["update", "step", "s", "rollout", "busy", "teacher", "busy", "learner", "busy"]
+    assert [row.split()[0] for row in table[1:3]] == ["0", "1"]
+    assert all(0 < float(v) <= 1.0 for row in table[1:3] for v in row.split()[2:])
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    missing = run([str(BIN / "lt-opd"), "timeline", str(tmp_path / "nowhere")])
+    assert missing.returncode == 2 and "steps.jsonl does not exist" in missing.stderr
 
 
 def test_reference_flag_runs_the_single_process_update(tmp_path):

@@ -13,7 +13,8 @@ from conftest import FAMILIES
 from lt_opd_ray.microbatch import MicroBatch, Sequence, pack
 from lt_opd_ray.objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs
 from lt_opd_ray.reference import ReferenceTrainer
-from lt_opd_ray.update import reduced_length, student_loss, support, teacher_scores
+from lt_opd_ray.loss import reduced_length, student_loss, support
+from lt_opd_ray.scoring import teacher_scores
 from test_reference_update import tiny_job
 
 
@@ -62,7 +63,7 @@ def test_pack_refuses_a_non_positive_budget():
 def updates(tiny_dirs):
     """family -> (trainer, prompts, rollouts, scores): 2 prompts x 3 rollouts at 25%, scored by the teacher."""
     from lt_opd_ray.data import load_samples
-    from lt_opd_ray.update import rollout
+    from lt_opd_ray.rollouts import rollout
 
     samples = load_samples("synthetic:4")[:2]
     out = {}

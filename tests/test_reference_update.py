@@ -7,7 +7,9 @@ from lt_opd_ray.config import parse_job
 from lt_opd_ray.data import load_samples
 from lt_opd_ray.optim import module_of, param_groups
 from lt_opd_ray.reference import ReferenceTrainer
-from lt_opd_ray.update import rollout, student_loss, teacher_scores
+from lt_opd_ray.loss import student_loss
+from lt_opd_ray.rollouts import rollout
+from lt_opd_ray.scoring import teacher_scores
 
 def tiny_job(model_dir, **overrides):
     text = f"""

@@ -138,7 +138,7 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         for rollout in group.rollouts:
             assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
         evaluation = ray.get(worker.evaluate.remote(samples, 500, "cdpruner"))  # greedy answers from the engine
-        assert evaluation["weights_version"] == 3 and 0.0 <= evaluation["accuracy"] <= 1.0
+        assert evaluation.weights_version == 3 and 0.0 <= evaluation.accuracy <= 1.0
     finally:
         driver.shutdown()
 
@@ -278,7 +278,7 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
 def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(cluster, tiny_dirs, tmp_path):
     from lt_opd_ray.models.processor import question_messages
     from lt_opd_ray.runtime.teacher import TeacherModel
-    from lt_opd_ray.update import rollout
+    from lt_opd_ray.rollouts import rollout
     from lt_opd_ray.wire import RolloutGroup, Span, unpack_scores
 
     job = job_for(tiny_dirs["qwen3_5"], tmp_path)

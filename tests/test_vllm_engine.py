@@ -3,7 +3,7 @@
 Rollouts: vLLM prunes inside the engine (our plugin); the transformers backend is
 then given the indices vLLM chose and must produce the same greedy tokens and
 log-probs. Teacher scoring: the same top-k and requested-id log-probs as
-`update.teacher_scores`. Weight updates: in place, and refused whole on a mismatch.
+`scoring.teacher_scores`. Weight updates: in place, and refused whole on a mismatch.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs
 
 @pytest.mark.slow
 def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines):
-    from lt_opd_ray.update import teacher_scores
+    from lt_opd_ray.scoring import teacher_scores
     from lt_opd_ray.wire import Rollout
 
     family = "qwen3_vl"

@@ -59,7 +59,7 @@ class TransformersRolloutEngine:
     def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
         from ..models.loading import compute_precision
         from ..models.processor import encode_samples
-        from ..update import rollout
+        from ..rollouts import rollout
 
         job = self.job
         prompts = encode_samples(self.processor, samples, job.data.system_prompt)

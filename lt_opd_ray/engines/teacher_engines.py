@@ -21,7 +21,7 @@ class TeacherEngine(Protocol):
 
 class TransformersTeacherEngine:
     """The teacher as a transformers module: each prompt's full-token prefix runs once, its responses continue
-    from the shared cache in token-budgeted micro-batches (`update.teacher_scores`)."""
+    from the shared cache in token-budgeted micro-batches (`scoring.teacher_scores`)."""
 
     def __init__(self, job: JobConfig):
         from ..models.adapter import QwenVLM
@@ -36,7 +36,7 @@ class TransformersTeacherEngine:
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
         from ..models.loading import compute_precision
         from ..models.processor import encode_samples
-        from ..update import teacher_scores
+        from ..scoring import teacher_scores
 
         job = self.job
         used = sorted({r.prompt_index for r in rollouts})

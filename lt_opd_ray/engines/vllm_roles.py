@@ -1,4 +1,4 @@
-"""The rollout and teacher roles of an update (update.rollout / update.teacher_scores) on the vLLM engine.
+"""The rollout and teacher roles of an update (rollouts.rollout / scoring.teacher_scores) on the vLLM engine.
 
 Same inputs, same outputs, same seeding scheme: the selection of a prompt is seeded
 by (seed, step, uid) and response j by (seed, step, uid, j). The sampled tokens

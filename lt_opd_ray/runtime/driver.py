@@ -143,7 +143,7 @@ class Driver:
         lost = []
         for i, group in enumerate(pending.groups):
             try:
-                ray.get(group.summary)
+                ray.get(group.summary)  # ready (waited for above): returns or raises at once
             except ray.exceptions.RayActorError:
                 lost.append(i)
         for index in sorted({pending.groups[i].worker for i in lost}):
@@ -240,11 +240,11 @@ class Driver:
         accuracy, scores = {}, {}
         if self.eval_ref is not None:
             results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
-            accuracy = {r["selector"]: r["accuracy"] for r in results}
+            accuracy = {r.selector: r.accuracy for r in results}
             self.metrics.record_eval(budget, accuracy)
         if self.benchmarks_ref is not None:
             results = self.rollouts.evaluate_benchmarks(self.benchmarks_ref, list(self.job.eval.benchmarks), budget, self.job.eval.selectors)
-            scores = {f"{r['benchmark']}[{r['selector']}]": r["score"] for r in results}
+            scores = {f"{r.benchmark}[{r.selector}]": r.score for r in results}
             self.metrics.record_benchmarks(budget, results)
         return accuracy, scores
 

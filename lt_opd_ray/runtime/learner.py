@@ -28,7 +28,7 @@ from ..models.adapter import QwenVLM
 from ..models.loading import compute_precision, load_vlm
 from ..models.processor import PromptInputs, VLMProcessor, encode_samples
 from ..optim import build_optimizer
-from ..update import LossStats, reduced_length, student_loss
+from ..loss import LossStats, reduced_length, student_loss
 from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 
 

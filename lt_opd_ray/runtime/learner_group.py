@@ -11,7 +11,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
-from ..wire import LearnerStepResult, RolloutGroup, StaleRolloutError, unpack_scores
+from ..wire import LearnerStepResult, RolloutGroup, StaleRolloutError, WeightsSent, unpack_scores
 from .waits import wait_for, wait_one
 
 
@@ -73,7 +73,7 @@ class LearnerActor:
         self.metrics.record_step(result)
         return result
 
-    def broadcast_weights(self, version: int) -> dict:
+    def broadcast_weights(self, version: int) -> WeightsSent:
         """Every rank gathers bucket by bucket (ZeRO-3 is a collective); rank 0 sends each bucket in the wire dtype."""
         begin = time.perf_counter()
         bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
@@ -83,11 +83,10 @@ class LearnerActor:
             self.sync.send_header(layout, version, bucket_bytes)
             send = lambda tensors: self.sync.send_bucket(tensors, layout.torch_dtype)  # noqa: E731
         nbytes = self.learner.stream_weights(send, bucket_bytes)
-        if self.rank != 0:
-            return {"rank": self.rank}
         seconds = time.perf_counter() - begin
-        self.metrics.record_sync(seconds, nbytes)
-        return {"rank": 0, "bytes": nbytes, "seconds": seconds, "dtype": self.learner.wire_dtype}
+        if self.rank == 0:
+            self.metrics.record_sync(seconds, nbytes)
+        return WeightsSent(self.rank, nbytes, self.learner.wire_dtype, seconds)
 
     def full_state_dict(self) -> dict | None:
         """Rank 0 answers; the other ranks take part in the ZeRO-3 gather and answer None."""

@@ -117,10 +117,11 @@ class DriverMetrics:
         for selector, value in accuracy.items():
             self.eval_accuracy.set(value, tags={**self.tags, "selector": selector, "budget_bps": str(budget_bps)})
 
-    def record_benchmarks(self, budget_bps: int, results: list[dict]) -> None:
+    def record_benchmarks(self, budget_bps: int, results: list) -> None:
+        """`results`: `wire.BenchmarkResult`s."""
         for r in results:
-            tags = {**self.tags, "benchmark": r["benchmark"], "selector": r["selector"], "budget_bps": str(budget_bps)}
-            self.eval_score.set(r["score"], tags=tags)
+            tags = {**self.tags, "benchmark": r.benchmark, "selector": r.selector, "budget_bps": str(budget_bps)}
+            self.eval_score.set(r.score, tags=tags)
 
     def record_restart(self, pool: str) -> None:
         self.restart_counts[pool] = self.restart_counts.get(pool, 0) + 1

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from ..config import JobConfig
-from ..microbatch import split_evenly
-from ..wire import RolloutGroup, Span, Stopwatch
+from ..wire import BenchmarkResult, EvalResult, RolloutGroup, Span, Stopwatch, WeightsReceived
 from .waits import wait_for
 
 
@@ -82,7 +81,7 @@ class RolloutWorker:
         self.metrics.record(group.tokens, span.seconds, budget_bps)
         return RolloutSummary(self.name, self.weights_version, group.tokens, span), group
 
-    def evaluate(self, samples, budget_bps: int, selector: str) -> dict:
+    def evaluate(self, samples, budget_bps: int, selector: str) -> EvalResult:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
         from ..evaluation import score_answers
 
@@ -90,16 +89,16 @@ class RolloutWorker:
             samples, budget_bps, selector, self.job.eval.max_new_tokens, self.job.data.system_prompt, stop=("</answer>",)
         )
         result = score_answers(samples, responses, budget_bps, selector)
-        return {"selector": selector, "budget_bps": budget_bps, "accuracy": result.accuracy, "weights_version": self.weights_version}
+        return EvalResult(selector, budget_bps, result.accuracy, self.weights_version)
 
-    def evaluate_benchmark(self, benchmarks: dict, name: str, budget_bps: int, selector: str) -> dict:
+    def evaluate_benchmark(self, benchmarks: dict, name: str, budget_bps: int, selector: str) -> BenchmarkResult:
         """One benchmark's own score for the current student weights (greedy) at `budget_bps` with `selector`."""
         from ..evals.benchmarks import benchmark
 
         items = benchmarks[name]
         responses = self.engine.respond([i.sample for i in items], budget_bps, selector, self.job.eval.max_new_tokens, None, stop=())
         score = benchmark(name).score(items, responses)["score"]
-        return {"benchmark": name, "selector": selector, "score": score, "weights_version": self.weights_version}
+        return BenchmarkResult(name, selector, score, self.weights_version)
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, generation: int, timeout_s: float) -> str:
         from .weight_sync import SyncGroup, join_store
@@ -107,7 +106,7 @@ class RolloutWorker:
         self.sync = SyncGroup(join_store(host, port, timeout_s), rank, world, generation, timeout_s, device=sync_device())
         return self.name
 
-    def receive_weights(self, version: int) -> dict:
+    def receive_weights(self, version: int) -> WeightsReceived:
         """One weight update, written into the engine bucket by bucket as it arrives."""
         from .weight_sync import WeightUpdateRefused
 
@@ -118,7 +117,7 @@ class RolloutWorker:
         except WeightUpdateRefused:
             self.weights_version = previous  # refused before anything was written
             raise
-        return {"worker": self.name, "version": self.weights_version, "seconds": time.perf_counter() - begin}
+        return WeightsReceived(self.name, self.weights_version, time.perf_counter() - begin)
 
     def weights_checksum(self, dtype: str) -> tuple[int | None, str]:
         from .weight_sync import WIRE_DTYPES
@@ -163,12 +162,12 @@ class RolloutPool:
         summary, group = self.workers[worker].generate.options(num_returns=2).remote(samples_ref, start, stop, budget_bps, update, rank)
         return GroupRef(update, start, stop, rank, worker, group, summary)
 
-    def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[dict]:
+    def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[EvalResult]:
         """One evaluation per selector, spread over the workers (all hold the same weights)."""
         refs = [self.workers[i % len(self.workers)].evaluate.remote(samples_ref, budget_bps, name) for i, name in enumerate(selectors)]
         return self.wait(refs, [self.names[i % len(self.workers)] for i in range(len(refs))], "evaluation")
 
-    def evaluate_benchmarks(self, benchmarks_ref, names: list[str], budget_bps: int, selectors: list[str]) -> list[dict]:
+    def evaluate_benchmarks(self, benchmarks_ref, names: list[str], budget_bps: int, selectors: list[str]) -> list[BenchmarkResult]:
         """Every (benchmark, selector) score, spread over the workers."""
         pairs = [(name, selector) for name in names for selector in selectors]
         refs = [

@@ -43,5 +43,5 @@ class WeightBroadcaster:
         receive = [worker.receive_weights.remote(version) for worker in self.pool.workers]
         names = [f"learner-{r}" for r in range(len(send))] + list(self.pool.names)
         results = wait_all(send + receive, names, self.timeout_s, f"weight broadcast v{version}")
-        sent = results[0]
-        return SyncResult(version, sent["bytes"], sent["dtype"], max(r["seconds"] for r in results if "seconds" in r))
+        sent = results[0]  # learner rank 0's WeightsSent; then the other ranks', then every worker's WeightsReceived
+        return SyncResult(version, sent.bytes, sent.dtype, max(r.seconds for r in results))
