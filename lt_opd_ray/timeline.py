@@ -61,9 +61,27 @@ def draw(steps: list[dict], out: str | Path) -> None:
     plt.close(fig)
 
 
+POOLS = ("rollout", "teacher", "learner")
+
+
+def window_busy(steps: list[dict]) -> list[dict[str, float]]:
+    """Per update: each pool's busy fraction over that update's window (from the previous update's end to its own),
+    counting every recorded span that overlaps the window, whichever update it belongs to, clipped to the window,
+    over the pool's actors seen in the run. Exact where `PhaseTimes.busy` (the update's own work / its period) is
+    not: with max_staleness 1 an update's rollouts run in the previous update's window."""
+    spans = [Span(**s) for step in steps for s in step["timeline"]]
+    actors = {pool: len({s.actor for s in spans if s.role == pool}) or 1 for pool in POOLS}
+    ends = [max(Span(**s).end for s in step["timeline"]) for step in steps]
+    starts = [ends[0] - steps[0]["phases"]["step"], *ends[:-1]]
+    busy = []
+    for start, end in zip(starts, ends):
+        clipped = lambda pool: sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in spans if s.role == pool)  # noqa: E731
+        busy.append({pool: clipped(pool) / (actors[pool] * (end - start)) for pool in POOLS})
+    return busy
+
+
 def busy_lines(steps: list[dict]) -> list[str]:
-    lines = [f"{'update':>6} {'step s':>8} " + " ".join(f"{pool + ' busy':>13}" for pool in ("rollout", "teacher", "learner"))]
-    for step in steps:
-        phases = step["phases"]
-        lines.append(f"{step['step']:>6} {phases['step']:>8.2f} " + " ".join(f"{phases['busy'].get(pool, 0.0):>13.2f}" for pool in ("rollout", "teacher", "learner")))
+    lines = [f"{'update':>6} {'step s':>8} " + " ".join(f"{pool + ' busy':>13}" for pool in POOLS)]
+    for step, busy in zip(steps, window_busy(steps)):
+        lines.append(f"{step['step']:>6} {step['phases']['step']:>8.2f} " + " ".join(f"{busy[pool]:>13.2f}" for pool in POOLS))
     return lines

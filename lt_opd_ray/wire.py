@@ -255,4 +255,5 @@ class PhaseTimes:
     checkpoint: float = 0.0
     eval: float = 0.0
     step: float = 0.0
-    busy: dict[str, float] = field(default_factory=dict)  # pool -> busy seconds / (actors x step)
+    busy: dict[str, float] = field(default_factory=dict)  # pool -> this update's busy seconds / (actors x step): its work per
+    # unit of throughput; above 1 while a staleness-1 pipeline fills (`timeline.window_busy` attributes by wall window)
