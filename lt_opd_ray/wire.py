@@ -87,6 +87,19 @@ class RolloutGroup:
     def tokens(self) -> int:
         return sum(r.response_ids.numel() for r in self.rollouts)
 
+    def summary(self) -> RolloutSummary:
+        return RolloutSummary(self.worker, self.weights_version, self.tokens, self.span)
+
+
+@dataclass(frozen=True)
+class RolloutSummary:
+    """What the driver reads of a RolloutGroup (returned beside it), without the bulk data."""
+
+    worker: str
+    weights_version: int | None
+    tokens: int
+    span: Span
+
 
 class MalformedPayloadError(ValueError):
     pass

@@ -134,3 +134,21 @@ def test_the_learner_refuses_rollouts_staler_than_the_bound(tiny_dirs, tmp_path,
     assert receiver.staleness == staleness
     with pytest.raises(ValueError, match="learner-0 at update 7 was sent the rollout group of prompts 4-5 from rollout-3 for update 6, rank 0"):
         receiver.check(group(6, 6))
+
+
+def test_busy_fractions_count_each_span_in_the_windows_it_overlaps():
+    from dataclasses import asdict
+
+    from lt_opd_ray.timeline import window_busy
+
+    def step(index, period, spans):
+        return {"step": index, "phases": {"step": period}, "timeline": [asdict(Span(*s)) for s in spans]}
+
+    # update 0: window [0, 10]; update 1: window [10, 14]. Update 1's rollouts ran in update 0's window (staleness 1).
+    steps = [
+        step(0, 10.0, [("rollout", "w0", "u0", 0, 4), ("teacher", "t", "u0", 2, 5), ("learner", "l0", "u0", 5, 10), ("learner", "l1", "u0", 5, 9)]),
+        step(1, 4.0, [("rollout", "w0", "u1", 5, 9), ("teacher", "t", "u1", 8, 11), ("learner", "l0", "u1", 10, 14), ("learner", "l1", "u1", 10, 12)]),
+    ]
+    first, second = window_busy(steps)
+    assert first == pytest.approx({"rollout": 8 / 10, "teacher": 5 / 10, "learner": 9 / 20})  # the teacher's 8-11 span: 2 s here
+    assert second == pytest.approx({"rollout": 0.0, "teacher": 1 / 4, "learner": 6 / 8})

@@ -93,15 +93,11 @@ class VLLMRolloutEngine:
     """The student inside a vLLM engine with our pruning plugin; the weight sync writes into its parameters."""
 
     def __init__(self, job: JobConfig):
-        from ..models.loading import resolve_model_dir
-        from ..models.processor import VLMProcessor
         from ..reference import sampling_params
-        from .vllm_engine import EngineSink, engine_for_job
+        from .vllm_engine import EngineSink, open_for_job
 
         self.job = job
-        model_dir = resolve_model_dir(job.model.path)
-        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
-        self.engine = engine_for_job(job, model_dir, role="rollout")
+        self.processor, self.engine = open_for_job(job, role="rollout")
         self.params = sampling_params(job, self.processor.tokenizer)
         self._sink = EngineSink(self.engine, digest=job.pools.rollout.verify_weights)
 

@@ -51,14 +51,10 @@ class VLLMTeacherEngine:
     """The teacher inside a vLLM engine (prompt log-probs of each full-token prompt + response)."""
 
     def __init__(self, job: JobConfig):
-        from ..models.loading import resolve_model_dir
-        from ..models.processor import VLMProcessor
-        from .vllm_engine import engine_for_job
+        from .vllm_engine import open_for_job
 
         self.job = job
-        model_dir = resolve_model_dir(job.model.path)
-        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
-        self.engine = engine_for_job(job, model_dir, role="teacher")
+        self.processor, self.engine = open_for_job(job, role="teacher")
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
         from ..models.processor import encode_samples, load_image

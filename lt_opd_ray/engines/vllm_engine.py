@@ -321,6 +321,15 @@ class EngineSink:
         self.last_digest = hasher.hexdigest() if hasher is not None else None
 
 
+def open_for_job(job, role: str):
+    """(the job's VLMProcessor, its vLLM engine for `role`): what a vLLM rollout or teacher engine starts from."""
+    from ..models.loading import resolve_model_dir
+    from ..models.processor import VLMProcessor
+
+    model_dir = resolve_model_dir(job.model.path)
+    return VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels), engine_for_job(job, model_dir, role)
+
+
 def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
     """The vLLM engine of a rollout worker (`role` rollout) or teacher replica, from the job."""
     import json

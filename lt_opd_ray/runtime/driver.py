@@ -23,12 +23,12 @@ from ..data import Sample, load_samples
 from ..evals.benchmarks import benchmark
 from ..models.loading import resolve_model_dir
 from ..train_loop import batches
-from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, Span, Stopwatch
+from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, Span, Stopwatch
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
 from .resources import check_resources
-from .rollout_pool import GroupRef, RolloutPool, RolloutSummary
+from .rollout_pool import GroupRef, RolloutPool
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
 from .waits import NoAnswerError
@@ -173,7 +173,7 @@ class Driver:
         batch = next(self.data)
         samples_ref = ray.put(batch)
         groups = [
-            GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, ray.put(g), ray.put(RolloutSummary(g.worker, g.weights_version, g.tokens, g.span)))
+            GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, ray.put(g), ray.put(g.summary()))
             for g in kept
         ]
         payloads = self.teacher.async_score(samples_ref, [g.group for g in groups])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from ..config import JobConfig
-from ..wire import BenchmarkResult, EvalResult, RolloutGroup, Span, Stopwatch, WeightsReceived
+from ..wire import BenchmarkResult, EvalResult, RolloutGroup, RolloutSummary, Stopwatch, WeightsReceived
 from .waits import wait_for
 
 
@@ -33,14 +33,6 @@ class GroupRef:
     worker: int  # index into the pool's workers
     group: ray.ObjectRef  # ObjectRef[RolloutGroup]
     summary: ray.ObjectRef  # ObjectRef[RolloutSummary]: what the driver reads, without the bulk data
-
-
-@dataclass(frozen=True)
-class RolloutSummary:
-    worker: str
-    weights_version: int | None
-    tokens: int
-    span: Span
 
 
 def group_bounds(ranges: list[tuple[int, int]], group_prompts: int) -> list[tuple[int, int, int]]:
@@ -79,7 +71,7 @@ class RolloutWorker:
         span = watch.span("rollout", self.name, f"u{update} p{start}-{stop - 1}")
         group = RolloutGroup(update, start, stop, learner_rank, rollouts, self.name, self.weights_version, span)
         self.metrics.record(group.tokens, span.seconds, budget_bps)
-        return RolloutSummary(self.name, self.weights_version, group.tokens, span), group
+        return group.summary(), group
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> EvalResult:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
