@@ -52,7 +52,7 @@ def measure(job, updates: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", default="jobs/train_tiny.yaml")
-    parser.add_argument("--updates", type=int, default=6, help="updates per schedule (the first is left out of the means when > 2)")
+    parser.add_argument("--updates", type=int, default=6, help="updates per schedule (the first and last are left out of the means when > 3)")
     parser.add_argument("--no-plan", action="store_true")
     args = parser.parse_args()
     job = load_job(args.job)
@@ -66,14 +66,14 @@ def main() -> None:
     for name in schedules:
         logs = measure(with_schedule(job, name), args.updates)
         busy = window_busy([json.loads(json.dumps(asdict(log))) for log in logs])
-        counted = slice(1, None) if len(logs) > 2 else slice(None)
+        counted = slice(1, -1) if len(logs) > 3 else slice(None)  # steady state: without the fill and the drain
         results[name] = (statistics.mean(log.phases.step for log in logs[counted]),
                          {pool: statistics.mean(b[pool] for b in busy[counted]) for pool in ("rollout", "teacher", "learner")},
                          [round(log.phases.step, 2) for log in logs])
     pools = job.pools
     print(f"== {args.job}: {job.sampling.prompts_per_step} prompts x {job.sampling.n} responses (up to {job.sampling.max_new_tokens} tokens),"
           f" {pools.rollout.workers} rollout worker(s), {pools.teacher.replicas} teacher replica(s), {pools.learner.ranks} learner ranks;"
-          f" {args.updates} updates each, mean over {'all but the first' if args.updates > 2 else 'all'}")
+          f" {args.updates} updates each, mean over {'all but the first and last (fill, drain)' if args.updates > 3 else 'all'}")
     print(f"{'schedule':<14} {'s/update':>9} {'vs first':>9} {'rollout busy':>13} {'teacher busy':>13} {'learner busy':>13}  per update")
     base = results[schedules[0]][0]
     for name, (seconds, busy, each) in results.items():
