@@ -40,6 +40,36 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     assert missing.returncode == 2 and "steps.jsonl does not exist" in missing.stderr
 
 
+def test_sigterm_stops_after_the_update_in_progress_with_a_checkpoint(tmp_path):
+    """What Kubernetes and `ray job stop` send: a safe stop (rc 0), the last update checkpointed, Ray gone."""
+    import signal
+    import time
+
+    text = (REPO / "jobs/train_tiny.yaml").read_text().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}")
+    (tmp_path / "job.yaml").write_text(text)
+    raylets = lambda: set(subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split())  # noqa: E731
+    before = raylets()
+    process = subprocess.Popen([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml")], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "LT_OPD_CACHE": str(tmp_path / "cache")})
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if "step    2/12" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    output += process.stdout.readlines()
+    assert process.wait(timeout=300) == 0, "".join(output)[-3000:]
+    stopped = next(line for line in output if "stopped by SIGTERM" in line)
+    step = int(stopped.split("after update ")[1].split(":")[0])
+    assert 2 <= step < 12 and f"checkpoint step-{step}" in stopped
+    assert (tmp_path / "run" / "latest").read_text() == f"step-{step}"
+    assert len((tmp_path / "run" / "steps.jsonl").read_text().splitlines()) == step
+    deadline = time.time() + 30
+    while raylets() - before and time.time() < deadline:
+        time.sleep(1)
+    assert not raylets() - before, "the run left its Ray processes behind"
+
+
 def test_reference_flag_runs_the_single_process_update(tmp_path):
     out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2", "--reference"], env={"LT_OPD_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -80,6 +110,10 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
         wrapped = run([str(BIN / "lt-opd"), "submit", "jobs/train_tiny.yaml", "--address", address, "--", "--steps", "1"], env=env)
         assert wrapped.returncode == 0, wrapped.stdout[-3000:] + wrapped.stderr[-3000:]
         assert "SUCCEEDED" in wrapped.stdout and "step    1/12" in wrapped.stdout
+        # without --address a run starts a cluster of its own beside the `ray start` one, never joins it
+        local = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "1"], env={**env, "RAY_ADDRESS": ""})
+        assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+        assert "step    1/12" in local.stdout + local.stderr
     finally:
         run([str(BIN / "ray"), "stop", "--force"], env=env, timeout=120)
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -114,7 +114,7 @@ class Driver:
         spans = [sync_watch.span("sync", "learner-0", f"v{self.step}")]
         if self.step % self.job.checkpoint.every_steps == 0 or self.step == self.job.budget.total_steps:
             with Stopwatch() as watch:
-                self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor}, self.fetch_groups(self.next))
+                self.checkpoint()
             spans.append(watch.span("checkpoint", "driver", f"step-{self.step}"))
         accuracy, scores = {}, {}
         if self._evaluates_now():
@@ -122,6 +122,14 @@ class Driver:
                 accuracy, scores = self.evaluate()
             spans.append(watch.span("eval", "rollout", f"v{self.step}"))
         return self.log(current, ranks, summaries, sync.bytes, spans, accuracy, scores)
+
+    def checkpoint(self) -> str:
+        """A checkpoint of the current step (with the next update's rollouts when they are in flight), unless the
+        latest already is one; returns its tag."""
+        tag = f"step-{self.step}"
+        if self.checkpoints.latest() != tag:
+            self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor}, self.fetch_groups(self.next))
+        return tag
 
     def submit(self, update: int) -> InFlight:
         """Queue update `update`'s rollout groups on the workers and their scoring on the teacher, all at once."""

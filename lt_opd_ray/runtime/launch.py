@@ -29,6 +29,7 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
     demand = pool_demands(job)
     cpus = max(os.cpu_count() or 1, int(sum(d["CPU"] for d in demand.values()) + 0.999))
     ray.init(
+        address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine
         num_cpus=cpus,
         include_dashboard=False,
         runtime_env={"env_vars": WORKER_ENV},
@@ -61,11 +62,33 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
         ray.shutdown()
 
 
+class StopRequest:
+    """SIGTERM (what Kubernetes and `ray job stop` send) asks the run to stop at the next safe point: after the
+    update in progress, with a checkpoint if an update finished since the last one. A second SIGTERM stops at once."""
+
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt("second SIGTERM")
+        self.requested = True
+
+    def restore(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGTERM, self.previous)
+
+
 def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
     """Run the job on the Ray cluster this process is connected to.
 
     Every step is appended to `<checkpoint.dir>/steps.jsonl`; a run that reaches
     `total_steps` writes the student as a Hugging Face folder to `<checkpoint.dir>/final`.
+    On SIGTERM it stops after the update in progress, checkpointed, so `--resume` continues.
     """
     import json
     from dataclasses import asdict
@@ -75,7 +98,12 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
 
     from .driver import Driver
 
-    driver = Driver(job, resume=resume)
+    stop = StopRequest()
+    try:
+        driver = Driver(job, resume=resume)
+    except BaseException:
+        stop.restore()
+        raise
     total = job.budget.total_steps
     last = min(total, driver.step + steps) if steps else total
     logs = []
@@ -92,8 +120,13 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
                 out.flush()
                 tqdm.write(format_step(log, total))
                 bar.update(1)
+                if stop.requested:
+                    where = driver.checkpoint()
+                    tqdm.write(f"stopped by SIGTERM after update {driver.step}: checkpoint {where}; `--resume` continues from it")
+                    return logs
         if driver.step == total:
             driver.export_student(Path(job.checkpoint.dir) / "final")
     finally:
+        stop.restore()
         driver.shutdown()
     return logs
