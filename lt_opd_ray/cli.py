@@ -35,6 +35,7 @@ def _load_job_or_report(path: str):
 
 def cmd_train(args) -> int:
     from .models.processor import InputError
+    from .runtime.checkpoint_files import CheckpointError
 
     if (job := _load_job_or_report(args.job)) is None:
         return 2
@@ -45,7 +46,7 @@ def cmd_train(args) -> int:
             from .runtime.launch import train
 
             train(job, steps=args.steps, resume=args.resume, address=args.address)
-    except InputError as exc:
+    except (InputError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -88,10 +88,13 @@ def _from_deepspeed_checkpoint(job, root: Path, step: int, staging: Path) -> Non
 
     from .models.loading import load_vlm
     from .models.processor import VLMProcessor
+    from .runtime.checkpoint_files import damage
 
     tag = f"step-{step}"
     if not (root / tag / "driver_state.json").exists():
         raise ExportError(f"{root / tag}: no complete checkpoint (available steps: {_steps(root) or 'none'})")
+    if why := damage(root / tag):  # sizes, SHA-256 and weights-only pickles, before DeepSpeed's loader opens a file
+        raise ExportError(f"{root / tag}: not exported, the checkpoint is damaged or untrusted: {why}")
     state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     prefix = "model."  # the DeepSpeed module wraps the Hugging Face model as `.model`
     weights = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}

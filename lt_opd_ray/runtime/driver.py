@@ -13,6 +13,7 @@ travel through this process (but for a checkpoint's in-flight rollouts).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import ray
@@ -79,15 +80,16 @@ class Driver:
         # benchmark files are read and checked before any actor starts
         benchmarks = {name: benchmark(name).load(path) for name, path in job.eval.benchmarks.items()}
         self.checkpoints = CheckpointStore(job)
+        tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
         self.rollouts = RolloutPool(job)
         self.teacher = TeacherService(job)
         self.learners = LearnerGroup(job)
         self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
         self.metrics = DriverMetrics(job.name)
         self.step, self.cursor, kept = 0, 0, []
-        if resume and (restored := self.checkpoints.restore(self.learners)) is not None:
-            state, kept = restored
-            self.step, self.cursor = state["step"], state["cursor"]
+        self.restored = self.checkpoints.restore(self.learners, tag, passed_over) if tag else None
+        if self.restored is not None:
+            self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
         self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
         self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
         self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
@@ -274,6 +276,12 @@ class Driver:
         return [self.rollouts.names[i] for i in dead]
 
     def shutdown(self) -> None:
-        self.teacher.shutdown()
-        self.learners.shutdown()
-        self.rollouts.shutdown()
+        """Stop every pool, also when one of them failed or died: what the run started, it removes."""
+        problems = []
+        for name, pool in (("teacher", self.teacher), ("learners", self.learners), ("rollout workers", self.rollouts)):
+            try:
+                pool.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the other pools must still be stopped
+                problems.append(f"{name}: {exc!r}"[:300])
+        if problems:
+            warnings.warn("stopping the pools: " + "; ".join(problems), stacklevel=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from ..config import JobConfig
@@ -83,6 +84,43 @@ class StopRequest:
         signal.signal(signal.SIGTERM, self.previous)
 
 
+def start_history(driver, root, resume: bool):
+    """Say where the run starts, and make `<root>/steps.jsonl` one history: a resume keeps the lines of the steps
+    before its checkpoint (a killed run may have logged later ones); a fresh run moves an earlier run's file aside."""
+    import time
+
+    from tqdm import tqdm
+
+    step_file = root / "steps.jsonl"
+    if driver.restored is not None:
+        for line in driver.restored.passed_over:
+            tqdm.write(f"passed over a damaged checkpoint: {line}")
+        tqdm.write(f"resuming from {root / driver.restored.tag} (update {driver.step})")
+        if step_file.exists():
+            kept = [line for line in step_file.read_text().splitlines() if _logged_step(line) < driver.step]
+            staged = step_file.with_suffix(".tmp")
+            staged.write_text("".join(line + "\n" for line in kept))
+            staged.replace(step_file)
+        return step_file
+    if resume:
+        tqdm.write(f"--resume: no checkpoint in {root}; starting at update 0")
+    elif earlier := driver.checkpoints.others():
+        tqdm.write(f"{root} holds an earlier run's checkpoints ({', '.join(earlier)}); this run writes beside them, replacing any of the same step (`--resume` continues the earlier run instead)")
+    if step_file.exists():
+        aside = root / time.strftime("steps-before-%Y%m%d-%H%M%S.jsonl", time.localtime(step_file.stat().st_mtime))
+        step_file.replace(aside)
+        tqdm.write(f"the earlier run's step log is now {aside}")
+    return step_file
+
+
+def _logged_step(line: str) -> float:
+    """A step-log line's update index; a line cut short by a kill counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
     """Run the job on the Ray cluster this process is connected to.
 
@@ -90,7 +128,6 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
     `total_steps` writes the student as a Hugging Face folder to `<checkpoint.dir>/final`.
     On SIGTERM it stops after the update in progress, checkpointed, so `--resume` continues.
     """
-    import json
     from dataclasses import asdict
     from pathlib import Path
 
@@ -107,8 +144,8 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
     total = job.budget.total_steps
     last = min(total, driver.step + steps) if steps else total
     logs = []
-    step_file = Path(job.checkpoint.dir) / "steps.jsonl"
     try:
+        step_file = start_history(driver, Path(job.checkpoint.dir), resume)
         with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:
                 replaced = driver.replace_dead_rollout_workers()

@@ -30,6 +30,7 @@ from ..models.processor import PromptInputs, VLMProcessor, encode_samples
 from ..optim import build_optimizer
 from ..loss import LossStats, reduced_length, student_loss
 from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
+from .checkpoint_files import weights_only_checkpoint_engine
 
 
 class StudentObjective(torch.nn.Module):
@@ -119,6 +120,7 @@ class Learner:
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(job)
         )
+        weights_only_checkpoint_engine(self.engine)  # a checkpoint's pickles never run code in the learner
         if job.pools.learner.zero_stage == 3:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0

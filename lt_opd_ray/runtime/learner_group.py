@@ -14,6 +14,8 @@ from ..config import JobConfig
 from ..wire import LearnerStepResult, RolloutGroup, StaleRolloutError, WeightsSent, unpack_scores
 from .waits import wait_for, wait_one
 
+FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -206,7 +208,9 @@ class LearnerGroup:
         return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 
     def shutdown(self) -> None:
-        self.wait([a.finish.remote() for a in self.actors], "leaving the process group")
+        """Leave the process group where every rank can (bounded: a dead rank leaves the others in a barrier), then
+        kill the ranks whatever state they are in."""
+        ray.wait([a.finish.remote() for a in self.actors], num_returns=len(self.actors), timeout=FINISH_TIMEOUT_S)
         for actor in self.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement)

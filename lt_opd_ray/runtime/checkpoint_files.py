@@ -1,0 +1,143 @@
+"""What makes a checkpoint folder trustworthy: a manifest of its files (size, SHA-256) checked before anything
+loads, and pickles that load weights-only.
+
+A checkpoint written by this package holds `manifest.json`; at resume and export every
+file is checked against it (random bytes over the weights, a truncated optimizer file
+or a hand-edited driver_state.json are caught here, by name, not by NaNs two steps
+later), and every `.pt` is opened with `torch.load(weights_only=True)`, which refuses
+any pickle that would run code. Only the three non-tensor types DeepSpeed itself
+pickles are allowed beside tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+HASH_THREADS = 8
+DISK_FULL_MARGIN_BYTES = 64 << 20  # a failed write with less than this left is reported as a full disk
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def deepspeed_pickled_types() -> list:
+    """The classes DeepSpeed (ZeRO-2 and ZeRO-3) writes into its checkpoints besides tensors and containers."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_weights_only(path: Path, mmap: bool = False):
+    """torch.load that runs no code from the file; names the file and the refused type otherwise."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(deepspeed_pickled_types()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        refused = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), str(exc).splitlines()[0])
+        raise CheckpointError(f"{path}: refused, the file is not weights-only ({refused[:200]}); load it only if you trust its source") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({str(exc).splitlines()[0][:200]})") from None
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str  # the run (a fresh start and every resume of it) that wrote this checkpoint
+    step: int
+    written_at: float
+    files: dict[str, list]  # path relative to the checkpoint -> [bytes, sha256]
+
+    @classmethod
+    def of(cls, folder: Path, run_id: str, step: int) -> Manifest:
+        paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+        with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib releases the GIL: files hash in parallel
+            digests = list(pool.map(sha256, paths))
+        files = {str(p.relative_to(folder)): [p.stat().st_size, d] for p, d in zip(paths, digests)}
+        return cls(run_id, step, time.time(), files)
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = folder / MANIFEST
+        if not path.exists():
+            raise CheckpointError(f"{path}: missing (an unfinished checkpoint, or one written before manifests)")
+        try:
+            data = json.loads(path.read_text())
+            return cls(str(data["run_id"]), int(data["step"]), float(data["written_at"]), dict(data["files"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: unreadable ({exc!r})") from None
+
+
+def damage(folder: Path) -> str | None:
+    """Why the checkpoint in `folder` cannot be trusted (the first file that differs from its manifest, or a
+    pickle that is not weights-only), or None when it is intact."""
+    try:
+        manifest = Manifest.read(folder)
+    except CheckpointError as exc:
+        return str(exc)
+    for name, (size, _) in manifest.files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != size:
+            return f"{path}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+    names = list(manifest.files)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        digests = list(pool.map(lambda name: sha256(folder / name), names))
+    for name, digest in zip(names, digests):
+        if digest != manifest.files[name][1]:
+            return f"{folder / name}: SHA-256 differs from the manifest (the file was changed after it was written)"
+    for name in names:
+        if name.endswith(".pt"):
+            try:
+                load_weights_only(folder / name, mmap=True)
+            except CheckpointError as exc:
+                return str(exc)
+    return None
+
+
+def write_failure(path: Path, exc: BaseException) -> str:
+    """One line for a checkpoint write that failed: a full disk said as such (torch reports it as
+    `unexpected pos N vs M`), anything else with its first line."""
+    free = shutil.disk_usage(path if path.exists() else path.parent).free
+    chain, error = [], exc
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    if free < DISK_FULL_MARGIN_BYTES or any(getattr(e, "errno", None) == errno.ENOSPC for e in chain):
+        return f"the disk holding {path} is full ({free / 2**20:.1f} MiB free)"
+    return str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
+
+
+def weights_only_checkpoint_engine(engine) -> None:
+    """Make a DeepSpeed engine load its checkpoints weights-only (it saves as before)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return load_weights_only(Path(path))
+
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise CheckpointError(f"expected DeepSpeed's torch checkpoint engine, found {type(engine.checkpoint_engine).__name__}")
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)

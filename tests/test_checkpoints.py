@@ -1,0 +1,200 @@
+"""Checkpoints that can be trusted: verified against their manifest at resume and export, weights-only pickles,
+pruning by the run's own history, a full disk named as such, one step history across resumes.
+
+Real runs on a local Ray cluster (real DeepSpeed ZeRO-3 checkpoints of a tiny Qwen3.5); the damage is done to
+copies of a finished run's folder, as a disk, an operator or an attacker would do it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from lt_opd_ray.export import ExportError, export_student
+from lt_opd_ray.runtime.checkpoint import CheckpointStore, Restored
+from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
+from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.launch import WORKER_ENV, start_history
+from conftest import job_for
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.update(WORKER_ENV)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    yield
+    ray.shutdown()
+
+
+def small_job(model_dir, folder, keep=STEPS, name="ck"):
+    job = job_for(model_dir, folder, ranks=2, zero_stage=3, every=1, total=12, name=name)
+    return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"keep": keep})})
+
+
+def run_steps(job, steps, resume=False):
+    driver = Driver(job, resume=resume)
+    try:
+        logs = [driver.run_step() for _ in range(steps)]
+        return driver.restored, logs
+    finally:
+        driver.shutdown()
+
+
+@pytest.fixture(scope="module")
+def finished(cluster, tiny_dirs, tmp_path_factory):
+    """A run of STEPS updates, checkpointed after each (step-1 .. step-3)."""
+    folder = tmp_path_factory.mktemp("finished")
+    run_steps(small_job(tiny_dirs["qwen3_5"], folder), STEPS)
+    return folder
+
+
+def copy_of(finished, tmp_path, name="copy"):
+    target = tmp_path / name
+    shutil.copytree(finished, target)
+    return target
+
+
+def model_file(folder):
+    return sorted(folder.glob("*model_states.pt"))[0]
+
+
+def test_every_checkpoint_has_a_manifest_that_matches_its_files(finished):
+    for step in range(1, STEPS + 1):
+        folder = finished / f"step-{step}"
+        manifest = Manifest.read(folder)
+        assert manifest.step == step
+        assert set(manifest.files) == {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST}
+        assert damage(folder) is None
+    assert len({Manifest.read(finished / f"step-{s}").run_id for s in range(1, STEPS + 1)}) == 1
+    assert (finished / "latest").read_text() == f"step-{STEPS}"
+
+
+def test_damaged_checkpoints_are_passed_over_by_name_down_to_the_newest_intact_one(finished, tmp_path, tiny_dirs):
+    folder = copy_of(finished, tmp_path)
+    store = CheckpointStore(small_job(tiny_dirs["qwen3_5"], folder))
+    assert store.choose() == (f"step-{STEPS}", [])
+
+    # random bytes over the weights, same size: only the hash can tell
+    target = model_file(folder / "step-3")
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    target.write_bytes(bytes(data))
+    tag, passed = store.choose()
+    assert tag == "step-2"
+    assert passed == [f"step-3: {target}: SHA-256 differs from the manifest (the file was changed after it was written)"]
+
+    # a truncated optimizer file and a hand-edited driver state
+    optimizer = sorted((folder / "step-2").glob("*optim_states.pt"))[0]
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    (folder / "step-1" / "driver_state.json").write_text('{"step": 1, "cursor": 9}')
+    with pytest.raises(CheckpointError) as info:
+        store.choose()
+    message = str(info.value)
+    assert f"no intact checkpoint in {folder}" in message
+    assert f"{optimizer}: 100 bytes, the manifest says" in message
+    assert f"{folder / 'step-1' / 'driver_state.json'}: " in message
+
+
+def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_its_run(finished, tmp_path, tiny_dirs):
+    folder = copy_of(finished, tmp_path)
+    (folder / "latest").unlink()
+    (folder / "step-3" / MANIFEST).unlink()  # an unfinished checkpoint (written before its manifest)
+    job = small_job(tiny_dirs["qwen3_5"], folder)
+    restored, logs = run_steps(job, 1, resume=True)
+    assert isinstance(restored, Restored) and restored.tag == "step-2"
+    assert restored.passed_over == [f"step-3: {folder / 'step-3' / MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
+    assert logs[0].step == 2 and np.isfinite(logs[0].loss)
+    # the resumed run wrote step-3 again as the same run: it prunes its own history (keep 3), nothing else
+    assert (folder / "latest").read_text() == "step-3" and damage(folder / "step-3") is None
+    assert Manifest.read(folder / "step-3").run_id == Manifest.read(folder / "step-1").run_id
+
+
+def test_a_fresh_run_beside_a_finished_one_never_prunes_its_own_newest_checkpoint(finished, tmp_path, tiny_dirs):
+    folder = copy_of(finished, tmp_path)
+    earlier = Manifest.read(folder / "step-3").run_id
+    job = small_job(tiny_dirs["qwen3_5"], folder, keep=1)
+    run_steps(job, 1)
+    assert (folder / "latest").read_text() == "step-1"
+    assert damage(folder / "step-1") is None and Manifest.read(folder / "step-1").run_id != earlier
+    assert all(Manifest.read(folder / f"step-{s}").run_id == earlier for s in (2, 3))  # another run's: not pruned
+    assert CheckpointStore(job).choose() == ("step-1", [])
+
+
+class RunsCode:
+    """A pickle that touches a file when loaded: what a crafted checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_pickle_that_runs_code_is_refused_at_resume_and_export(finished, tmp_path, tiny_dirs):
+    folder = copy_of(finished, tmp_path)
+    marker = tmp_path / "pwned"
+    target = model_file(folder / "step-3")
+    torch.save({"module": RunsCode(marker)}, target)
+    Manifest.of(folder / "step-3", Manifest.read(folder / "step-3").run_id, 3).write(folder / "step-3")  # the attacker fixes the manifest too
+    job = small_job(tiny_dirs["qwen3_5"], folder)
+    tag, passed = CheckpointStore(job).choose()
+    assert tag == "step-2" and len(passed) == 1
+    assert f"{target}: refused, the file is not weights-only" in passed[0] and "posix.system" in passed[0]
+    with pytest.raises(ExportError, match="not exported, the checkpoint is damaged or untrusted: .*not weights-only"):
+        export_student(job, tmp_path / "out", step=3)
+    assert not marker.exists()
+    assert (export_student(job, tmp_path / "out2", step=2) / "config.json").exists()
+
+
+def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_dirs, tmp_path, finished):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that fills) needs root")
+    one = sum(p.stat().st_size for p in (finished / "step-1").rglob("*") if p.is_file())
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 1.5) + (1 << 20)}", "tmpfs", str(mount)], check=True)
+    try:
+        job = small_job(tiny_dirs["qwen3_5"], mount / "ck", keep=3)
+        with pytest.raises(CheckpointError) as info:
+            run_steps(job, 2)
+        message = str(info.value)
+        assert f"writing checkpoint step-2 to {mount / 'ck' / '.incoming' / 'step-2'} failed: the disk holding" in message
+        assert "is full" in message and "`latest` still names step-1" in message
+        assert not (mount / "ck" / ".incoming" / "step-2").exists()  # the space is given back
+        assert CheckpointStore(job).choose() == ("step-1", [])
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_write_that_fails_with_enospc_is_reported_as_a_full_disk(tmp_path):
+    try:
+        with open("/dev/full", "wb") as f:
+            f.write(b"x" * 65536)
+            f.flush()
+    except OSError as exc:
+        assert write_failure(tmp_path, exc).startswith(f"the disk holding {tmp_path} is full")
+    assert write_failure(tmp_path, RuntimeError("boom\nlast line")) == "last line"
+
+
+def test_the_step_log_reads_as_one_history_across_a_resume_and_a_fresh_run(tmp_path):
+    step_file = tmp_path / "steps.jsonl"
+    step_file.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(5)) + '{"step": 5, "lo')
+    resumed = SimpleNamespace(restored=Restored("step-3", {"step": 3, "cursor": 6}, [], ["step-4: damaged"]), step=3)
+    assert start_history(resumed, tmp_path, resume=True) == step_file
+    assert [json.loads(line)["step"] for line in step_file.read_text().splitlines()] == [0, 1, 2]
+
+    fresh = SimpleNamespace(restored=None, step=0, checkpoints=SimpleNamespace(others=lambda: ["step-3"]))
+    assert start_history(fresh, tmp_path, resume=False) == step_file
+    assert not step_file.exists()
+    aside = list(tmp_path.glob("steps-before-*.jsonl"))
+    assert len(aside) == 1 and len(aside[0].read_text().splitlines()) == 3
