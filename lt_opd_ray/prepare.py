@@ -155,7 +155,7 @@ def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]
 
 # ------------------------------------------------------------------------------ prepare
 def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
-    from PIL import Image, UnidentifiedImageError
+    from .models.processor import ImageError, decode_image
 
     problems = []
     if not row.question or not str(row.question).strip():
@@ -172,10 +172,9 @@ def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
     if row.sha256 and digest != row.sha256:
         problems.append(f"image SHA-256 {digest[:12]}... does not match the recorded {str(row.sha256)[:12]}...")
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError):
-        problems.append("image does not decode")
+        decode_image(data).close()
+    except ImageError as exc:
+        problems.append(f"image {exc}")
     return data, problems
 
 

@@ -26,6 +26,17 @@ def tiny_dirs(tmp_path_factory):
     return {family: build_tiny_model(family, root / family, seed=0) for family in FAMILIES}
 
 
+def bomb_png(side: int = 20000) -> bytes:
+    """A valid PNG header claiming side x side pixels with no pixel data: a decompression bomb's signature."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
 def random_image(seed: int, height: int = 128, width: int = 128):
     from PIL import Image
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_image
+from conftest import bomb_png, random_image
 
 from lt_opd_ray.data import load_samples, read_rows
 from lt_opd_ray.models.adapter import QwenVLM, UnsupportedArchitectureError
@@ -16,10 +16,12 @@ def test_undecodable_image_names_the_sample_and_file(loaded, tmp_path):
     _, processor, _ = loaded["qwen3_5"]
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
-    with pytest.raises(InputError, match=r"uid-7: image 0: cannot decode image \(.*broken.png\)"):
+    with pytest.raises(InputError, match=r"uid-7: image 0 \(.*broken.png\) does not decode"):
         processor.encode(question_messages("Is there a cat?"), [broken], "uid-7")
-    with pytest.raises(InputError, match=r"uid-8: image 0: cannot decode image \(5 bytes\)"):
+    with pytest.raises(InputError, match=r"uid-8: image 0 \(5 bytes\) does not decode"):
         processor.encode(question_messages("Is there a cat?"), [b"hello"], "uid-8")
+    with pytest.raises(InputError, match=r"uid-10: image 0 \(\d+ bytes\) refused, too many pixels \(a decompression bomb\?\)"):
+        processor.encode(question_messages("Is there a cat?"), [bomb_png()], "uid-10")
     with pytest.raises(InputError, match=r"uid-9: image 0: image file not found"):
         processor.encode(question_messages("Is there a cat?"), [tmp_path / "missing.jpg"], "uid-9")
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import random_image
+from conftest import bomb_png, random_image
 from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
 
 
@@ -107,6 +107,8 @@ def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
         {"question_id": 5, "image": "images/ok.png", "text": "Is there a dog?", "label": "no"},
         {"question_id": 5, "image": "images/ok.png", "text": "Is there a cat?", "label": "no"},
         {"question_id": 4, "image": base64.b64encode(b"not an image").decode(), "text": "A cat?", "label": "no"},
+        {"question_id": 6, "image": base64.b64encode(bomb_png()).decode(), "text": "A cat?", "label": "no"},
+        {"question_id": 7, "image": base64.b64encode((tmp_path / "images" / "ok.png").read_bytes()[:-200]).decode(), "text": "A cat?", "label": "no"},
     ]
     path = _jsonl(tmp_path / "pope.jsonl", rows)
     with path.open("a") as handle:
@@ -115,7 +117,9 @@ def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
         benchmark("pope").load(path)
     message = str(info.value)
     for expected in ("1: image 'images/missing.png' is neither a file", "2: no text", "3: label 'maybe' is not yes/no",
-                     "4: image does not decode (the base64 data", "line 7: not JSON", "pope-5: duplicate id"):
+                     "4: image (the base64 data) does not decode", "line 9: not JSON", "pope-5: duplicate id",
+                     "6: image (the base64 data) refused, too many pixels (a decompression bomb?)",
+                     "7: image (the base64 data) does not decode"):  # truncated: only a full decode finds it
         assert expected in message, message
     with pytest.raises(BenchmarkError, match="unknown benchmark format 'seedbench'"):
         benchmark("seedbench")

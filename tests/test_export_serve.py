@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import FAMILIES, job_for, random_image
+from conftest import FAMILIES, bomb_png, job_for, random_image
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -70,6 +70,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _refused(url: str, body: dict) -> str:
+    """The error text of a request the server must answer 400."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=120)
+    except urllib.error.HTTPError as error:
+        text = error.read().decode()
+        assert error.code == 400, f"HTTP {error.code}: {text[:2000]}"
+        return text
+    raise AssertionError("the request was answered 200")
 
 
 def _post(url: str, body: dict) -> dict:
@@ -126,6 +138,20 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         # a request may set its own budget where the server trusts request mm kwargs (a vLLM option)
         body["mm_processor_kwargs"] = {"lt_opd_budget_bps": 10000}
         assert _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)["usage"]["prompt_tokens"] == full_length
+
+        # requests that must be refused (400, naming the problem) and leave the server up
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        vocab = json.loads((student / "config.json").read_text())["text_config"]["vocab_size"]
+        for settings, expected in (({"lt_opd_query_ids": [5, vocab]}, f"lt_opd_query_ids[1]: {vocab} is outside [0, {vocab - 1}]"),
+                                   ({"lt_opd_budget_bps": True}, "lt_opd_budget_bps: expected an integer, got bool"),
+                                   ({"lt_opd_seed": "7"}, "lt_opd_seed: expected an integer, got str")):
+            assert expected in _refused(url, {**body, "mm_processor_kwargs": settings})
+        remote = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}, content[1]]
+        assert "remote image URLs are off" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": remote}]})
+        bomb = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(bomb_png()).decode()}}, content[1]]
+        assert "decompression bomb" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": bomb}]})
+        assert _post(url, {**body, "mm_processor_kwargs": {}})["usage"]["prompt_tokens"] == full_length - n + tokens_to_keep(n, 2500, 2)
+        assert server.poll() is None
     finally:
         server.terminate()
         server.wait(timeout=60)

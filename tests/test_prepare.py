@@ -10,7 +10,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from conftest import random_image
+from conftest import bomb_png, random_image
 from lt_opd_ray.prepare import DataError, prepare, read_prepared
 
 
@@ -27,9 +27,10 @@ def lt14k(folder, count=5, break_rows=()):
 
     (folder / "images").mkdir(parents=True)
     rows, media = [], []
+    faults = dict(break_rows)
     with tarfile.open(folder / "images" / "part-000.tar", "w") as archive:
         for i in range(count):
-            data = _png(i)
+            data = bomb_png() if faults.get("bomb") == i else _png(i)
             info = tarfile.TarInfo(f"img/{i}.png")
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
@@ -37,7 +38,6 @@ def lt14k(folder, count=5, break_rows=()):
                      "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "source_media_key": f"k{i}"}
             media.append(entry)
             rows.append({"sample_uid": f"s{i}", "question": f"What is in picture {i}?", "answer": None})
-    faults = dict(break_rows)
     if "sha" in faults:
         media[faults["sha"]]["sha256"] = "0" * 64
     if "member" in faults:
@@ -70,12 +70,13 @@ def test_an_lt14k_folder_becomes_shards_whose_images_are_the_originals(tmp_path)
 
 
 def test_every_bad_row_is_reported_and_nothing_is_written(tmp_path):
-    source = lt14k(tmp_path / "src", count=6, break_rows={"sha": 1, "member": 2, "url": 3, "question": 4, "duplicate": 5}.items())
+    source = lt14k(tmp_path / "src", count=7, break_rows={"sha": 1, "member": 2, "url": 3, "question": 4, "duplicate": 5, "bomb": 6}.items())
     with pytest.raises(DataError) as info:
         prepare(source, tmp_path / "out", shard_rows=2)
     message = str(info.value)
-    for expected in ("5 problem(s), nothing written", "s1: image SHA-256", "s2: image: 'img/missing.png' is not in",
-                     "s3: image: media is a url", "s4: no question", "s0: duplicate sample_uid"):
+    for expected in ("6 problem(s), nothing written", "s1: image SHA-256", "s2: image: 'img/missing.png' is not in",
+                     "s3: image: media is a url", "s4: no question", "s0: duplicate sample_uid",
+                     "s6: image refused, too many pixels (a decompression bomb?)"):
         assert expected in message, message
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.incoming").exists()
 

@@ -211,16 +211,27 @@ def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
 
 
 def test_selection_settings_are_validated_before_the_engine():
-    from lt_opd_ray.engines.vllm_models import SelectionRequest
+    from lt_opd_ray.engines.vllm_models import MAX_QUERY_IDS, SelectionRequest
 
-    with pytest.raises(ValueError, match="unknown selector 'nope'"):
-        SelectionRequest.split({"lt_opd_selector": "nope"})
-    with pytest.raises(ValueError, match="lt_opd_budget"):
-        SelectionRequest.split({"lt_opd_budget": 500})
-    with pytest.raises(ValueError, match="budget"):
-        SelectionRequest.split({"lt_opd_budget_bps": 0})
-    request, rest = SelectionRequest.split({"lt_opd_budget_bps": 500, "lt_opd_query_ids": [3, 4], "max_pixels": 10})
-    assert (request.budget_bps, request.query_ids, rest) == (500, (3, 4), {"max_pixels": 10})
+    vocab = 1000
+    refused = {
+        "lt_opd_selector": ("nope", "lt_opd_selector: unknown selector 'nope'"),
+        "lt_opd_budget": (500, "unknown selection setting.*lt_opd_budget"),
+        "lt_opd_budget_bps": (0, r"lt_opd_budget_bps: 0 is outside \[1, 10000\]"),
+        "lt_opd_k_min": (True, "lt_opd_k_min: expected an integer, got bool"),
+        "lt_opd_seed": (1.5, "lt_opd_seed: expected an integer, got float"),
+        "lt_opd_nonce": (1 << 64, "lt_opd_nonce: .* is outside"),
+    }
+    for field, (value, message) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            SelectionRequest.split({field: value}, vocab)
+    for ids, message in (([3, vocab], r"lt_opd_query_ids\[1\]: 1000 is outside \[0, 999\]"), ([-1], r"query_ids\[0\]: -1 is outside"),
+                         ([True], r"query_ids\[0\]: expected an integer, got bool"), ("12", "expected a list"),
+                         ([1] * (MAX_QUERY_IDS + 1), f"at most {MAX_QUERY_IDS} token ids, got list of {MAX_QUERY_IDS + 1}")):
+        with pytest.raises(ValueError, match=message):
+            SelectionRequest.split({"lt_opd_query_ids": ids}, vocab)
+    request, rest = SelectionRequest.split({"lt_opd_budget_bps": 500, "lt_opd_query_ids": [3, 999], "max_pixels": 10}, vocab)
+    assert (request.budget_bps, request.query_ids, rest) == (500, (3, 999), {"max_pixels": 10})
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ folder's `lt_opd_compression.json` to every request, with the question tokens of
 the request's own prompt as CDPruner's query. It binds to 127.0.0.1 unless told
 otherwise. A request may set its own selection (`mm_processor_kwargs` with
 `lt_opd_budget_bps`, ...) only when the server is started with vLLM's
-`--trust-request-mm-kwargs` (`lt-opd serve DIR -- --trust-request-mm-kwargs`).
+`--trust-request-mm-kwargs` (`lt-opd serve DIR -- --trust-request-mm-kwargs`); each setting is
+checked in the front end (a bad one is a 400 naming it). Images are taken inline
+(data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
                   max_model_len: int = 8192, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the server process for `model_dir`."""
     from ..export import CompressionConfig
+    from .media import CONNECTOR_NAME
     from .vllm_engine import check_architecture
 
     model_dir = Path(model_dir).resolve()
@@ -45,6 +48,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         *(extra or []),
     ]
     env = dict(os.environ)
+    env.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)  # inline images only, unless --allowed-media-domains
     if not on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"

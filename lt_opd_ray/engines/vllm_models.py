@@ -49,6 +49,9 @@ QUERY_FIELD = "lt_opd_query"  # per image int64: the question's token ids
 POSITION_CHANNELS = 3  # (t, h, w) offsets appended to each kept row
 MAX_GRID_SIDE = 256  # offsets travel in the embedding dtype; bf16 holds integers exactly up to 256
 MAX_RECORDED = 4096  # selections kept for collection (oldest dropped first)
+MAX_QUERY_IDS = 8192  # a request's query tokens (CDPruner's relevance averages their embeddings)
+MAX_K_MIN = 1 << 20
+INT64 = (-(1 << 63), (1 << 63) - 1)  # seed and nonce travel to the engine in an int64 tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +75,45 @@ class SelectionRequest:
     PREFIX = "lt_opd_"
 
     @classmethod
-    def split(cls, kwargs: Mapping[str, object]) -> tuple[SelectionRequest, dict[str, object]]:
-        """(our request, the kwargs meant for the Hugging Face processor)."""
+    def split(cls, kwargs: Mapping[str, object], vocab_size: int) -> tuple[SelectionRequest, dict[str, object]]:
+        """(our request, the kwargs meant for the Hugging Face processor). Every setting is checked here, in the
+        server's front end, so a bad request is answered 400 naming the field and never reaches the engine."""
         ours = {k[len(cls.PREFIX) :]: v for k, v in kwargs.items() if k.startswith(cls.PREFIX)}
-        rest = {k: v for k, v in kwargs.items() if not k.startswith(cls.PREFIX)}
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(ours) - fields)
         if unknown:
             raise ValueError(f"unknown selection setting(s) {[cls.PREFIX + k for k in unknown]}; known: {[cls.PREFIX + f for f in sorted(fields)]}")
+        for name, (low, high) in {"budget_bps": (1, BPS), "k_min": (1, MAX_K_MIN), "seed": INT64, "nonce": INT64}.items():
+            if name in ours:
+                _check_integer(cls.PREFIX + name, ours[name], low, high)
+        if "selector" in ours and ours["selector"] not in SELECTOR_NAMES:
+            raise ValueError(f"{cls.PREFIX}selector: unknown selector {str(ours['selector'])[:40]!r}; known: {SELECTOR_NAMES}")
         if "query_ids" in ours:
-            ours["query_ids"] = tuple(int(i) for i in ours["query_ids"])
-        request = cls(**ours)
-        if request.selector not in SELECTOR_NAMES:
-            raise ValueError(f"unknown selector {request.selector!r}; known: {SELECTOR_NAMES}")
-        tokens_to_keep(1, request.budget_bps, request.k_min)  # validates budget and k_min with their own messages
-        return request, rest
+            ids = ours["query_ids"]
+            if not isinstance(ids, (list, tuple)) or len(ids) > MAX_QUERY_IDS:
+                raise ValueError(f"{cls.PREFIX}query_ids: expected a list of at most {MAX_QUERY_IDS} token ids, got {type(ids).__name__}"
+                                 + (f" of {len(ids)}" if isinstance(ids, (list, tuple)) else ""))
+            for position, token in enumerate(ids):
+                _check_integer(f"{cls.PREFIX}query_ids[{position}]", token, 0, vocab_size - 1)
+            ours["query_ids"] = tuple(ids)
+        return cls(**ours), cls.processor_kwargs(kwargs)
+
+    @classmethod
+    def processor_kwargs(cls, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """The kwargs meant for the Hugging Face processor (ours removed)."""
+        return {k: v for k, v in kwargs.items() if not k.startswith(cls.PREFIX)}
 
     def as_kwargs(self) -> dict[str, object]:
         return {self.PREFIX + f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
             self.PREFIX + "query_ids": list(self.query_ids)
         }
+
+
+def _check_integer(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {type(value).__name__} {str(value)[:40]!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: {value} is outside [{low}, {high}]")
 
 
 def _merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
@@ -138,7 +160,7 @@ class PruningProcessorMixin:
         return completed
 
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
-        request, rest = SelectionRequest.split(hf_kwargs)
+        request, rest = SelectionRequest.split(hf_kwargs, self.info.get_hf_config().get_text_config().vocab_size)
         data = super()._apply_hf_processor_main(mm_items, rest)
         grids = data.get("image_grid_thw")
         if grids is not None and len(grids):
@@ -161,15 +183,13 @@ class PruningProcessorMixin:
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
         from vllm.multimodal.inputs import MultiModalFieldConfig
 
-        _, rest = SelectionRequest.split(hf_processor_mm_kwargs)
-        fields = dict(super()._get_mm_fields_config(hf_inputs, rest))
+        fields = dict(super()._get_mm_fields_config(hf_inputs, SelectionRequest.processor_kwargs(hf_processor_mm_kwargs)))
         fields[SELECTION_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         fields[QUERY_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         return fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        _, rest = SelectionRequest.split(hf_processor_mm_kwargs)
-        updates = super()._get_prompt_updates(mm_items, rest, out_mm_kwargs)
+        updates = super()._get_prompt_updates(mm_items, SelectionRequest.processor_kwargs(hf_processor_mm_kwargs), out_mm_kwargs)
         config = self.info.get_hf_config()
         merge = config.vision_config.spatial_merge_size
 
@@ -350,10 +370,14 @@ def _turn_on_pruned_positions(runner_cls) -> None:
 
 
 def register() -> None:
-    """vLLM plugin entry point: our pruning classes serve the three Qwen VLM architectures."""
+    """vLLM plugin entry point: our pruning classes serve the three Qwen VLM architectures; `lt-opd serve`'s media
+    connector (engines/media.py) is there to be chosen."""
     from vllm import ModelRegistry
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from .media import register_media_connector
+
+    register_media_connector()
     for architecture, target in PRUNED_ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
     _turn_on_pruned_positions(GPUModelRunner)

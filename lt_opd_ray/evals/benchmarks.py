@@ -29,7 +29,6 @@ import base64
 import binascii
 import csv
 import hashlib
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +96,7 @@ class Benchmark(abc.ABC):
 # ----------------------------------------------------------------------------- helpers
 def _image(value, folder: Path, row_id, problems: _Problems):
     """bytes of a base64 image, or the path of an image file, that decodes; None (and a problem) otherwise."""
-    from PIL import Image, UnidentifiedImageError
+    from ..models.processor import ImageError, decode_image
 
     if not value:
         problems.add(row_id, "no image")
@@ -113,11 +112,10 @@ def _image(value, folder: Path, row_id, problems: _Problems):
             problems.add(row_id, f"image {text[:60]!r} is neither a file under {folder} nor base64")
             return None
     try:
-        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as opened:
-            opened.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError):
+        decode_image(image).close()  # decoded in full here, not first after the model has loaded
+    except ImageError as exc:
         source = "the base64 data" if isinstance(image, bytes) else f"{image}"
-        problems.add(row_id, f"image does not decode ({source} is not a readable image)")
+        problems.add(row_id, f"image ({source}) {exc}")
         return None
     return image
 

@@ -42,26 +42,42 @@ class PromptInputs:
         return self.image_grid_thw.shape[0]
 
 
+def decode_image(source):
+    """A fully decoded PIL image from bytes or a path; what stops it (undecodable, truncated, or larger than PIL's
+    decompression-bomb limit) raises ImageError with the reason."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else Path(source))
+        image.load()
+        return image
+    except FileNotFoundError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"refused, too many pixels (a decompression bomb?): {exc}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise ImageError(f"does not decode: {exc}") from None
+
+
+class ImageError(ValueError):
+    pass
+
+
 def load_image(source: Any, where: str = "image"):
     """Decode a PIL image from a PIL image, a path or bytes; an undecodable one is an InputError naming it."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
     if hasattr(source, "read"):  # an image inside a prepared shard (lt_opd_ray.prepare.ShardImage)
         source = source.read()
     try:
-        if isinstance(source, (bytes, bytearray)):
-            image = Image.open(io.BytesIO(source))
-        else:
-            image = Image.open(Path(source))
-        image.load()
+        return decode_image(source).convert("RGB")
     except FileNotFoundError:
         raise InputError(f"{where}: image file not found: {source}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+    except ImageError as exc:
         label = f"{len(source)} bytes" if isinstance(source, (bytes, bytearray)) else str(source)
-        raise InputError(f"{where}: cannot decode image ({label}): {exc}") from None
-    return image.convert("RGB")
+        raise InputError(f"{where} ({label}) {exc}") from None
 
 
 class VLMProcessor:
