@@ -15,7 +15,7 @@ def naive_cdpruner(features: np.ndarray, query: np.ndarray, k: int) -> list[int]
     v = features / np.linalg.norm(features, axis=1, keepdims=True)
     q = query / np.linalg.norm(query)
     cos = v @ q
-    if cos.max() == cos.min():
+    if cos.max() - cos.min() <= 1e-6:  # float32 noise: no relevance signal (the reference's rule)
         rho = np.ones(len(v))
     else:
         rho = np.clip((cos - cos.min()) / (cos.max() - cos.min()), 1e-6, 1.0)
@@ -29,7 +29,7 @@ def naive_cdpruner(features: np.ndarray, query: np.ndarray, k: int) -> list[int]
             idx = chosen + [i]
             sign, logdet = np.linalg.slogdet(kernel[np.ix_(idx, idx)])
             logdet = logdet if sign > 0 else -np.inf
-            if logdet > best_logdet:  # strict: ties keep the lowest index
+            if logdet > best_logdet + 1e-9:  # ties (up to float64 rounding of the kernel) keep the lowest index
                 best, best_logdet = i, logdet
         chosen.append(best)
     return sorted(chosen)
@@ -45,6 +45,26 @@ def test_cdpruner_equals_naive_log_determinant_greedy(seed):
     query = rng.normal(size=d).astype(np.float32)
     got = CDPruner().select(SelectionInput(torch.from_numpy(features), torch.from_numpy(query), (1, n)), k)
     assert got.tolist() == naive_cdpruner(features.astype(np.float64), query.astype(np.float64), k)
+
+
+def test_cdpruner_treats_a_relevance_spread_within_float32_noise_as_pure_diversity():
+    from lt_opd_ray.selectors.cdpruner import greedy_dpp_map
+
+    rng = np.random.default_rng(3)
+    n, d, k = 24, 16, 6
+    rest = rng.normal(size=(n, d - 1))
+    rest /= np.linalg.norm(rest, axis=1, keepdims=True)
+    along_query = 0.3 + 1e-8 * rng.permutation(n)  # cosines to the query differ by ~1e-7 at most
+    features = torch.from_numpy(np.concatenate([along_query[:, None], rest], axis=1)).float()
+    query = torch.zeros(d)
+    query[0] = 1.0
+    got = CDPruner().select(SelectionInput(features, query, (1, n)), k)
+    assert got.tolist() == CDPruner().select(SelectionInput(features, None, (1, n)), k).tolist()
+    assert got.tolist() == naive_cdpruner(features.double().numpy(), query.double().numpy(), k)
+    unit = torch.nn.functional.normalize(features, dim=-1)
+    cos = unit @ query
+    stretched = ((cos - cos.min()) / (cos.max() - cos.min())).clamp(1e-6, 1.0)  # the noise blown up to [1e-6, 1]
+    assert float(cos.max() - cos.min()) > 0 and sorted(greedy_dpp_map(unit, stretched, k).tolist()) != got.tolist()
 
 
 def test_cdpruner_ties_go_to_the_lowest_index():

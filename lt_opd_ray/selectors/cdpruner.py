@@ -1,7 +1,9 @@
 """CDPruner for Qwen-style VLMs (docs/architecture.md §1): conditional DPP, greedy MAP.
 
 Kernel L = diag(rho) V V^T diag(rho) + eps I over L2-normalised visual tokens V,
-with relevance rho_i = cos(V_i, q) min-max normalised to [1e-6, 1]. Greedy MAP
+with relevance rho_i = cos(V_i, q) min-max normalised to [1e-6, 1] (all ones, pure
+diversity, when the cosines spread by no more than 1e-6: float32 noise, as the
+reference implementation treats it). Greedy MAP
 uses the incremental-Cholesky fast greedy algorithm (Chen et al., 2018), computing
 one kernel row per pick: O(N*D + N*k) memory, never the N x N kernel.
 """
@@ -14,16 +16,17 @@ from .base import SelectionInput, Selector
 
 KERNEL_RIDGE = 1e-6
 RELEVANCE_FLOOR = 1e-6
+FLAT_SPREAD = 1e-6  # cosines this close are float32 noise: no relevance signal
 
 
 def relevance(unit_features: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
-    """rho in [1e-6, 1]: cosine of L2-normalised tokens to the query, min-max normalised; all-equal (or no query) -> 1."""
+    """rho in [1e-6, 1]: cosine of L2-normalised tokens to the query, min-max normalised; flat (or no query) -> 1."""
     if query is None:
         return torch.ones(unit_features.shape[0], dtype=torch.float32, device=unit_features.device)
     q = torch.nn.functional.normalize(query.float(), dim=-1)
     cos = unit_features @ q  # not negated: both sides live in the LLM embedding space
     spread = cos.max() - cos.min()
-    if spread <= 0:
+    if spread <= FLAT_SPREAD:
         return torch.ones_like(cos)
     return ((cos - cos.min()) / spread).clamp(RELEVANCE_FLOOR, 1.0)
 
