@@ -36,6 +36,7 @@ def _load_job_or_report(path: str):
 def cmd_train(args) -> int:
     from .models.processor import InputError
     from .runtime.checkpoint_files import CheckpointError
+    from .runtime.resources import InsufficientResourcesError
 
     if (job := _load_job_or_report(args.job)) is None:
         return 2
@@ -46,7 +47,7 @@ def cmd_train(args) -> int:
             from .runtime.launch import train
 
             train(job, steps=args.steps, resume=args.resume, address=args.address)
-    except (InputError, CheckpointError) as exc:
+    except (InputError, CheckpointError, InsufficientResourcesError, FileNotFoundError) as exc:  # named, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -8,27 +8,51 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BPS = 10_000  # budgets are integer basis points: 500 bps = 5% of the visual tokens
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
+
+
+def check_data_spec(spec: str) -> str:
+    """The forms `synthetic:<n>[@<W>x<H>]` and `toy-<task>[-test]:<n>` checked for shape (n >= 1); a file or folder
+    is read later, with its own named errors."""
+    kind, _, rest = spec.partition(":")
+    if kind == "synthetic" or kind.startswith("toy-"):
+        count, _, size = rest.partition("@")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{spec!r}: expected {kind}:<count of at least 1>")
+        width, _, height = size.partition("x")
+        if size and (kind != "synthetic" or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
+            raise ValueError(f"{spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
+    return spec
 
 
 class ModelConfig(_Strict):
     path: str
     """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model; `toy:<task>` trains a toy task's teacher once (lt_opd_ray/toy)."""
+
+    @field_validator("path")
+    @classmethod
+    def _known_tiny_family(cls, path: str) -> str:
+        from .models.tiny import FAMILIES  # stdlib only: validate stays free of torch
+
+        family, _, vocab = path.removeprefix("tiny:").partition("-vocab")
+        if path.startswith("tiny:") and (family not in FAMILIES or (vocab and not vocab.isdigit())):
+            raise ValueError(f"{path!r}: expected tiny:<family> or tiny:<family>-vocab<N>, family one of {', '.join(FAMILIES)}")
+        return path
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Compute dtype of student and teacher forwards (master weights stay fp32)."""
 
 
 class DataConfig(_Strict):
-    path: str
+    path: Annotated[str, AfterValidator(check_data_spec)]
     """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
@@ -127,7 +151,7 @@ class OptimizerConfig(_Strict):
     """Per-module learning rates."""
     weight_decay: float = Field(0.01, ge=0.0)
     """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
     """AdamW betas."""
     eps: float = Field(1e-8, gt=0.0)
     """AdamW epsilon."""
@@ -253,7 +277,7 @@ class EvalConfig(_Strict):
     """Scores of the current student during training, on the rollout workers (greedy): answer accuracy on `data`
     (exact match on <answer>) and each benchmark's own metric."""
 
-    data: str | None = None
+    data: Annotated[str, AfterValidator(check_data_spec)] | None = None
     """Rows with reference answers (file, `synthetic:<n>`, `toy-<task>-test:<n>`); None: no evaluation."""
     every_steps: int = Field(10, ge=1)
     """Evaluate after every this many optimizer steps (and after the last)."""
@@ -353,6 +377,8 @@ def parse_job(text: str, source: str = "<job>") -> JobConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "yaml"
         raise JobConfigError(source, [(where, f"not valid YAML: {getattr(exc, 'problem', exc)}")]) from None
+    except RecursionError:
+        raise JobConfigError(source, [("yaml", "nested too deeply to be a job (a job is at most four levels deep)")]) from None
     if not isinstance(data, dict):
         raise JobConfigError(source, [("<top>", "a job YAML must be a mapping of sections")])
     try:
@@ -405,7 +431,16 @@ def load_job(path: str | Path) -> JobConfig:
     """Load and validate a job YAML file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise JobConfigError(str(path), [("<file>", f"cannot read: {exc.strerror}")]) from None
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise JobConfigError(str(path), [("<file>", "UTF-16 text: save the job as UTF-8")])
+    if b"\x00" in raw:
+        raise JobConfigError(str(path), [("<file>", f"binary data (a NUL byte at offset {raw.index(0)}), not a YAML text file")])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise JobConfigError(str(path), [(f"line {line}", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}): save the job as UTF-8")]) from None
     return parse_job(text, source=str(path))

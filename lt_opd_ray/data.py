@@ -17,6 +17,7 @@ from .models.processor import InputError
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (235, 210, 40)}
 SHAPES = ("square", "circle")
+MAX_QUESTION_CHARS = 65_536  # a question is a sentence or a page, never a document: longer is refused per row
 REQUIRED_FIELDS = ("sample_uid", "image", "question")
 
 
@@ -59,23 +60,45 @@ def synthetic_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 12
     return Sample(uid=f"synthetic-{seed}-{index}", image=image, question=question, answer=answers[asked])
 
 
+def question_problem(question: object) -> str | None:
+    if not isinstance(question, str):
+        return f"question must be text, got {type(question).__name__}"
+    if len(question) > MAX_QUESTION_CHARS:
+        return f"question has {len(question):,} characters, above the {MAX_QUESTION_CHARS:,} a row may have"
+    return None
+
+
 def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
-    """(line or row number, record) of a JSONL or parquet file, unchecked."""
+    """(line or row number, record) of a JSONL or parquet file; every record is a JSON object (its fields unchecked)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file not found")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    records = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
         try:
-            records.append((line_no, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}: line {line_no}: not valid JSON: {exc.msg}") from None
+            return [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0][:200]})") from None
+    records = []
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}: line {line_no}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}: line {line_no}: not valid JSON: {exc.msg}") from None
+            except RecursionError:
+                raise InputError(f"{path}: line {line_no}: JSON nested too deeply to be a row") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{path}: line {line_no}: a row must be a JSON object, got {type(record).__name__}")
+            records.append((line_no, record))
     return records
 
 
@@ -89,6 +112,8 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
         missing = [f for f in REQUIRED_FIELDS if not row.get(f)]
         if missing:
             raise InputError(f"{path}: {where} {number}: missing field(s) {', '.join(missing)}")
+        if problem := question_problem(row["question"]):
+            raise InputError(f"{path}: {where} {number}: {problem}")
         uid = str(row["sample_uid"])
         if uid in seen:
             raise InputError(f"{path}: {where} {number}: duplicate sample_uid {uid!r} (first at {where} {seen[uid]})")

@@ -53,16 +53,9 @@ class SourceRow:
 
 # ------------------------------------------------------------------------------ sources
 def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
-    import pyarrow.parquet as pq
+    from .data import read_rows_raw
 
-    media = {}
-    for number, line in enumerate((folder / "media.jsonl").read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{folder / 'media.jsonl'}: line {number}: not JSON ({exc.msg})") from None
-            media[str(entry.get("sample_uid"))] = entry
+    media = {str(entry.get("sample_uid")): entry for _, entry in read_rows_raw(folder / "media.jsonl")}
     archives: dict[str, tarfile.TarFile] = {}
 
     def reader(entry: dict):
@@ -84,7 +77,7 @@ def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
 
         return read
 
-    for row in pq.read_table(folder / "train.parquet").to_pylist():
+    for _, row in read_rows_raw(folder / "train.parquet"):
         uid = str(row.get("sample_uid"))
         entry = media.get(uid)
         if entry is None:
@@ -155,11 +148,14 @@ def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]
 
 # ------------------------------------------------------------------------------ prepare
 def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
+    from .data import question_problem
     from .models.processor import ImageError, decode_image
 
     problems = []
     if not row.question or not str(row.question).strip():
         problems.append("no question")
+    elif problem := question_problem(row.question):
+        problems.append(problem)
     if row.uid in seen:
         problems.append("duplicate sample_uid")
     try:
@@ -196,6 +192,8 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
     source, out = Path(source), Path(out)
     if (out / MANIFEST).exists():
         raise DataError(f"{out} is already a prepared data set; remove it or choose another folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # found now, not after the work
+        raise DataError(f"{out} is {'a file' if not out.is_dir() else 'a folder that is not empty'}; --out must be a new or empty folder")
     staging = out.with_name(out.name + ".incoming")
     fingerprint = _fingerprint(source)
     state = {"source": str(source), "fingerprint": fingerprint, "shards": [], "uids": []}

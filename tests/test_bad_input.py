@@ -114,3 +114,44 @@ def test_parquet_rows_are_read_and_checked(tmp_path):
     pq.write_table(pa.table({"sample_uid": ["a", "b"], "image": ["a.png", "a.png"], "question": ["Which colour?", ""]}), tmp_path / "bad.parquet")
     with pytest.raises(InputError, match=r"bad.parquet: row 2: missing field\(s\) question"):
         read_rows(tmp_path / "bad.parquet")
+
+
+def test_data_files_that_are_not_rows_are_named_by_line(tmp_path):
+    cases = {
+        "list.jsonl": (b'{"sample_uid": "a", "image": "x.png", "question": "Q?"}\n[1, 2]\n', "line 2: a row must be a JSON object, got list"),
+        "latin1.jsonl": ('{"sample_uid": "a", "image": "x.png", "question": "caf\xe9?"}\n'.encode("latin-1"), "line 1: not UTF-8 text (byte 0xe9)"),
+        "deep.jsonl": (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 1: JSON nested too deeply"),
+        "long.jsonl": (json.dumps({"sample_uid": "a", "image": "x.png", "question": "Q" * 70_000}).encode() + b"\n",
+                       "line 1: question has 70,000 characters, above the 65,536"),
+        "dict.jsonl": (json.dumps({"sample_uid": "a", "image": "x.png", "question": {"q": 1}}).encode() + b"\n", "line 1: question must be text, got dict"),
+        "broken.parquet": (b"PAR1 not really parquet", "not a readable parquet file"),
+    }
+    for name, (data, expected) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(InputError) as info:
+            read_rows(tmp_path / name)
+        assert str(info.value).startswith(f"{tmp_path / name}: ") and expected in str(info.value), (name, str(info.value))
+
+
+def test_benchmark_file_that_is_not_utf8_is_named(tmp_path):
+    from lt_opd_ray.evals.benchmarks import BenchmarkError, benchmark
+
+    path = tmp_path / "pope.jsonl"
+    path.write_bytes('{"question_id": 1, "text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(BenchmarkError, match=r"pope.jsonl: not UTF-8 text \(byte 0xe9"):
+        benchmark("pope").load(path)
+
+
+def test_prepare_refuses_an_out_that_is_a_file_or_a_full_folder_before_any_work(tmp_path):
+    from lt_opd_ray.prepare import DataError, prepare
+
+    source = tmp_path / "rows.jsonl"
+    source.write_text(json.dumps({"sample_uid": "a", "image": "x.png", "question": "Q?"}) + "\n")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(DataError, match="file is a file; --out must be a new or empty folder"):
+        prepare(source, tmp_path / "file")
+    with pytest.raises(DataError, match="full is a folder that is not empty"):
+        prepare(source, tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and not (tmp_path / "full.incoming").exists()

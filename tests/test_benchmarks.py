@@ -109,15 +109,20 @@ def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
         {"question_id": 4, "image": base64.b64encode(b"not an image").decode(), "text": "A cat?", "label": "no"},
         {"question_id": 6, "image": base64.b64encode(bomb_png()).decode(), "text": "A cat?", "label": "no"},
         {"question_id": 7, "image": base64.b64encode((tmp_path / "images" / "ok.png").read_bytes()[:-200]).decode(), "text": "A cat?", "label": "no"},
+        {"question_id": 8, "image": "images/ok.png", "text": {"a": 1}, "label": "no"},
+        {"question_id": 9, "image": "images/ok.png", "text": "A cat? " * 10_000, "label": "no"},
+        {"question_id": 10, "image": "images/ok.png", "text": "A cat?", "label": ["yes"]},
     ]
     path = _jsonl(tmp_path / "pope.jsonl", rows)
     with path.open("a") as handle:
-        handle.write("{broken\n")
+        handle.write("{broken\n[1, 2]\n")
     with pytest.raises(BenchmarkError) as info:
         benchmark("pope").load(path)
     message = str(info.value)
     for expected in ("1: image 'images/missing.png' is neither a file", "2: no text", "3: label 'maybe' is not yes/no",
-                     "4: image (the base64 data) does not decode", "line 9: not JSON", "pope-5: duplicate id",
+                     "4: image (the base64 data) does not decode", "line 12: not JSON", "pope-5: duplicate id",
+                     "8: text must be text, got dict", "pope-9: prompt has 70,0", "10: label must be text, got list",
+                     "line 13: a row must be a JSON object, got list",
                      "6: image (the base64 data) refused, too many pixels (a decompression bomb?)",
                      "7: image (the base64 data) does not decode"):  # truncated: only a full decode finds it
         assert expected in message, message

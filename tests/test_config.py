@@ -93,6 +93,44 @@ def test_not_yaml_and_not_a_mapping():
     assert problems == [("<top>", "a job YAML must be a mapping of sections")]
 
 
+@pytest.mark.parametrize("extra, where, reason", [
+    ("optimizer: {betas: [5.0, 0.9]}", "optimizer.betas.0", "less than 1"),
+    ("optimizer: {betas: [0.9, -3.0]}", "optimizer.betas.1", "greater than or equal to 0"),
+    ("optimizer: {betas: [.nan, 0.9]}", "optimizer.betas.0", "finite number"),
+    ("optimizer: {eps: .inf}", "optimizer.eps", "finite number"),
+    ("optimizer: {grad_clip: .nan}", "optimizer.grad_clip", "finite number"),
+    ("optimizer: {lr: {language_model: .inf}}", "optimizer.lr.language_model", "finite number"),
+    ("sampling: {temperature: .inf}", "sampling.temperature", "finite number"),
+    ("pools: {rollout: {cpus: .inf}}", "pools.rollout.cpus", "finite number"),
+    ("eval: {data: 'synthetic:0'}", "eval.data", "'synthetic:0': expected synthetic:<count of at least 1>"),
+    ("eval: {data: 'synthetic:4@8x8'}", "eval.data", "sides of at least 32 pixels"),
+])
+def test_values_that_would_fail_later_are_refused_by_validate(extra, where, reason):
+    problems, _ = problems_of(MINIMAL + extra + "\n")
+    assert len(problems) == 1 and problems[0][0].startswith(where) and reason in problems[0][1], problems
+
+
+def test_unknown_tiny_model_and_empty_synthetic_data_are_refused():
+    problems, _ = problems_of(MINIMAL.replace("tiny:qwen3_5", "tiny:nope").replace("synthetic:8", "synthetic:0"))
+    assert [w.split(" ")[0] for w, _ in problems] == ["model.path", "data.path"]
+    assert "family one of qwen3_5, qwen3_vl, qwen2_5_vl" in problems[0][1]
+
+
+def test_files_that_are_not_utf8_yaml_are_named(tmp_path):
+    cases = {
+        "utf16.yaml": (MINIMAL.encode("utf-16"), "<file>", "UTF-16 text: save the job as UTF-8"),
+        "binary.yaml": (b"model:\x00\x01\x02", "<file>", "binary data (a NUL byte at offset 6)"),
+        "latin1.yaml": ((MINIMAL + "name: caf\xe9\n").encode("latin-1"), "line 5", "not UTF-8 text (byte 0xe9"),
+        "deep.yaml": (("a: " + "[" * 5000 + "]" * 5000 + "\n").encode(), "yaml", "nested too deeply"),
+    }
+    for name, (data, where, reason) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(JobConfigError) as info:
+            load_job(tmp_path / name)
+        (got_where, got_reason), = info.value.problems
+        assert got_where == where and reason in got_reason, (name, got_where, got_reason)
+
+
 def test_validate_cli_imports_no_heavy_library_and_reports(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(MINIMAL + "objective:\n  divergence: tvd\n")

@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import Sample
+from ..data import MAX_QUESTION_CHARS, Sample
 from . import scoring
 
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -74,12 +74,19 @@ class Benchmark(abc.ABC):
         if not path.exists():
             raise BenchmarkError(f"{path}: benchmark file not found")
         problems = _Problems(path)
-        items = self._read(path, problems)
+        try:
+            items = self._read(path, problems)
+        except UnicodeDecodeError as exc:
+            raise BenchmarkError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8") from None
+        except (csv.Error, RecursionError) as exc:
+            raise BenchmarkError(f"{path}: not a readable {path.suffix.lstrip('.') or 'benchmark'} file ({exc!r:.200})") from None
         seen: set[str] = set()
         for item in items:
             if item.sample.uid in seen:
                 problems.add(item.sample.uid, "duplicate id")
             seen.add(item.sample.uid)
+            if len(item.sample.question) > MAX_QUESTION_CHARS:  # refused before the model loads, not by the OOM killer
+                problems.add(item.sample.uid, f"prompt has {len(item.sample.question):,} characters, above the {MAX_QUESTION_CHARS:,} a row may have")
         if not items and not problems.items:
             problems.add("-", "no rows")
         problems.raise_if_any()
@@ -120,11 +127,23 @@ def _image(value, folder: Path, row_id, problems: _Problems):
     return image
 
 
-def _required(row: dict, names: tuple[str, ...], row_id, problems: _Problems) -> bool:
-    missing = [n for n in names if row.get(n) in (None, "")]
-    for name in missing:
+LIST_FIELDS = ("options", "answers")  # the only fields a row may give as a list
+
+
+def _required(row, names: tuple[str, ...], row_id, problems: _Problems) -> bool:
+    """The row is an object whose `names` are present, and text (or numbers), lists only where a list is meant."""
+    if not isinstance(row, dict):
+        problems.add(row_id, f"a row must be an object, got {type(row).__name__}")
+        return False
+    bad = [n for n in names if row.get(n) in (None, "")]
+    for name in bad:
         problems.add(row_id, f"no {name}")
-    return not missing
+    for name in names:
+        value = row.get(name)
+        if isinstance(value, (dict, bool)) or (isinstance(value, list) and name not in LIST_FIELDS):
+            problems.add(row_id, f"{name} must be text, got {type(value).__name__}")
+            bad.append(name)
+    return not bad
 
 
 def _read_tsv(path: Path) -> list[dict]:
@@ -139,9 +158,14 @@ def _read_jsonl(path: Path, problems: _Problems) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as exc:
             problems.add(f"line {number}", f"not JSON ({exc.msg})")
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            problems.add(f"line {number}", f"a row must be a JSON object, got {type(row).__name__}")
     return rows
 
 
