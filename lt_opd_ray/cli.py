@@ -37,6 +37,7 @@ def cmd_train(args) -> int:
     from .models.processor import InputError
     from .runtime.checkpoint_files import CheckpointError
     from .runtime.resources import InsufficientResourcesError
+    from .runtime.waits import RoleDiedError
 
     if (job := _load_job_or_report(args.job)) is None:
         return 2
@@ -50,6 +51,9 @@ def cmd_train(args) -> int:
     except (InputError, CheckpointError, InsufficientResourcesError, FileNotFoundError) as exc:  # named, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RoleDiedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -101,6 +101,15 @@ class RolloutSummary:
     span: Span
 
 
+@dataclass(frozen=True)
+class ScoringRequest:
+    """What a learner needs to ask the teacher again for a group whose scoring replica died: the Serve app and the
+    update's samples (an ObjectRef)."""
+
+    app: str
+    samples_ref: object
+
+
 class MalformedPayloadError(ValueError):
     pass
 
@@ -203,6 +212,7 @@ class LearnerStepResult:
     seconds: float = 0.0  # compute only, not the waits for rollouts and payloads
     payload_bytes: int = 0
     payload_tokens: int = 0
+    teacher_retries: int = 0  # scoring requests sent again because the replica serving them died
     spans: tuple[Span, ...] = ()  # this rank's groups' rollout and scoring spans, then its micro-batches
 
 

@@ -24,7 +24,7 @@ from ..data import Sample, load_samples
 from ..evals.benchmarks import benchmark
 from ..models.loading import resolve_model_dir
 from ..train_loop import batches
-from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, Span, Stopwatch
+from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
@@ -79,21 +79,27 @@ class Driver:
         self.samples = load_samples(job.data.path, job.data.image_root, job.seed)
         # benchmark files are read and checked before any actor starts
         benchmarks = {name: benchmark(name).load(path) for name, path in job.eval.benchmarks.items()}
+        eval_samples = load_samples(job.eval.data, job.data.image_root, job.seed) if job.eval.data else None
         self.checkpoints = CheckpointStore(job)
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
-        self.rollouts = RolloutPool(job)
-        self.teacher = TeacherService(job)
-        self.learners = LearnerGroup(job)
-        self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
-        self.metrics = DriverMetrics(job.name)
-        self.step, self.cursor, kept = 0, 0, []
-        self.restored = self.checkpoints.restore(self.learners, tag, passed_over) if tag else None
-        if self.restored is not None:
-            self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
-        self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
-        self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
-        self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
-        self.eval_ref = ray.put(load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
+        self.rollouts = self.teacher = self.learners = None
+        try:  # what the run starts, it removes, also when a later pool fails to start
+            self.rollouts = RolloutPool(job)
+            self.teacher = TeacherService(job)
+            self.learners = LearnerGroup(job)
+            self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
+            self.metrics = DriverMetrics(job.name)
+            self.step, self.cursor, kept = 0, 0, []
+            self.restored = self.checkpoints.restore(self.learners, tag, passed_over) if tag else None
+            if self.restored is not None:
+                self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
+            self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
+            self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
+            self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.eval_ref = ray.put(eval_samples) if eval_samples else None
         self.benchmarks_ref = ray.put(benchmarks) if benchmarks else None
         self.last_end = time.time()
 
@@ -101,10 +107,13 @@ class Driver:
     def run_step(self) -> StepLog:
         update = self.step
         current, self.next = self.next or self.submit(update), None
-        training = self.learners.async_train_step(current.batch, current.groups, current.payloads, self.rollouts.names, update)
+        scoring = ScoringRequest(self.teacher.app_name, current.samples_ref)
+        training = self.learners.async_train_step(current.batch, current.groups, current.payloads, self.rollouts.names, update, scoring)
         if self.job.schedule.max_staleness and update + 1 < self.job.budget.total_steps:
             self.next = self.submit(update + 1)  # sampled by weights v(update) while the learners train on update
         ranks = self.learners.wait(training, f"learner step of update {update}")
+        for _ in range(sum(r.teacher_retries for r in ranks)):
+            self.metrics.record_restart("teacher")
         self.step += 1
         self.cursor += len(current.batch)
         summaries = self.rollouts.wait([g.summary for g in current.groups], self.group_workers(current), f"rollout summaries of update {update}")
@@ -279,6 +288,8 @@ class Driver:
         """Stop every pool, also when one of them failed or died: what the run started, it removes."""
         problems = []
         for name, pool in (("teacher", self.teacher), ("learners", self.learners), ("rollout workers", self.rollouts)):
+            if pool is None:
+                continue  # never started
             try:
                 pool.shutdown()
             except Exception as exc:  # noqa: BLE001 - the other pools must still be stopped

@@ -7,6 +7,7 @@ import os
 
 from ..config import JobConfig
 from .resources import pool_demands
+from .waits import RoleDiedError
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
 WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -163,6 +164,10 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
                     return logs
         if driver.step == total:
             driver.export_student(Path(job.checkpoint.dir) / "final")
+    except RoleDiedError as exc:
+        latest = driver.checkpoints.latest()
+        where = f"`--resume` continues from {Path(job.checkpoint.dir) / latest}" if latest else "no checkpoint yet: start it again"
+        raise RoleDiedError(f"{exc}; the run stopped after update {driver.step}; {where}") from exc
     finally:
         stop.restore()
         driver.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 
@@ -11,10 +12,11 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
-from ..wire import LearnerStepResult, RolloutGroup, StaleRolloutError, WeightsSent, unpack_scores
-from .waits import wait_for, wait_one
+from ..wire import LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
+from .waits import RoleDiedError, wait_for, wait_one
 
 FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
+TEACHER_RETRIES = 2  # a scoring request is sent again at most this often when its replica dies
 
 
 def free_port() -> int:
@@ -37,6 +39,9 @@ class LearnerActor:
         self.sync_store = None  # rank 0 only: hosts the weight-sync TCPStore
         self.sync = None  # rank 0 only: the current weight-sync group
         self.metrics = LearnerMetrics(job.name, f"learner-{rank}")
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -62,15 +67,15 @@ class LearnerActor:
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
 
-    def train_step(self, samples: dict, work: list, total_sequences: int, version: int) -> LearnerStepResult:
+    def train_step(self, samples: dict, work: list, total_sequences: int, version: int, scoring: ScoringRequest) -> LearnerStepResult:
         """One optimizer step (weights `version` -> `version + 1`) on this rank's groups only, streamed: `work` is
         [(worker name, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload])] in prompt order (nested in a list, so
-        Ray hands the refs over unresolved); `samples`: this rank's prompts by index."""
-        receiver = GroupReceiver(work, version, self.job, self.rank, self.learner.module.model.config.text_config.vocab_size)
+        Ray hands the refs over unresolved); `samples`: this rank's prompts by index; `scoring`: how to ask again."""
+        receiver = GroupReceiver(work, version, self.job, self.rank, self.learner.module.model.config.text_config.vocab_size, scoring)
         result = self.learner.train_step(samples, iter(receiver), total_sequences, version)
         result = dataclasses.replace(
             result, staleness=receiver.staleness, payload_bytes=receiver.payload_bytes, payload_tokens=receiver.payload_tokens,
-            spans=(*receiver.spans, *result.spans),
+            teacher_retries=receiver.retries, spans=(*receiver.spans, *result.spans),
         )
         self.metrics.record_step(result)
         return result
@@ -119,10 +124,10 @@ class GroupReceiver:
     at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
     """
 
-    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int):
-        self.work, self.version, self.rank, self.vocab_size = work, version, rank, vocab_size
+    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest):
+        self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
         self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
-        self.staleness = self.payload_bytes = self.payload_tokens = 0
+        self.staleness = self.payload_bytes = self.payload_tokens = self.retries = 0
         self.spans: list = []
 
     def __iter__(self):
@@ -132,12 +137,27 @@ class GroupReceiver:
         for worker, group_ref, payload_ref in self.work:
             group = wait_one(group_ref, worker, self.timeout_s, f"{me} waiting for a rollout group of update {self.version}")
             self.check(group)
-            payload = wait_one(payload_ref, "teacher", self.timeout_s, f"{me} waiting for the teacher's scores of {group.worker}'s group")
+            payload = self.payload(payload_ref, group_ref, f"{me} waiting for the teacher's scores of {group.worker}'s group")
             scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
             self.payload_bytes += payload.nbytes
             self.payload_tokens += int(payload.lengths.sum())
             self.spans += [group.span, payload.span]
             yield StreamedGroup(group.rollouts, scores)
+
+    def payload(self, payload_ref, group_ref, what: str):
+        """The teacher's answer; when the replica serving it died, the request again (Serve restarts replicas), at
+        most TEACHER_RETRIES times."""
+        from ray import serve
+
+        for attempt in range(TEACHER_RETRIES + 1):
+            try:
+                return wait_one(payload_ref, "teacher", self.timeout_s, what)
+            except ray.exceptions.RayActorError as exc:
+                if attempt == TEACHER_RETRIES:
+                    raise RuntimeError(f"{what}: the teacher replica died {attempt + 1} times on this request ({type(exc).__name__})") from exc
+                self.retries += 1
+                handle = serve.get_app_handle(self.scoring.app)
+                payload_ref = handle.score.remote(([self.scoring.samples_ref], [group_ref]))._to_object_ref_sync()
 
     def check(self, group: RolloutGroup) -> None:
         where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"
@@ -174,7 +194,8 @@ class LearnerGroup:
         master_addr, master_port = self.wait([self.actors[0].address.remote()], "learner-0's address")[0]
         self.wait([a.setup.remote(master_addr, master_port) for a in self.actors], "learner setup")  # rendezvous: all at once
 
-    def async_train_step(self, batch: list, groups: list, payload_refs: list, worker_names: list[str], version: int) -> list:
+    def async_train_step(self, batch: list, groups: list, payload_refs: list, worker_names: list[str], version: int,
+                         scoring: ScoringRequest) -> list:
         """Start one optimizer step (ObjectRef[LearnerStepResult] per rank; `wait` for them); each rank gets only its own
         prompts' samples, groups (`GroupRef.learner_rank`) and payloads, and trains on each group as it arrives."""
         work = [[] for _ in self.actors]
@@ -182,11 +203,16 @@ class LearnerGroup:
             work[group.learner_rank].append((worker_names[group.worker], group.group, payload))
         own_samples = [ray.put({i: batch[i] for i in range(start, stop)}) for start, stop in self.prompt_ranges(len(batch))]
         total = len(batch) * self.job.sampling.n
-        return [a.train_step.remote(own, mine, total, version) for a, own, mine in zip(self.actors, own_samples, work)]
+        return [a.train_step.remote(own, mine, total, version, scoring) for a, own, mine in zip(self.actors, own_samples, work)]
 
     def wait(self, refs: list, what: str) -> list:
-        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer)."""
-        return wait_for(refs, [f"learner-{r}" for r in range(len(refs))], self.job.schedule.wait_timeout_s, what)
+        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer). A rank that
+        died is named in a RoleDiedError: a ZeRO group cannot go on without one of its ranks."""
+        try:
+            return wait_for(refs, [f"learner-{r}" for r in range(len(refs))], self.job.schedule.wait_timeout_s, what)
+        except ray.exceptions.RayActorError as exc:
+            dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == exc.actor_id]
+            raise RoleDiedError(f"{dead[0] if dead else 'a learner rank'} died while {what}") from exc
 
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         """Each rank's [start, stop) of an update's prompts."""

@@ -69,6 +69,11 @@ class TeacherDeployment:
                 payloads[i] = payload
         return payloads
 
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     async def score(self, request: tuple) -> TeacherPayload:
         # request: ([samples ref], [group ref]), nested so Serve passes the refs untouched. Awaiting the group
         # here, before the batch forms, lets a batch take the groups that are finished, not the first submitted.
@@ -98,9 +103,14 @@ class TeacherService:
     """Client side: starts the deployment and turns score requests into ObjectRefs."""
 
     def __init__(self, job: JobConfig):
+        import warnings
+
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})  # handles only, no HTTP
         app = TeacherDeployment.options(**deployment_options(job), logging_config={"log_level": "WARNING"}).bind(job)
         self.app_name = f"{job.name}-teacher"
+        if self.app_name in serve.status().applications:  # left by a driver of this job that was killed
+            warnings.warn(f"removing the Serve app {self.app_name!r} an earlier driver of job {job.name!r} left running", stacklevel=2)
+            serve.delete(self.app_name)
         self.handle = serve.run(app, name=self.app_name, route_prefix=None)
 
     def async_score(self, samples_ref, group_refs: list) -> list:

@@ -11,6 +11,10 @@ class NoAnswerError(TimeoutError):
     """An actor did not answer a call within its bound."""
 
 
+class RoleDiedError(RuntimeError):
+    """An actor the run cannot replace in place died; the message names it and what it was doing."""
+
+
 def wait_for(refs: list, names: list[str], timeout_s: float, what: str, error: type[Exception] = NoAnswerError) -> list:
     """ray.get(refs) once all are ready; `names[i]` is the actor behind refs[i], named if it does not answer in
     `timeout_s`. A call that failed raises its error as soon as it is known, not after the others' bound."""

@@ -1,0 +1,121 @@
+"""Faults injected into real runs (local Ray cluster, real DeepSpeed and Serve, tiny Qwen3.5): each ends in a
+completed or resumed run whose weights equal an uninterrupted run's, or in one named error, and leaves nothing
+running. (A killed rollout worker and a killed driver: tests/test_runtime.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+from ray import serve
+
+from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.launch import WORKER_ENV
+from lt_opd_ray.runtime.teacher import TeacherService
+from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
+from conftest import job_for
+
+STEPS = 4  # budget.decay_end of job_for
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.update(WORKER_ENV)
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def fault_job(model_dir, folder, name, **overrides):
+    return job_for(model_dir, folder, ranks=2, zero_stage=2, every=1, total=STEPS, name=name, **overrides)
+
+
+def run_to_end(driver):
+    try:
+        while driver.step < STEPS:
+            driver.run_step()
+        return driver.learners.full_state_dict()
+    finally:
+        driver.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tiny_dirs, tmp_path_factory):
+    return run_to_end(Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("straight"), "straight")))
+
+
+def assert_same_weights(got, expected):
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def all_released() -> bool:
+    """Every CPU the runs' actors reserved is free again (Serve's controller reserves none)."""
+    return ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> bool:
+    deadline = time.time() + timeout_s
+    while not condition() and time.time() < deadline:
+        time.sleep(0.5)
+    return condition()
+
+
+def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path):
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-kill"))
+    driver.run_step()
+    pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
+    try:
+        driver.next = driver.submit(1)  # update 1's scoring requests wait in the replica for their groups ...
+        os.kill(pid, signal.SIGKILL)  # ... when it dies
+        log = driver.run_step()
+    except BaseException:
+        driver.shutdown()
+        raise
+    assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
+    assert_same_weights(run_to_end(driver), uninterrupted)
+
+
+def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_matches(uninterrupted, tiny_dirs, tmp_path):
+    job = fault_job(tiny_dirs["qwen3_5"], tmp_path, "learner-kill")
+    driver = Driver(job)
+    driver.run_step()  # checkpoint step-1
+    os.kill(ray.get(driver.learners.actors[1].pid.remote()), signal.SIGKILL)
+    with pytest.raises(RoleDiedError, match="learner-1 died while"):
+        driver.run_step()
+    driver.shutdown()  # copes with the dead rank: every pool is stopped
+    assert wait_until(all_released), ray.available_resources()
+    assert not serve.status().applications
+    resumed = Driver(job, resume=True)
+    assert resumed.step == 1
+    assert_same_weights(run_to_end(resumed), uninterrupted)
+
+
+def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, tmp_path, monkeypatch):
+    import lt_opd_ray.runtime.driver as driver_module
+
+    def learners_that_fail(job):
+        raise NoAnswerError("learner setup: no answer after 1800 s from learner-1")  # injected: the last pool to start
+
+    monkeypatch.setattr(driver_module, "LearnerGroup", learners_that_fail)
+    with pytest.raises(NoAnswerError, match="learner-1"):
+        Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "half-started"))  # the rollout workers and the teacher were up
+    assert wait_until(all_released), ray.available_resources()
+    assert not serve.status().applications
+
+
+def test_the_teacher_app_a_killed_driver_left_is_removed_by_the_next_run_of_the_job(cluster, tiny_dirs, tmp_path):
+    job = fault_job(tiny_dirs["qwen3_5"], tmp_path, "orphan")
+    TeacherService(job)  # what a SIGKILLed driver leaves behind: the app, still RUNNING
+    assert "orphan-teacher" in serve.status().applications
+    with pytest.warns(UserWarning, match="removing the Serve app 'orphan-teacher' an earlier driver of job 'orphan' left running"):
+        driver = Driver(job)
+    driver.run_step()
+    driver.shutdown()
+    assert wait_until(lambda: not serve.status().applications)
