@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -70,6 +71,9 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+FUZZED_REQUESTS = 40
 
 
 def _refused(url: str, body: dict) -> str:
@@ -150,6 +154,18 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         assert "remote image URLs are off" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": remote}]})
         bomb = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(bomb_png()).decode()}}, content[1]]
         assert "decompression bomb" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": bomb}]})
+        # fuzzed selection settings: each answered 200 or 400, never a dead engine
+        rng = random.Random(0)
+        values = [None, True, -1, 0, 1, 500, 10_000, 10_001, 2**64, 1.5, "7", "cdpruner", "nope", [], [1, 2], [vocab], [-5], {"a": 1}]
+        fields = ["lt_opd_budget_bps", "lt_opd_k_min", "lt_opd_selector", "lt_opd_seed", "lt_opd_nonce", "lt_opd_query_ids", "lt_opd_x"]
+        for _ in range(FUZZED_REQUESTS):
+            settings = {rng.choice(fields): rng.choice(values) for _ in range(rng.randint(1, 3))}
+            request = urllib.request.Request(url, json.dumps({**body, "mm_processor_kwargs": settings}).encode(), {"Content-Type": "application/json"})
+            try:
+                status = urllib.request.urlopen(request, timeout=120).status
+            except urllib.error.HTTPError as error:
+                status = error.code
+            assert status in (200, 400), (settings, status)
         assert _post(url, {**body, "mm_processor_kwargs": {}})["usage"]["prompt_tokens"] == full_length - n + tokens_to_keep(n, 2500, 2)
         assert server.poll() is None
     finally:

@@ -127,21 +127,29 @@ def _image(value, folder: Path, row_id, problems: _Problems):
     return image
 
 
-LIST_FIELDS = ("options", "answers")  # the only fields a row may give as a list
+def _row_id(row, key: str, default):
+    """A row's id for messages, also when the row is not an object (`_required` then names that)."""
+    return row.get(key, default) if isinstance(row, dict) else default
+
+
+LIST_FIELDS = ("options", "answers")  # text, or a list
+ID_FIELDS = ("id", "index", "question_id")  # text, or an integer
 
 
 def _required(row, names: tuple[str, ...], row_id, problems: _Problems) -> bool:
-    """The row is an object whose `names` are present, and text (or numbers), lists only where a list is meant."""
+    """The row is an object whose `names` are present and text (ids may be integers, options and answers lists)."""
     if not isinstance(row, dict):
         problems.add(row_id, f"a row must be an object, got {type(row).__name__}")
         return False
     bad = [n for n in names if row.get(n) in (None, "")]
     for name in bad:
         problems.add(row_id, f"no {name}")
-    for name in names:
-        value = row.get(name)
-        if isinstance(value, (dict, bool)) or (isinstance(value, list) and name not in LIST_FIELDS):
-            problems.add(row_id, f"{name} must be text, got {type(value).__name__}")
+    for name in (n for n in names if n not in bad):
+        value = row[name]
+        allowed = (str, list) if name in LIST_FIELDS else (str, int) if name in ID_FIELDS else (str,)
+        if not isinstance(value, allowed) or isinstance(value, bool):
+            problems.add(row_id, f"{name} must be {' or '.join('a list' if t is list else 'text' if t is str else 'an integer' for t in allowed)},"
+                                 f" got {type(value).__name__}")
             bad.append(name)
     return not bad
 
@@ -230,7 +238,7 @@ class MMMU(_MultipleChoice):
     def _read(self, path, problems):
         items = []
         for row in _read_jsonl(path, problems):
-            row_id = row.get("id", "?")
+            row_id = _row_id(row, "id", "?")
             if not _required(row, ("id", "question", "options", "answer", "image"), row_id, problems):
                 continue
             options = row["options"]
@@ -266,7 +274,7 @@ class POPE(Benchmark):
     def _read(self, path, problems):
         items = []
         for row in _read_jsonl(path, problems):
-            row_id = row.get("question_id", "?")
+            row_id = _row_id(row, "question_id", "?")
             if not _required(row, ("question_id", "image", "text", "label"), row_id, problems):
                 continue
             if str(row["label"]).strip().lower() not in ("yes", "no"):
@@ -319,13 +327,14 @@ class TextVQA(Benchmark):
         rows = data["data"]
         items = []
         for row in rows:
-            row_id = row.get("question_id", "?")
+            row_id = _row_id(row, "question_id", "?")
             if not _required(row, ("question_id", "question", "image_id", "answers"), row_id, problems):
                 continue
             image = _image(f"images/{row['image_id']}.jpg", path.parent, row_id, problems)
             if image is not None:
                 prompt = f"{row['question']}\n{SHORT_INSTRUCTION}"
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"answers": list(row["answers"])}))
+                answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
+                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"answers": [str(a) for a in answers]}))
         return items
 
     def score(self, items, responses):
@@ -377,7 +386,7 @@ class OCRBench(Benchmark):
             return []
         items = []
         for number, row in enumerate(rows):
-            row_id = row.get("id", number)
+            row_id = _row_id(row, "id", number)
             if not _required(row, ("dataset_name", "image_path", "question", "answers"), row_id, problems):
                 continue
             image = _image(row["image_path"], path.parent, row_id, problems)
