@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ..config import JobConfig
 from .resources import pool_demands
@@ -11,6 +12,10 @@ from .waits import RoleDiedError
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
 WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+# A local run's learners and workers share one machine: gloo's data sockets (learner collectives, weight broadcast)
+# bind the loopback interface. On a cluster, set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the job's runtime
+# env to the private network's interface (README, "Network exposure").
+LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform == "linux" else {}
 
 
 def init_ray(job: JobConfig, address: str | None = None) -> None:
@@ -30,11 +35,12 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
         return
     demand = pool_demands(job)
     cpus = max(os.cpu_count() or 1, int(sum(d["CPU"] for d in demand.values()) + 0.999))
+    os.environ.update(LOCAL_ENV)
     ray.init(
         address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine
         num_cpus=cpus,
         include_dashboard=False,
-        runtime_env={"env_vars": WORKER_ENV},
+        runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_ENV}},
         log_to_driver=False,
         logging_level=logging.WARNING,
         _metrics_export_port=job.metrics.export_port,
