@@ -37,6 +37,18 @@ def bomb_png(side: int = 20000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
 
 
+def start_local_ray(num_cpus: int) -> None:
+    """A Ray cluster of the test module's own (even beside another on this machine), with the workers' env."""
+    import os
+
+    import ray
+
+    from lt_opd_ray.runtime.launch import WORKER_ENV
+
+    os.environ.update(WORKER_ENV)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+
+
 def random_image(seed: int, height: int = 128, width: int = 128):
     from PIL import Image
 

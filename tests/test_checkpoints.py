@@ -22,16 +22,15 @@ from lt_opd_ray.export import ExportError, export_student
 from lt_opd_ray.runtime.checkpoint import CheckpointStore, Restored
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
 from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.launch import WORKER_ENV, start_history
-from conftest import job_for
+from lt_opd_ray.runtime.launch import start_history
+from conftest import job_for, start_local_ray
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.update(WORKER_ENV)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    start_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 

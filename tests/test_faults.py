@@ -14,18 +14,16 @@ import torch
 from ray import serve
 
 from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.launch import WORKER_ENV
 from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
-from conftest import job_for
+from conftest import job_for, start_local_ray
 
 STEPS = 4  # budget.decay_end of job_for
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    os.environ.update(WORKER_ENV)
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    start_local_ray(num_cpus=6)
     yield
     serve.shutdown()
     ray.shutdown()
