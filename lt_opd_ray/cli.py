@@ -125,7 +125,11 @@ def cmd_ablation(args) -> int:
     transformers.logging.set_verbosity_error()
     if _load_job_or_report(args.job) is None:
         return 2
-    results = run_ablation(args.job, args.out, list(range(args.seeds)), args.steps, args.arms)
+    try:
+        results = run_ablation(args.job, args.out, list(range(args.seeds)), args.steps, args.arms)
+    except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
+        print(f"ablation: {exc}", file=sys.stderr)
+        return 2
     print((Path(args.out) / "retain_table.md").read_text())
     print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, curves.png in {results['seconds'] / 60:.1f} min")
     return 0
@@ -217,6 +221,9 @@ def cmd_efficiency(args) -> int:
 
     if args.preset:
         config = PRESETS[args.preset]
+    elif args.model is None:
+        print(f"efficiency: give a model folder or --preset (one of {', '.join(PRESETS)})", file=sys.stderr)
+        return 2
     else:
         path = Path(args.model) / "config.json"
         if not path.exists():
@@ -336,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("job", help="job YAML file (inside the working directory)")
     submit.add_argument("--address", default=None, help="Ray dashboard address (default: RAY_ADDRESS or http://127.0.0.1:8265)")
-    submit.add_argument("--runtime-env", default="jobs/runtime_env.yaml", help="runtime env YAML")
+    submit.add_argument("--runtime-env", default="cluster/runtime_env.yaml", help="runtime env YAML")
     submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
     submit.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
     submit.set_defaults(func=cmd_submit)

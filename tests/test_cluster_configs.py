@@ -10,7 +10,7 @@ from lt_opd_ray.cluster_check import check_cluster_file
 from lt_opd_ray.config import load_job
 
 REPO = Path(__file__).resolve().parents[1]
-CLUSTER_FILES = sorted((REPO / "cluster").rglob("*.yaml"))
+CLUSTER_FILES = sorted(p for p in (REPO / "cluster").rglob("*.yaml") if p.name != "runtime_env.yaml")  # the job runtime env sits beside them
 RECIPE = load_job(REPO / "jobs" / "train_qwen35.yaml")
 
 
@@ -29,7 +29,7 @@ def test_every_cluster_file_fits_the_recipe(path):
 
 
 def test_every_yaml_in_the_repo_parses():
-    for path in list(REPO.glob("jobs/*.yaml")) + list(REPO.glob("dashboards/**/*.yaml")) + CLUSTER_FILES:
+    for path in [*REPO.glob("jobs/*.yaml"), *REPO.glob("dashboards/**/*.yaml"), *CLUSTER_FILES, REPO / "cluster" / "runtime_env.yaml"]:
         assert yaml.safe_load(path.read_text()) is not None, path
 
 
@@ -38,7 +38,7 @@ def test_rayjob_runs_the_recipe_on_the_raycluster_spec():
     cluster = load(REPO / "cluster/kuberay/raycluster.yaml")
     assert job["spec"]["rayClusterSpec"] == cluster["spec"]
     assert job["spec"]["entrypoint"].split()[:3] == ["lt-opd", "train", "jobs/train_qwen35.yaml"]
-    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": load(REPO / "jobs/runtime_env.yaml")["env_vars"]}
+    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": load(REPO / "cluster/runtime_env.yaml")["env_vars"]}
 
 
 def test_a_group_for_an_unknown_pool_fails():

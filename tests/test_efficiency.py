@@ -106,3 +106,12 @@ def test_efficiency_command_prints_the_reduction_table(capsys):
     assert "728 visual tokens" in lines[0]
     assert lines[-1].split()[:3] == ["5%", "121", "0.875"] and "-85.3%" in lines[-1]
     assert main(["efficiency", "--preset", "qwen3.5-4b", "--image", "big"]) == 2
+
+
+def test_commands_without_their_input_are_refused_in_one_line(capsys):
+    from lt_opd_ray.cli import main
+
+    assert main(["efficiency"]) == 2
+    assert "give a model folder or --preset (one of qwen3.5-4b)" in capsys.readouterr().err
+    assert main(["ablation", "jobs/toy_sizes.yaml", "--arms", "nope"]) == 2
+    assert "unknown arm(s) nope; known:" in capsys.readouterr().err

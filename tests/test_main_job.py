@@ -28,6 +28,8 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     lines = step_lines(out.stderr + out.stdout)
     assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert lines[0].startswith("step    1/12  budget 25.00%") and "rollout" in lines[0] and "sync" in lines[0]
+    # --steps stops early: the last update is checkpointed (every_steps is larger), so --resume and export have it
+    assert (REPO / "runs" / "tiny" / "latest").read_text() == "step-2" and "stopped after update 2 of 12 (--steps)" in out.stdout + out.stderr
     # the two updates' timeline as a Gantt chart, with the pools' busy fractions
     drawn = run([str(BIN / "lt-opd"), "timeline", "runs/tiny", "--last", "2", "--out", str(tmp_path / "timeline.png")])
     assert drawn.returncode == 0, drawn.stderr[-3000:]
@@ -92,7 +94,7 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
 
     gcs, dashboard = free_port(), free_port()
     started = run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dashboard}", "--num-cpus=6",
+        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dashboard}", "--num-cpus=2",  # a laptop: the tiny job's pools fit
          "--include-dashboard=true", "--disable-usage-stats"],
         env=env,
         timeout=180,
@@ -101,7 +103,7 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
     address = f"http://127.0.0.1:{dashboard}"
     try:
         submitted = run(
-            [str(BIN / "ray"), "job", "submit", "--address", address, "--runtime-env", "jobs/runtime_env.yaml",
+            [str(BIN / "ray"), "job", "submit", "--address", address, "--runtime-env", "cluster/runtime_env.yaml",
              "--working-dir", ".", "--", "lt-opd", "train", "jobs/train_tiny.yaml", "--steps", "1"],
             env=env,
         )
@@ -110,6 +112,12 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
         wrapped = run([str(BIN / "lt-opd"), "submit", "jobs/train_tiny.yaml", "--address", address, "--", "--steps", "1"], env=env)
         assert wrapped.returncode == 0, wrapped.stdout[-3000:] + wrapped.stderr[-3000:]
         assert "SUCCEEDED" in wrapped.stdout and "step    1/12" in wrapped.stdout
+        # a job larger than the cluster: one line with the fix, no traceback
+        big = tmp_path / "big.yaml"
+        big.write_text((REPO / "jobs" / "train_tiny.yaml").read_text().replace("learner: {ranks: 2, cpus: 0.5", "learner: {ranks: 2, cpus: 4"))
+        refused = run([str(BIN / "lt-opd"), "train", str(big), "--address", f"127.0.0.1:{gcs}"], env=env)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert "error: job 'tiny' does not fit the cluster: CPU: the pools need 9" in refused.stderr and "ray start --num-cpus N" in refused.stderr
         # without --address a run starts a cluster of its own beside the `ray start` one, never joins it
         local = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "1"], env={**env, "RAY_ADDRESS": ""})
         assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]

@@ -37,4 +37,8 @@ def check_resources(job: JobConfig, cluster: dict[str, float]) -> None:
             parts = ", ".join(f"{pool} {d[resource]:g}" for pool, d in demands.items() if d.get(resource))
             problems.append(f"{resource}: the pools need {need:g} ({parts}) but the cluster has {have:g}, short by {need - have:g}")
     if problems:
-        raise InsufficientResourcesError(f"job {job.name!r} does not fit the cluster: " + "; ".join(problems))
+        raise InsufficientResourcesError(
+            f"job {job.name!r} does not fit the cluster: " + "; ".join(problems)
+            + ". Lower the pools' cpus / gpus (fractions such as 0.5 are fine) or size, or give the cluster more"
+            " (`ray start --num-cpus N`, more nodes)"
+        )
