@@ -36,7 +36,7 @@ def _load_job_or_report(path: str):
 def cmd_train(args) -> int:
     from .models.processor import InputError
     from .runtime.checkpoint_files import CheckpointError
-    from .runtime.resources import InsufficientResourcesError
+    from .runtime.driver import PreflightError
     from .runtime.waits import RoleDiedError
 
     if (job := _load_job_or_report(args.job)) is None:
@@ -48,7 +48,7 @@ def cmd_train(args) -> int:
             from .runtime.launch import train
 
             train(job, steps=args.steps, resume=args.resume, address=args.address)
-    except (InputError, CheckpointError, InsufficientResourcesError, FileNotFoundError) as exc:  # named, no traceback
+    except (InputError, CheckpointError, PreflightError, FileNotFoundError) as exc:  # named, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RoleDiedError as exc:

@@ -16,7 +16,7 @@ import ray
 
 from lt_opd_ray.data import load_samples  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
-from lt_opd_ray.runtime.driver import Driver  # noqa: E402
+from lt_opd_ray.runtime.driver import Driver, PreflightError  # noqa: E402
 from lt_opd_ray.runtime.launch import WORKER_ENV  # noqa: E402
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
 from lt_opd_ray.train_loop import batches  # noqa: E402
@@ -242,12 +242,17 @@ def wait_until_idle(timeout_s: float = 60.0) -> float:
 def test_job_larger_than_the_cluster_is_refused_before_anything_starts(cluster, tiny_dirs, tmp_path):
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=4, workers=3, name="big", prompts=4)
     job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"cpus": 2.0, "gpus": 1.0})})})
+    job = job.model_copy(update={"model": job.model.model_copy(update={"path": str(tmp_path / "no-model")}),
+                                 "data": job.data.model_copy(update={"path": str(tmp_path / "rows.jsonl")})})
     before = wait_until_idle()
-    with pytest.raises(InsufficientResourcesError) as info:
+    with pytest.raises(PreflightError) as info:
         Driver(job)
-    message = str(info.value)
+    message = str(info.value)  # every problem at once
+    assert message.startswith("job 'big' cannot start:")
     assert "CPU: the pools need 12 (rollout 3, teacher 1, learner 8) but the cluster has 8, short by 4" in message
     assert "GPU: the pools need 4 (learner 4) but the cluster has 0, short by 4" in message
+    assert f"model.path '{tmp_path / 'no-model'}': no config.json there" in message
+    assert f"{tmp_path / 'rows.jsonl'}: data file not found" in message
     assert ray.available_resources().get("CPU") == before  # no actor was started
 
 

@@ -28,7 +28,7 @@ from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, 
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
-from .resources import check_resources
+from .resources import InsufficientResourcesError, check_resources
 from .rollout_pool import GroupRef, RolloutPool
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
@@ -70,16 +70,37 @@ class InFlight:
     payloads: list[ray.ObjectRef]
 
 
+class PreflightError(ValueError):
+    """Everything that stops a job from starting, found before any actor starts."""
+
+
+def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
+    """(training samples, benchmark items, eval samples) once the cluster's resources, the model folder and every
+    data and benchmark file have been checked; otherwise one PreflightError listing every problem."""
+    problems: list[str] = []
+
+    def attempt(check):
+        try:
+            return check()
+        except (InsufficientResourcesError, FileNotFoundError, ValueError) as exc:  # InputError, BenchmarkError, ...
+            problems.append(str(exc))
+            return None
+
+    attempt(lambda: check_resources(job, ray.cluster_resources()))
+    attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
+    samples = attempt(lambda: load_samples(job.data.path, job.data.image_root, job.seed))
+    benchmarks = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
+    eval_samples = attempt(lambda: load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
+    if problems:
+        raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
+    return samples, benchmarks, eval_samples
+
+
 class Driver:
     def __init__(self, job: JobConfig, resume: bool = False):
-        check_resources(job, ray.cluster_resources())  # refuse before any actor starts
-        resolve_model_dir(job.model.path)  # build an embedded model (tiny:, toy:) once here, not in every actor at once
         self.job = job
         self.schedule = BudgetSchedule.from_config(job.budget)
-        self.samples = load_samples(job.data.path, job.data.image_root, job.seed)
-        # benchmark files are read and checked before any actor starts
-        benchmarks = {name: benchmark(name).load(path) for name, path in job.eval.benchmarks.items()}
-        eval_samples = load_samples(job.eval.data, job.data.image_root, job.seed) if job.eval.data else None
+        self.samples, benchmarks, eval_samples = preflight(job)  # every problem at once, before any actor starts
         self.checkpoints = CheckpointStore(job)
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
         self.rollouts = self.teacher = self.learners = None
