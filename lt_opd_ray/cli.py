@@ -7,27 +7,34 @@ import sys
 from pathlib import Path
 
 
+SET_HELP = "override a field of the job, e.g. --set optimizer.lr.language_model=2e-6 (repeatable; checked by the schema)"
+
+
 def cmd_validate(args) -> int:
     from .config import JobConfigError, load_job
 
     failed = 0
     for path in args.jobs:
         try:
-            job = load_job(path)
+            job = load_job(path, args.set)
         except JobConfigError as exc:
             print(exc, file=sys.stderr)
             failed += 1
             continue
         print(f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name})")
+        if args.print:
+            import yaml
+
+            print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="")
     return 1 if failed else 0
 
 
-def _load_job_or_report(path: str):
-    """The validated job, or None after printing every problem of the YAML."""
+def _load_job_or_report(path: str, overrides: list[str] = ()):
+    """The validated job (`--set` overrides applied), or None after printing every problem of the YAML."""
     from .config import JobConfigError, load_job
 
     try:
-        return load_job(path)
+        return load_job(path, overrides)
     except JobConfigError as exc:
         print(exc, file=sys.stderr)
         return None
@@ -39,7 +46,7 @@ def cmd_train(args) -> int:
     from .runtime.driver import PreflightError
     from .runtime.waits import RoleDiedError
 
-    if (job := _load_job_or_report(args.job)) is None:
+    if (job := _load_job_or_report(args.job, args.set)) is None:
         return 2
     try:
         if args.reference:
@@ -85,11 +92,12 @@ def _train_reference(job, steps: int) -> None:
 
 
 def cmd_submit(args) -> int:
-    if _load_job_or_report(args.job) is None:  # refuse a bad YAML here, not after the upload
+    if _load_job_or_report(args.job, args.set) is None:  # refuse a bad YAML here, not after the upload
         return 2
     from .runtime.submit import submit
 
-    return submit(args.job, args.address, args.runtime_env, args.working_dir, args.train_args, wait=not args.no_wait)
+    train_args = [*(f"--set={override}" for override in args.set), *args.train_args]
+    return submit(args.job, args.address, args.runtime_env, args.working_dir, train_args, wait=not args.no_wait)
 
 
 def cmd_check_cluster(args) -> int:
@@ -326,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check job YAML files against the schema (no torch/Ray import)")
     validate.add_argument("jobs", nargs="+", help="job YAML files")
+    validate.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
+    validate.add_argument("--print", action="store_true", help="print each job as resolved (defaults and --set applied)")
     validate.set_defaults(func=cmd_validate)
 
     train = sub.add_parser("train", help="run a training job on Ray (a local cluster unless RAY_ADDRESS/--address is set)")
@@ -334,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in checkpoint.dir")
     train.add_argument("--address", default=None, help="Ray cluster address to join (default: RAY_ADDRESS, else start one)")
     train.add_argument("--reference", action="store_true", help="run the single-process reference update instead (no Ray)")
+    train.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
     train.set_defaults(func=cmd_train)
 
     submit = sub.add_parser(
@@ -346,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--runtime-env", default="cluster/runtime_env.yaml", help="runtime env YAML")
     submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
     submit.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    submit.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP + " (passed on to the remote train)")
     submit.set_defaults(func=cmd_submit)
 
     cluster = sub.add_parser("check-cluster", help="check cluster launcher / KubeRay YAMLs against a job's pools (offline)")

@@ -6,6 +6,7 @@ or vLLM. Every field carries its meaning as a docstring; unknown keys are errors
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Annotated, Literal
@@ -368,8 +369,31 @@ def _yaml_line(root: yaml.Node | None, path: tuple) -> int | None:
     return line
 
 
-def parse_job(text: str, source: str = "<job>") -> JobConfig:
-    """Parse and validate YAML text; raise JobConfigError naming every bad field."""
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> dict:
+    """`data` with each `dotted.path=value` set (the value read as YAML: numbers, booleans, lists); sections on the
+    path are created as needed, and the schema then judges the result as it judges the file."""
+    out = copy.deepcopy(data)
+    for override in overrides:
+        path, sep, value = override.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise JobConfigError(source, [(f"--set {override}", "expected --set dotted.path=value, e.g. optimizer.lr.language_model=2e-6")])
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise JobConfigError(source, [(f"--set {path}", f"value {value!r} is not valid YAML: {getattr(exc, 'problem', exc)}")]) from None
+        node = out
+        for depth, key in enumerate(keys[:-1]):
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise JobConfigError(source, [(f"--set {path}", f"{'.'.join(keys[: depth + 1])} is a value, not a section")])
+        node[keys[-1]] = parsed
+    return out
+
+
+def parse_job(text: str, source: str = "<job>", overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Parse and validate YAML text (with `--set` overrides applied); raise JobConfigError naming every bad field,
+    by YAML line, or by the `--set` that gave it."""
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -381,6 +405,8 @@ def parse_job(text: str, source: str = "<job>") -> JobConfig:
         raise JobConfigError(source, [("yaml", "nested too deeply to be a job (a job is at most four levels deep)")]) from None
     if not isinstance(data, dict):
         raise JobConfigError(source, [("<top>", "a job YAML must be a mapping of sections")])
+    data = apply_overrides(data, overrides, source)
+    overridden = [o.partition("=")[0].strip() for o in overrides]
     try:
         job = JobConfig.model_validate(data)
     except ValidationError as exc:
@@ -389,7 +415,10 @@ def parse_job(text: str, source: str = "<job>") -> JobConfig:
             path = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
             dotted = ".".join(str(p) for p in path) or "<top>"
             line = _yaml_line(root, path)
-            where = f"{dotted} (line {line})" if line else dotted
+            if any(dotted == o or dotted.startswith(o + ".") for o in overridden):
+                line, where = 0, f"{dotted} (--set)"
+            else:
+                where = f"{dotted} (line {line})" if line else dotted
             reason = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             located.append((line or 0, where, reason))
         located.sort(key=lambda item: item[0])  # in file order; fields missing from the file first
@@ -427,8 +456,8 @@ def _check_cross_fields(job: JobConfig, source: str, root: yaml.Node | None) -> 
         raise JobConfigError(source, problems)
 
 
-def load_job(path: str | Path) -> JobConfig:
-    """Load and validate a job YAML file."""
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load and validate a job YAML file, with `--set dotted.path=value` overrides applied."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -443,4 +472,4 @@ def load_job(path: str | Path) -> JobConfig:
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise JobConfigError(str(path), [(f"line {line}", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}): save the job as UTF-8")]) from None
-    return parse_job(text, source=str(path))
+    return parse_job(text, source=str(path), overrides=overrides)

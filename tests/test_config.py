@@ -144,3 +144,27 @@ def test_validate_cli_imports_no_heavy_library_and_reports(tmp_path):
     assert "HEAVY []" in out.stdout
     assert "train_tiny.yaml: ok" in out.stdout
     assert "objective.divergence (line 6)" in out.stderr
+
+
+def test_set_overrides_are_applied_and_judged_by_the_schema(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(MINIMAL)
+    job = load_job(path, ["optimizer.lr.language_model=2e-6", "pools.rollout.workers=4", "sampling.stop=['</a>', '</b>']"])
+    assert (job.optimizer.lr.language_model, job.pools.rollout.workers, job.sampling.stop) == (2e-6, 4, ["</a>", "</b>"])
+    with pytest.raises(JobConfigError) as info:
+        load_job(path, ["pools.rollout.workers=0", "optimizer.lr.bogus=1", "budget.k_min=oops"])
+    assert [w for w, _ in info.value.problems] == ["budget.k_min (--set)", "optimizer.lr.bogus (--set)", "pools.rollout.workers (--set)"]
+    for bad, where in (("no-equals", "--set no-equals"), ("model.path.deeper=1", "--set model.path.deeper")):
+        with pytest.raises(JobConfigError) as info:
+            load_job(path, [bad])
+        assert info.value.problems[0][0] == where
+
+
+def test_validate_print_shows_the_resolved_job(tmp_path, capsys):
+    from lt_opd_ray.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(MINIMAL)
+    assert main(["validate", str(path), "--set", "pools.learner.ranks=2", "--print"]) == 0
+    printed = capsys.readouterr().out
+    assert "ranks: 2" in printed and "top_k: 100" in printed  # the override and a default
