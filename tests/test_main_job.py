@@ -28,6 +28,10 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     lines = step_lines(out.stderr + out.stdout)
     assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert lines[0].startswith("step    1/12  budget 25.00%") and "rollout" in lines[0] and "sync" in lines[0]
+    printed = out.stdout + out.stderr
+    started = next(line for line in printed.splitlines() if line.startswith("started in "))
+    assert all(phase in started for phase in ("ray ", "checks ", "rollout workers ", "teacher (Serve) ", "learners (DeepSpeed) ", "first weight sync "))
+    assert f"outputs (checkpoints, steps.jsonl, final/) go to {REPO / 'runs' / 'tiny'}" in printed
     # --steps stops early: the last update is checkpointed (every_steps is larger), so --resume and export have it
     assert (REPO / "runs" / "tiny" / "latest").read_text() == "step-2" and "stopped after update 2 of 12 (--steps)" in out.stdout + out.stderr
     # the two updates' timeline as a Gantt chart, with the pools' busy fractions

@@ -100,21 +100,34 @@ class Driver:
     def __init__(self, job: JobConfig, resume: bool = False):
         self.job = job
         self.schedule = BudgetSchedule.from_config(job.budget)
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, in order
+        clock = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            self.startup[phase], clock = time.perf_counter() - clock, time.perf_counter()
+
         self.samples, benchmarks, eval_samples = preflight(job)  # every problem at once, before any actor starts
         self.checkpoints = CheckpointStore(job)
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
+        lap("checks")
         self.rollouts = self.teacher = self.learners = None
         try:  # what the run starts, it removes, also when a later pool fails to start
             self.rollouts = RolloutPool(job)
+            lap("rollout workers")
             self.teacher = TeacherService(job)
+            lap("teacher (Serve)")
             self.learners = LearnerGroup(job)
+            lap("learners (DeepSpeed)")
             self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
             self.metrics = DriverMetrics(job.name)
             self.step, self.cursor, kept = 0, 0, []
             self.restored = self.checkpoints.restore(self.learners, tag, passed_over) if tag else None
             if self.restored is not None:
                 self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
+                lap("checkpoint load")
             self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
+            lap("first weight sync")
             self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
             self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
         except BaseException:

@@ -61,11 +61,14 @@ def format_step(log, total: int) -> str:
 
 def train(job: JobConfig, steps: int | None = None, resume: bool = False, address: str | None = None) -> list:
     """Start or join Ray, run the job, leave Ray. Returns the step logs."""
+    import time
+
     import ray
 
+    begin = time.perf_counter()
     init_ray(job, address)
     try:
-        return run(job, steps, resume)
+        return run(job, steps, resume, ray_seconds=time.perf_counter() - begin)
     finally:
         ray.shutdown()
 
@@ -128,7 +131,7 @@ def _logged_step(line: str) -> float:
         return float("inf")
 
 
-def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
+def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seconds: float | None = None) -> list:
     """Run the job on the Ray cluster this process is connected to.
 
     Every step is appended to `<checkpoint.dir>/steps.jsonl`; a run that reaches
@@ -152,6 +155,9 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False) -> list:
     last = min(total, driver.step + steps) if steps else total
     logs = []
     try:
+        phases = ({"ray": ray_seconds} if ray_seconds is not None else {}) | driver.startup
+        tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()))
+        tqdm.write(f"outputs (checkpoints, steps.jsonl, final/) go to {Path(job.checkpoint.dir).resolve()}")
         step_file = start_history(driver, Path(job.checkpoint.dir), resume)
         with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:
