@@ -44,6 +44,7 @@ def cmd_train(args) -> int:
     from .models.processor import InputError
     from .runtime.checkpoint_files import CheckpointError
     from .runtime.driver import PreflightError
+    from .runtime.launch import RunFolderError
     from .runtime.waits import RoleDiedError
 
     if (job := _load_job_or_report(args.job, args.set)) is None:
@@ -54,8 +55,8 @@ def cmd_train(args) -> int:
         else:
             from .runtime.launch import train
 
-            train(job, steps=args.steps, resume=args.resume, address=args.address)
-    except (InputError, CheckpointError, PreflightError, FileNotFoundError) as exc:  # named, no traceback
+            train(job, steps=args.steps, resume=args.resume, address=args.address, force=args.force)
+    except (InputError, CheckpointError, PreflightError, RunFolderError, FileNotFoundError) as exc:  # named, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RoleDiedError as exc:
@@ -341,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a training job on Ray (a local cluster unless RAY_ADDRESS/--address is set)")
     train.add_argument("job", help="job YAML file")
     train.add_argument("--steps", type=int, default=None, help="run at most this many updates (default: to budget.total_steps)")
-    train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in checkpoint.dir")
+    train.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in checkpoint.dir")
+    train.add_argument("--force", action="store_true", help="start afresh in a checkpoint.dir that holds an earlier run (moved aside)")
     train.add_argument("--address", default=None, help="Ray cluster address to join (default: RAY_ADDRESS, else start one)")
     train.add_argument("--reference", action="store_true", help="run the single-process reference update instead (no Ray)")
     train.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)

@@ -22,7 +22,7 @@ from lt_opd_ray.export import ExportError, export_student
 from lt_opd_ray.runtime.checkpoint import CheckpointStore, Restored
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
 from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.launch import start_history
+from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder, start_history
 from conftest import job_for, start_local_ray
 
 STEPS = 3
@@ -185,15 +185,26 @@ def test_a_write_that_fails_with_enospc_is_reported_as_a_full_disk(tmp_path):
     assert write_failure(tmp_path, RuntimeError("boom\nlast line")) == "last line"
 
 
-def test_the_step_log_reads_as_one_history_across_a_resume_and_a_fresh_run(tmp_path):
+def test_the_step_log_reads_as_one_history_across_a_resume(tmp_path):
     step_file = tmp_path / "steps.jsonl"
     step_file.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(5)) + '{"step": 5, "lo')
     resumed = SimpleNamespace(restored=Restored("step-3", {"step": 3, "cursor": 6}, [], ["step-4: damaged"]), step=3)
     assert start_history(resumed, tmp_path, resume=True) == step_file
     assert [json.loads(line)["step"] for line in step_file.read_text().splitlines()] == [0, 1, 2]
 
-    fresh = SimpleNamespace(restored=None, step=0, checkpoints=SimpleNamespace(others=lambda: ["step-3"]))
-    assert start_history(fresh, tmp_path, resume=False) == step_file
-    assert not step_file.exists()
-    aside = list(tmp_path.glob("steps-before-*.jsonl"))
-    assert len(aside) == 1 and len(aside[0].read_text().splitlines()) == 3
+
+def test_a_fresh_run_is_refused_a_folder_that_holds_an_earlier_run_unless_forced(tmp_path):
+    root = tmp_path / "run"
+    claim_run_folder(root, resume=False, force=False)  # nothing there yet
+    root.mkdir()
+    (root / "job.yaml").write_text("name: x\n")
+    claim_run_folder(root, resume=False, force=False)  # a folder with only the job in it is still fresh
+    (root / "step-4").mkdir()
+    (root / "steps.jsonl").write_text("{}\n")
+    with pytest.raises(RunFolderError, match=r"holds an earlier run \(step-4, steps.jsonl\): `--resume` continues it, `--force` starts afresh"):
+        claim_run_folder(root, resume=False, force=False)
+    claim_run_folder(root, resume=True, force=False)
+    assert (root / "step-4").is_dir()
+    claim_run_folder(root, resume=False, force=True)
+    (aside,) = tmp_path.glob("run-before-*")
+    assert not root.exists() and (aside / "step-4").is_dir() and (aside / "steps.jsonl").read_text() == "{}\n"  # moved, not deleted

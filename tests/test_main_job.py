@@ -23,7 +23,7 @@ def step_lines(text):
 
 
 def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
-    out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2"], env={"LT_OPD_CACHE": str(tmp_path)})
+    out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2", "--force"], env={"LT_OPD_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = step_lines(out.stderr + out.stdout)
     assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -113,17 +113,19 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
         )
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         assert "step    1/12" in submitted.stdout + submitted.stderr
-        wrapped = run([str(BIN / "lt-opd"), "submit", "jobs/train_tiny.yaml", "--address", address, "--", "--steps", "1"], env=env)
+        # the same working dir unpacks to the same folder on the cluster: the second job starts afresh with --force
+        wrapped = run([str(BIN / "lt-opd"), "submit", "jobs/train_tiny.yaml", "--address", address, "--", "--steps", "1", "--force"], env=env)
         assert wrapped.returncode == 0, wrapped.stdout[-3000:] + wrapped.stderr[-3000:]
         assert "SUCCEEDED" in wrapped.stdout and "step    1/12" in wrapped.stdout
         # a job larger than the cluster: one line with the fix, no traceback
         big = tmp_path / "big.yaml"
-        big.write_text((REPO / "jobs" / "train_tiny.yaml").read_text().replace("learner: {ranks: 2, cpus: 0.5", "learner: {ranks: 2, cpus: 4"))
+        big.write_text((REPO / "jobs" / "train_tiny.yaml").read_text().replace("learner: {ranks: 2, cpus: 0.5", "learner: {ranks: 2, cpus: 4")
+                       .replace("dir: runs/tiny", f"dir: {tmp_path / 'big'}"))
         refused = run([str(BIN / "lt-opd"), "train", str(big), "--address", f"127.0.0.1:{gcs}"], env=env)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert "error: job 'tiny' does not fit the cluster: CPU: the pools need 9" in refused.stderr and "ray start --num-cpus N" in refused.stderr
         # without --address a run starts a cluster of its own beside the `ray start` one, never joins it
-        local = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "1"], env={**env, "RAY_ADDRESS": ""})
+        local = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "1", "--force"], env={**env, "RAY_ADDRESS": ""})
         assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
         assert "step    1/12" in local.stdout + local.stderr
     finally:

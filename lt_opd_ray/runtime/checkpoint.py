@@ -104,10 +104,6 @@ class CheckpointStore:
         tag = self._pointer()
         return tag if tag and (self.root / tag / DRIVER_STATE).exists() else None
 
-    def others(self) -> list[str]:
-        """Checkpoints already in the folder before a fresh (not resumed) run writes beside them."""
-        return [p.name for p in self._step_folders()]
-
     def choose(self) -> tuple[str | None, list[str]]:
         """(the checkpoint to resume: the one `latest` names when intact, else the newest intact one; the ones
         passed over, each with why). Raises CheckpointError, naming each candidate's damage, when none is intact."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from ..config import JobConfig
 from .resources import pool_demands
@@ -59,12 +60,36 @@ def format_step(log, total: int) -> str:
     )
 
 
-def train(job: JobConfig, steps: int | None = None, resume: bool = False, address: str | None = None) -> list:
+class RunFolderError(ValueError):
+    """A fresh run pointed at a folder that holds an earlier run."""
+
+
+def claim_run_folder(root: Path, resume: bool, force: bool) -> None:
+    """A fresh run gets a folder of its own: one that holds an earlier run's checkpoints, `final/` or step log is
+    refused unless `--resume` continues that run or `--force` starts afresh (the earlier run is moved aside, not
+    deleted)."""
+    import time
+
+    earlier = sorted(p.name for p in root.glob("*") if p.name in ("final", "latest", "steps.jsonl") or p.name.startswith("step-")) if root.is_dir() else []
+    if resume or not earlier:
+        return
+    aside = root.with_name(f"{root.name}-before-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not force:
+        raise RunFolderError(
+            f"{root} holds an earlier run ({', '.join(earlier[:6])}{', ...' if len(earlier) > 6 else ''}): `--resume` continues it,"
+            f" `--force` starts afresh and moves it to {aside.name}, or set checkpoint.dir to a new folder"
+        )
+    root.rename(aside)
+    print(f"moved the earlier run in {root} to {aside}", flush=True)
+
+
+def train(job: JobConfig, steps: int | None = None, resume: bool = False, address: str | None = None, force: bool = False) -> list:
     """Start or join Ray, run the job, leave Ray. Returns the step logs."""
     import time
 
     import ray
 
+    claim_run_folder(Path(job.checkpoint.dir), resume, force)
     begin = time.perf_counter()
     init_ray(job, address)
     try:
@@ -96,9 +121,7 @@ class StopRequest:
 
 def start_history(driver, root, resume: bool):
     """Say where the run starts, and make `<root>/steps.jsonl` one history: a resume keeps the lines of the steps
-    before its checkpoint (a killed run may have logged later ones); a fresh run moves an earlier run's file aside."""
-    import time
-
+    before its checkpoint (a killed run may have logged later ones)."""
     from tqdm import tqdm
 
     step_file = root / "steps.jsonl"
@@ -114,12 +137,6 @@ def start_history(driver, root, resume: bool):
         return step_file
     if resume:
         tqdm.write(f"--resume: no checkpoint in {root}; starting at update 0")
-    elif earlier := driver.checkpoints.others():
-        tqdm.write(f"{root} holds an earlier run's checkpoints ({', '.join(earlier)}); this run writes beside them, replacing any of the same step (`--resume` continues the earlier run instead)")
-    if step_file.exists():
-        aside = root / time.strftime("steps-before-%Y%m%d-%H%M%S.jsonl", time.localtime(step_file.stat().st_mtime))
-        step_file.replace(aside)
-        tqdm.write(f"the earlier run's step log is now {aside}")
     return step_file
 
 
@@ -139,7 +156,6 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
     On SIGTERM it stops after the update in progress, checkpointed, so `--resume` continues.
     """
     from dataclasses import asdict
-    from pathlib import Path
 
     from tqdm import tqdm
 
