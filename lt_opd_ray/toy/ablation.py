@@ -91,7 +91,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`."""
     import ray
 
-    from ..runtime.launch import init_ray, run
+    from ..runtime.launch import claim_run_folder, init_ray, run
 
     base = load_job(base_path)
     if not base.eval.data:
@@ -116,6 +116,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         for seed in seeds:
             for arm in arms:
                 job = arm_job(base, arm, seed, out_dir, steps)
+                claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
                 logs = run(job)
                 final = logs[-1].eval_accuracy
