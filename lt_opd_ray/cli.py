@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run a training job on Ray (a local cluster unless RAY_ADDRESS/--address is set)")
     train.add_argument("job", help="job YAML file")
-    train.add_argument("--steps", type=int, default=None, help="run at most this many updates (default: to budget.total_steps)")
+    train.add_argument("--more-updates", "--steps", dest="steps", type=int, default=None, metavar="N",
+                       help="run N more updates from where the run starts (step 0, or the resumed checkpoint), then checkpoint"
+                            " and stop (default: on to budget.total_steps)")
     train.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in checkpoint.dir")
     train.add_argument("--force", action="store_true", help="start afresh in a checkpoint.dir that holds an earlier run (moved aside)")
     train.add_argument("--address", default=None, help="Ray cluster address to join (default: RAY_ADDRESS, else start one)")

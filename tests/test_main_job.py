@@ -33,7 +33,7 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     assert all(phase in started for phase in ("ray ", "checks ", "rollout workers ", "teacher (Serve) ", "learners (DeepSpeed) ", "first weight sync "))
     assert f"outputs (checkpoints, steps.jsonl, final/) go to {REPO / 'runs' / 'tiny'}" in printed
     # --steps stops early: the last update is checkpointed (every_steps is larger), so --resume and export have it
-    assert (REPO / "runs" / "tiny" / "latest").read_text() == "step-2" and "stopped after update 2 of 12 (--steps)" in out.stdout + out.stderr
+    assert (REPO / "runs" / "tiny" / "latest").read_text() == "step-2" and "stopped after update 2 of 12 (--more-updates)" in out.stdout + out.stderr
     # the two updates' timeline as a Gantt chart, with the pools' busy fractions
     drawn = run([str(BIN / "lt-opd"), "timeline", "runs/tiny", "--last", "2", "--out", str(tmp_path / "timeline.png")])
     assert drawn.returncode == 0, drawn.stderr[-3000:]

@@ -194,7 +194,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
             driver.export_student(Path(job.checkpoint.dir) / "final")
         else:  # stopped by --steps: the last update is always kept, whatever checkpoint.every_steps says
             where = Path(job.checkpoint.dir) / driver.checkpoint()
-            tqdm.write(f"stopped after update {driver.step} of {total} (--steps): checkpoint {where}; `--resume` continues from it")
+            tqdm.write(f"stopped after update {driver.step} of {total} (--more-updates): checkpoint {where}; `--resume` continues from it")
     except RoleDiedError as exc:
         latest = driver.checkpoints.latest()
         where = f"`--resume` continues from {Path(job.checkpoint.dir) / latest}" if latest else "no checkpoint yet: start it again"
