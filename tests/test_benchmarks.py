@@ -152,3 +152,13 @@ def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, caps
     assert (out / "retain.png").read_bytes()[:4] == b"\x89PNG" and (out / "retain_table.csv").exists()
     assert main(["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"nope={pope}", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_retain_plot_says_why_a_selector_has_no_curve(tmp_path):
+    from lt_opd_ray.evals.run import _plot
+
+    results = {"retain": {"cdpruner@500": {"retain": None}, "cdpruner@2500": {"retain": None},
+                          "random@500": {"retain": 0.5}, "random@2500": {"retain": 0.8}}}
+    notes = _plot(results, ["cdpruner", "random"], [500, 2500], tmp_path / "retain.png")
+    assert notes == ["cdpruner: retain undefined, the full-token score is 0 on every benchmark"]
+    assert (tmp_path / "retain.png").read_bytes()[:4] == b"\x89PNG"

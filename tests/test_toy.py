@@ -211,3 +211,16 @@ REDUCED_STEPS = 150
 # untrained 0.436, LT-OPD 0.500 / 0.516 / 0.469 (+0.064 / +0.080 / +0.033); the binomial SE of one
 # evaluation is 0.022, so this margin only says "up", not "by how much" (that is the study's job)
 RETAIN_MARGIN = 0.02
+
+
+def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
+    from lt_opd_ray.toy.ablation import plot_curves
+
+    def curve(offset):
+        return [{"step": s, "loss": 0.1 / s + offset, "eval": {"cdpruner": 0.5 + offset} if s % 2 == 0 else {}} for s in range(1, 5)]
+
+    runs = [{"arm": arm, "seed": seed, "curve": curve(0.01 * seed)} for arm in ("sft", "lt_opd") for seed in (0, 1)]
+    results = {"selectors": ["cdpruner"], "teacher": {"full": 0.8, "cdpruner": 0.4}, "runs": runs, "budget_bps": 500, "seeds": [0, 1]}
+    titles = plot_curves(results, tmp_path / "curves.png")
+    assert titles == ["held-out retain ratio (2 seeds: mean, min-max band)", "SFT on teacher answers", "LT-OPD"]
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -94,21 +94,32 @@ def _write(results: dict, selectors: list[str], budgets: list[int], out: Path) -
     os.replace(staging, out)
 
 
-def _plot(results: dict, selectors: list[str], budgets: list[int], path: Path) -> None:
+def _plot(results: dict, selectors: list[str], budgets: list[int], path: Path) -> list[str]:
+    """retain.png; returns the notes written on it (a selector whose retain is undefined says why, not a blank plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axis = plt.subplots(figsize=(5, 3.5))
+    notes = []
     for selector in selectors:
         points = [(b / 100, results["retain"][f"{selector}@{b}"]["retain"]) for b in sorted(budgets)]
         points = [(x, y) for x, y in points if y is not None]
-        axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=selector)
+        if points:
+            axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=selector)
+        else:
+            notes.append(f"{selector}: retain undefined, the full-token score is 0 on every benchmark")
+    if notes:
+        axis.text(0.5, 0.5, "\n".join(notes), transform=axis.transAxes, ha="center", va="center", fontsize=8, wrap=True)
     axis.set_xlabel("visual tokens kept (%)")
     axis.set_ylabel("average retain ratio")
     axis.axhline(1.0, color="grey", lw=0.5)
-    axis.legend()
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(notes) < len(selectors):
+        axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return notes

@@ -214,28 +214,41 @@ def write_report(results: dict, out_dir: Path) -> None:
     plot_curves(results, out_dir / "curves.png")
 
 
-def plot_curves(results: dict, path: Path) -> None:
-    """Left: retain (headline selector) against update, mean over seeds; right: each arm's training loss."""
+OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL"}
+
+
+def plot_curves(results: dict, path: Path) -> list[str]:
+    """Left: retain (headline selector) against update, mean over seeds with the seeds' min-max band; then one
+    panel per arm with its own training loss (objectives differ: never on one axis). Returns the panel titles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     selector, full = results["selectors"][0], results["teacher"]["full"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
-    for arm in arms:
+    fig, axes = plt.subplots(1, 1 + len(arms), figsize=(5 * (1 + len(arms)), 4.2), squeeze=False)
+    left, panels = axes[0][0], axes[0][1:]
+    untrained = results["teacher"][selector] / full
+    for arm, loss_axis in zip(arms, panels):
         curves = [r["curve"] for r in results["runs"] if r["arm"] == arm]
         evaluated = [p["step"] for p in curves[0] if p["eval"]]
-        retain = [statistics.fmean(next(p for p in c if p["step"] == s)["eval"][selector] for c in curves) / full for s in evaluated]
-        left.plot([0, *evaluated], [results["teacher"][selector] / full, *retain], marker="o", label=LABELS[arm])
+        per_seed = [[next(p for p in c if p["step"] == s)["eval"][selector] / full for c in curves] for s in evaluated]
+        line, = left.plot([0, *evaluated], [untrained, *map(statistics.fmean, per_seed)], marker="o", label=LABELS[arm])
+        left.fill_between([0, *evaluated], [untrained, *map(min, per_seed)], [untrained, *map(max, per_seed)], color=line.get_color(), alpha=0.15)
         steps = [p["step"] for p in curves[0]]
-        right.plot(steps, [statistics.fmean(c[i]["loss"] for c in curves) for i in range(len(steps))], label=LABELS[arm])
-    left.axhline(results["teacher"][selector] / full, color="grey", linestyle=":", label="untrained")
-    left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})", title="held-out retain ratio")
-    right.set(xlabel="update", ylabel="training loss (each arm's own objective)", yscale="log", title="training loss")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
+        losses = [[c[i]["loss"] for c in curves] for i in range(len(steps))]
+        loss_axis.plot(steps, list(map(statistics.fmean, losses)), color=line.get_color())
+        loss_axis.fill_between(steps, list(map(min, losses)), list(map(max, losses)), color=line.get_color(), alpha=0.15)
+        loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
+    left.axhline(untrained, color="grey", linestyle=":", label="untrained")
+    left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})",
+             title=f"held-out retain ratio ({len(results['seeds'])} seeds: mean, min-max band)")
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below the axes, never over the curves
+    for axis in axes[0]:
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+    return [axis.get_title() for axis in axes[0]]
