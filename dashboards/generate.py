@@ -40,6 +40,13 @@ PANELS = [
     ("Importance weight", "short", [(f"ray_lt_opd_importance_weight{{{RUN}}}", "{{actor}}")]),
     ("Student/teacher top-k overlap", "percentunit", [(f"ray_lt_opd_topk_overlap{{{RUN}}}", "{{actor}}")]),
     ("Teacher payload bytes/token", "bytes", [(f"ray_lt_opd_teacher_payload_bytes_per_token{{{RUN}}}", "{{actor}}")]),
+    ("Benchmark scores at the evaluation budget", "short", [(f"ray_lt_opd_eval_score{{{RUN}}}", "{{benchmark}} {{selector}} at {{budget_bps}} bps")]),
+    ("Teacher requests at replicas and queued (the autoscaler's input)", "short",
+     [('sum(ray_serve_num_ongoing_requests_at_replicas{SessionName=~"$session", application=~"$run-teacher"})', "ongoing at replicas"),
+      ('sum(ray_serve_deployment_queued_queries{SessionName=~"$session", application=~"$run-teacher"})', "queued at handles")]),
+    ("Object store memory", "bytes", [('ray_object_store_memory{SessionName=~"$session"}', "{{Location}} {{instance}}")]),
+    ("GPU memory per node (each pool runs on its own node type)", "decmbytes",
+     [('ray_node_gram_used{SessionName=~"$session"}', "GPU {{GpuIndex}} {{instance}}")]),
     ("Actors per pool", "short", [(f"ray_lt_opd_pool_actors{{{RUN}}}", "{{pool}}")]),
     ("Actor restarts per pool", "short", [(f"ray_lt_opd_actor_restarts{{{RUN}}}", "{{pool}}")]),
     ("Node utilisation (Ray node metrics)", "percent", [('ray_node_gpus_utilization{SessionName=~"$session"}', "GPU {{GpuIndex}} {{instance}}"),
@@ -47,7 +54,7 @@ PANELS = [
 ]
 
 # Series that exist only where the hardware does (no GPU, no GPU series); the test accepts an empty answer for these.
-HARDWARE_DEPENDENT = {"ray_node_gpus_utilization"}
+HARDWARE_DEPENDENT = {"ray_node_gpus_utilization", "ray_node_gram_used"}
 
 
 def panel(index: int, title: str, unit: str, targets: list[tuple[str, str]]) -> dict:

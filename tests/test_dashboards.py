@@ -77,6 +77,7 @@ def scraped_run(tmp_path_factory, tiny_dirs):
     from lt_opd_ray.runtime.launch import WORKER_ENV
     from lt_opd_ray.runtime.learner_group import free_port
     from conftest import job_for
+    from test_benchmarks import fixture
 
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed: scripts/setup.sh installs Debian's package"
@@ -91,7 +92,8 @@ def scraped_run(tmp_path_factory, tiny_dirs):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    evaluation = 'eval: {data: "synthetic:2", every_steps: 1}\n'
+    pope, _, _ = fixture("pope", tmp)
+    evaluation = f'eval: {{data: "synthetic:2", every_steps: 1, benchmarks: {{pope: "{pope}"}}}}\n'
     driver = Driver(job_for(tiny_dirs["qwen3_5"], tmp / "ckpt", ranks=1, name=JOB_NAME, extra=evaluation))
     try:
         for _ in range(3):
