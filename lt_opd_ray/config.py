@@ -309,6 +309,22 @@ class MetricsConfig(_Strict):
         return self
 
 
+class TrackingConfig(_Strict):
+    """Experiment tracking (lt_opd_ray/tracking.py); each backend's library is an optional extra:
+    `pip install 'lt-opd-ray[tracking]'`."""
+
+    backends: list[Literal["tensorboard", "mlflow", "wandb"]] = []
+    """Where every update's metrics and the resolved job go; empty: nowhere but steps.jsonl and Prometheus."""
+    dir: str | None = None
+    """Local folder of the TensorBoard event files, MLflow's sqlite store and W&B's run files; None: <checkpoint.dir>/tracking."""
+    project: str = "lt-opd"
+    """MLflow experiment / W&B project; the run is named after the job."""
+    mlflow_uri: str | None = None
+    """MLflow tracking server or store URI; None: `sqlite:///<dir>/mlflow.db`."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B online needs WANDB_API_KEY; offline runs can be uploaded later with `wandb sync`."""
+
+
 class JobConfig(_Strict):
     """One LT-OPD training job."""
 
@@ -340,6 +356,8 @@ class JobConfig(_Strict):
     """Evaluation during training."""
     metrics: MetricsConfig = MetricsConfig()
     """Metrics export."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment tracking (TensorBoard, MLflow, W&B)."""
 
 
 class JobConfigError(ValueError):

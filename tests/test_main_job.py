@@ -23,12 +23,18 @@ def step_lines(text):
 
 
 def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
-    out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2", "--force"], env={"LT_OPD_CACHE": str(tmp_path)})
+    out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2", "--force", "--set", "tracking.backends=[tensorboard]"],
+              env={"LT_OPD_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = step_lines(out.stderr + out.stdout)
     assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert lines[0].startswith("step    1/12  budget 25.00%") and "rollout" in lines[0] and "sync" in lines[0]
     printed = out.stdout + out.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # every update tracked
+
+    events = EventAccumulator(str(REPO / "runs" / "tiny" / "tracking" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2] and [e.step for e in events.Scalars("time/rollout")] == [1, 2]
     started = next(line for line in printed.splitlines() if line.startswith("started in "))
     assert all(phase in started for phase in ("ray ", "checks ", "rollout workers ", "teacher (Serve) ", "learners (DeepSpeed) ", "first weight sync "))
     assert f"outputs (checkpoints, steps.jsonl, final/) go to {REPO / 'runs' / 'tiny'}" in printed

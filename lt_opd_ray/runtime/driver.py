@@ -12,6 +12,7 @@ travel through this process (but for a checkpoint's in-flight rollouts).
 
 from __future__ import annotations
 
+import importlib.util
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     samples = attempt(lambda: load_samples(job.data.path, job.data.image_root, job.seed))
     benchmarks = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     eval_samples = attempt(lambda: load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
+    problems += [f"tracking.backends names {name!r} but {name} is not installed: pip install 'lt-opd-ray[tracking]'"
+                 for name in job.tracking.backends if importlib.util.find_spec(name) is None]
     if problems:
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
     return samples, benchmarks, eval_samples

@@ -159,6 +159,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
 
     from tqdm import tqdm
 
+    from ..tracking import Trackers
     from .driver import Driver
 
     stop = StopRequest()
@@ -167,6 +168,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
     except BaseException:
         stop.restore()
         raise
+    trackers = None
     total = job.budget.total_steps
     last = min(total, driver.step + steps) if steps else total
     logs = []
@@ -175,6 +177,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
         tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()))
         tqdm.write(f"outputs (checkpoints, steps.jsonl, final/) go to {Path(job.checkpoint.dir).resolve()}")
         step_file = start_history(driver, Path(job.checkpoint.dir), resume)
+        trackers = Trackers(job, Path(job.checkpoint.dir))
         with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:
                 replaced = driver.replace_dead_rollout_workers()
@@ -184,6 +187,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                 logs.append(log)
                 out.write(json.dumps(asdict(log)) + "\n")
                 out.flush()
+                trackers.step(log)
                 tqdm.write(format_step(log, total))
                 bar.update(1)
                 if stop.requested:
@@ -201,5 +205,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
         raise RoleDiedError(f"{exc}; the run stopped after update {driver.step}; {where}") from exc
     finally:
         stop.restore()
+        if trackers is not None:
+            trackers.close()
         driver.shutdown()
     return logs

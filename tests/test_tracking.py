@@ -1,0 +1,53 @@
+"""Experiment tracking: each backend records every update's metrics and the resolved job, read back from its own
+files (TensorBoard event files, an MLflow file store, a W&B offline run)."""
+
+from __future__ import annotations
+
+from conftest import job_for
+from lt_opd_ray.runtime.driver import StepLog
+from lt_opd_ray.tracking import Trackers, step_metrics
+from lt_opd_ray.wire import PhaseTimes
+
+
+def logs():
+    return [StepLog(step=s, budget_bps=2500 - 500 * s, loss=0.5 / (s + 1), divergence=0.4 / (s + 1), importance_weight=1.0,
+                    top_k_overlap=0.9, tokens=100 + s, phases=PhaseTimes(rollout=1.0, teacher=0.5, learner=2.0, step=3.5, busy={"learner": 0.6}),
+                    eval_accuracy={"cdpruner": 0.25 * s} if s == 2 else {}) for s in range(3)]
+
+
+def test_every_backend_records_each_update_and_the_job(tmp_path):
+    job = job_for("tiny:qwen3_5", tmp_path / "run", extra="tracking: {backends: [tensorboard, mlflow, wandb], project: tests}\n")
+    trackers = Trackers(job, tmp_path / "run")
+    for log in logs():
+        trackers.step(log)
+    wandb_run = trackers.backends[2].run  # the offline run as W&B holds it (its run file is a binary log only W&B's core reads)
+    assert round(wandb_run.summary["train/loss"], 6) == round(0.5 / 3, 6) and wandb_run.summary["eval/accuracy/cdpruner"] == 0.5
+    assert wandb_run.config["sampling"]["n"] == job.sampling.n and wandb_run.name == job.name
+    trackers.close()
+    folder = tmp_path / "run" / "tracking"
+    expected_loss = [0.5, 0.25, 0.5 / 3]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder / "tensorboard"))
+    events.Reload()
+    assert [round(e.value, 6) for e in events.Scalars("train/loss")] == [round(v, 6) for v in expected_loss]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("eval/accuracy/cdpruner")] == [0.5] and "job" in str(events.Tags())
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{(folder / 'mlflow.db').resolve()}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [round(m.value, 6) for m in sorted(history, key=lambda m: m.step)] == [round(v, 6) for v in expected_loss]
+    assert run.data.params["pools.learner.ranks"] == "2" and run.info.run_name == job.name
+
+    (offline,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+    assert offline.stat().st_size > 0  # `wandb sync` uploads it later
+
+
+def test_step_metrics_are_flat_finite_scalars():
+    metrics = step_metrics(logs()[2])
+    assert metrics["train/budget_percent"] == 15.0 and metrics["time/learner"] == 2.0 and metrics["busy/learner"] == 0.6
+    assert metrics["eval/accuracy/cdpruner"] == 0.5 and all(isinstance(v, float) for v in metrics.values())
