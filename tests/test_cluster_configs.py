@@ -11,7 +11,8 @@ from lt_opd_ray.cluster_check import check_cluster_file
 from lt_opd_ray.config import load_job
 
 REPO = Path(__file__).resolve().parents[1]
-CLUSTER_FILES = sorted(p for p in (REPO / "cluster").rglob("*.yaml") if p.name != "runtime_env.yaml")  # the job runtime env sits beside them
+# Ray cluster configs (the job runtime env and plain Kubernetes objects sit beside them)
+CLUSTER_FILES = sorted(p for p in (REPO / "cluster").rglob("*.yaml") if p.name != "runtime_env.yaml" and "kubernetes" not in p.parts)
 RECIPE = load_job(REPO / "jobs" / "train_qwen35.yaml")
 
 
@@ -30,7 +31,7 @@ def test_every_cluster_file_fits_the_recipe(path):
 
 
 def test_every_yaml_in_the_repo_parses():
-    for path in [*REPO.glob("jobs/*.yaml"), *REPO.glob("dashboards/**/*.yaml"), *CLUSTER_FILES, REPO / "cluster" / "runtime_env.yaml"]:
+    for path in [*REPO.glob("jobs/*.yaml"), *REPO.glob("dashboards/**/*.yaml"), *REPO.glob("cluster/**/*.yaml")]:
         assert yaml.safe_load(path.read_text()) is not None, path
 
 
@@ -90,3 +91,19 @@ def test_the_images_and_the_launcher_install_what_every_job_uses():
     assert "scripts/setup.sh" in (REPO / "cluster" / "Dockerfile.cpu").read_text()  # the CPU image is the tested environment
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv", "runs", ".git"} <= set(ignored)
+
+
+def test_every_kuberay_pod_mounts_the_runs_volume_and_the_job_writes_there():
+    claim = load(REPO / "cluster" / "kubernetes" / "runs-pvc.yaml")
+    assert claim["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in claim["spec"]["accessModes"]
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        doc = load(REPO / "cluster" / "kuberay" / name)
+        spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+        for pod in pods:
+            (volume,) = pod["volumes"]
+            assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+            for container in pod["containers"]:
+                assert {"name": volume["name"], "mountPath": "/mnt/lt-opd"} in container["volumeMounts"], (name, container["name"])
+    entrypoint = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")["spec"]["entrypoint"]
+    assert "--set checkpoint.dir=/mnt/lt-opd/" in entrypoint  # outputs outlive the job's cluster
