@@ -32,6 +32,7 @@ import yaml
 from ..config import JobConfig
 from ..wire import Rollout, RolloutGroup, Span
 from .checkpoint_files import CheckpointError, Manifest, damage, load_weights_only, write_failure
+from .waits import RoleDiedError
 
 IN_FLIGHT = "in_flight.pt"
 DRIVER_STATE = "driver_state.json"
@@ -68,6 +69,8 @@ class CheckpointStore:
         except Exception as exc:
             reason = write_failure(staged, exc)
             shutil.rmtree(staged, ignore_errors=True)  # give the space back; the previous checkpoint stays `latest`
+            if isinstance(exc, RoleDiedError):
+                raise  # a rank died while writing: the run stops as for any learner death
             raise CheckpointError(f"writing checkpoint {tag} to {staged} failed: {reason}; `latest` still names {self._pointer() or 'nothing'}") from exc
         final = self.root / tag
         shutil.rmtree(final, ignore_errors=True)
