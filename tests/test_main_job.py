@@ -129,7 +129,8 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
                        .replace("dir: runs/tiny", f"dir: {tmp_path / 'big'}"))
         refused = run([str(BIN / "lt-opd"), "train", str(big), "--address", f"127.0.0.1:{gcs}"], env=env)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-        assert "error: job 'tiny' does not fit the cluster: CPU: the pools need 9" in refused.stderr and "ray start --num-cpus N" in refused.stderr
+        assert refused.stderr.startswith("error: job 'tiny' cannot start:") and "does not fit the cluster: CPU: the pools need 9" in refused.stderr
+        assert "ray start --num-cpus N" in refused.stderr
         # without --address a run starts a cluster of its own beside the `ray start` one, never joins it
         local = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "1", "--force"], env={**env, "RAY_ADDRESS": ""})
         assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
