@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .runtime.storage import check_location
+
 BPS = 10_000  # budgets are integer basis points: 500 bps = 5% of the visual tokens
 
 
@@ -263,8 +265,12 @@ class ScheduleConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    dir: str = "runs/latest"
-    """Where checkpoints and the resolved job config are written."""
+    dir: Annotated[str, AfterValidator(check_location)] = "runs/latest"
+    """Where the run's outputs go (checkpoints, steps.jsonl, final/, the resolved job): a folder (on a cluster, one
+    every node mounts) or a URI pyarrow opens: s3://bucket/path, gs://, hdfs://, abfs://, file://."""
+    staging_dir: str | None = None
+    """With `dir` a URI: the local folder (same path on every node) where outputs are written before they are
+    uploaded; None: a folder under the system's temp dir."""
     every_steps: int = Field(25, ge=1)
     """Checkpoint interval in optimizer steps."""
     keep: int = Field(2, ge=1)

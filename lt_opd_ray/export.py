@@ -51,23 +51,27 @@ class ExportError(RuntimeError):
 
 def export_student(job, out_dir: str | Path, step: int | None = None, force: bool = False) -> Path:
     """Write the job's student to `out_dir`: from `<checkpoint.dir>/final`, or from checkpoint `step-<step>`."""
+    from .runtime.storage import RunStorage
+
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
         raise ExportError(f"{out_dir} exists; choose another folder or pass --force to replace it")
-    root = Path(job.checkpoint.dir)
+    storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
     staging = out_dir.with_name(out_dir.name + ".incoming")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         if step is None:
-            final = root / "final"
-            if not (final / "config.json").exists():
+            if storage.read_text("final/config.json") is None:  # written last: a final/ without it is unfinished
                 raise ExportError(
-                    f"{final}: no finished student (the run has not reached budget.total_steps);"
-                    f" export a checkpoint with --step (available: {_steps(root) or 'none'})"
+                    f"{storage.describe('final')}: no finished student (the run has not reached budget.total_steps);"
+                    f" export a checkpoint with --step (available: {_steps(storage) or 'none'})"
                 )
-            shutil.copytree(final, staging)
+            if storage.remote:
+                storage.get("final", into=staging)
+            else:
+                shutil.copytree(storage.local / "final", staging)
         else:
-            _from_deepspeed_checkpoint(job, root, step, staging)
+            _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
         _check_loadable(staging)
     except BaseException:
@@ -78,11 +82,12 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
     return out_dir
 
 
-def _steps(root: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "driver_state.json").exists())
+def _steps(storage) -> list[int]:
+    names = storage.names()
+    return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit() and storage.read_text(f"{n}/driver_state.json") is not None)
 
 
-def _from_deepspeed_checkpoint(job, root: Path, step: int, staging: Path) -> None:
+def _from_deepspeed_checkpoint(job, storage, step: int, staging: Path) -> None:
     """fp32 weights gathered from the ZeRO partitions of one complete checkpoint, saved over the base model."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -91,18 +96,25 @@ def _from_deepspeed_checkpoint(job, root: Path, step: int, staging: Path) -> Non
     from .runtime.checkpoint_files import damage
 
     tag = f"step-{step}"
-    if not (root / tag / "driver_state.json").exists():
-        raise ExportError(f"{root / tag}: no complete checkpoint (available steps: {_steps(root) or 'none'})")
-    if why := damage(root / tag):  # sizes, SHA-256 and weights-only pickles, before DeepSpeed's loader opens a file
-        raise ExportError(f"{root / tag}: not exported, the checkpoint is damaged or untrusted: {why}")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    if storage.read_text(f"{tag}/driver_state.json") is None:
+        raise ExportError(f"{storage.describe(tag)}: no complete checkpoint (available steps: {_steps(storage) or 'none'})")
+    root = staging.with_name(staging.name + ".checkpoint") if storage.remote else storage.local
+    if storage.remote:
+        storage.get(tag, into=root / tag)
+    try:
+        if why := damage(root / tag):  # sizes, SHA-256 and weights-only pickles, before DeepSpeed's loader opens a file
+            raise ExportError(f"{storage.describe(tag)}: not exported, the checkpoint is damaged or untrusted: {why}")
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    finally:
+        if storage.remote:
+            shutil.rmtree(root, ignore_errors=True)
     prefix = "model."  # the DeepSpeed module wraps the Hugging Face model as `.model`
     weights = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
     model_dir, model = load_vlm(job.model.path)
     expected = set(model.state_dict())
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
-        raise ExportError(f"{root / tag}: weights do not match {job.model.path} (missing {missing}, unexpected {extra})")
+        raise ExportError(f"{storage.describe(tag)}: weights do not match {job.model.path} (missing {missing}, unexpected {extra})")
     model.save_pretrained(staging, state_dict=weights)
     processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
     processor.tokenizer.save_pretrained(staging)

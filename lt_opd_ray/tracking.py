@@ -71,7 +71,6 @@ class MLflowTracker:
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics({name.replace("[", "_").replace("]", ""): value for name, value in metrics.items()}, step=step)
 
-
     def close(self) -> None:
         self.mlflow.end_run()
 
@@ -90,7 +89,6 @@ class WandbTracker:
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step, commit=True)
 
-
     def close(self) -> None:
         self.run.finish()
 
@@ -99,9 +97,10 @@ class Trackers:
     """Every backend the job names, called together (a missing library is refused before the run starts:
     runtime/driver.preflight)."""
 
-    def __init__(self, job, root: Path):
+    def __init__(self, job, storage):
         settings, self.backends = job.tracking, []
-        folder = Path(settings.dir) if settings.dir else root / "tracking"
+        self.storage = None if settings.dir else storage  # to a URI checkpoint.dir, the default folder is uploaded at close
+        folder = Path(settings.dir) if settings.dir else storage.local / "tracking"
         for name in settings.backends:
             if name == "tensorboard":
                 self.backends.append(TensorBoardTracker(folder / "tensorboard"))
@@ -118,10 +117,11 @@ class Trackers:
         for backend in self.backends:
             backend.step(log.step + 1, metrics)
 
-
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
+        if self.backends and self.storage is not None:
+            self.storage.put("tracking")
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:

@@ -23,6 +23,7 @@ from lt_opd_ray.runtime.checkpoint import CheckpointStore, Restored
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder, start_history
+from lt_opd_ray.runtime.storage import RunStorage
 from conftest import job_for, start_local_ray
 
 STEPS = 3
@@ -166,7 +167,7 @@ def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_di
         with pytest.raises(CheckpointError) as info:
             run_steps(job, 2)
         message = str(info.value)
-        assert f"writing checkpoint step-2 to {mount / 'ck' / '.incoming' / 'step-2'} failed: the disk holding" in message
+        assert f"writing checkpoint step-2 to {mount / 'ck' / 'step-2'} failed: the disk holding {mount / 'ck' / '.incoming' / 'step-2'}" in message
         assert "is full" in message and "`latest` still names step-1" in message
         assert not (mount / "ck" / ".incoming" / "step-2").exists()  # the space is given back
         assert CheckpointStore(job).choose() == ("step-1", [])
@@ -188,7 +189,7 @@ def test_the_step_log_reads_as_one_history_across_a_resume(tmp_path):
     step_file = tmp_path / "steps.jsonl"
     step_file.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(5)) + '{"step": 5, "lo')
     resumed = SimpleNamespace(restored=Restored("step-3", {"step": 3, "cursor": 6}, [], ["step-4: damaged"]), step=3)
-    assert start_history(resumed, tmp_path, resume=True) == step_file
+    assert start_history(resumed, RunStorage(str(tmp_path)), resume=True) == step_file
     assert [json.loads(line)["step"] for line in step_file.read_text().splitlines()] == [0, 1, 2]
 
 
@@ -207,3 +208,45 @@ def test_a_fresh_run_is_refused_a_folder_that_holds_an_earlier_run_unless_forced
     claim_run_folder(root, resume=False, force=True)
     (aside,) = tmp_path.glob("run-before-*")
     assert not root.exists() and (aside / "step-4").is_dir() and (aside / "steps.jsonl").read_text() == "{}\n"  # moved, not deleted
+
+
+def test_a_run_to_a_storage_uri_resumes_and_exports_from_the_storage_alone(finished, tmp_path, tiny_dirs):
+    """checkpoint.dir as a URI (file://, through pyarrow.fs as s3:// or gs:// would go): every checkpoint is uploaded
+    and its staging copy removed; a resume on a machine with an empty staging folder downloads, verifies and continues;
+    the exported weights equal those of the same run in a plain folder."""
+    uri = f"file://{tmp_path}/bucket/ck"
+    job = small_job(tiny_dirs["qwen3_5"], tmp_path / "unused")
+    staged = lambda name: job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": uri, "staging_dir": str(tmp_path / name)})})  # noqa: E731
+    run_steps(staged("node-a"), 2)
+    stored = tmp_path / "bucket" / "ck"
+    assert (stored / "latest").read_text() == "step-2" and damage(stored / "step-2") is None and damage(stored / "step-1") is None
+    assert not list((tmp_path / "node-a").glob("**/*.pt"))  # uploaded, then removed from the staging folder
+    restored, logs = run_steps(staged("node-b"), 1, resume=True)  # a fresh staging folder: everything comes from the storage
+    assert restored.tag == "step-2" and logs[0].step == 2
+    assert Manifest.read(stored / "step-3").run_id == Manifest.read(stored / "step-1").run_id
+    ours = export_student(staged("node-c"), tmp_path / "from-uri", step=3)
+    theirs = export_student(small_job(tiny_dirs["qwen3_5"], finished), tmp_path / "from-folder", step=3)
+    from safetensors.torch import load_file
+
+    a, b = load_file(ours / "model.safetensors"), load_file(theirs / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_unfinished_upload_is_passed_over_and_a_damaged_download_is_named(finished, tmp_path, tiny_dirs):
+    uri = f"file://{tmp_path}/bucket/ck"
+    shutil.copytree(finished, tmp_path / "bucket" / "ck")
+    job = small_job(tiny_dirs["qwen3_5"], tmp_path / "unused")
+    job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": uri, "staging_dir": str(tmp_path / "stage")})})
+    (tmp_path / "bucket" / "ck" / "step-3" / MANIFEST).unlink()  # an upload cut short: the manifest goes last
+    with open(model_file(tmp_path / "bucket" / "ck" / "step-2"), "r+b") as f:  # same size, other bytes: only a download tells
+        f.seek(200)
+        f.write(b"\x00" * 64)
+    store = CheckpointStore(job)
+    tag, passed = store.choose()
+    assert tag == "step-2" and passed == [f"step-3: {uri}/step-3/{MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
+    storage = RunStorage(uri, str(tmp_path / "stage"))
+    from lt_opd_ray.runtime.checkpoint import download
+
+    with pytest.raises(CheckpointError, match=rf"checkpoint {uri}/step-2 is damaged: .*model_states.pt: SHA-256 differs from the manifest"):
+        download(storage, "step-2")
+    assert not (tmp_path / "stage" / "step-2").exists()

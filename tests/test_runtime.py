@@ -243,7 +243,8 @@ def test_job_larger_than_the_cluster_is_refused_before_anything_starts(cluster, 
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=4, workers=3, name="big", prompts=4)
     job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"cpus": 2.0, "gpus": 1.0})})})
     job = job.model_copy(update={"model": job.model.model_copy(update={"path": str(tmp_path / "no-model")}),
-                                 "data": job.data.model_copy(update={"path": str(tmp_path / "rows.jsonl")})})
+                                 "data": job.data.model_copy(update={"path": str(tmp_path / "rows.jsonl")}),
+                                 "checkpoint": job.checkpoint.model_copy(update={"dir": "hdfs://namenode:8020/run"})})
     before = wait_until_idle()
     with pytest.raises(PreflightError) as info:
         Driver(job)
@@ -253,6 +254,7 @@ def test_job_larger_than_the_cluster_is_refused_before_anything_starts(cluster, 
     assert "GPU: the pools need 4 (learner 4) but the cluster has 0, short by 4" in message
     assert f"model.path '{tmp_path / 'no-model'}': no config.json there" in message
     assert f"{tmp_path / 'rows.jsonl'}: data file not found" in message
+    assert "cannot open hdfs://namenode:8020/run: " in message  # no Hadoop client here: the storage is named too
     assert ray.available_resources().get("CPU") == before  # no actor was started
 
 

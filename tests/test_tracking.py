@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from conftest import job_for
 from lt_opd_ray.runtime.driver import StepLog
+from lt_opd_ray.runtime.storage import RunStorage
 from lt_opd_ray.tracking import Trackers, step_metrics
 from lt_opd_ray.wire import PhaseTimes
 
@@ -17,7 +18,7 @@ def logs():
 
 def test_every_backend_records_each_update_and_the_job(tmp_path):
     job = job_for("tiny:qwen3_5", tmp_path / "run", extra="tracking: {backends: [tensorboard, mlflow, wandb], project: tests}\n")
-    trackers = Trackers(job, tmp_path / "run")
+    trackers = Trackers(job, RunStorage(str(tmp_path / "run")))
     for log in logs():
         trackers.step(log)
     wandb_run = trackers.backends[2].run  # the offline run as W&B holds it (its run file is a binary log only W&B's core reads)

@@ -4,6 +4,8 @@ cursor) + the rollouts in flight.
 A checkpoint is written into `<dir>/.incoming/step-K`, completed with its
 driver_state.json and a manifest of every file's size and SHA-256, then renamed to
 `<dir>/step-K`; only then does the `latest` file (replaced atomically) point at it.
+With `checkpoint.dir` a URI (storage.py) it is uploaded instead: the files, then the
+manifest, then `latest`.
 A crash at any moment leaves the previous checkpoint as `latest`. A resume checks
 the checkpoint against its manifest first and falls back to the newest intact one,
 saying which and why (checkpoint_files.py). Each run keeps its own newest
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +34,8 @@ import yaml
 
 from ..config import JobConfig
 from ..wire import Rollout, RolloutGroup, Span
-from .checkpoint_files import CheckpointError, Manifest, damage, load_weights_only, write_failure
+from .checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, file_digests, load_weights_only, remote_damage, write_failure
+from .storage import RunStorage
 from .waits import RoleDiedError
 
 IN_FLIGHT = "in_flight.pt"
@@ -49,95 +53,156 @@ class Restored:
 class CheckpointStore:
     def __init__(self, job: JobConfig):
         self.job = job
-        self.root = Path(job.checkpoint.dir).resolve()
+        self.storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
+        self.root = self.storage.local  # where this process writes (for a URI: the staging folder)
         self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / "job.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+        self.storage.write_text("job.yaml", yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
         self.run_id = uuid.uuid4().hex[:12]  # a resume continues the run it restores (restore sets it)
 
     # ------------------------------------------------------------------ writing
-    def save(self, learners, driver_state: dict, in_flight: list[RolloutGroup] = ()) -> Path:
+    def save(self, learners, driver_state: dict, in_flight: list[RolloutGroup] = ()) -> str:
+        """Checkpoint `step-K` of the learners, the driver state and the rollouts in flight; returns where it is."""
         tag = f"step-{driver_state['step']}"
         staged = self.root / ".incoming" / tag
         shutil.rmtree(staged, ignore_errors=True)
         staged.parent.mkdir(exist_ok=True)
         try:
             learners.wait([actor.save.remote(str(staged.parent), tag) for actor in learners.actors], f"writing checkpoint {tag}")
-            if in_flight:
-                torch.save([to_plain(group) for group in in_flight], staged / IN_FLIGHT)
-            (staged / DRIVER_STATE).write_text(json.dumps(driver_state))
-            Manifest.of(staged, self.run_id, driver_state["step"]).write(staged)
+            if self.storage.remote:
+                self._upload(learners, tag, driver_state, in_flight)
+            else:
+                self._write_driver_files(staged, driver_state, in_flight)
+                Manifest.of(staged, self.run_id, driver_state["step"]).write(staged)
         except Exception as exc:
             reason = write_failure(staged, exc)
             shutil.rmtree(staged, ignore_errors=True)  # give the space back; the previous checkpoint stays `latest`
+            if self.storage.remote:
+                self.storage.delete(tag)
             if isinstance(exc, RoleDiedError):
                 raise  # a rank died while writing: the run stops as for any learner death
-            raise CheckpointError(f"writing checkpoint {tag} to {staged} failed: {reason}; `latest` still names {self._pointer() or 'nothing'}") from exc
-        final = self.root / tag
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staged, final)
-        pointer = self.root / "latest.tmp"
-        pointer.write_text(tag)
-        os.replace(pointer, self.root / "latest")
+            raise CheckpointError(f"writing checkpoint {tag} to {self.storage.describe(tag)} failed: {reason}; `latest` still names {self._pointer() or 'nothing'}") from exc
+        if not self.storage.remote:
+            final = self.root / tag
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staged, final)
+        self.storage.write_text("latest", tag)
         self._prune(newest=tag)
-        return final
+        return self.storage.describe(tag)
+
+    @staticmethod
+    def _write_driver_files(folder: Path, driver_state: dict, in_flight: list[RolloutGroup]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        if in_flight:
+            torch.save([to_plain(group) for group in in_flight], folder / IN_FLIGHT)
+        (folder / DRIVER_STATE).write_text(json.dumps(driver_state))
+
+    def _upload(self, learners, tag: str, driver_state: dict, in_flight: list[RolloutGroup]) -> None:
+        """To a URI: each node's learner files (one rank per node hashes and uploads them), the driver's files,
+        then the manifest of them all, last: a checkpoint without one is unfinished."""
+        where = self.storage.location, self.job.checkpoint.staging_dir
+        files = learners.on_each_node("upload", *where, f".incoming/{tag}", tag, what=f"uploading checkpoint {tag}")
+        own = f".driver/{tag}"
+        self._write_driver_files(self.root / own, driver_state, in_flight)
+        files = {name: entry for node_files in files for name, entry in node_files.items()} | upload(self.storage, own, tag)
+        self.storage.write_text(f"{tag}/{MANIFEST}", Manifest(self.run_id, driver_state["step"], time.time(), files).text())
+        shutil.rmtree(self.root / tag, ignore_errors=True)  # the manifest's local copy
 
     def _prune(self, newest: str) -> None:
         """This run's checkpoints beyond the newest `keep`; never `newest`, never another run's."""
         own = []
-        for folder in self._step_folders():
+        for tag in self._step_tags():
             try:
-                if Manifest.read(folder).run_id == self.run_id:
-                    own.append(folder)
+                if self._manifest(tag).run_id == self.run_id:
+                    own.append(tag)
             except CheckpointError:
                 continue  # not ours to judge: an unfinished or foreign folder stays
         for old in own[: -self.job.checkpoint.keep]:
-            if old.name != newest:
-                shutil.rmtree(old, ignore_errors=True)
+            if old != newest:
+                self.storage.delete(old)
 
     # ------------------------------------------------------------------ reading
-    def _step_folders(self) -> list[Path]:
-        return sorted((p for p in self.root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    def _step_tags(self) -> list[str]:
+        tags = [name for name in self.storage.names() if name.startswith("step-") and name[5:].isdigit() and self.storage.is_dir(name)]
+        return sorted(tags, key=lambda tag: int(tag[5:]))
+
+    def _manifest(self, tag: str) -> Manifest:
+        return Manifest.parse(self.storage.read_text(f"{tag}/{MANIFEST}"), self.storage.describe(f"{tag}/{MANIFEST}"))
 
     def _pointer(self) -> str | None:
-        pointer = self.root / "latest"
-        return pointer.read_text().strip() if pointer.exists() else None
+        pointer = self.storage.read_text("latest")
+        return pointer.strip() if pointer is not None else None
 
     def latest(self) -> str | None:
         """The tag `latest` names (this process wrote it or it is complete), or None."""
         tag = self._pointer()
-        return tag if tag and (self.root / tag / DRIVER_STATE).exists() else None
+        return tag if tag and self.storage.read_text(f"{tag}/{MANIFEST}") is not None else None
 
     def choose(self) -> tuple[str | None, list[str]]:
         """(the checkpoint to resume: the one `latest` names when intact, else the newest intact one; the ones
         passed over, each with why). Raises CheckpointError, naming each candidate's damage, when none is intact."""
         pointer = self._pointer()
-        candidates = [self.root / pointer] if pointer else []
-        candidates += sorted((p for p in self._step_folders() if p.name != pointer), key=self._written_at, reverse=True)
+        candidates = [pointer] if pointer else []
+        candidates += sorted((tag for tag in self._step_tags() if tag != pointer), key=self._written_at, reverse=True)
         passed_over = []
-        for folder in candidates:
-            why = damage(folder) if folder.is_dir() else f"{folder}: missing (named by {self.root / 'latest'})"
+        for tag in candidates:
+            if not self.storage.is_dir(tag):
+                why = f"{self.storage.describe(tag)}: missing (named by {self.storage.describe('latest')})"
+            else:
+                why = remote_damage(self.storage, tag) if self.storage.remote else damage(self.root / tag)
             if why is None:
-                return folder.name, passed_over
-            passed_over.append(f"{folder.name}: {why}")
+                return tag, passed_over
+            passed_over.append(f"{tag}: {why}")
         if passed_over:
-            raise CheckpointError(f"no intact checkpoint in {self.root} to resume from:\n  " + "\n  ".join(passed_over))
+            raise CheckpointError(f"no intact checkpoint in {self.storage.describe()} to resume from:\n  " + "\n  ".join(passed_over))
         return None, []
 
-    @staticmethod
-    def _written_at(folder: Path) -> float:
+    def _written_at(self, tag: str) -> float:
         try:
-            return Manifest.read(folder).written_at
-        except CheckpointError:
-            return folder.stat().st_mtime  # no manifest to ask: when the folder was last changed
+            return self._manifest(tag).written_at
+        except CheckpointError:  # no manifest to ask: when the folder was last changed (0 in remote storage)
+            return 0.0 if self.storage.remote else (self.root / tag).stat().st_mtime
 
     def restore(self, learners, tag: str, passed_over: list[str]) -> Restored:
         """Checkpoint `tag` (from `choose`) loaded into the learners, with its driver state and in-flight rollouts."""
         folder = self.root / tag
+        if self.storage.remote:  # each node downloads it (and checks every file's SHA-256); the driver its own files
+            where = self.storage.location, self.job.checkpoint.staging_dir
+            learners.on_each_node("download", *where, tag, what=f"downloading checkpoint {tag}")
+            folder = self.root / ".driver" / tag
+            for name in (MANIFEST, DRIVER_STATE, IN_FLIGHT):
+                self.storage.get(f"{tag}/{name}", into=folder / name)
+            if why := damage(folder, only={DRIVER_STATE, IN_FLIGHT}):
+                raise CheckpointError(f"checkpoint {self.storage.describe(tag)} is damaged: {why}")
         self.run_id = Manifest.read(folder).run_id
         state = json.loads((folder / DRIVER_STATE).read_text())
         kept = load_weights_only(folder / IN_FLIGHT) if (folder / IN_FLIGHT).exists() else []
         learners.wait([actor.load.remote(str(self.root), tag) for actor in learners.actors], f"loading checkpoint {tag}")
+        if self.storage.remote:
+            learners.on_each_node("discard", str(self.root / tag), what=f"removing the local copy of {tag}")
+            shutil.rmtree(folder, ignore_errors=True)
         return Restored(tag, state, [from_plain(group) for group in kept], passed_over)
+
+
+def upload(storage: RunStorage, local: str, to: str, last: tuple[str, ...] = ()) -> dict[str, list]:
+    """Hash the local folder `local`, upload it to the storage's `to` (the files named in `last` last), remove it;
+    its files' [bytes, sha256]."""
+    folder = storage.local / local
+    if not folder.is_dir():
+        return {}
+    files = file_digests(folder)
+    storage.put(local, last, to=to)
+    shutil.rmtree(folder, ignore_errors=True)
+    return files
+
+
+def download(storage: RunStorage, tag: str) -> None:
+    """Checkpoint `tag` from the storage into the local folder, checked against its manifest (SHA-256, weights-only)."""
+    folder = storage.get(tag)
+    if folder is None:
+        raise CheckpointError(f"{storage.describe(tag)}: missing")
+    if why := damage(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+        raise CheckpointError(f"checkpoint {storage.describe(tag)} is damaged: {why}")
 
 
 def to_plain(group: RolloutGroup) -> dict:

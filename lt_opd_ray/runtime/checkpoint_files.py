@@ -59,6 +59,14 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def file_digests(folder: Path) -> dict[str, list]:
+    """Every file under `folder` but a manifest: path relative to `folder` -> [bytes, sha256]."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib releases the GIL: files hash in parallel
+        digests = list(pool.map(sha256, paths))
+    return {str(p.relative_to(folder)): [p.stat().st_size, d] for p, d in zip(paths, digests)}
+
+
 @dataclass(frozen=True)
 class Manifest:
     run_id: str  # the run (a fresh start and every resume of it) that wrote this checkpoint
@@ -68,34 +76,58 @@ class Manifest:
 
     @classmethod
     def of(cls, folder: Path, run_id: str, step: int) -> Manifest:
-        paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-        with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib releases the GIL: files hash in parallel
-            digests = list(pool.map(sha256, paths))
-        files = {str(p.relative_to(folder)): [p.stat().st_size, d] for p, d in zip(paths, digests)}
-        return cls(run_id, step, time.time(), files)
+        return cls(run_id, step, time.time(), file_digests(folder))
+
+    def text(self) -> str:
+        return json.dumps(asdict(self), indent=1)
 
     def write(self, folder: Path) -> None:
-        (folder / MANIFEST).write_text(json.dumps(asdict(self), indent=1))
+        (folder / MANIFEST).write_text(self.text())
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST
-        if not path.exists():
-            raise CheckpointError(f"{path}: missing (an unfinished checkpoint, or one written before manifests)")
+        return cls.parse(path.read_text() if path.exists() else None, str(path))
+
+    @classmethod
+    def parse(cls, text: str | None, where: str) -> Manifest:
+        """The manifest in `text` (None: there is none at `where`)."""
+        if text is None:
+            raise CheckpointError(f"{where}: missing (an unfinished checkpoint, or one written before manifests)")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(text)
             return cls(str(data["run_id"]), int(data["step"]), float(data["written_at"]), dict(data["files"]))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: unreadable ({exc!r})") from None
+            raise CheckpointError(f"{where}: unreadable ({exc!r})") from None
 
 
-def damage(folder: Path) -> str | None:
+def remote_damage(storage, tag: str) -> str | None:
+    """What can be told about checkpoint `tag` in remote storage without downloading it: a manifest (written last,
+    so an interrupted upload has none) and every file at the manifest's size. SHA-256 and the weights-only check
+    follow the download (`damage`)."""
+    try:
+        manifest = Manifest.parse(storage.read_text(f"{tag}/{MANIFEST}"), storage.describe(f"{tag}/{MANIFEST}"))
+    except CheckpointError as exc:
+        return str(exc)
+    sizes = storage.sizes(tag) or {}
+    for name, (size, _) in manifest.files.items():
+        where = storage.describe(f"{tag}/{name}")
+        if name not in sizes:
+            return f"{where}: missing"
+        if sizes[name] != size:
+            return f"{where}: {sizes[name]} bytes, the manifest says {size} (truncated or overwritten)"
+    return None
+
+
+def damage(folder: Path, only: set[str] | None = None) -> str | None:
     """Why the checkpoint in `folder` cannot be trusted (the first file that differs from its manifest, or a
-    pickle that is not weights-only), or None when it is intact."""
+    pickle that is not weights-only), or None when it is intact. `only`: check just these of its files."""
     try:
         manifest = Manifest.read(folder)
     except CheckpointError as exc:
         return str(exc)
+    if only is not None:
+        manifest = Manifest(manifest.run_id, manifest.step, manifest.written_at, {n: v for n, v in manifest.files.items() if n in only})
     for name, (size, _) in manifest.files.items():
         path = folder / name
         if not path.is_file():

@@ -27,6 +27,7 @@ from ..models.loading import resolve_model_dir
 from ..train_loop import batches
 from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch
 from .checkpoint import CheckpointStore
+from .storage import RunStorage, StorageError
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
 from .resources import InsufficientResourcesError, check_resources
@@ -83,11 +84,12 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     def attempt(check):
         try:
             return check()
-        except (InsufficientResourcesError, FileNotFoundError, ValueError) as exc:  # InputError, BenchmarkError, ...
+        except (InsufficientResourcesError, FileNotFoundError, ValueError, StorageError) as exc:  # InputError, BenchmarkError, ...
             problems.append(str(exc))
             return None
 
     attempt(lambda: check_resources(job, ray.cluster_resources()))
+    attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
     attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
     samples = attempt(lambda: load_samples(job.data.path, job.data.image_root, job.seed))
     benchmarks = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
@@ -173,11 +175,11 @@ class Driver:
 
     def checkpoint(self) -> str:
         """A checkpoint of the current step (with the next update's rollouts when they are in flight), unless the
-        latest already is one; returns its tag."""
+        latest already is one; returns where it is."""
         tag = f"step-{self.step}"
         if self.checkpoints.latest() != tag:
             self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor}, self.fetch_groups(self.next))
-        return tag
+        return self.checkpoints.storage.describe(tag)
 
     def submit(self, update: int) -> InFlight:
         """Queue update `update`'s rollout groups on the workers and their scoring on the teacher, all at once."""
@@ -304,9 +306,16 @@ class Driver:
             self.metrics.record_benchmarks(budget, results)
         return accuracy, scores
 
-    def export_student(self, directory) -> None:
-        """The current student as a Hugging Face folder (written atomically by learner rank 0)."""
-        self.learners.save_pretrained(str(directory))
+    def export_student(self) -> str:
+        """The current student as a Hugging Face folder, the run's `final/` (written atomically by learner rank 0;
+        to a URI, uploaded by rank 0 with config.json last, which marks it finished); returns where it is."""
+        storage = self.checkpoints.storage
+        self.learners.save_pretrained(str(storage.local / "final"))
+        if storage.remote:
+            rank0 = self.learners.actors[0]
+            self.learners.wait([rank0.upload.remote(storage.location, self.job.checkpoint.staging_dir, "final", "final", ("config.json",))],
+                               "uploading final/")
+        return storage.describe("final")
 
     def replace_dead_rollout_workers(self) -> list[str]:
         """Between updates: replace workers that died, re-form the sync group and give them the current weights.

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import JobConfig
 from .resources import pool_demands
+from .storage import RunStorage
 from .waits import RoleDiedError
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
@@ -64,23 +65,24 @@ class RunFolderError(ValueError):
     """A fresh run pointed at a folder that holds an earlier run."""
 
 
-def claim_run_folder(root: Path, resume: bool, force: bool) -> None:
+def claim_run_folder(location: str | Path, resume: bool, force: bool, staging: str | None = None) -> None:
     """A fresh run gets a folder of its own: one that holds an earlier run's checkpoints, `final/` or step log is
     refused unless `--resume` continues that run or `--force` starts afresh (the earlier run is moved aside, not
-    deleted)."""
+    deleted). `location`: checkpoint.dir, a folder or a URI."""
     import time
 
-    earlier = sorted(p.name for p in root.glob("*") if p.name in ("final", "latest", "steps.jsonl") or p.name.startswith("step-")) if root.is_dir() else []
+    storage = RunStorage(str(location), staging)
+    earlier = [name for name in storage.names() if name in ("final", "latest", "steps.jsonl") or name.startswith("step-")]
     if resume or not earlier:
         return
-    aside = root.with_name(f"{root.name}-before-{time.strftime('%Y%m%d-%H%M%S')}")
+    suffix = f"-before-{time.strftime('%Y%m%d-%H%M%S')}"
     if not force:
         raise RunFolderError(
-            f"{root} holds an earlier run ({', '.join(earlier[:6])}{', ...' if len(earlier) > 6 else ''}): `--resume` continues it,"
-            f" `--force` starts afresh and moves it to {aside.name}, or set checkpoint.dir to a new folder"
+            f"{storage.describe()} holds an earlier run ({', '.join(earlier[:6])}{', ...' if len(earlier) > 6 else ''}): `--resume` continues it,"
+            f" `--force` starts afresh and moves it to {storage.describe().rstrip('/').rsplit('/', 1)[-1]}{suffix}, or set checkpoint.dir to a new folder"
         )
-    root.rename(aside)
-    print(f"moved the earlier run in {root} to {aside}", flush=True)
+    aside = storage.move_aside(suffix)
+    print(f"moved the earlier run in {storage.describe()} to {aside}", flush=True)
 
 
 def train(job: JobConfig, steps: int | None = None, resume: bool = False, address: str | None = None, force: bool = False) -> list:
@@ -89,7 +91,7 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     import ray
 
-    claim_run_folder(Path(job.checkpoint.dir), resume, force)
+    claim_run_folder(job.checkpoint.dir, resume, force, job.checkpoint.staging_dir)
     begin = time.perf_counter()
     init_ray(job, address)
     try:
@@ -119,24 +121,24 @@ class StopRequest:
         signal.signal(signal.SIGTERM, self.previous)
 
 
-def start_history(driver, root, resume: bool):
-    """Say where the run starts, and make `<root>/steps.jsonl` one history: a resume keeps the lines of the steps
-    before its checkpoint (a killed run may have logged later ones)."""
+def start_history(driver, storage: RunStorage, resume: bool) -> Path:
+    """Say where the run starts, and make the run's steps.jsonl (its local copy: `storage.local`) one history: a
+    resume keeps the lines of the steps before its checkpoint (a killed run may have logged later ones)."""
     from tqdm import tqdm
 
-    step_file = root / "steps.jsonl"
+    step_file = storage.local / "steps.jsonl"
     if driver.restored is not None:
         for line in driver.restored.passed_over:
             tqdm.write(f"passed over a damaged checkpoint: {line}")
-        tqdm.write(f"resuming from {root / driver.restored.tag} (update {driver.step})")
-        if step_file.exists():
+        tqdm.write(f"resuming from {storage.describe(driver.restored.tag)} (update {driver.step})")
+        if storage.get("steps.jsonl"):
             kept = [line for line in step_file.read_text().splitlines() if _logged_step(line) < driver.step]
             staged = step_file.with_suffix(".tmp")
             staged.write_text("".join(line + "\n" for line in kept))
             staged.replace(step_file)
         return step_file
     if resume:
-        tqdm.write(f"--resume: no checkpoint in {root}; starting at update 0")
+        tqdm.write(f"--resume: no checkpoint in {storage.describe()}; starting at update 0")
     return step_file
 
 
@@ -175,9 +177,11 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
     try:
         phases = ({"ray": ray_seconds} if ray_seconds is not None else {}) | driver.startup
         tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()))
-        tqdm.write(f"outputs (checkpoints, steps.jsonl, final/) go to {Path(job.checkpoint.dir).resolve()}")
-        step_file = start_history(driver, Path(job.checkpoint.dir), resume)
-        trackers = Trackers(job, Path(job.checkpoint.dir))
+        storage = driver.checkpoints.storage
+        tqdm.write(f"outputs (checkpoints, steps.jsonl, final/) go to {storage.describe()}"
+                   + (f" (staged in {storage.local})" if storage.remote else ""))
+        step_file = start_history(driver, storage, resume)
+        trackers = Trackers(job, storage)
         with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:
                 replaced = driver.replace_dead_rollout_workers()
@@ -187,6 +191,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                 logs.append(log)
                 out.write(json.dumps(asdict(log)) + "\n")
                 out.flush()
+                storage.put("steps.jsonl")  # to a URI: the whole log again (object stores do not append)
                 trackers.step(log)
                 tqdm.write(format_step(log, total))
                 bar.update(1)
@@ -195,13 +200,13 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                     tqdm.write(f"stopped by SIGTERM after update {driver.step}: checkpoint {where}; `--resume` continues from it")
                     return logs
         if driver.step == total:
-            driver.export_student(Path(job.checkpoint.dir) / "final")
+            tqdm.write(f"the student is in {driver.export_student()}")
         else:  # stopped by --steps: the last update is always kept, whatever checkpoint.every_steps says
-            where = Path(job.checkpoint.dir) / driver.checkpoint()
+            where = driver.checkpoint()
             tqdm.write(f"stopped after update {driver.step} of {total} (--more-updates): checkpoint {where}; `--resume` continues from it")
     except RoleDiedError as exc:
         latest = driver.checkpoints.latest()
-        where = f"`--resume` continues from {Path(job.checkpoint.dir) / latest}" if latest else "no checkpoint yet: start it again"
+        where = f"`--resume` continues from {driver.checkpoints.storage.describe(latest)}" if latest else "no checkpoint yet: start it again"
         raise RoleDiedError(f"{exc}; the run stopped after update {driver.step}; {where}") from exc
     finally:
         stop.restore()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import time
 
@@ -13,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
 from ..wire import LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
+from .storage import RunStorage
 from .waits import RoleDiedError, wait_for, wait_one
 
 FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
@@ -109,6 +111,23 @@ class LearnerActor:
     def load(self, directory: str, tag: str) -> None:
         self.learner.engine.load_checkpoint(directory, tag=tag)
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    # One rank per node moves its node's checkpoint files between the local staging folder and a URI storage.
+    def upload(self, location: str, staging: str | None, local: str, to: str, last: tuple[str, ...] = ()) -> dict[str, list]:
+        from .checkpoint import upload
+
+        return upload(RunStorage(location, staging), local, to, last)
+
+    def download(self, location: str, staging: str | None, tag: str) -> None:
+        from .checkpoint import download
+
+        download(RunStorage(location, staging), tag)
+
+    def discard(self, folder: str) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
     def finish(self) -> None:
         import torch.distributed as dist
 
@@ -193,6 +212,8 @@ class LearnerGroup:
         ]
         master_addr, master_port = self.wait([self.actors[0].address.remote()], "learner-0's address")[0]
         self.wait([a.setup.remote(master_addr, master_port) for a in self.actors], "learner setup")  # rendezvous: all at once
+        nodes = self.wait([a.node_id.remote() for a in self.actors], "the learners' nodes")
+        self.node_ranks = sorted({node: rank for rank, node in reversed(list(enumerate(nodes)))}.values())  # lowest rank per node
 
     def async_train_step(self, batch: list, groups: list, payload_refs: list, worker_names: list[str], version: int,
                          scoring: ScoringRequest) -> list:
@@ -222,6 +243,10 @@ class LearnerGroup:
 
     def full_state_dict(self) -> dict:
         return self.wait([a.full_state_dict.remote() for a in self.actors], "gathering the weights")[0]
+
+    def on_each_node(self, method: str, *args, what: str) -> list:
+        """`method(*args)` on one rank per node (the lowest), for what each node holds on its own disk."""
+        return self.wait([getattr(self.actors[rank], method).remote(*args) for rank in self.node_ranks], what)
 
     def save_pretrained(self, directory: str) -> None:
         """The current student as a Hugging Face folder at `directory` (written by rank 0)."""

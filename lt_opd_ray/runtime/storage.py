@@ -1,0 +1,195 @@
+"""Where a run's outputs live: a folder (on a cluster, a shared volume) or a URI that `pyarrow.fs` opens
+(`s3://`, `gs://`, `hdfs://`, `abfs://`, `file://`).
+
+A run always writes into a local folder first. For a plain path that folder *is* the
+storage. For a URI it is a staging folder on each node (`checkpoint.staging_dir`, the
+same path on every node), and each finished piece is uploaded and its local copy removed:
+
+- a checkpoint: each node's files by one learner rank on that node (they hash what they
+  upload), the driver's own files by the driver, then its manifest, then `latest`;
+- the step log after every update, `final/` (with `config.json` last), tracking files at the end.
+
+Object stores rename nothing atomically, so a checkpoint there is complete when its
+manifest exists (it is uploaded last) and every file has the manifest's size; SHA-256
+is checked after a download, by the node that downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")  # what pyarrow.fs.FileSystem.from_uri opens
+
+
+class StorageError(RuntimeError):
+    pass
+
+
+def is_uri(location: str) -> bool:
+    return URI.match(location) is not None
+
+
+def check_location(location: str) -> str:
+    """A plain path, or a URI of a scheme pyarrow opens (the storage itself is reached at preflight)."""
+    match = URI.match(location)
+    if match and match.group(1).lower() not in SCHEMES:
+        raise ValueError(f"{location!r}: unknown storage scheme {match.group(1)!r}; use a path or one of {', '.join(s + '://' for s in SCHEMES[:-1])}")
+    return location
+
+
+def default_staging(location: str) -> Path:
+    """Per storage location, the same folder on every node."""
+    return Path(tempfile.gettempdir()) / "lt-opd-ray" / "staging" / hashlib.sha256(location.encode()).hexdigest()[:16]
+
+
+class RunStorage:
+    """A run's folder: `local` is where this process reads and writes; for a URI, `put` / `get` move pieces
+    between it and the storage (for a plain path both are no-ops: the folder is the storage)."""
+
+    def __init__(self, location: str, staging: str | Path | None = None):
+        self.location = location
+        if is_uri(location):
+            import pyarrow.fs as pafs
+
+            try:
+                self.fs, self.base = pafs.FileSystem.from_uri(location)
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... : all mean "cannot open"
+                raise StorageError(f"cannot open {location}: {str(exc).splitlines()[0]}") from None
+            self.base = self.base.rstrip("/")
+            self.local = Path(staging) if staging else default_staging(location)
+        else:
+            self.fs, self.base = None, None
+            self.local = Path(location)
+        self.local = self.local.resolve()
+
+    @property
+    def remote(self) -> bool:
+        return self.fs is not None
+
+    def describe(self, rel: str = "") -> str:
+        """Where `rel` lives, for messages: the URI or the local path."""
+        if not self.remote:
+            return str(self.local / rel) if rel else str(self.local)
+        return f"{self.location.rstrip('/')}/{rel}" if rel else self.location
+
+    def _path(self, rel: str) -> str:
+        return f"{self.base}/{rel}" if rel else self.base
+
+    # ------------------------------------------------------------------ listing and reading
+    def check_reachable(self) -> None:
+        """Raises StorageError unless the storage answers (preflight: before any actor starts)."""
+        if self.remote:
+            try:
+                self.fs.get_file_info(self.base)
+            except Exception as exc:  # noqa: BLE001
+                raise StorageError(f"{self.location}: not reachable ({str(exc).splitlines()[0][:200]})") from None
+
+    def names(self) -> list[str]:
+        """The names at the top of the run's folder."""
+        if not self.remote:
+            return sorted(p.name for p in self.local.iterdir()) if self.local.is_dir() else []
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.base, allow_not_found=True))
+        return sorted(info.base_name for info in infos)
+
+    def is_dir(self, rel: str) -> bool:
+        if not self.remote:
+            return (self.local / rel).is_dir()
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(self._path(rel)).type == pafs.FileType.Directory
+
+    def sizes(self, rel: str) -> dict[str, int] | None:
+        """Every file under `rel` with its size in bytes (paths relative to `rel`), or None when `rel` is absent."""
+        if not self.remote:
+            folder = self.local / rel
+            return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else None
+        import pyarrow.fs as pafs
+
+        root = self._path(rel)
+        infos = self.fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        if not infos and self.fs.get_file_info(root).type != pafs.FileType.Directory:
+            return None
+        return {info.path[len(root) + 1 :]: info.size for info in infos if info.type == pafs.FileType.File}
+
+    def read_text(self, rel: str) -> str | None:
+        if not self.remote:
+            path = self.local / rel
+            return path.read_text() if path.is_file() else None
+        import pyarrow.fs as pafs
+
+        if self.fs.get_file_info(self._path(rel)).type != pafs.FileType.File:
+            return None
+        with self.fs.open_input_stream(self._path(rel)) as f:
+            return f.read().decode()
+
+    # ------------------------------------------------------------------ writing
+    def write_text(self, rel: str, text: str) -> None:
+        """Replace `rel` whole (locally through a rename; an object store's PUT is atomic)."""
+        path = self.local / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(path.name + ".tmp")
+        staged.write_text(text)
+        staged.replace(path)
+        self.put(rel)
+
+    def put(self, rel: str, last: tuple[str, ...] = (), to: str | None = None) -> None:
+        """Upload the local file or folder `rel` to the storage's `to` (default `rel`), over what is there; a
+        folder's files named in `last` are written after every other is complete."""
+        if not self.remote:
+            return
+        import pyarrow.fs as pafs
+
+        source, to = self.local / rel, to or rel
+        if source.is_file():
+            self.fs.create_dir(self._path(to).rsplit("/", 1)[0], recursive=True)
+            pafs.copy_files(str(source), self._path(to), destination_filesystem=self.fs)
+            return
+        files = sorted((p for p in source.rglob("*") if p.is_file()), key=lambda p: (p.name in last, str(p)))
+        for path in files:
+            target = self._path(f"{to}/{path.relative_to(source)}")
+            self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            pafs.copy_files(str(path), target, destination_filesystem=self.fs)
+
+    def get(self, rel: str, into: Path | None = None) -> Path | None:
+        """Download `rel` (file or folder) into `into` (default: the same place in the local folder); None when
+        the storage has no `rel`."""
+        target = into or self.local / rel
+        if not self.remote:
+            return target if target.exists() else None
+        import pyarrow.fs as pafs
+
+        kind = self.fs.get_file_info(self._path(rel)).type
+        if kind == pafs.FileType.NotFound:
+            return None
+        if target.exists():
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        (target if kind == pafs.FileType.Directory else target.parent).mkdir(parents=True, exist_ok=True)  # pyarrow makes subfolders only
+        pafs.copy_files(self._path(rel), str(target), source_filesystem=self.fs, use_threads=True)
+        return target
+
+    def delete(self, rel: str) -> None:
+        if self.remote:
+            self.fs.delete_dir(self._path(rel))
+        else:
+            shutil.rmtree(self.local / rel, ignore_errors=True)
+
+    def move_aside(self, suffix: str) -> str:
+        """Move the whole run folder to a sibling named `<name><suffix>` (nothing deleted); returns where."""
+        if not self.remote:
+            aside = self.local.with_name(self.local.name + suffix)
+            self.local.rename(aside)
+            return str(aside)
+        import pyarrow.fs as pafs
+
+        aside = self.base + suffix
+        pafs.copy_files(self.base, aside, source_filesystem=self.fs, destination_filesystem=self.fs, use_threads=True)
+        self.fs.delete_dir(self.base)  # object stores cannot rename a folder: copied, then removed
+        shutil.rmtree(self.local, ignore_errors=True)
+        return f"{self.location.rstrip('/')}{suffix}"
