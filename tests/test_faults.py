@@ -98,12 +98,12 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
 def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, tmp_path, monkeypatch):
     import lt_opd_ray.runtime.driver as driver_module
 
-    def learners_that_fail(job):
-        raise NoAnswerError("learner setup: no answer after 1800 s from learner-1")  # injected: the last pool to start
+    def learners_that_fail(self):
+        raise NoAnswerError("learner setup: no answer after 1800 s from learner-1")  # injected: the last pool to be ready
 
-    monkeypatch.setattr(driver_module, "LearnerGroup", learners_that_fail)
+    monkeypatch.setattr(driver_module.LearnerGroup, "wait_ready", learners_that_fail)
     with pytest.raises(NoAnswerError, match="learner-1"):
-        Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "half-started"))  # the rollout workers and the teacher were up
+        Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "half-started"))  # the rollout workers and the teacher were up, the learners started
     assert wait_until(all_released), ray.available_resources()
     assert not serve.status().applications
 

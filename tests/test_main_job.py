@@ -36,7 +36,7 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2] and [e.step for e in events.Scalars("time/rollout")] == [1, 2]
     started = next(line for line in printed.splitlines() if line.startswith("started in "))
-    assert all(phase in started for phase in ("ray ", "checks ", "rollout workers ", "teacher (Serve) ", "learners (DeepSpeed) ", "first weight sync "))
+    assert all(phase in started for phase in ("ray ", "checks ", "pools ", "first weight sync ", "ready after: teacher (Serve) ", ", rollout workers ", ", learners (DeepSpeed) "))
     assert f"outputs (checkpoints, steps.jsonl, final/) go to {REPO / 'runs' / 'tiny'}" in printed
     # --steps stops early: the last update is checkpointed (every_steps is larger), so --resume and export have it
     assert (REPO / "runs" / "tiny" / "latest").read_text() == "step-2" and "stopped after update 2 of 12 (--more-updates)" in out.stdout + out.stderr

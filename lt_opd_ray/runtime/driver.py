@@ -106,6 +106,7 @@ class Driver:
         self.job = job
         self.schedule = BudgetSchedule.from_config(job.budget)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, in order
+        self.pools_ready: dict[str, float] = {}  # seconds from the pools' common start until each was ready
         clock = time.perf_counter()
 
         def lap(phase: str) -> None:
@@ -118,12 +119,14 @@ class Driver:
         lap("checks")
         self.rollouts = self.teacher = self.learners = None
         try:  # what the run starts, it removes, also when a later pool fails to start
+            begin = time.time()  # the three pools start together: each loads its model while the others do
             self.rollouts = RolloutPool(job)
-            lap("rollout workers")
-            self.teacher = TeacherService(job)
-            lap("teacher (Serve)")
             self.learners = LearnerGroup(job)
-            lap("learners (DeepSpeed)")
+            self.teacher = TeacherService(job)  # returns when its replicas answer
+            self.pools_ready["teacher (Serve)"] = time.time() - begin
+            self.pools_ready["rollout workers"] = self.rollouts.wait_ready() - begin  # as each pool's actors say
+            self.pools_ready["learners (DeepSpeed)"] = self.learners.wait_ready() - begin
+            lap("pools")
             self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
             self.metrics = DriverMetrics(job.name)
             self.step, self.cursor, kept = 0, 0, []

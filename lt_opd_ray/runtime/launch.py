@@ -176,7 +176,9 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
     logs = []
     try:
         phases = ({"ray": ray_seconds} if ray_seconds is not None else {}) | driver.startup
-        tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items()))
+        ready = ", ".join(f"{pool} {seconds:.1f}" for pool, seconds in driver.pools_ready.items())
+        tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
+                   + f" (pools started together, ready after: {ready})")
         storage = driver.checkpoints.storage
         tqdm.write(f"outputs (checkpoints, steps.jsonl, final/) go to {storage.describe()}"
                    + (f" (staged in {storage.local})" if storage.remote else ""))

@@ -48,12 +48,13 @@ class LearnerActor:
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> int:
+    def setup(self, master_addr: str, master_port: int) -> float:
+        """Join the process group and build the DeepSpeed engine; returns when it was ready (wall clock)."""
         from .learner import Learner, init_process_group
 
         init_process_group(self.rank, self.world, master_addr, master_port)
         self.learner = Learner(self.job, self.rank, self.world)
-        return self.rank
+        return time.time()
 
     def host_weight_sync(self) -> tuple[str, int]:
         from .weight_sync import host_store
@@ -211,9 +212,14 @@ class LearnerGroup:
             for rank in range(pool.ranks)
         ]
         master_addr, master_port = self.wait([self.actors[0].address.remote()], "learner-0's address")[0]
-        self.wait([a.setup.remote(master_addr, master_port) for a in self.actors], "learner setup")  # rendezvous: all at once
+        self.starting = [a.setup.remote(master_addr, master_port) for a in self.actors]  # rendezvous: all at once, while the other pools start
+
+    def wait_ready(self) -> float:
+        """Wall clock when the last rank was ready."""
+        ready = max(self.wait(self.starting, "learner setup"))
         nodes = self.wait([a.node_id.remote() for a in self.actors], "the learners' nodes")
         self.node_ranks = sorted({node: rank for rank, node in reversed(list(enumerate(nodes)))}.values())  # lowest rank per node
+        return ready
 
     def async_train_step(self, batch: list, groups: list, payload_refs: list, worker_names: list[str], version: int,
                          scoring: ScoringRequest) -> list:

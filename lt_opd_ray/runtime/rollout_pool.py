@@ -57,9 +57,11 @@ class RolloutWorker:
         self.weights_version: int | None = 0  # None while an update is half written
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
+        self.loaded_at = time.time()
 
-    def ready(self) -> str:
-        return self.name
+    def ready(self) -> float:
+        """When its engine was ready (wall clock)."""
+        return self.loaded_at
 
     def generate(self, samples, start: int, stop: int, budget_bps: int, update: int, learner_rank: int) -> tuple[RolloutSummary, RolloutGroup]:
         """The rollouts of prompts [start, stop) for `update` (called with num_returns=2: the driver reads the summary,
@@ -137,8 +139,11 @@ class RolloutPool:
         pool = job.pools.rollout
         self._actor_cls = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources())(RolloutWorker)
         self.names = [f"rollout-{i}" for i in range(pool.workers)]
-        self.workers = [self._spawn(name) for name in self.names]
-        self.wait([w.ready.remote() for w in self.workers], self.names, "starting the rollout workers")
+        self.workers = [self._spawn(name) for name in self.names]  # they load their models while the other pools start
+
+    def wait_ready(self) -> float:
+        """Wall clock when the last worker was ready."""
+        return max(self.wait([w.ready.remote() for w in self.workers], self.names, "starting the rollout workers"))
 
     def _spawn(self, name: str):
         return self._actor_cls.remote(self.job, name)
