@@ -265,8 +265,8 @@ class ScheduleConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    dir: Annotated[str, AfterValidator(check_location)] = "runs/latest"
-    """Where the run's outputs go (checkpoints, steps.jsonl, final/, the resolved job): a folder (on a cluster, one
+    dir: Annotated[str, AfterValidator(check_location)] = "runs/lt-opd"
+    """Default runs/<job name>. Where the run's outputs go (checkpoints, steps.jsonl, final/, the resolved job): a folder (on a cluster, one
     every node mounts) or a URI pyarrow opens: s3://bucket/path, gs://, hdfs://, abfs://, file://."""
     staging_dir: str | None = None
     """With `dir` a URI: the local folder (same path on every node) where outputs are written before they are
@@ -364,6 +364,14 @@ class JobConfig(_Strict):
     """Metrics export."""
     tracking: TrackingConfig = TrackingConfig()
     """Experiment tracking (TensorBoard, MLflow, W&B)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _run_folder_of_the_job(cls, data):
+        """checkpoint.dir defaults to runs/<job name>: jobs of other names never share a folder."""
+        if isinstance(data, dict) and isinstance(data.get("checkpoint", {}), dict) and data.get("checkpoint", {}).get("dir") is None:
+            data = {**data, "checkpoint": {**data.get("checkpoint", {}), "dir": f"runs/{data.get('name', 'lt-opd')}"}}
+        return data
 
 
 class JobConfigError(ValueError):

@@ -208,6 +208,11 @@ def test_a_fresh_run_is_refused_a_folder_that_holds_an_earlier_run_unless_forced
     claim_run_folder(root, resume=False, force=True)
     (aside,) = tmp_path.glob("run-before-*")
     assert not root.exists() and (aside / "step-4").is_dir() and (aside / "steps.jsonl").read_text() == "{}\n"  # moved, not deleted
+    root.mkdir()  # a folder that says which run it holds is moved aside under that run's id
+    (root / "run.json").write_text(json.dumps({"run_id": "0123abcd4567", "job": "x"}))
+    (root / "final").mkdir()
+    claim_run_folder(root, resume=False, force=True)
+    assert (tmp_path / "run-0123abcd4567" / "final").is_dir() and not root.exists()
 
 
 def test_a_run_to_a_storage_uri_resumes_and_exports_from_the_storage_alone(finished, tmp_path, tiny_dirs):

@@ -361,6 +361,8 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     assert all(0 <= v <= 100 for log in logs for v in log.eval_scores.values())
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4]
+    record = json.loads((tmp_path / "run.json").read_text())  # the folder says which run it holds
+    assert record["job"] == "export" and record["resumed_from"] is None and {line["run_id"] for line in lines} == {record["run_id"]}
     evaluated = [log.step + 1 for log in logs if log.eval_accuracy]
     assert evaluated == [2, 4, 5]  # every 2nd update and the last
     assert all(sorted(log.eval_accuracy) == ["cdpruner", "uniform"] for log in logs if log.eval_accuracy)

@@ -35,7 +35,7 @@ import yaml
 from ..config import JobConfig
 from ..wire import Rollout, RolloutGroup, Span
 from .checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, file_digests, load_weights_only, remote_damage, write_failure
-from .storage import RunStorage
+from .storage import RUN_RECORD, RunStorage
 from .waits import RoleDiedError
 
 IN_FLIGHT = "in_flight.pt"
@@ -60,6 +60,11 @@ class CheckpointStore:
         self.run_id = uuid.uuid4().hex[:12]  # a resume continues the run it restores (restore sets it)
 
     # ------------------------------------------------------------------ writing
+    def record_run(self, resumed_from: str | None) -> None:
+        """run.json: the run this folder now holds (a resume keeps the id of the run it continues)."""
+        record = {"run_id": self.run_id, "job": self.job.name, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_from": resumed_from}
+        self.storage.write_text(RUN_RECORD, json.dumps(record, indent=1) + "\n")
+
     def save(self, learners, driver_state: dict, in_flight: list[RolloutGroup] = ()) -> str:
         """Checkpoint `step-K` of the learners, the driver state and the rollouts in flight; returns where it is."""
         tag = f"step-{driver_state['step']}"

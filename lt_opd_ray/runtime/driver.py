@@ -134,6 +134,7 @@ class Driver:
             if self.restored is not None:
                 self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
                 lap("checkpoint load")
+            self.checkpoints.record_run(resumed_from=tag)
             self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
             lap("first weight sync")
             self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)

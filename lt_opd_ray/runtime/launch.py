@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import JobConfig
 from .resources import pool_demands
-from .storage import RunStorage
+from .storage import RUN_RECORD, RunStorage
 from .waits import RoleDiedError
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
@@ -75,7 +75,11 @@ def claim_run_folder(location: str | Path, resume: bool, force: bool, staging: s
     earlier = [name for name in storage.names() if name in ("final", "latest", "steps.jsonl") or name.startswith("step-")]
     if resume or not earlier:
         return
-    suffix = f"-before-{time.strftime('%Y%m%d-%H%M%S')}"
+    record = storage.read_text(RUN_RECORD)
+    try:  # the earlier run keeps its id in its folder's name
+        suffix = f"-{json.loads(record)['run_id']}" if record else f"-before-{time.strftime('%Y%m%d-%H%M%S')}"
+    except (ValueError, KeyError, TypeError):
+        suffix = f"-before-{time.strftime('%Y%m%d-%H%M%S')}"
     if not force:
         raise RunFolderError(
             f"{storage.describe()} holds an earlier run ({', '.join(earlier[:6])}{', ...' if len(earlier) > 6 else ''}): `--resume` continues it,"
@@ -180,7 +184,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
         tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
                    + f" (pools started together, ready after: {ready})")
         storage = driver.checkpoints.storage
-        tqdm.write(f"outputs (checkpoints, steps.jsonl, final/) go to {storage.describe()}"
+        tqdm.write(f"run {driver.checkpoints.run_id}: outputs (checkpoints, steps.jsonl, final/) go to {storage.describe()}"
                    + (f" (staged in {storage.local})" if storage.remote else ""))
         step_file = start_history(driver, storage, resume)
         trackers = Trackers(job, storage)
@@ -191,7 +195,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                     tqdm.write(f"replaced dead rollout worker(s): {', '.join(replaced)}")
                 log = driver.run_step()
                 logs.append(log)
-                out.write(json.dumps(asdict(log)) + "\n")
+                out.write(json.dumps({"run_id": driver.checkpoints.run_id, **asdict(log)}) + "\n")
                 out.flush()
                 storage.put("steps.jsonl")  # to a URI: the whole log again (object stores do not append)
                 trackers.step(log)

@@ -26,6 +26,9 @@ URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")  # what pyarrow.fs.FileSystem.from_uri opens
 
 
+RUN_RECORD = "run.json"  # which run a folder holds: its id, job, when it started, what it resumed
+
+
 class StorageError(RuntimeError):
     pass
 
