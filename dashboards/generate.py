@@ -20,6 +20,17 @@ HERE = Path(__file__).resolve().parent
 RUN = 'run=~"$run", SessionName=~"$session"'
 
 # (title, unit, [(expr, legend)])
+POOLS = ("rollout", "teacher", "learner")  # each pool's node type advertises lt_opd_<pool> (pools.<pool>.node_resource)
+
+
+def on_pool_nodes(metric: str, pool: str) -> str:
+    """`metric` (a Ray node metric, labelled by `ip`) averaged over the nodes whose raylet reports resource
+    lt_opd_<pool> (`ray_resources`, labelled by `NodeAddress`)."""
+    nodes = f'(count by (SessionName, NodeAddress) (ray_resources{{SessionName=~"$session", Name="lt_opd_{pool}"}}) > bool 0)'
+    node_metric = f'label_replace({metric}{{SessionName=~"$session"}}, "NodeAddress", "$1", "ip", "(.*)")'
+    return f"avg({node_metric} * on (SessionName, NodeAddress) group_left() {nodes})"
+
+
 PANELS = [
     ("Rollout tokens/s per worker", "short", [(f"ray_lt_opd_rollout_tokens_per_second{{{RUN}}}", "{{actor}}"),
                                               (f"sum(ray_lt_opd_rollout_tokens_per_second{{{RUN}}})", "pool total")]),
@@ -51,6 +62,10 @@ PANELS = [
     ("Actor restarts per pool", "short", [(f"ray_lt_opd_actor_restarts{{{RUN}}}", "{{pool}}")]),
     ("Node utilisation (Ray node metrics)", "percent", [('ray_node_gpus_utilization{SessionName=~"$session"}', "GPU {{GpuIndex}} {{instance}}"),
                                                         ('ray_node_cpu_utilization{SessionName=~"$session"}', "CPU {{instance}}")]),
+    ("CPU utilisation by pool (mean over the nodes advertising its node_resource)", "percent",
+     [(on_pool_nodes("ray_node_cpu_utilization", pool), pool) for pool in POOLS]),
+    ("GPU utilisation by pool (mean over the nodes advertising its node_resource)", "percent",
+     [(on_pool_nodes("ray_node_gpus_utilization", pool), pool) for pool in POOLS]),
 ]
 
 # Series that exist only where the hardware does (no GPU, no GPU series); the test accepts an empty answer for these.
