@@ -80,6 +80,9 @@ class SelectorConfig(_Strict):
     """Which visual tokens the student keeps: CDPruner (docs/architecture.md §1), DivPrune, seeded random, uniform grid."""
     seed: int = 0
     """Seed of the random selector (combined with each sample's id)."""
+    merge: Literal["none", "learnable"] = "none"
+    """`learnable`: each kept token also takes in its discarded cosine neighbours through a trained head (the paper's
+    release, with cdpruner; models/token_merge.py); `none`: the discarded tokens are dropped."""
 
 
 class BudgetConfig(_Strict):
@@ -147,6 +150,8 @@ class LearningRates(_Strict):
     """Learning rate of the vision tower blocks and patch embedding."""
     merger: float = Field(1e-6, ge=0.0)
     """Learning rate of the vision merger (and Qwen3-VL deepstack mergers)."""
+    token_merge: float = Field(1e-4, ge=0.0)
+    """Learning rate of the learnable token-merge head (selector.merge: learnable; the release trained it at 1e-4)."""
 
 
 class OptimizerConfig(_Strict):
@@ -364,6 +369,13 @@ class JobConfig(_Strict):
     """Metrics export."""
     tracking: TrackingConfig = TrackingConfig()
     """Experiment tracking (TensorBoard, MLflow, W&B)."""
+
+    @model_validator(mode="after")
+    def _token_merge_on_transformers_pools(self) -> JobConfig:
+        if self.selector.merge == "learnable" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
+            raise ValueError("selector.merge 'learnable' runs on the transformers backend only so far: set pools.rollout.backend"
+                             " and pools.teacher.backend to transformers")
+        return self
 
     @model_validator(mode="before")
     @classmethod

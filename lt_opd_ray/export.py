@@ -110,7 +110,7 @@ def _from_deepspeed_checkpoint(job, storage, step: int, staging: Path) -> None:
             shutil.rmtree(root, ignore_errors=True)
     prefix = "model."  # the DeepSpeed module wraps the Hugging Face model as `.model`
     weights = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
-    model_dir, model = load_vlm(job.model.path)
+    model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
     expected = set(model.state_dict())
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]

@@ -78,7 +78,7 @@ def student_loss(
         prompt = prompts[r.prompt_index]
         if r.prompt_index not in features:
             features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
-        reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected))  # replayed, never recomputed
+        reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
     hidden = student.response_hidden(reduced, [r.response_ids for r in rollouts])
     sequence_losses, divs, weights, overlaps = [], [], [], []
     for h, r, s in zip(hidden, rollouts, scores):

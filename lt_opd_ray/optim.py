@@ -1,4 +1,4 @@
-"""AdamW with per-module learning rates (language model / vision encoder / merger) and linear warm-up."""
+"""AdamW with per-module learning rates (language model / vision encoder / merger / token merge) and linear warm-up."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ MERGER_MARKERS = ("visual.merger", "visual.deepstack_merger_list")
 
 def module_of(parameter_name: str) -> str:
     """Which learning-rate group a parameter belongs to."""
+    if "vision_token_compressor." in parameter_name:
+        return "token_merge"
     if any(marker in parameter_name for marker in MERGER_MARKERS):
         return "merger"
     if ".visual." in f".{parameter_name}":
@@ -17,7 +19,7 @@ def module_of(parameter_name: str) -> str:
 
 
 def param_groups(model: torch.nn.Module, lr) -> list[dict]:
-    groups: dict[str, list] = {"language_model": [], "vision_encoder": [], "merger": []}
+    groups: dict[str, list] = {"language_model": [], "vision_encoder": [], "merger": [], "token_merge": []}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             groups[module_of(name)].append(parameter)

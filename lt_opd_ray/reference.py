@@ -54,7 +54,7 @@ class ReferenceTrainer:
 
     def __init__(self, job: JobConfig):
         self.job = job
-        model_dir, model = load_vlm(job.model.path)
+        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
         torch.manual_seed(job.seed)
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.student = QwenVLM(model.train())

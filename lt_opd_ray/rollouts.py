@@ -63,6 +63,7 @@ def rollout(
             old_logp=c.logprobs,
             student_top_ids=c.top_ids,
             selected=red.selected,
+            merge_routes=red.merge_routes,
             budget_bps=budget_bps,
             finish_reason=c.finish_reason,
         )

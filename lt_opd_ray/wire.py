@@ -56,6 +56,7 @@ class Rollout:
     selected: list[torch.Tensor]  # per image: kept visual-token indices (sorted)
     budget_bps: int
     finish_reason: str
+    merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per image (assignment, prior): selector.merge learnable
 
 
 @dataclass

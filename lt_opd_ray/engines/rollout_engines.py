@@ -49,7 +49,7 @@ class TransformersRolloutEngine:
         from ..selectors import build_selector
 
         self.job = job
-        model_dir, model = load_vlm(job.model.path)
+        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))

@@ -20,6 +20,7 @@ from ..curriculum import tokens_to_keep
 from ..data import stable_seed
 from ..selectors import SelectionInput, Selector
 from .processor import IMAGE, PromptInputs
+from .token_merge import assign_to_kept, merge_head
 
 SUPPORTED_FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
 
@@ -43,6 +44,7 @@ class ReducedPrompt:
     deepstack: list[torch.Tensor] | None  # per deepstack layer [kept visual tokens, D]
     next_position: int  # M-RoPE position of the first response token
     selected: list[torch.Tensor]  # per image: sorted kept indices in [0, N_i)
+    merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per image (assignment, prior) with a token-merge head
 
     @property
     def length(self) -> int:
@@ -77,6 +79,11 @@ class QwenVLM:
         self.model = model
         self.family = family
         self.merge = model.config.vision_config.spatial_merge_size
+
+    @property
+    def token_merge(self):
+        """The learnable token-merge head, when the model has one."""
+        return merge_head(self.model)
 
     @property
     def device(self) -> torch.device:
@@ -150,21 +157,29 @@ class QwenVLM:
     def keep_all(self, features: VisualFeatures) -> list[torch.Tensor]:
         return [torch.arange(e.shape[0]) for e in features.embeds]
 
-    def reduce(self, prompt: PromptInputs, features: VisualFeatures, selected: list[torch.Tensor]) -> ReducedPrompt:
-        """Drop unkept image tokens; everything kept keeps its full-sequence M-RoPE position."""
+    def reduce(self, prompt: PromptInputs, features: VisualFeatures, selected: list[torch.Tensor],
+               merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ReducedPrompt:
+        """Drop unkept image tokens; everything kept keeps its full-sequence M-RoPE position. With a token-merge
+        head, each kept token takes in its discarded neighbours along `merge_routes` (computed here when None:
+        a rollout computes them, the learner replays them)."""
         if len(selected) != prompt.num_images:
             raise ValueError(f"{len(selected)} index sets for {prompt.num_images} image(s)")
         is_image = prompt.mm_token_type_ids == IMAGE
         keep = ~is_image
         image_starts = _run_starts(is_image)
         kept_parts, kept_deepstack = [], []
+        head, routes = self.token_merge, []
         for i, (start, indices) in enumerate(zip(image_starts, selected)):
             n = features.embeds[i].shape[0]
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
                 raise ValueError(f"image {i}: selected index outside [0, {n})")
             keep[start + indices] = True
             on_device = indices.to(self.device)
-            kept_parts.append(features.embeds[i][on_device])
+            if head is None:
+                kept_parts.append(features.embeds[i][on_device])
+            else:  # each kept token also carries its discarded neighbours (models/token_merge.py)
+                routes.append(merge_routes[i] if merge_routes is not None else assign_to_kept(features.embeds[i], on_device))
+                kept_parts.append(head(features.embeds[i], on_device, routes[i]))
             if features.deepstack is not None:
                 kept_deepstack.append([layer[on_device] for layer in features.deepstack[i]])
 
@@ -184,6 +199,7 @@ class QwenVLM:
             deepstack=deepstack,
             next_position=int(full_pos.max()) + 1,  # = what decoding the full prompt would use next
             selected=[s.clone() for s in selected],
+            merge_routes=[(a.cpu(), p.cpu()) for a, p in routes] if head is not None else None,
         )
 
     # ------------------------------------------------------------- forwards

@@ -23,17 +23,25 @@ def resolve_model_dir(path: str) -> Path:
     return model_dir
 
 
-def load_vlm(path: str, device: str | None = None):
+def load_vlm(path: str, device: str | None = None, token_merge: bool = False):
     """(model_dir, model) with fp32 parameters on `device` (default: CUDA if present, else CPU).
 
-    Compute precision is chosen by the caller (autocast), so master weights stay fp32.
+    Compute precision is chosen by the caller (autocast), so master weights stay fp32. A folder whose
+    config names a learnable token merge (ours or the paper's release) gets its trained merge head;
+    `token_merge` gives one to a folder without (initialised from the gate rows: models/token_merge.py).
     """
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from . import token_merge as merging
+
     model_dir = resolve_model_dir(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    if merging.configured(model.config):
+        merging.attach(model, merging.saved_tensors(model_dir))
+    elif token_merge:
+        merging.attach(model)
     return model_dir, model
 
 

@@ -109,7 +109,7 @@ class Learner:
         import deepspeed
 
         self.job, self.rank, self.world = job, rank, world
-        model_dir, model = load_vlm(job.model.path)
+        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
         if job.pools.learner.activation_checkpointing:
             # recompute each decoder / vision block in backward: activations of one block per layer stay alive
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -76,7 +76,7 @@ def evaluate_untrained(job: JobConfig) -> tuple[dict[str, float], int]:
     from ..models.loading import load_vlm
     from ..models.processor import VLMProcessor
 
-    model_dir, model = load_vlm(job.model.path, "cpu")
+    model_dir, model = load_vlm(job.model.path, "cpu", token_merge=job.selector.merge == "learnable")
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
     samples = load_samples(job.eval.data, job.data.image_root, job.seed)
     budget = job.eval.budget_bps or job.budget.target_bps
