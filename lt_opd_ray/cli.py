@@ -226,7 +226,7 @@ def cmd_eval(args) -> int:
 def cmd_efficiency(args) -> int:
     import json
 
-    from .efficiency import PRESETS, patch_grid, prefill_cost
+    from .efficiency import PRESETS, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
         config = PRESETS[args.preset]
@@ -245,15 +245,20 @@ def cmd_efficiency(args) -> int:
         print(f"efficiency: --image {args.image!r} is not HEIGHTxWIDTH in pixels", file=sys.stderr)
         return 2
     grid = patch_grid(config, height, width)
-    rows = [prefill_cost(config, args.text_tokens, [grid], bps, args.k_min) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
+    merging = args.token_merge or bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
+    rows = [prefill_cost(config, args.text_tokens, [grid], bps, args.k_min, token_merge=merging) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
     full = rows[0]
     print(f"{args.preset or args.model}: {args.text_tokens} text tokens + one {height}x{width} image"
           f" ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
-    print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}")
+    print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}"
+          + (f" {'merge GFLOPs':>14}" if merging else ""))
     for bps, row in zip(sorted(set(args.budgets + [10000]), reverse=True), rows):
         print(f"{bps / 100:>6g}% {row.prefill_tokens:>7} {row.lm_flops / 1e12:>10.3f} ({row.lm_flops / full.lm_flops - 1:>+6.1%})"
               f" {row.vision_flops / 1e12:>14.3f} {row.kv_cache_bytes / 1e6:>6.2f} ({row.kv_cache_bytes / full.kv_cache_bytes - 1:>+6.1%})"
-              f" {row.linear_state_bytes / 1e6:>13.2f}")
+              f" {row.linear_state_bytes / 1e6:>13.2f}" + (f" {row.merge_flops / 1e9:>14.3f}" if merging else ""))
+    if merging:
+        print(f"learnable token merge: {merge_parameters(config):,} parameters; its GFLOPs (last column) are"
+              f" {rows[-1].merge_flops / rows[-1].lm_flops:.3%} of the LM prefill at {min(args.budgets) / 100:g}%")
     return 0
 
 
@@ -421,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
     efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
     efficiency.add_argument("--k-min", type=int, default=1)
+    efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
     efficiency.set_defaults(func=cmd_efficiency)
 
     planner = sub.add_parser("plan", help="estimate seconds per update of a job on N GPUs per schedule, and a pool split (analytic)")

@@ -12,6 +12,8 @@ L x L score matrix, as FLOP counters and the token-pruning literature do.
   head per token; chunked kernels do the same math blocked).
 - Vision tower (+ merger and Qwen3-VL's deepstack mergers): runs on all N tokens
   before the selector, so it does not shrink with the budget.
+- Learnable token merge (selector.merge): the N x K cosines of the assignment and the head's products on
+  the N tokens and the K kept ones; its parameters: 64 (2D + 2).
 - Cache: only full-attention layers keep keys and values (2 L Hkv d per layer);
   a Gated DeltaNet layer keeps a fixed-size conv state ((K-1) C; transformers
   keeps K columns) and recurrent state (Hv dk dv, fp32 in Qwen3.5), whatever L is.
@@ -32,10 +34,11 @@ class PrefillCost:
     vision_flops: int  # vision tower + merger(s), on every visual token
     kv_cache_bytes: int  # keys + values of the full-attention layers
     linear_state_bytes: int  # Gated DeltaNet conv + recurrent states (independent of L)
+    merge_flops: int = 0  # learnable token merge, when on
 
     @property
     def total_flops(self) -> int:
-        return self.lm_flops + self.vision_flops
+        return self.lm_flops + self.vision_flops + self.merge_flops
 
 
 def _text(config: dict) -> dict:
@@ -147,15 +150,34 @@ def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
     return full_blocks * full + (vision["depth"] - full_blocks) * windowed
 
 
+MERGE_HIDDEN = 64  # the learnable token merge's head width (models/token_merge.py)
+
+
+def merge_parameters(config: dict) -> int:
+    dim = _text(config)["hidden_size"]
+    return MERGE_HIDDEN * 2 * dim + 2 * MERGE_HIDDEN  # input weight [64, 2D] and bias, output weight [1, 64]
+
+
+def merge_flops(config: dict, n: int, k: int) -> int:
+    """One image's learnable token merge: N x K cosines, the head on the N tokens and the K kept ones."""
+    if k == n:
+        return 0  # everything kept: nothing to merge
+    dim = _text(config)["hidden_size"]
+    return 2 * n * k * dim + 2 * (n + k) * dim * MERGE_HIDDEN + 2 * n * MERGE_HIDDEN
+
+
 def prefill_cost(config: dict, text_tokens: int, image_grids: list[tuple[int, int, int]], budget_bps: int, k_min: int,
-                 dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> PrefillCost:
+                 dtype_bytes: int = 2, state_dtype_bytes: int = 4, token_merge: bool = False) -> PrefillCost:
     """Cost of one prompt: `text_tokens` text tokens and images of patch grids (t, h, w), at `budget_bps`."""
     merge = config["vision_config"]["spatial_merge_size"]
-    kept = sum(tokens_to_keep(t * h * w // merge**2, budget_bps, k_min) for t, h, w in image_grids)
+    visual = [t * h * w // merge**2 for t, h, w in image_grids]
+    kept_per_image = [tokens_to_keep(n, budget_bps, k_min) for n in visual]
+    kept = sum(kept_per_image)
     length = text_tokens + kept
     kv, state = cache_bytes(config, length, dtype_bytes, state_dtype_bytes)
     vision = sum(vision_projection_flops(config, g) + vision_attention_flops(config, g) for g in image_grids)
-    return PrefillCost(length, kept, lm_flops(config, length), vision, kv, state)
+    merging = sum(merge_flops(config, n, k) for n, k in zip(visual, kept_per_image)) if token_merge else 0
+    return PrefillCost(length, kept, lm_flops(config, length), vision, kv, state, merging)
 
 
 def patch_grid(config: dict, height: int, width: int) -> tuple[int, int, int]:

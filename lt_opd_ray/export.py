@@ -1,6 +1,6 @@
 """The trained student as a servable folder: a standard Hugging Face checkpoint plus its compression config.
 
-`lt_opd_compression.json` (selector, budget_bps, k_min) travels with the weights:
+`lt_opd_compression.json` (selector, budget_bps, k_min, merge) travels with the weights:
 our vLLM plugin applies it to every request that does not set its own selection,
 so `lt-opd serve DIR` (or `vllm serve DIR` with this package installed) answers at
 the student's budget. The folder is assembled beside its destination and renamed
@@ -24,10 +24,11 @@ class CompressionConfig:
     selector: str
     budget_bps: int  # visual budget r in basis points (500 = 5%)
     k_min: int
+    merge: str = "none"  # "learnable": the kept tokens take in their discarded neighbours (the head is in the weights)
 
     @classmethod
     def from_job(cls, job) -> CompressionConfig:
-        return cls(selector=job.selector.name, budget_bps=job.budget.target_bps, k_min=job.budget.k_min)
+        return cls(selector=job.selector.name, budget_bps=job.budget.target_bps, k_min=job.budget.k_min, merge=job.selector.merge)
 
     def write(self, folder: Path) -> None:
         (Path(folder) / COMPRESSION_FILE).write_text(json.dumps({"format": 1, **asdict(self)}, indent=2) + "\n")
@@ -40,7 +41,7 @@ class CompressionConfig:
             return None
         data = json.loads(path.read_text())
         try:
-            return cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]))
+            return cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]), merge=str(data.get("merge", "none")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not a compression config ({exc!r}); expected selector, budget_bps, k_min") from None
 

@@ -181,3 +181,33 @@ def test_the_job_setting_its_learning_rate_and_backends():
     assert groups["token_merge"]["lr"] == 1e-4 and len(groups["token_merge"]["params"]) == 3
     with pytest.raises(JobConfigError, match="selector.merge 'learnable' runs on the transformers backend only so far"):
         parse_job("name: x\nmodel: {path: 'tiny:qwen3_5'}\ndata: {path: 'synthetic:4'}\nselector: {merge: learnable}\npools: {rollout: {backend: vllm}}\n")
+
+
+def test_a_merging_student_saves_its_head_and_config_and_loads_back(tmp_path):
+    """What `lt-opd export` and the learners' final/ write: the head under the release's names, config.json naming it."""
+    from lt_opd_ray.engines.serve import serve_command
+
+    _, model = load_vlm("tiny:qwen3_5", "cpu", token_merge=True)
+    torch.nn.init.normal_(merge_head(model).output.weight)  # as after training
+    model.save_pretrained(tmp_path / "student")
+    _, back = load_vlm(str(tmp_path / "student"), "cpu")
+    assert json.loads((tmp_path / "student" / "config.json").read_text())["vision_token_compressor"]["learnable_merge"]["enabled"]
+    assert all(torch.equal(a, b) for a, b in zip(merge_head(model).parameters(), merge_head(back).parameters()))
+    with pytest.raises(ValueError, match="merges visual tokens .* which our vLLM plugin does not run yet"):
+        serve_command(tmp_path / "student")
+
+
+def test_the_analytic_merge_flops_and_parameters_count_what_the_module_runs():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lt_opd_ray.efficiency import PRESETS, merge_flops, merge_parameters
+
+    config = {"text_config": {"hidden_size": 48}}
+    head = LearnableMerge(48)
+    head.initialize_from_gate(torch.randn(100, 48))
+    x, kept = torch.randn(3000, 48), torch.arange(0, 3000, 20)  # more rows than one assignment chunk
+    with FlopCounterMode(display=False) as counter:
+        head(x, kept, assign_to_kept(x, kept))
+    assert counter.get_total_flops() == merge_flops(config, 3000, kept.numel())
+    assert merge_parameters(config) == sum(p.numel() for p in head.parameters())
+    assert merge_parameters(PRESETS["qwen3.5-4b"]) == 327_808  # D = 2560

@@ -32,6 +32,9 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     check_architecture(model_dir)
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
     config = json.loads((model_dir / "config.json").read_text())
+    if (compression and compression.merge != "none") or (config.get("vision_token_compressor") or {}).get("learnable_merge", {}).get("enabled"):
+        raise ValueError(f"{model_dir}: its student merges visual tokens (learnable token merge), which our vLLM plugin does not run"
+                         " yet; evaluate it with `lt-opd eval` (transformers), which does")
     on_gpu = torch.cuda.is_available()
     if dtype is None:  # vLLM's CPU kernels run Qwen3.5 only in bf16
         dtype = "bfloat16" if config.get("model_type") == "qwen3_5" and not on_gpu else "auto"

@@ -84,14 +84,6 @@ class LearnableMerge(nn.Module):
         self.output.weight.zero_()
         return picked
 
-    def residual_logits(self, sources: torch.Tensor, anchors_of_sources: torch.Tensor) -> torch.Tensor:
-        """delta_i for sources [M, D] and the kept token each merges into [M, D]."""
-        weight = self.input.weight.float()
-        hidden = F.linear(self.norm(sources.float()), weight[:, : self.dim], self.input.bias.float()) + F.linear(
-            self.norm(anchors_of_sources.float()), weight[:, self.dim :]
-        )
-        return F.linear(F.silu(hidden), self.output.weight.float()).squeeze(-1)
-
     def forward(self, features: torch.Tensor, kept: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The K merged tokens [K, D] of one image's features [N, D] and its route (`assign_to_kept`, computed
         where the tokens were selected and replayed by the learner); differentiable in the features and the head."""
@@ -101,7 +93,11 @@ class LearnableMerge(nn.Module):
         with torch.autocast(features.device.type, enabled=False):
             x = features.float()
             anchors = x.index_select(0, kept)
-            w = prior * torch.tanh(self.residual_logits(x, anchors[assignment]))  # 0 for kept tokens (prior 0)
+            weight = self.input.weight.float()
+            source_hidden = F.linear(self.norm(x), weight[:, : self.dim], self.input.bias.float())  # A LN(x_i) + b, [N, 64]
+            anchor_hidden = F.linear(self.norm(anchors), weight[:, self.dim :])  # B LN(x_{s_k}), once per kept token, [K, 64]
+            delta = F.linear(F.silu(source_hidden + anchor_hidden[assignment]), self.output.weight.float()).squeeze(-1)
+            w = prior * torch.tanh(delta)  # 0 for kept tokens (prior 0)
             residual = (x - anchors[assignment]) * w.unsqueeze(-1)
             merged = anchors.index_add(0, assignment, residual)  # y_k = x_{s_k} + sum_{a(i)=k} w_i (x_i - x_{s_k})
         return merged.to(features.dtype)
