@@ -73,7 +73,7 @@ def test_sigterm_stops_after_the_update_in_progress_with_a_checkpoint(tmp_path):
     assert process.wait(timeout=300) == 0, "".join(output)[-3000:]
     stopped = next(line for line in output if "stopped by SIGTERM" in line)
     step = int(stopped.split("after update ")[1].split(":")[0])
-    assert 2 <= step < 12 and f"checkpoint step-{step}" in stopped
+    assert 2 <= step < 12 and f"checkpoint {tmp_path / 'run' / f'step-{step}'};" in stopped
     assert (tmp_path / "run" / "latest").read_text() == f"step-{step}"
     assert len((tmp_path / "run" / "steps.jsonl").read_text().splitlines()) == step
     deadline = time.time() + 30
