@@ -370,13 +370,6 @@ class JobConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     """Experiment tracking (TensorBoard, MLflow, W&B)."""
 
-    @model_validator(mode="after")
-    def _token_merge_on_transformers_pools(self) -> JobConfig:
-        if self.selector.merge == "learnable" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
-            raise ValueError("selector.merge 'learnable' runs on the transformers backend only so far: set pools.rollout.backend"
-                             " and pools.teacher.backend to transformers")
-        return self
-
     @model_validator(mode="before")
     @classmethod
     def _run_folder_of_the_job(cls, data):

@@ -35,15 +35,33 @@ class CompressionConfig:
 
     @classmethod
     def read(cls, folder: str | Path) -> CompressionConfig | None:
-        """The folder's compression config, or None when it has none (a stock model: every token)."""
+        """The folder's compression config, or None when it has none (a stock model: every token). A folder in the
+        paper's release layout has none of ours: its `vision_token_compressor` (config.json) says the same."""
         path = Path(folder) / COMPRESSION_FILE
         if not path.exists():
-            return None
+            return cls.from_release(Path(folder) / "config.json")
         data = json.loads(path.read_text())
         try:
             return cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]), merge=str(data.get("merge", "none")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not a compression config ({exc!r}); expected selector, budget_bps, k_min") from None
+
+
+    @classmethod
+    def from_release(cls, config_path: Path) -> CompressionConfig | None:
+        """The release's compressor settings as ours: CDPruner at its final retention, at least
+        `minimum_tokens_per_image` tokens per image, the learnable merge when enabled."""
+        if not config_path.exists():
+            return None
+        settings = json.loads(config_path.read_text()).get("vision_token_compressor")
+        if not settings or not settings.get("enabled"):
+            return None
+        if settings.get("method") != "cdpruner":
+            raise ValueError(f"{config_path}: vision_token_compressor.method {settings.get('method')!r}; this runtime implements cdpruner")
+        curriculum = settings.get("curriculum") or {}
+        bps = curriculum.get("final_retention_bps") if curriculum.get("enabled") else round(float(settings.get("retention_ratio", 0.05)) * 10000)
+        merge = "learnable" if (settings.get("learnable_merge") or {}).get("enabled") else "none"
+        return cls(selector="cdpruner", budget_bps=int(bps), k_min=int(settings.get("minimum_tokens_per_image", 1)), merge=merge)
 
 
 class ExportError(RuntimeError):

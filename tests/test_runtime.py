@@ -104,12 +104,31 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
 
 
 @pytest.mark.slow
-def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path):
+def test_distributed_updates_with_the_token_merge_reproduce_the_reference(cluster, tiny_dirs, tmp_path):
+    """selector.merge learnable: the rollouts carry each image's merge route, the learners replay it; the head
+    trains at its own learning rate (its output layer leaves zero) and the run equals the single-process reference."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=3, name="merge", extra="selector: {merge: learnable}\n")
+    reports, ref_weights = reference_run(job, STEPS)
+    _, logs, weights = driver_run(job, STEPS)
+    assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
+    for log, report in zip(logs[1:], reports[1:]):
+        assert log.loss == pytest.approx(report.stats.loss, rel=1e-5)
+    assert relative_distance(weights, ref_weights) <= 1e-4
+    head = {k: v for k, v in weights.items() if "vision_token_compressor" in k}
+    assert len(head) == 3 and head["model.vision_token_compressor.learnable_summary.output.weight"].abs().sum() > 0
+    assert relative_distance(head, {k: ref_weights[k] for k in head}) <= 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("merge", ["none", "learnable"])
+def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path, merge):
     """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights and sends bf16,
-    straight into the engine's parameters: the worker holds no transformers copy of the student."""
+    straight into the engine's parameters: the worker holds no transformers copy of the student. With the token
+    merge, the engine gets the head (a base folder has none) and every sync writes it too."""
     from lt_opd_ray.curriculum import tokens_to_keep
 
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="vllm", dtype="bfloat16", backend="vllm", verify_weights=True)
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name=f"vllm-{merge}", dtype="bfloat16", backend="vllm", verify_weights=True,
+                  extra=f"selector: {{merge: {merge}}}\n")
     driver = Driver(job)
     try:
         worker = driver.rollouts.workers[0]
@@ -137,6 +156,7 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, 0, 2, 1500, 9, 0))
         for rollout in group.rollouts:
             assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
+            assert (rollout.merge_routes is not None) == (merge == "learnable")
         evaluation = ray.get(worker.evaluate.remote(samples, 500, "cdpruner"))  # greedy answers from the engine
         assert evaluation.weights_version == 3 and 0.0 <= evaluation.accuracy <= 1.0
     finally:

@@ -130,7 +130,7 @@ def test_at_initialisation_the_merging_student_equals_plain_selection_bit_for_bi
     assert assignment.shape == (features[0].embeds[0].shape[0],) and float(prior.sum()) > 0
 
 
-def test_a_folder_in_the_release_layout_loads_with_its_trained_head(prompt_and_models, tiny_dirs, tmp_path):
+def test_a_folder_in_the_release_layout_loads_with_its_trained_head(prompt_and_models, tiny_dirs, tmp_path, capsys):
     """The release's export: one model.safetensors holding the base weights and the head's three fp32 tensors,
     config.json with `vision_token_compressor`, and visual_compression_config.json beside it."""
     from safetensors.torch import load_file, save_file
@@ -166,6 +166,22 @@ def test_a_folder_in_the_release_layout_loads_with_its_trained_head(prompt_and_m
         merged = release.reduce(prompt, features, kept).inputs_embeds
         pruned = plain.reduce(prompt, plain.visual_features(prompt), kept).inputs_embeds
     assert merged.shape == pruned.shape and not torch.allclose(merged, pruned)  # same tokens, the trained head moved them
+    # served and trained as the release says: CDPruner at its final 5%, at least 32 tokens, the merge on
+    from lt_opd_ray.engines.serve import serve_command
+    from lt_opd_ray.export import CompressionConfig
+    from lt_opd_ray.runtime.driver import check_token_merge
+
+    assert CompressionConfig.read(tmp_path / "release") == CompressionConfig("cdpruner", 500, 32, "learnable")
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja"):
+        if (tiny_dirs["qwen3_5"] / name).exists():
+            (tmp_path / "release" / name).write_bytes((tiny_dirs["qwen3_5"] / name).read_bytes())
+    capsys.readouterr()
+    serve_command(tmp_path / "release")
+    assert "with cdpruner at 5% (k_min 32), kept tokens merged with their discarded neighbours" in capsys.readouterr().out
+    job = job_for(str(tmp_path / "release"), tmp_path / "run")
+    with pytest.raises(ValueError, match="holds a student with a learnable token merge: set selector.merge: learnable"):
+        check_token_merge(job, tmp_path / "release")
+    check_token_merge(job.model_copy(update={"selector": job.selector.model_copy(update={"merge": "learnable"})}), tmp_path / "release")
     compressor["learnable_merge"]["aggregation"] = "something_else"
     config["vision_token_compressor"] = compressor
     (tmp_path / "release" / "config.json").write_text(json.dumps(config))
@@ -179,8 +195,8 @@ def test_the_job_setting_its_learning_rate_and_backends():
     _, model = load_vlm("tiny:qwen3_5", "cpu", token_merge=True)
     groups = {g["name"]: g for g in param_groups(model, job.optimizer.lr)}
     assert groups["token_merge"]["lr"] == 1e-4 and len(groups["token_merge"]["params"]) == 3
-    with pytest.raises(JobConfigError, match="selector.merge 'learnable' runs on the transformers backend only so far"):
-        parse_job("name: x\nmodel: {path: 'tiny:qwen3_5'}\ndata: {path: 'synthetic:4'}\nselector: {merge: learnable}\npools: {rollout: {backend: vllm}}\n")
+    with pytest.raises(JobConfigError, match="merge"):
+        parse_job("name: x\nmodel: {path: 'tiny:qwen3_5'}\ndata: {path: 'synthetic:4'}\nselector: {merge: mean}\n")
 
 
 def test_a_merging_student_saves_its_head_and_config_and_loads_back(tmp_path):
@@ -193,8 +209,8 @@ def test_a_merging_student_saves_its_head_and_config_and_loads_back(tmp_path):
     _, back = load_vlm(str(tmp_path / "student"), "cpu")
     assert json.loads((tmp_path / "student" / "config.json").read_text())["vision_token_compressor"]["learnable_merge"]["enabled"]
     assert all(torch.equal(a, b) for a, b in zip(merge_head(model).parameters(), merge_head(back).parameters()))
-    with pytest.raises(ValueError, match="merges visual tokens .* which our vLLM plugin does not run yet"):
-        serve_command(tmp_path / "student")
+    argv, _ = serve_command(tmp_path / "student")  # served with its head (the vLLM plugin runs it: test_vllm_engine)
+    assert argv[argv.index("--model") + 1] == str((tmp_path / "student").resolve())
 
 
 def test_the_analytic_merge_flops_and_parameters_count_what_the_module_runs():

@@ -78,15 +78,66 @@ def test_pruned_rollout_equals_transformers_with_the_same_indices(family, tiny_d
     for prompt, selection, (completion, kept) in zip(prompts, selections, results):
         features = vlm.visual_features(prompt)
         n = features.embeds[0].shape[0]
-        assert kept[0].numel() == tokens_to_keep(n, BUDGET_BPS, K_MIN) < n
+        assert kept.indices[0].numel() == tokens_to_keep(n, BUDGET_BPS, K_MIN) < n and kept.merge_routes is None
         # the engine's CDPruner saw the same features and query as the adapter's
         own = vlm.select(prompt, features, build_selector("cdpruner"), BUDGET_BPS, K_MIN, seed=selection.seed)
-        assert torch.equal(kept[0], own[0])
-        reference = sample(vlm, [vlm.reduce(prompt, features, kept)], GREEDY, [0], processor.tokenizer)[0]
+        assert torch.equal(kept.indices[0], own[0])
+        reference = sample(vlm, [vlm.reduce(prompt, features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
         assert completion.token_ids.tolist() == reference.token_ids.tolist()
         assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
         for mine, theirs in zip(completion.top_ids.tolist(), reference.top_ids.tolist()):
             assert set(mine) == set(theirs)
+
+
+def _merging_folder(tiny_dir, out):
+    """A trained-looking token-merging student: the tiny model with a merge head whose weights are not its initial ones."""
+    import shutil
+
+    from lt_opd_ray.models.loading import load_vlm
+    from lt_opd_ray.models.token_merge import merge_head
+
+    shutil.copytree(tiny_dir, out)
+    _, model = load_vlm(str(tiny_dir), "cpu", token_merge=True)
+    torch.manual_seed(4)
+    for parameter in merge_head(model).parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_with_a_merge_head_vllm_equals_transformers_and_its_weights_follow_updates(family, tiny_dirs, tmp_path):
+    """The plugin runs the folder's merge head after selection: the same routes and, with them, the same greedy
+    tokens and log-probs as the transformers adapter; a weight update reaches the head (zero head: plain selection)."""
+    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+    from lt_opd_ray.models.sampler import sample
+    from lt_opd_ray.models.token_merge import assign_to_kept, merge_parameter_shapes
+
+    folder = _merging_folder(tiny_dirs[family], tmp_path / "student")
+    engine = VLLMEngine(folder, dtype="float32", max_model_len=1024)
+    processor, prompts, engine_prompts = _prompts(folder)
+    selections = _selections(len(prompts))
+    vlm = _adapter(folder)
+    results = engine.generate(engine_prompts, selections, GREEDY, seeds=[1, 2, 3])
+    for prompt, (completion, kept) in zip(prompts, results):
+        features = vlm.visual_features(prompt)
+        assignment, prior = assign_to_kept(features.embeds[0], kept.indices[0])
+        # the engine's vision features differ from transformers' by fp32 rounding (and more for Qwen2.5-VL, see LOGP_TOL)
+        assert torch.equal(kept.merge_routes[0][0], assignment) and torch.allclose(kept.merge_routes[0][1], prior, atol=LOGP_TOL[family])
+        merged = vlm.reduce(prompt, features, kept.indices, kept.merge_routes)
+        assert not torch.allclose(merged.inputs_embeds, vlm.reduce(prompt, features, kept.indices, [(assignment, prior * 0)]).inputs_embeds)
+        reference = sample(vlm, [merged], GREEDY, [0], processor.tokenizer)[0]
+        assert completion.token_ids.tolist() == reference.token_ids.tolist()
+        assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
+    dim = vlm.model.config.text_config.hidden_size
+    engine.load_weights([(name, torch.zeros(shape)) for name, shape in merge_parameter_shapes(dim).items()])
+    (completion, kept), = engine.generate(engine_prompts[:1], selections[:1], GREEDY, seeds=[1])
+    plain = _adapter(tiny_dirs[family])  # the same base weights, no head
+    features = plain.visual_features(prompts[0])
+    reference = sample(plain, [plain.reduce(prompts[0], features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
+    assert completion.token_ids.tolist() == reference.token_ids.tolist()
+    assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
 
 
 @pytest.mark.slow
@@ -109,8 +160,8 @@ def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs
 
     with torch.no_grad():
         for prompt, (completion, kept) in zip(prompts, results):
-            reference = forced_logp(fp32, prompt, kept, completion.token_ids)
-            hf_error = (forced_logp(bf16, prompt, kept, completion.token_ids) - reference).abs().max()
+            reference = forced_logp(fp32, prompt, kept.indices, completion.token_ids)
+            hf_error = (forced_logp(bf16, prompt, kept.indices, completion.token_ids) - reference).abs().max()
             vllm_error = (completion.logprobs - reference).abs().max()
             assert vllm_error <= 2 * hf_error + 0.02, (float(vllm_error), float(hf_error))
 
@@ -126,7 +177,7 @@ def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines):
     sampled = SamplingParams(max_new_tokens=10, top_k_logprobs=5, stop=())
     results = engine.generate(engine_prompts, _selections(len(prompts)), sampled, seeds=[5, 6, 7])
     rollouts = [
-        Rollout(i, c.token_ids, c.logprobs, c.top_ids, kept, BUDGET_BPS, c.finish_reason) for i, (c, kept) in enumerate(results)
+        Rollout(i, c.token_ids, c.logprobs, c.top_ids, kept.indices, BUDGET_BPS, c.finish_reason) for i, (c, kept) in enumerate(results)
     ]
     top_k = 8
     expected = teacher_scores(_adapter(tiny_dirs[family]), prompts, rollouts, top_k, chunk_size=4)
@@ -169,7 +220,7 @@ def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines
     engine.load_weights(updated)
     after, kept = engine.generate(engine_prompts, selection, GREEDY, seeds=[1])[0]
     features = vlm.visual_features(prompts[0])
-    reference = sample(vlm, [vlm.reduce(prompts[0], features, kept)], GREEDY, [0], processor.tokenizer)[0]
+    reference = sample(vlm, [vlm.reduce(prompts[0], features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
     assert after.token_ids.tolist() == reference.token_ids.tolist()
     assert (after.logprobs - reference.logprobs).abs().max() <= 1e-4
     assert not torch.allclose(after.logprobs, before.logprobs)
@@ -196,7 +247,7 @@ def test_the_samples_of_a_prompt_share_one_vision_pass_and_selection(tiny_dirs, 
     finally:
         model._record = original
     assert len(set(recorded)) == 2 and len(recorded) == 2  # one selection per prompt, not per sample
-    kept = [k[0] for _, k in results]
+    kept = [k.indices[0] for _, k in results]
     assert all(torch.equal(k, kept[0]) for k in kept[:n]) and all(torch.equal(k, kept[n]) for k in kept[n:])
     assert len({tuple(c.token_ids.tolist()) for c, _ in results[:n]}) > 1  # the samples still differ (own seeds)
 
@@ -259,8 +310,8 @@ def test_an_image_beyond_max_pixels_is_resized_by_the_processor_rule_in_both_bac
     for budget_bps in (10000, BUDGET_BPS):
         selection = SelectionRequest(budget_bps=budget_bps, k_min=K_MIN, seed=1)
         (_, kept), = engines(family).generate([engine_prompt(prompt, [image])], [selection], GREEDY, seeds=[1])
-        assert kept[0].numel() == tokens_to_keep(n, budget_bps, K_MIN)
-        assert int(kept[0].max()) < n
+        assert kept.indices[0].numel() == tokens_to_keep(n, budget_bps, K_MIN)
+        assert int(kept.indices[0].max()) < n
 
 
 @pytest.mark.slow
@@ -280,7 +331,7 @@ def test_the_jobs_pixel_bounds_resize_alike_in_both_backends(tiny_dirs):
     assert h * w * 14 * 14 <= bounds[1] < 4 * h * w * 14 * 14
     engine = VLLMEngine(tiny_dirs[family], max_model_len=1024, min_pixels=bounds[0], max_pixels=bounds[1])
     (_, kept), = engine.generate([engine_prompt(prompt, [image])], [SelectionRequest(k_min=1)], GREEDY, seeds=[1])
-    assert kept[0].numel() == t * h * w // 4  # 100%: every one of the same N tokens
+    assert kept.indices[0].numel() == t * h * w // 4  # 100%: every one of the same N tokens
 
 
 @pytest.mark.slow

@@ -32,9 +32,6 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     check_architecture(model_dir)
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
     config = json.loads((model_dir / "config.json").read_text())
-    if (compression and compression.merge != "none") or (config.get("vision_token_compressor") or {}).get("learnable_merge", {}).get("enabled"):
-        raise ValueError(f"{model_dir}: its student merges visual tokens (learnable token merge), which our vLLM plugin does not run"
-                         " yet; evaluate it with `lt-opd eval` (transformers), which does")
     on_gpu = torch.cuda.is_available()
     if dtype is None:  # vLLM's CPU kernels run Qwen3.5 only in bf16
         dtype = "bfloat16" if config.get("model_type") == "qwen3_5" and not on_gpu else "auto"
@@ -54,6 +51,8 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     env.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)  # inline images only, unless --allowed-media-domains
     if not on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
     budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"
+    budget += ", kept tokens merged with their discarded neighbours (learnable token merge)" if merging else ""
     print(f"serving {model_dir} on http://{host}:{port}/v1 with {budget}", flush=True)
     return argv, env

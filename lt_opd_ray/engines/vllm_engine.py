@@ -88,6 +88,25 @@ def check_teacher_scoring(engine: VLLMEngine) -> None:
         )
 
 
+@dataclass
+class Kept:
+    """What the engine kept of one request's images: the indices per image and, with a token-merge head, each
+    image's merge route (assignment, prior), which the learner replays."""
+
+    indices: list[torch.Tensor]
+    merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+    @classmethod
+    def rebuilt(cls, images: list[tuple]) -> Kept:
+        """From the model's records, as plain tensors made outside vLLM's inference mode."""
+        def plain(t: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(t.tolist(), dtype=t.dtype)
+
+        routes = [route for _, route in images]
+        return cls([plain(indices) for indices, _ in images],
+                   [(plain(a), plain(p)) for a, p in routes] if all(r is not None for r in routes) else None)
+
+
 class VLLMEngine:
     """One vLLM engine on a local model folder (fp32 or bf16; on CPU the Qwen3.5 family needs bf16)."""
 
@@ -95,9 +114,19 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096,
                  max_logprobs: int = 128, max_images: int = 1, seed: int = 0,
-                 min_pixels: int | None = None, max_pixels: int | None = None):
+                 min_pixels: int | None = None, max_pixels: int | None = None, token_merge: bool = False):
+        """`token_merge`: give the student a learnable token-merge head although its folder has none (a run
+        starting from the base model; a folder that has one gets it anyway)."""
+        import json
+
+        from ..models.token_merge import merge_parameter_shapes, settings
+
         self.model_dir = Path(model_dir)
         check_architecture(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        dim = config.get("text_config", config)["hidden_size"]
+        merging = token_merge or bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
+        self.merge_shapes = merge_parameter_shapes(dim) if merging else {}
         configure_environment()
         from vllm import LLM
 
@@ -118,6 +147,7 @@ class VLLMEngine:
             seed=seed,
             logprobs_mode="raw_logprobs",  # log p under the model's distribution, before temperature / top-p
             gpu_memory_utilization=0.5 if on_gpu else 0.9,
+            hf_overrides={"vision_token_compressor": settings(dim)} if token_merge and "vision_token_compressor" not in config else None,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -130,8 +160,8 @@ class VLLMEngine:
         selections: list[SelectionRequest],
         params: SamplingParams,
         seeds: list[int],
-    ) -> list[tuple[Completion, list[torch.Tensor]]]:
-        """One sampled response per prompt, with the kept indices of each of its images."""
+    ) -> list[tuple[Completion, Kept]]:
+        """One sampled response per prompt, with what was kept of each of its images."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         if not len(prompts) == len(selections) == len(seeds):
@@ -189,11 +219,11 @@ class VLLMEngine:
             "mm_processor_kwargs": selection.as_kwargs(),
         }
 
-    def selections(self, nonces: list[int]) -> dict[int, list[torch.Tensor]]:
-        """The kept indices recorded by the model for these request nonces."""
+    def selections(self, nonces: list[int]) -> dict[int, Kept]:
+        """What the model recorded for these request nonces: kept indices, and merge routes with a merge head."""
         recorded = self.llm.collective_rpc(_pop_selections, args=(list(nonces),))[0]
         # rebuilt outside vLLM's inference mode, so they can index tensors that need gradients
-        found = {nonce: [torch.tensor(i.tolist(), dtype=torch.long) for i in images] for nonce, images in recorded.items()}
+        found = {nonce: Kept.rebuilt(images) for nonce, images in recorded.items()}
         missing = [n for n in nonces if n not in found]
         if missing:
             raise RuntimeError(f"the engine recorded no selection for request nonce(s) {missing}")
@@ -261,8 +291,9 @@ class VLLMEngine:
     # ---------------------------------------------------------------- weights
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The weights an update must bring: the model folder's tensors, less the multi-token-prediction
-        head (`mtp.*`, in Qwen3.5 checkpoints) that the student neither has nor samples with."""
-        return {n: s for n, s in _checkpoint_shapes(self.model_dir).items() if not n.startswith("mtp.")}
+        head (`mtp.*`, in Qwen3.5 checkpoints) that the student neither has nor samples with, and with a token
+        merge, its head's tensors."""
+        return {n: s for n, s in _checkpoint_shapes(self.model_dir).items() if not n.startswith("mtp.")} | self.merge_shapes
 
     def write_weights(self, stream) -> None:
         """Write (name, tensor) pairs in checkpoint format into the engine's own parameters, in place.
@@ -356,6 +387,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         seed=job.seed,
         min_pixels=job.data.min_pixels,
         max_pixels=job.data.max_pixels,
+        token_merge=role == "rollout" and job.selector.merge == "learnable",
     )
     if role == "teacher":
         check_teacher_scoring(engine)

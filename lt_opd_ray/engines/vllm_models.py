@@ -17,8 +17,11 @@ transformers adapter does (docs/architecture.md §1):
   `recompute_mrope_positions` after the encoder (`register` turns that on for our
   models), and that puts the image's base position plus each kept token's offset
   in place;
-- the chosen indices are recorded per (request nonce, image) for the engine to
-  collect (`pop_selections`).
+- with a learnable token merge in the folder's config (models/token_merge.py), each
+  kept row first takes in its discarded neighbours through the same head as the
+  transformers adapter's (loaded from the checkpoint, and rewritten by weight syncs);
+- the chosen indices (and merge routes) are recorded per (request nonce, image) for
+  the engine to collect (`pop_selections`).
 
 With r = 100% the models are vLLM's own (every token kept, same positions), which is
 what the teacher scorer uses.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +40,7 @@ import torch
 
 from ..curriculum import BPS, tokens_to_keep
 from ..data import stable_seed
+from ..models.token_merge import assign_to_kept
 from ..selectors import SELECTORS, SelectionInput, build_selector
 
 SELECTOR_NAMES = sorted(SELECTORS)  # a selector travels to the model as its index in this list
@@ -209,9 +214,27 @@ class PruningModelMixin:
     supports_multimodal_pruning = True  # the interface of recompute_mrope_positions
 
     def _init_pruning(self) -> None:
+        from ..models.token_merge import VisionTokenCompressor, configured
+
         # vLLM's own EVS post-processing keys off this flag; our rows carry their positions themselves
         self.is_multimodal_pruning_enabled = False
-        self._selections: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._selections: OrderedDict[tuple[int, int], tuple[torch.Tensor, tuple | None]] = OrderedDict()
+        if configured(self.config):  # the folder's student merges tokens: the same head as the transformers adapter's
+            self.vision_token_compressor = VisionTokenCompressor(getattr(self.config, "text_config", self.config).hidden_size)
+
+    def load_weights(self, weights):
+        """vLLM's loading, plus the merge head: from the checkpoint's tensors (mapped by the class's weights mapper)
+        or, for a folder without them (a run starting from the base model), initialised from the first gate rows
+        as the transformers side does; the learners' first weight broadcast then brings theirs."""
+        loaded = super().load_weights(weights)
+        head = getattr(self, "vision_token_compressor", None)
+        if head is not None:
+            names = {f"vision_token_compressor.{name}" for name, _ in head.named_parameters()}
+            if not names <= loaded:
+                gate_up = self.get_language_model().model.layers[0].mlp.gate_up_proj.weight  # [gate; up]
+                head.learnable_summary.initialize_from_gate(gate_up[: gate_up.shape[0] // 2])
+                loaded |= names
+        return loaded
 
     @property
     def _merge(self) -> int:
@@ -232,6 +255,7 @@ class PruningModelMixin:
         if selection is None:
             raise ValueError(f"image inputs without {SELECTION_FIELD}: the request did not pass through the pruning processor")
         grids = kwargs["image_grid_thw"]
+        head = getattr(self, "vision_token_compressor", None)
         kept = []
         for i, rows in enumerate(embeddings):
             budget_bps, k_min, selector, seed, nonce, image = (int(v) for v in selection[i])
@@ -246,20 +270,29 @@ class PruningModelMixin:
                 q = self.get_language_model().embed_input_ids(ids).float().mean(0) if ids.numel() else None
                 item = SelectionInput(rows[:, : self._main_width()].float(), q, (grid[0] * grid[1], grid[2]), seed=seed)
                 indices = build_selector(SELECTOR_NAMES[selector]).select(item, k)
-            self._record(nonce, image, indices)
+            on_device, width = indices.to(rows.device), self._main_width()
+            route = None
+            if head is None:
+                picked = rows[on_device]
+            else:  # each kept token takes in its discarded neighbours (models/token_merge.py); deepstack columns are pruned
+                route = assign_to_kept(rows[:, :width], on_device)
+                picked = torch.cat([head.learnable_summary(rows[:, :width], on_device, route), rows[on_device, width:]], dim=-1)
+                route = tuple(t.cpu() for t in route)
+            self._record(nonce, image, indices, route)
             offsets = grid_offsets(grid)[indices].to(device=rows.device, dtype=rows.dtype)
-            kept.append(torch.cat([rows[indices.to(rows.device)], offsets], dim=-1))
+            kept.append(torch.cat([picked, offsets], dim=-1))
         return tuple(kept)
 
-    def _record(self, nonce: int, image: int, indices: torch.Tensor) -> None:
-        self._selections[(nonce, image)] = indices.cpu()
+    def _record(self, nonce: int, image: int, indices: torch.Tensor, route: tuple | None) -> None:
+        self._selections[(nonce, image)] = (indices.cpu(), route)
         while len(self._selections) > MAX_RECORDED:
             self._selections.popitem(last=False)
 
-    def pop_selections(self, nonces: Sequence[int]) -> dict[int, list[torch.Tensor]]:
-        """The kept indices of each request nonce's images, in image order (removed once read)."""
+    def pop_selections(self, nonces: Sequence[int]) -> dict[int, list[tuple[torch.Tensor, tuple | None]]]:
+        """The kept indices (and merge route, with a merge head) of each request nonce's images, in image order
+        (removed once read)."""
         wanted = set(nonces)
-        found: dict[int, dict[int, torch.Tensor]] = {}
+        found: dict[int, dict[int, tuple]] = {}
         for key in [k for k in self._selections if k[0] in wanted]:
             found.setdefault(key[0], {})[key[1]] = self._selections.pop(key)
         return {nonce: [images[i] for i in sorted(images)] for nonce, images in found.items()}
@@ -311,6 +344,7 @@ class PruningModelMixin:
 
 def _pruned(base_model):
     """The pruning subclass of a vLLM Qwen VLM, registered with a pruning subclass of its processor."""
+    from vllm.model_executor.models.utils import WeightsMapper
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     factories = base_model._processor_factory  # set by vLLM's register_processor on the base class
@@ -318,6 +352,12 @@ def _pruned(base_model):
     processor = type(f"Pruning{base_processor.__name__}", (PruningProcessorMixin, base_processor), {})
 
     class Pruned(PruningModelMixin, base_model):
+        # the merge head's checkpoint names (the release's) onto the module `_init_pruning` adds; a regex, because
+        # vLLM applies those before the prefixes (Qwen2.5-VL maps every other `model.` into the language model)
+        hf_to_vllm_mapper = base_model.hf_to_vllm_mapper | WeightsMapper(
+            orig_to_new_regex={re.compile(r"^model\.vision_token_compressor\."): "vision_token_compressor."}
+        )
+
         def __init__(self, *, vllm_config, prefix: str = "model"):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             self._init_pruning()

@@ -49,7 +49,8 @@ def vllm_rollout(
             response_ids=completion.token_ids,
             old_logp=completion.logprobs,
             student_top_ids=completion.top_ids,
-            selected=kept,
+            selected=kept.indices,
+            merge_routes=kept.merge_routes,
             budget_bps=budget_bps,
             finish_reason=completion.finish_reason,
         )

@@ -176,6 +176,12 @@ def saved_tensors(model_dir) -> dict[str, torch.Tensor]:
     return found
 
 
+def merge_parameter_shapes(dim: int) -> dict[str, tuple[int, ...]]:
+    """The head's tensors as a checkpoint names them."""
+    prefix = "model.vision_token_compressor.learnable_summary."
+    return {prefix + "input.weight": (HIDDEN, 2 * dim), prefix + "input.bias": (HIDDEN,), prefix + "output.weight": (1, HIDDEN)}
+
+
 def merge_head(model) -> LearnableMerge | None:
     compressor = getattr(model.model, "vision_token_compressor", None)
     return compressor.learnable_summary if compressor is not None else None

@@ -90,7 +90,9 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
 
     attempt(lambda: check_resources(job, ray.cluster_resources()))
     attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
-    attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
+    model_dir = attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
+    if model_dir is not None:
+        attempt(lambda: check_token_merge(job, model_dir))
     samples = attempt(lambda: load_samples(job.data.path, job.data.image_root, job.seed))
     benchmarks = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     eval_samples = attempt(lambda: load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
@@ -99,6 +101,16 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     if problems:
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
     return samples, benchmarks, eval_samples
+
+
+def check_token_merge(job: JobConfig, model_dir) -> None:
+    """A folder whose student merges tokens (ours or the release's) trains only with selector.merge learnable."""
+    from ..export import CompressionConfig
+
+    folder = CompressionConfig.read(model_dir)
+    if folder is not None and folder.merge != "none" and job.selector.merge == "none":
+        raise ValueError(f"model.path {job.model.path!r} holds a student with a learnable token merge: set selector.merge:"
+                         " learnable to go on training it (or start from a folder without one)")
 
 
 class Driver:
