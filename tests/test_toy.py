@@ -83,6 +83,7 @@ def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
     assert arm_job(base, "sft", 0, tmp_path).objective.mode == "sft"
     assert arm_job(base, "fixed_prefix", 0, tmp_path).objective.mode == "fixed_prefix"
     assert arm_job(base, "lt_opd_reverse_kl", 0, tmp_path).objective.divergence == "reverse_kl"
+    assert arm_job(base, "lt_opd_token_merge", 0, tmp_path).selector.merge == "learnable"
     flat = arm_job(base, "lt_opd_no_curriculum", 0, tmp_path).budget
     assert flat.start_bps == flat.target_bps == base.budget.target_bps and flat.warm_steps == flat.decay_end == 0
     short = arm_job(base, "lt_opd", 0, tmp_path, steps=base.budget.total_steps // 2).budget

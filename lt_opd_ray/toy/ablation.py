@@ -30,6 +30,7 @@ ARMS: dict[str, dict] = {
     "lt_opd_no_curriculum": {"budget": {"warm_steps": 0, "decay_end": 0}},  # start_bps set to target below
     "lt_opd": {},
     "lt_opd_reverse_kl": {"objective": {"divergence": "reverse_kl"}},
+    "lt_opd_token_merge": {"selector": {"merge": "learnable"}},  # the paper's release: CDPruner + learnable token merge
 }
 LABELS = {
     "untrained": "untrained",
@@ -38,6 +39,7 @@ LABELS = {
     "lt_opd_no_curriculum": "LT-OPD, no curriculum",
     "lt_opd": "LT-OPD",
     "lt_opd_reverse_kl": "LT-OPD, reverse KL",
+    "lt_opd_token_merge": "LT-OPD + learnable token merge",
 }
 
 
