@@ -38,9 +38,11 @@ DONOR = "layers.0.mlp.gate_proj.weight"  # of the language model
 def assign_to_kept(features: torch.Tensor, kept: torch.Tensor, temperature: float = TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
     """(assignment [N] long: the slot in `kept` each token merges into, prior [N] fp32) for one image's
     features [N, D] and its sorted kept indices [K]."""
+    n, k = features.shape[0], kept.numel()
+    if k == n:  # every token kept (the teacher, full budgets): each is its own group, nothing to compare
+        return kept.clone(), torch.zeros(n, dtype=torch.float32, device=features.device)
     unit = F.normalize(features.detach().float(), dim=-1)
     anchors = unit.index_select(0, kept)
-    n, k = unit.shape[0], kept.numel()
     assignment = torch.empty(n, dtype=torch.long, device=unit.device)
     similarity = torch.empty(n, dtype=torch.float32, device=unit.device)
     for start in range(0, n, ASSIGN_CHUNK):
