@@ -89,57 +89,6 @@ def test_pruned_rollout_equals_transformers_with_the_same_indices(family, tiny_d
             assert set(mine) == set(theirs)
 
 
-def _merging_folder(tiny_dir, out):
-    """A trained-looking token-merging student: the tiny model with a merge head whose weights are not its initial ones."""
-    import shutil
-
-    from lt_opd_ray.models.loading import load_vlm
-    from lt_opd_ray.models.token_merge import merge_head
-
-    shutil.copytree(tiny_dir, out)
-    _, model = load_vlm(str(tiny_dir), "cpu", token_merge=True)
-    torch.manual_seed(4)
-    for parameter in merge_head(model).parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    model.save_pretrained(out)
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
-def test_with_a_merge_head_vllm_equals_transformers_and_its_weights_follow_updates(family, tiny_dirs, tmp_path):
-    """The plugin runs the folder's merge head after selection: the same routes and, with them, the same greedy
-    tokens and log-probs as the transformers adapter; a weight update reaches the head (zero head: plain selection)."""
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine
-    from lt_opd_ray.models.sampler import sample
-    from lt_opd_ray.models.token_merge import assign_to_kept, merge_parameter_shapes
-
-    folder = _merging_folder(tiny_dirs[family], tmp_path / "student")
-    engine = VLLMEngine(folder, dtype="float32", max_model_len=1024)
-    processor, prompts, engine_prompts = _prompts(folder)
-    selections = _selections(len(prompts))
-    vlm = _adapter(folder)
-    results = engine.generate(engine_prompts, selections, GREEDY, seeds=[1, 2, 3])
-    for prompt, (completion, kept) in zip(prompts, results):
-        features = vlm.visual_features(prompt)
-        assignment, prior = assign_to_kept(features.embeds[0], kept.indices[0])
-        # the engine's vision features differ from transformers' by fp32 rounding (and more for Qwen2.5-VL, see LOGP_TOL)
-        assert torch.equal(kept.merge_routes[0][0], assignment) and torch.allclose(kept.merge_routes[0][1], prior, atol=LOGP_TOL[family])
-        merged = vlm.reduce(prompt, features, kept.indices, kept.merge_routes)
-        assert not torch.allclose(merged.inputs_embeds, vlm.reduce(prompt, features, kept.indices, [(assignment, prior * 0)]).inputs_embeds)
-        reference = sample(vlm, [merged], GREEDY, [0], processor.tokenizer)[0]
-        assert completion.token_ids.tolist() == reference.token_ids.tolist()
-        assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
-    dim = vlm.model.config.text_config.hidden_size
-    engine.load_weights([(name, torch.zeros(shape)) for name, shape in merge_parameter_shapes(dim).items()])
-    (completion, kept), = engine.generate(engine_prompts[:1], selections[:1], GREEDY, seeds=[1])
-    plain = _adapter(tiny_dirs[family])  # the same base weights, no head
-    features = plain.visual_features(prompts[0])
-    reference = sample(plain, [plain.reduce(prompts[0], features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
-    assert completion.token_ids.tolist() == reference.token_ids.tolist()
-    assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
-
-
 @pytest.mark.slow
 def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs, engines):
     """bf16 rounds differently in every kernel, so tokens may part ways; compare log-probs teacher-forced.
@@ -237,7 +186,7 @@ def test_the_samples_of_a_prompt_share_one_vision_pass_and_selection(tiny_dirs, 
     model = engine.llm.collective_rpc(lambda worker: worker.get_model())[0]  # the in-process engine's model
     recorded = []
     original = model._record
-    model._record = lambda nonce, image, indices: (recorded.append(nonce), original(nonce, image, indices))
+    model._record = lambda nonce, image, indices, route: (recorded.append(nonce), original(nonce, image, indices, route))
     try:
         n = 4
         selections = _selections(2)
@@ -350,3 +299,54 @@ def test_a_vllm_teacher_on_the_v1_runner_is_refused_at_a_real_vocabulary(tiny_di
     small = engine_for_job(job_for(tiny_dirs["qwen3_5"], tmp_path, dtype="bfloat16", backend="vllm"), tiny_dirs["qwen3_5"], role="teacher")
     assert not small.v2_runner
     check_teacher_scoring(small)  # a tiny vocabulary is fine on the V1 runner
+
+
+def _merging_folder(tiny_dir, out):
+    """A trained-looking token-merging student: the tiny model with a merge head whose weights are not its initial ones."""
+    import shutil
+
+    from lt_opd_ray.models.loading import load_vlm
+    from lt_opd_ray.models.token_merge import merge_head
+
+    shutil.copytree(tiny_dir, out)
+    _, model = load_vlm(str(tiny_dir), "cpu", token_merge=True)
+    torch.manual_seed(4)
+    for parameter in merge_head(model).parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_with_a_merge_head_vllm_equals_transformers_and_its_weights_follow_updates(family, tiny_dirs, tmp_path):
+    """The plugin runs the folder's merge head after selection: the same routes and, with them, the same greedy
+    tokens and log-probs as the transformers adapter; a weight update reaches the head (zero head: plain selection)."""
+    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+    from lt_opd_ray.models.sampler import sample
+    from lt_opd_ray.models.token_merge import assign_to_kept, merge_parameter_shapes
+
+    folder = _merging_folder(tiny_dirs[family], tmp_path / "student")
+    engine = VLLMEngine(folder, dtype="float32", max_model_len=1024)
+    processor, prompts, engine_prompts = _prompts(folder)
+    selections = _selections(len(prompts))
+    vlm = _adapter(folder)
+    results = engine.generate(engine_prompts, selections, GREEDY, seeds=[1, 2, 3])
+    for prompt, (completion, kept) in zip(prompts, results):
+        features = vlm.visual_features(prompt)
+        assignment, prior = assign_to_kept(features.embeds[0], kept.indices[0])
+        # the engine's vision features differ from transformers' by fp32 rounding (and more for Qwen2.5-VL, see LOGP_TOL)
+        assert torch.equal(kept.merge_routes[0][0], assignment) and torch.allclose(kept.merge_routes[0][1], prior, atol=LOGP_TOL[family])
+        merged = vlm.reduce(prompt, features, kept.indices, kept.merge_routes)
+        assert not torch.allclose(merged.inputs_embeds, vlm.reduce(prompt, features, kept.indices, [(assignment, prior * 0)]).inputs_embeds)
+        reference = sample(vlm, [merged], GREEDY, [0], processor.tokenizer)[0]
+        assert completion.token_ids.tolist() == reference.token_ids.tolist()
+        assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
+    dim = vlm.model.config.text_config.hidden_size
+    engine.load_weights([(name, torch.zeros(shape)) for name, shape in merge_parameter_shapes(dim).items()])
+    (completion, kept), = engine.generate(engine_prompts[:1], selections[:1], GREEDY, seeds=[1])
+    plain = _adapter(tiny_dirs[family])  # the same base weights, no head
+    features = plain.visual_features(prompts[0])
+    reference = sample(plain, [plain.reduce(prompts[0], features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
+    assert completion.token_ids.tolist() == reference.token_ids.tolist()
+    assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
