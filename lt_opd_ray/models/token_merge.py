@@ -31,7 +31,6 @@ TEMPERATURE = 1.0
 ASSIGN_CHUNK = 1024  # rows of the N x K cosine matrix computed at once
 INITIALIZATION = "pretrained_mlp_gate_rows_zero_output_v1"
 AGGREGATION = "zero_init_signed_residual_v1"
-DONOR = "layers.0.mlp.gate_proj.weight"  # of the language model
 
 
 @torch.no_grad()
@@ -118,7 +117,7 @@ def attach(model, saved: dict[str, torch.Tensor] | None = None) -> VisionTokenCo
     dim = model.config.text_config.hidden_size
     compressor = VisionTokenCompressor(dim).to(model.lm_head.weight.device)
     if saved is None:
-        compressor.learnable_summary.initialize_from_gate(model.model.language_model.get_submodule(DONOR.rsplit(".", 1)[0]).weight)
+        compressor.learnable_summary.initialize_from_gate(model.model.language_model.layers[0].mlp.gate_proj.weight)
     else:
         prefix = "model.vision_token_compressor."
         missing = [name for name, _ in compressor.named_parameters() if prefix + name not in saved]
