@@ -27,10 +27,10 @@ from ..models.loading import resolve_model_dir
 from ..train_loop import batches
 from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch
 from .checkpoint import CheckpointStore
-from .storage import RunStorage, StorageError
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
 from .resources import InsufficientResourcesError, check_resources
+from .storage import RunStorage, StorageError
 from .rollout_pool import GroupRef, RolloutPool
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
