@@ -30,8 +30,8 @@ from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
 from .resources import InsufficientResourcesError, check_resources
-from .storage import RunStorage, StorageError
 from .rollout_pool import GroupRef, RolloutPool
+from .storage import RunStorage, StorageError
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
 from .waits import NoAnswerError
