@@ -297,6 +297,10 @@ class EvalConfig(_Strict):
     """Visual budget of the evaluation; None: budget.target_bps."""
     selectors: list[Literal["cdpruner", "divprune", "random", "uniform"]] = ["cdpruner"]
     """Selectors evaluated at that budget (the first is the headline metric)."""
+    at_start: bool = False
+    """Before the first update of a fresh run, also evaluate `data` at full visual tokens (the reference a retain
+    ratio divides by) and at the budget (the untrained student, the baseline training must beat); every later
+    evaluation then prints its retain ratio."""
     max_new_tokens: int = Field(16, ge=1)
     """Longest answer."""
     benchmarks: dict[BenchmarkName, str] = {}

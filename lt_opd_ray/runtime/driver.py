@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..config import JobConfig
+from ..config import BPS, JobConfig
 from ..curriculum import BudgetSchedule
 from ..data import Sample, load_samples
 from ..evals.benchmarks import benchmark
@@ -321,6 +321,15 @@ class Driver:
             scores = {f"{r.benchmark}[{r.selector}]": r.score for r in results}
             self.metrics.record_benchmarks(budget, results)
         return accuracy, scores
+
+    def evaluate_baseline(self) -> tuple[float, dict[str, float]]:
+        """The student before any update: its accuracy on `eval.data` at full visual tokens (any selector keeps
+        every token there) and per selector at the eval budget."""
+        budget = self.job.eval.budget_bps or self.job.budget.target_bps
+        full = self.rollouts.evaluate(self.eval_ref, BPS, self.job.eval.selectors[:1])[0].accuracy
+        at_budget = {r.selector: r.accuracy for r in self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)}
+        self.metrics.record_eval(budget, at_budget)
+        return full, at_budget
 
     def export_student(self) -> str:
         """The current student as a Hugging Face folder, the run's `final/` (written atomically by learner rank 0;

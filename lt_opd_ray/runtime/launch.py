@@ -49,14 +49,19 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
     )
 
 
-def format_step(log, total: int) -> str:
+def format_accuracy(accuracy: dict[str, float], full: float | None) -> str:
+    """`acc[selector] a`, with the retain ratio a / full when the full-token reference is known."""
+    return "".join(f"  | acc[{name}] {value:.3f}" + (f" retain {value / full:.3f}" if full else "") for name, value in accuracy.items())
+
+
+def format_step(log, total: int, full: float | None = None) -> str:
     p = log.phases
     return (
         f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {log.divergence:.5f}"
         f"  is_w {log.importance_weight:.3f}  overlap {log.top_k_overlap:.3f}  tokens {log.tokens}"
         f"  | rollout {p.rollout:.2f}s teacher {p.teacher:.2f}s learner {p.learner:.2f}s sync {p.sync:.2f}s"
         f" step {p.step:.2f}s" + (f" (staleness {log.staleness})" if log.staleness else "")
-        + "".join(f"  | acc[{name}] {value:.3f}" for name, value in log.eval_accuracy.items())
+        + format_accuracy(log.eval_accuracy, full)
         + "".join(f"  | {name} {value:.2f}" for name, value in log.eval_scores.items())
     )
 
@@ -188,6 +193,11 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                    + (f" (staged in {storage.local})" if storage.remote else ""))
         step_file = start_history(driver, storage, resume)
         trackers = Trackers(job, storage)
+        full = None
+        if job.eval.at_start and job.eval.data and driver.step == 0:
+            full, untrained = driver.evaluate_baseline()
+            tqdm.write(f"before training: full visual tokens acc {full:.3f}; at {(job.eval.budget_bps or job.budget.target_bps) / 100:g}%"
+                       + format_accuracy(untrained, full))
         with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:
                 replaced = driver.replace_dead_rollout_workers()
@@ -199,7 +209,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                 out.flush()
                 storage.put("steps.jsonl")  # to a URI: the whole log again (object stores do not append)
                 trackers.step(log)
-                tqdm.write(format_step(log, total))
+                tqdm.write(format_step(log, total, full))
                 bar.update(1)
                 if stop.requested:
                     where = driver.checkpoint()

@@ -45,9 +45,9 @@ class ToyTask:
 
 
 def toy_tasks() -> dict[str, ToyTask]:
-    from . import board, sizes
+    from . import board, circles, sizes
 
-    return {task.name: task for task in (board.TASK, sizes.TASK)}
+    return {task.name: task for task in (board.TASK, sizes.TASK, circles.TASK)}
 
 
 def toy_task(name: str) -> ToyTask:

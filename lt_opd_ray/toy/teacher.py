@@ -9,6 +9,7 @@ on 2 cores.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -40,13 +41,16 @@ class TeacherRecipe:
     eval_size: int = 128
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """The recipe's fields and the source of the task's module: a change to how its images are drawn retrains."""
+        drawing = inspect.getsource(inspect.getmodule(toy_task(self.task).item))
+        return hashlib.sha256((json.dumps(asdict(self), sort_keys=True) + drawing).encode()).hexdigest()[:12]
 
 
 RECIPES = {
     # design 1: the language model learns to count over a random, frozen vision tower
     "board": TeacherRecipe(task="board", train_vision=False, resolutions=(6,), train_items=1024, steps=1500),
     "sizes": TeacherRecipe(),
+    "circles": TeacherRecipe(task="circles"),
 }
 
 
@@ -155,14 +159,31 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
     held_out = task.samples(recipe.eval_size, "test")
     model.eval()
     accuracy = evaluate_answers(vlm, VLMProcessor(out_dir), held_out, 10_000, max_new_tokens=task.response_tokens).accuracy
-    record = {"recipe": asdict(recipe), "losses": losses, "full_token_accuracy": accuracy, "seconds": time.perf_counter() - begin}
+    record = {"recipe": asdict(recipe), "key": recipe.key(), "losses": losses, "full_token_accuracy": accuracy, "seconds": time.perf_counter() - begin}
     (out_dir / "training.json").write_text(json.dumps(record))
     log(f"{task.name} teacher: full-token accuracy {accuracy:.3f} on {recipe.eval_size} held-out items")
     return record
 
 
+SHIPPED = Path(__file__).parent / "teachers"  # teachers small enough to ship: <task>/, trained by `python -m lt_opd_ray.toy.teacher --ship <task>`
+
+
+def shipped_teacher(recipe: TeacherRecipe) -> Path | None:
+    """The teacher shipped with the package for `recipe`, if one was trained by exactly this recipe and task code."""
+    folder = SHIPPED / recipe.task
+    record = folder / "training.json"
+    if record.exists() and json.loads(record.read_text()).get("key") == recipe.key():
+        return folder
+    return None
+
+
 def toy_teacher_dir(recipe: TeacherRecipe, cache_root: str | Path | None = None, log=print) -> Path:
-    """The trained toy teacher for `recipe`, trained once into a cache folder (atomic rename when complete)."""
+    """The trained toy teacher for `recipe`: the shipped one when it matches, else trained once into a cache folder
+    (atomic rename when complete). A shipped teacher is the same on every CPU; one trained here is the same only
+    on CPUs with the same float kernels."""
+    shipped = shipped_teacher(recipe)
+    if shipped is not None:
+        return shipped
     root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
     target = root / "toy" / f"{recipe.task}-teacher-{recipe.key()}"
     if not (target / "training.json").exists():
@@ -174,3 +195,24 @@ def toy_teacher_dir(recipe: TeacherRecipe, cache_root: str | Path | None = None,
         except OSError:  # another process finished first
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def ship(task: str) -> Path:
+    """Train `task`'s teacher (or take it from the cache) and copy it into the package, replacing the shipped one."""
+    trained = toy_teacher_dir(RECIPES[task]) if shipped_teacher(RECIPES[task]) is None else SHIPPED / task
+    target = SHIPPED / task
+    if trained != target:
+        staging = target.with_name(task + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(trained, staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Ship a toy task's trained teacher with the package.")
+    parser.add_argument("--ship", required=True, choices=sorted(RECIPES), help="the toy task whose teacher to ship")
+    print(f"shipped: {ship(parser.parse_args().ship)}")
