@@ -111,7 +111,7 @@ def supervised(job, vlm: QwenVLM, processor: VLMProcessor, task, steps: int, eve
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["confidence", "supervised"])
-    parser.add_argument("--job", default="jobs/toy_sizes.yaml")
+    parser.add_argument("--job", default="jobs/toy_circles.yaml")
     parser.add_argument("--items", type=int, default=128, help="held-out items for `confidence`")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=100)

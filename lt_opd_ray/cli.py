@@ -377,11 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     ablation = sub.add_parser(
         "ablation", help="the paper's ablations on a toy task through the distributed runtime: retain table + curves"
     )
-    ablation.add_argument("job", nargs="?", default="jobs/toy_sizes.yaml", help="base job YAML (default: jobs/toy_sizes.yaml)")
+    ablation.add_argument("job", nargs="?", default="jobs/toy_circles.yaml", help="base job YAML (default: jobs/toy_circles.yaml)")
     ablation.add_argument("--out", default="runs/ablation", help="output folder")
     ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     ablation.add_argument("--steps", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
-    ablation.add_argument("--arms", nargs="+", default=None, help="subset of arms (default: all)")
+    ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also lt_opd_token_merge)")
     ablation.set_defaults(func=cmd_ablation)
 
     export = sub.add_parser("export", help="write the trained student as a Hugging Face folder + its compression config")

@@ -113,5 +113,5 @@ def test_commands_without_their_input_are_refused_in_one_line(capsys):
 
     assert main(["efficiency"]) == 2
     assert "give a model folder or --preset (one of qwen3.5-4b)" in capsys.readouterr().err
-    assert main(["ablation", "jobs/toy_sizes.yaml", "--arms", "nope"]) == 2
+    assert main(["ablation", "jobs/toy_circles.yaml", "--arms", "nope"]) == 2
     assert "unknown arm(s) nope; known:" in capsys.readouterr().err

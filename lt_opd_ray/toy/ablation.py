@@ -7,10 +7,11 @@ Arms (all at the job's target budget, same teacher, same data):
   lt_opd_no_curriculum   LT-OPD at the target budget from the first update
   lt_opd          LT-OPD (docs/architecture.md §1)
   lt_opd_reverse_kl      LT-OPD with reverse KL instead of JSD
+  lt_opd_token_merge     LT-OPD with the release's learnable token merge (not in the paper's table: asked for by name)
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
 Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
-held-out items; mean ± std over seeds.
+held-out items; mean ± standard error over seeds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ARMS: dict[str, dict] = {
     "lt_opd_reverse_kl": {"objective": {"divergence": "reverse_kl"}},
     "lt_opd_token_merge": {"selector": {"merge": "learnable"}},  # the paper's release: CDPruner + learnable token merge
 }
+STUDY_ARMS = ("sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd", "lt_opd_reverse_kl")  # the paper's ablation table
 LABELS = {
     "untrained": "untrained",
     "sft": "SFT on teacher answers",
@@ -98,7 +100,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     base = load_job(base_path)
     if not base.eval.data:
         raise ValueError(f"{base_path}: the ablation needs eval.data (held-out rows with answers)")
-    arms = arms or list(ARMS)
+    arms = arms or list(STUDY_ARMS)
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
