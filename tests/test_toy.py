@@ -15,7 +15,6 @@ from lt_opd_ray.toy import board, circles, sizes
 from lt_opd_ray.toy.tasks import TILE, toy_task
 
 BASE_JOB = "jobs/toy_circles.yaml"  # design 3, the study's
-QUICK_JOB = "jobs/toy_circles_quick.yaml"  # the README's first run
 
 
 def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
