@@ -4,7 +4,8 @@ Structure: required keys of the launcher config; the RayCluster / RayJob fields
 of KubeRay's ray.io/v1 CRDs (unknown keys are errors, as the API server's
 strict field validation would report them). Capacity: every pool that pins itself
 with `node_resource` finds nodes advertising that resource, with enough units and
-GPUs at the groups' maximum size; a node resource named `lt_opd_<pool>` for a pool
+GPUs at the groups' maximum size, and the pools together fit the cluster's GPUs and CPUs (at the
+sizes a job starts with: autoscaling headroom never refuses a cluster); a node resource named `lt_opd_<pool>` for a pool
 that does not exist is an error. Imports no Ray.
 """
 
@@ -66,10 +67,14 @@ def _group_capacity(group: dict, where: str) -> tuple[dict[str, float], list[str
             resources = {k: float(v) for k, v in json.loads(json.loads(params["resources"])).items()}
         except (ValueError, TypeError, AttributeError):
             problems.append(f"{where}.rayStartParams.resources: not a quoted JSON object: {params['resources']!r}")
-    gpus = 0.0
+    gpus = cpus = 0.0
     for container in group.get("template", {}).get("spec", {}).get("containers", []):
-        gpus += float((container.get("resources", {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+        limits = container.get("resources", {}).get("limits") or {}
+        gpus += float(limits.get("nvidia.com/gpu", 0))
+        cpu = str(limits.get("cpu", 0))
+        cpus += float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)  # Kubernetes quantities: "40" or "500m"
     resources["GPU"] = float(params.get("num-gpus", gpus))
+    resources["CPU"] = float(params.get("num-cpus", cpus))  # what `ray start` advertises: the container's CPU limit
     count = int(group.get("maxReplicas", group.get("replicas", 1))) * int(group.get("numOfHosts", 1))
     return {r: v * count for r, v in resources.items()}, problems
 
@@ -131,6 +136,11 @@ def check_capacity(capacity: Capacity, job: JobConfig, source: str) -> list[str]
             problems.append(f"{source}: pool {pool} needs {size} x {spec.node_resource}, the groups {sorted(groups)} offer {units:g}")
         if gpus < size * spec.gpus:
             problems.append(f"{source}: pool {pool} needs {size * spec.gpus:g} GPUs on {sorted(groups)}, which have {gpus:g}")
+    for resource in ("GPU", "CPU"):  # every pool, pinned or not, somewhere in the cluster
+        need = sum(size * getattr(getattr(job.pools, pool), resource.lower() + "s") for pool, size in pool_sizes(job).items())
+        have = sum(r.get(resource, 0.0) for r in capacity.values())
+        if resource in {r for c in capacity.values() for r in c} and need > have + 1e-9:
+            problems.append(f"{source}: the pools need {need:g} {resource}s in all, the node groups offer {have:g} at their largest")
     return problems
 
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl"]
+
+# Every collective of every test (learner groups, weight syncs, in this process, its Ray actors and the CLI runs it
+# starts) is held to its backend's device rule, as NCCL holds a GPU run (runtime/collectives.py).
+os.environ.setdefault("LT_OPD_CHECK_COLLECTIVES", "1")
 
 
 def pytest_collection_modifyitems(config, items):

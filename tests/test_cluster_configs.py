@@ -43,32 +43,59 @@ def test_rayjob_runs_the_recipe_on_the_raycluster_spec():
     assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": load(REPO / "cluster/runtime_env.yaml")["env_vars"]}
 
 
+def pinned_recipe():
+    """The recipe with every pool pinned to a node type of its own (pools.<pool>.node_resource)."""
+    pools = RECIPE.pools.model_copy(update={
+        name: getattr(RECIPE.pools, name).model_copy(update={"node_resource": f"lt_opd_{name}"}) for name in ("rollout", "teacher", "learner")
+    })
+    return RECIPE.model_copy(update={"pools": pools})
+
+
+def test_the_recipe_asks_no_custom_resource_and_fills_one_8_gpu_node():
+    assert all(getattr(RECIPE.pools, p).node_resource is None for p in ("rollout", "teacher", "learner"))
+    launcher = load(REPO / "cluster/ray-cluster.yaml")["available_node_types"]
+    assert launcher["gpu_node"]["resources"]["GPU"] == 8 and launcher["gpu_node"]["node_config"]["InstanceType"] == "p4de.24xlarge"
+
+
 def test_a_group_for_an_unknown_pool_fails():
     doc = load(REPO / "cluster/kuberay/raycluster.yaml")
     bad = copy.deepcopy(doc)
     bad["spec"]["workerGroupSpecs"][0]["rayStartParams"]["resources"] = '"{\\"lt_opd_critic\\": 4}"'
-    problems = check_cluster_file(bad, RECIPE, "raycluster.yaml")
+    problems = check_cluster_file(bad, pinned_recipe(), "raycluster.yaml")
     assert any("advertises lt_opd_critic, a resource of unknown pool 'critic'" in p for p in problems)
     assert any("pool rollout requests lt_opd_rollout, which no node group advertises" in p for p in problems)
 
 
 def test_an_unknown_kuberay_field_and_too_few_gpus_fail():
     bad = load(REPO / "cluster/kuberay/rayjob.yaml")
-    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][2]["replica"] = 1  # typo of replicas
-    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][2]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    group = bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    group["replica"] = 1  # typo of replicas
+    group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "4"
     problems = check_cluster_file(bad, RECIPE, "rayjob.yaml")
-    assert "rayjob.yaml: spec.rayClusterSpec.workerGroupSpecs[2].replica: unknown field" in problems
-    assert "rayjob.yaml: pool learner needs 2 GPUs on ['learner-gpu'], which have 1" in problems
+    assert "rayjob.yaml: spec.rayClusterSpec.workerGroupSpecs[0].replica: unknown field" in problems
+    assert "rayjob.yaml: the pools need 8 GPUs in all, the node groups offer 4 at their largest" in problems
 
 
-def test_launcher_with_too_few_rollout_nodes_fails():
+def test_pinned_pools_need_their_node_types():
     bad = load(REPO / "cluster/ray-cluster.yaml")
-    bad["available_node_types"]["rollout_gpu"]["resources"]["lt_opd_rollout"] = 1
-    bad["available_node_types"]["rollout_gpu"]["max_workers"] = 2
+    bad["available_node_types"]["gpu_node"]["resources"].update(lt_opd_rollout=2, lt_opd_teacher=4, lt_opd_learner=2)
     del bad["head_node_type"]
-    problems = check_cluster_file(bad, RECIPE, "ray-cluster.yaml")
+    problems = check_cluster_file(bad, pinned_recipe(), "ray-cluster.yaml")
     assert "ray-cluster.yaml: missing head_node_type" in problems
-    assert "ray-cluster.yaml: pool rollout needs 4 x lt_opd_rollout, the groups ['rollout_gpu'] offer 2" in problems
+    assert "ray-cluster.yaml: pool rollout needs 4 x lt_opd_rollout, the groups ['gpu_node'] offer 2" in problems
+    assert not any("teacher" in p or "learner" in p for p in problems)  # the teacher starts at replicas = 2, not max_replicas
+
+
+def test_every_kuberay_worker_pod_has_a_memory_backed_dev_shm_for_nccl():
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        doc = load(REPO / "cluster" / "kuberay" / name)
+        spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        for group in spec["workerGroupSpecs"]:
+            pod = group["template"]["spec"]
+            shm = [v["name"] for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+            assert shm, (name, group["groupName"])
+            for container in pod["containers"]:
+                assert {"name": shm[0], "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
 def pinned(text: str) -> dict[str, str]:
@@ -101,7 +128,7 @@ def test_every_kuberay_pod_mounts_the_runs_volume_and_the_job_writes_there():
         spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
         pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
         for pod in pods:
-            (volume,) = pod["volumes"]
+            (volume,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
             assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
             for container in pod["containers"]:
                 assert {"name": volume["name"], "mountPath": "/mnt/lt-opd"} in container["volumeMounts"], (name, container["name"])

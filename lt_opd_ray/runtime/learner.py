@@ -31,6 +31,7 @@ from ..optim import build_optimizer
 from ..loss import LossStats, reduced_length, student_loss
 from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 from .checkpoint_files import weights_only_checkpoint_engine
+from .collectives import all_reduce_max, install_guard_if_asked
 
 
 class StudentObjective(torch.nn.Module):
@@ -133,8 +134,6 @@ class Learner:
         reduces in each): before each, they agree whether any rank still has a micro-batch and whether any has
         one after it (the accumulation boundary), so a rank that is done runs zero-weighted fillers.
         """
-        import torch.distributed as dist
-
         encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
         stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens)
         batches = iter(stream)
@@ -146,13 +145,12 @@ class Learner:
         parts, spans, real, passes = [], [], 0, 0
         while True:
             following = next(batches, None) if current is not None else None
-            flags = torch.tensor([current is not None, following is not None], dtype=torch.int64)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if not flags[0]:
+            any_current, any_following = all_reduce_max([current is not None, following is not None])
+            if not any_current:
                 break
             batch = current or filler
             with Stopwatch() as watch:
-                self.engine.set_gradient_accumulation_boundary(not bool(flags[1]))
+                self.engine.set_gradient_accumulation_boundary(not any_following)
                 with compute_precision(self.job.model.dtype, self.engine.device):
                     chosen = [stream.rollouts[i] for i in batch.sequences]
                     loss, stats = self.engine(stream.prompts, chosen, [stream.scores[i] for i in batch.sequences], normaliser)
@@ -240,5 +238,8 @@ def init_process_group(rank: int, world: int, master_addr: str, master_port: int
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
     )
+    install_guard_if_asked()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # Ray gives each rank one GPU (CUDA_VISIBLE_DEVICES): device 0 is its own
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))

@@ -125,10 +125,11 @@ class RolloutWorker:
 
 
 def sync_device() -> str:
-    """The weight-sync transport's device: NCCL on this process's GPU, else gloo on CPU."""
+    """The weight-sync transport's device: NCCL on this process's current GPU (with its index, as a tensor's
+    device reads), else gloo on the host."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
 class RolloutPool:

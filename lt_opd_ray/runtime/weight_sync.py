@@ -33,6 +33,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .collectives import install_guard_if_asked
+
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -159,6 +161,7 @@ class SyncGroup:
     """One member of the weight-sync group (rank 0 = learner rank 0)."""
 
     def __init__(self, store: dist.Store, rank: int, world: int, generation: int, timeout_s: float, device: str = "cpu"):
+        install_guard_if_asked()
         prefixed = dist.PrefixStore(f"weight-sync/{generation}", store)
         self.rank, self.world, self.device = rank, world, torch.device(device)
         timeout = timedelta(seconds=timeout_s)
@@ -170,7 +173,17 @@ class SyncGroup:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast from member 0, finished on the device when this returns.
+
+        Under NCCL `wait()` only orders the current stream after the collective and returns at once; the
+        host then waits for the device (synchronize), so a sync's seconds are the transfer's and a bucket
+        is never reused while in flight. Gloo's `wait()` blocks already.
+        """
+        if tensor.device != self.device:
+            raise WeightSyncError(f"weight sync over {self.device.type}: got a tensor on {tensor.device}")
         self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return tensor
 
     # ------------------------------------------------------------------ sender
