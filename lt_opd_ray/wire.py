@@ -247,6 +247,24 @@ class SyncResult:
 
 
 @dataclass(frozen=True)
+class ActorPlacement:
+    """Where Ray placed one actor: its node and the GPU ids it was given (CUDA_VISIBLE_DEVICES holds exactly
+    those, so inside the actor its GPU is cuda:0)."""
+
+    actor: str
+    node: str
+    gpus: tuple[str, ...]
+
+    @staticmethod
+    def here(actor: str) -> ActorPlacement:
+        """The calling actor's placement."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return ActorPlacement(actor, context.get_node_id(), tuple(str(g) for g in context.get_accelerator_ids().get("GPU", ())))
+
+
+@dataclass(frozen=True)
 class EvalResult:
     """Greedy answer accuracy of a rollout worker's current student at a budget with one selector."""
 

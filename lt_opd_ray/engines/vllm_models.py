@@ -322,24 +322,35 @@ class PruningModelMixin:
         return positions, int(positions.max()) + 1 - len(input_tokens)
 
     def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
-        """Strip the offset channels and put base + offset at this chunk's image slots."""
-        ids = torch.as_tensor(input_ids).cpu()
+        """Strip the offset channels and put base + offset at this chunk's image slots, on the positions' device.
+
+        Each image slot's base is one past the position of the token before its image run (<|vision_start|>):
+        a run's start is found for every slot at once (a running maximum over the run starts), no Python walk.
+        """
         positions = mrope_positions.clone()
-        slots = (ids == self.config.image_token_id).nonzero().flatten()
-        slots = slots[slots >= num_computed_tokens]
-        cleaned, used = [], 0
-        for rows in multimodal_embeddings:
-            count = rows.shape[0]
-            offsets = rows[:, -POSITION_CHANNELS:].round().long().T.cpu()
-            for j, slot in enumerate(slots[used : used + count].tolist()):
-                run_start = slot
-                while run_start > 0 and ids[run_start - 1] == self.config.image_token_id:
-                    run_start -= 1
-                base = positions[0, run_start - 1] + 1  # the token before an image run is <|vision_start|>
-                positions[:, slot] = base + offsets[:, j].to(positions.device)
-            used += count
-            cleaned.append(rows[:, :-POSITION_CHANNELS])
-        return cleaned, positions, int(positions.max()) + 1 - len(ids)
+        ids = torch.as_tensor(input_ids, device=positions.device)
+        is_image = ids == self.config.image_token_id
+        index = torch.arange(ids.numel(), device=positions.device)
+        starts_here = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])
+        run_start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(0).values
+        slots = index[is_image & (index >= num_computed_tokens)]
+        counts = [rows.shape[0] for rows in multimodal_embeddings]
+        if counts:
+            offsets = torch.cat([rows[:, -POSITION_CHANNELS:] for rows in multimodal_embeddings]).round().long().to(positions.device)
+            filled = slots[: sum(counts)]
+            base = positions[0, run_start[filled] - 1] + 1
+            positions[:, filled] = base + offsets.T
+        cleaned = [rows[:, :-POSITION_CHANNELS] for rows in multimodal_embeddings]
+        return cleaned, positions, int(positions.max()) + 1 - ids.numel()
+
+    @classmethod
+    def get_model_state_cls(cls):
+        """vLLM's V2 model runner (its default on CUDA) asks a model for its state class before choosing one: ours
+        is the class V2 would choose (the hybrid state for Qwen3.5's Gated DeltaNet layers, else the default)
+        with its multimodal pruner always on, so the kept rows' offset channels are consumed as on V1."""
+        from .vllm_v2 import pruning_model_state
+
+        return pruning_model_state(cls)
 
 
 def _pruned(base_model):

@@ -29,7 +29,7 @@ from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, 
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
-from .resources import InsufficientResourcesError, check_resources
+from .resources import InsufficientResourcesError, autoscaling_note, check_resources
 from .rollout_pool import GroupRef, RolloutPool
 from .storage import RunStorage, StorageError
 from .sync_coordinator import WeightBroadcaster
@@ -88,7 +88,10 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
             problems.append(str(exc))
             return None
 
-    attempt(lambda: check_resources(job, ray.cluster_resources()))
+    cluster = ray.cluster_resources()
+    attempt(lambda: check_resources(job, cluster))
+    if note := autoscaling_note(job, cluster):
+        print(note, flush=True)
     attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
     model_dir = attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
     if model_dir is not None:
@@ -138,6 +141,7 @@ class Driver:
             self.pools_ready["teacher (Serve)"] = time.time() - begin
             self.pools_ready["rollout workers"] = self.rollouts.wait_ready() - begin  # as each pool's actors say
             self.pools_ready["learners (DeepSpeed)"] = self.learners.wait_ready() - begin
+            self.placements = self.rollouts.placements() + self.teacher.placements() + self.learners.placements()
             lap("pools")
             self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
             self.metrics = DriverMetrics(job.name)

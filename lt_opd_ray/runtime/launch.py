@@ -66,6 +66,14 @@ def format_step(log, total: int, full: float | None = None) -> str:
     )
 
 
+def format_placements(placements) -> str:
+    """`placed on GPUs: rollout-0 0, ... (node abcd1234)`: the GPU ids Ray gave each actor, grouped by node."""
+    nodes: dict[str, list[str]] = {}
+    for p in placements:
+        nodes.setdefault(p.node, []).append(f"{p.actor} {','.join(p.gpus) or '-'}")
+    return "placed on GPUs: " + "; ".join(f"node {node[:8]}: {', '.join(actors)}" for node, actors in nodes.items())
+
+
 class RunFolderError(ValueError):
     """A fresh run pointed at a folder that holds an earlier run."""
 
@@ -188,6 +196,8 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
         ready = ", ".join(f"{pool} {seconds:.1f}" for pool, seconds in driver.pools_ready.items())
         tqdm.write(f"started in {sum(phases.values()):.1f} s: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
                    + f" (pools started together, ready after: {ready})")
+        if any(p.gpus for p in driver.placements):
+            tqdm.write(format_placements(driver.placements))
         storage = driver.checkpoints.storage
         tqdm.write(f"run {driver.checkpoints.run_id}: outputs (checkpoints, steps.jsonl, final/) go to {storage.describe()}"
                    + (f" (staged in {storage.local})" if storage.remote else ""))

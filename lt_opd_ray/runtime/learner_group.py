@@ -13,7 +13,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
-from ..wire import LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
+from ..wire import ActorPlacement, LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
 from .storage import RunStorage
 from .waits import RoleDiedError, wait_for, wait_one
 
@@ -114,6 +114,9 @@ class LearnerActor:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def placement(self) -> ActorPlacement:
+        return ActorPlacement.here(f"learner-{self.rank}")
 
     # One rank per node moves its node's checkpoint files between the local staging folder and a URI storage.
     def upload(self, location: str, staging: str | None, local: str, to: str, last: tuple[str, ...] = ()) -> dict[str, list]:
@@ -246,6 +249,9 @@ class LearnerGroup:
         from ..microbatch import split_evenly
 
         return split_evenly(prompts, len(self.actors))
+
+    def placements(self) -> list[ActorPlacement]:
+        return self.wait([a.placement.remote() for a in self.actors], "the learners' placement")
 
     def full_state_dict(self) -> dict:
         return self.wait([a.full_state_dict.remote() for a in self.actors], "gathering the weights")[0]

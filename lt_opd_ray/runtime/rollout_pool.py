@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from ..config import JobConfig
-from ..wire import BenchmarkResult, EvalResult, RolloutGroup, RolloutSummary, Stopwatch, WeightsReceived
+from ..wire import ActorPlacement, BenchmarkResult, EvalResult, RolloutGroup, RolloutSummary, Stopwatch, WeightsReceived
 from .waits import wait_for
 
 
@@ -123,6 +123,9 @@ class RolloutWorker:
 
         return os.getpid()
 
+    def placement(self) -> ActorPlacement:
+        return ActorPlacement.here(self.name)
+
 
 def sync_device() -> str:
     """The weight-sync transport's device: NCCL on this process's current GPU (with its index, as a tensor's
@@ -186,6 +189,9 @@ class RolloutPool:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 dead.append(i)
         return dead
+
+    def placements(self) -> list[ActorPlacement]:
+        return self.wait([w.placement.remote() for w in self.workers], self.names, "the rollout workers' placement")
 
     def checksums(self, dtype: str = "float32") -> list[tuple[int | None, str]]:
         """(weights version, digest of the weights in `dtype`) of every worker."""

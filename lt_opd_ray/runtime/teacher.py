@@ -14,7 +14,7 @@ from __future__ import annotations
 from ray import serve
 
 from ..config import JobConfig
-from ..wire import RolloutGroup, Stopwatch, TeacherPayload, pack_scores
+from ..wire import ActorPlacement, RolloutGroup, Stopwatch, TeacherPayload, pack_scores
 
 
 class TeacherModel:
@@ -74,6 +74,10 @@ class TeacherDeployment:
 
         return os.getpid()
 
+    async def placement(self) -> tuple[str, ActorPlacement]:
+        """(this replica's Serve id, its placement)."""
+        return serve.get_replica_context().replica_id.unique_id, ActorPlacement.here(self.model.name)
+
     async def score(self, request: tuple) -> TeacherPayload:
         # request: ([samples ref], [group ref]), nested so Serve passes the refs untouched. Awaiting the group
         # here, before the batch forms, lets a batch take the groups that are finished, not the first submitted.
@@ -122,6 +126,18 @@ class TeacherService:
         """Running replicas of the teacher deployment (moves with autoscaling)."""
         status = serve.status().applications[self.app_name].deployments["TeacherDeployment"]
         return int(status.replica_states.get("RUNNING", 0))
+
+    def placements(self, attempts: int = 64) -> list[ActorPlacement]:
+        """Every running replica's placement. Serve routes each call to a replica of its choosing, so this asks
+        until it has heard from as many replicas as are running (bounded by `attempts`)."""
+        found: dict[str, ActorPlacement] = {}
+        running = self.replicas()
+        for _ in range(attempts):
+            if len(found) >= running:
+                break
+            replica, placement = self.handle.placement.remote().result(timeout_s=60)
+            found[replica] = placement
+        return sorted(found.values(), key=lambda p: p.actor)
 
     def shutdown(self) -> None:
         serve.delete(self.app_name)

@@ -1,0 +1,145 @@
+"""The main job's pools placed on Ray nodes that advertise GPUs this machine does not have.
+
+`ray start --num-gpus 8` works without GPUs: Ray places `num_gpus=1` actors and sets each one's
+CUDA_VISIBLE_DEVICES, and the actors run their tiny models on CPU (gloo, no CUDA). So the placement a GPU
+cluster would make (every pool at its real GPU request, a GPU of its own per actor, the learners packed,
+pools pinned to node types) is tested here with the real driver; what runs inside stays CPU (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from lt_opd_ray.config import load_job
+from lt_opd_ray.runtime.driver import Driver, PreflightError
+from lt_opd_ray.runtime.launch import WORKER_ENV, format_placements
+from lt_opd_ray.runtime.learner_group import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).parent / "ray"
+# the main job as shipped (its pools, GPU requests and CPUs), with a tiny model, tiny data and short answers
+SMALL = [
+    "model.path=tiny:qwen3_5", "model.dtype=float32", "data.path=synthetic:32", "data.min_pixels=4096",
+    "data.max_pixels=65536", "budget.k_min=2", "objective.top_k=16", "objective.logsoftmax_chunk=256",
+    "sampling.prompts_per_step=4", "sampling.n=2", "sampling.max_new_tokens=8",
+    "pools.rollout.backend=transformers", "pools.teacher.backend=transformers",  # placement is the backends' same code path
+    "pools.learner.micro_batch_tokens=4096", "pools.learner.activation_checkpointing=false",
+]
+
+
+class FakeGpuCluster:
+    """`ray start` nodes on this machine, each advertising GPUs (and custom resources) it does not have."""
+
+    def __init__(self):
+        self.tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths stay under 108 bytes
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self.tmp, **WORKER_ENV}
+        self.port = None
+
+    def add_node(self, gpus: int, cpus: int, resources: dict | None = None) -> None:
+        import json
+
+        where = ["--head", f"--port={self.port or free_port()}"] if self.port is None else [f"--address=127.0.0.1:{self.port}"]
+        if self.port is None:
+            self.port = int(where[1].split("=")[1])
+        args = [str(RAY), "start", *where, f"--num-cpus={cpus}", f"--num-gpus={gpus}", "--include-dashboard=false",
+                "--disable-usage-stats", f"--object-store-memory={300 * 2**20}"]
+        if resources:
+            args.append(f"--resources={json.dumps(resources)}")
+        started = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stderr[-3000:]
+
+    def connect(self) -> None:
+        os.environ.update({"RAY_AUTH_MODE": "disabled", **WORKER_ENV})
+        ray.init(address=f"127.0.0.1:{self.port}", log_to_driver=False)
+
+    def stop(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        subprocess.run([str(RAY), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture()
+def fake_cluster():
+    cluster = FakeGpuCluster()
+    yield cluster
+    cluster.stop()
+
+
+def start_pools(job) -> tuple[Driver, float]:
+    begin = time.perf_counter()
+    driver = Driver(job)
+    return driver, time.perf_counter() - begin
+
+
+def gpu_ids(placements) -> list[str]:
+    return sorted(g for p in placements for g in p.gpus)
+
+
+@pytest.mark.slow
+def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(fake_cluster, tmp_path, capsys):
+    fake_cluster.add_node(gpus=8, cpus=72)  # the recipe's pools take 8 CPUs per actor
+    fake_cluster.connect()
+    job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, f"checkpoint.dir={tmp_path / 'run'}"])
+    driver, seconds = start_pools(job)
+    try:
+        placements = driver.placements
+        print(f"8-GPU node: pools started in {seconds:.1f} s; {format_placements(placements)}")
+        names = sorted(p.actor.split("-")[0] for p in placements)
+        assert names == ["learner"] * 2 + ["rollout"] * 4 + ["teacher"] * 2
+        assert all(len(p.gpus) == 1 for p in placements)
+        assert gpu_ids(placements) == [str(i) for i in range(8)]  # eight actors, eight distinct GPUs
+        assert "the teacher may autoscale to pools.teacher.max_replicas = 4; this cluster has room for 2" in capsys.readouterr().out
+        log = driver.run_step()  # the collectives run (gloo: the actors see no CUDA) under the device guard
+        assert log.tokens > 0 and log.loss == log.loss
+    finally:
+        driver.shutdown()
+
+
+@pytest.mark.slow
+def test_pinned_pools_on_two_8_gpu_nodes(fake_cluster, tmp_path):
+    """Two node types, as a 16-GPU cluster with a node type per role: rollouts on one, teacher + learners on the other."""
+    fake_cluster.add_node(gpus=8, cpus=40, resources={"lt_opd_rollout": 8})
+    fake_cluster.add_node(gpus=8, cpus=40, resources={"lt_opd_teacher": 4, "lt_opd_learner": 4})
+    fake_cluster.connect()
+    pins = [f"pools.{pool}.node_resource=lt_opd_{pool}" for pool in ("rollout", "teacher", "learner")]
+    job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *pins, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4",
+                                                        f"checkpoint.dir={tmp_path / 'run'}"])
+    driver, seconds = start_pools(job)
+    try:
+        placements = driver.placements
+        print(f"2 x 8-GPU nodes: pools started in {seconds:.1f} s; {format_placements(placements)}")
+        nodes = {role: {p.node for p in placements if p.actor.startswith(role)} for role in ("rollout", "teacher", "learner")}
+        assert len(nodes["rollout"]) == 1 and nodes["teacher"] == nodes["learner"] and nodes["rollout"] != nodes["learner"]
+        assert all(len(p.gpus) == 1 for p in placements)
+        per_node = {}
+        for p in placements:
+            per_node.setdefault(p.node, []).extend(p.gpus)
+        assert all(len(ids) == len(set(ids)) for ids in per_node.values())  # no GPU given twice on a node
+    finally:
+        driver.shutdown()
+
+
+@pytest.mark.slow
+def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(fake_cluster, tmp_path):
+    fake_cluster.add_node(gpus=4, cpus=40)
+    fake_cluster.connect()
+    with pytest.raises(PreflightError, match=r"GPU: the pools need 8 \(rollout 4, teacher 2, learner 2\) but the cluster has 4, short by 4"):
+        Driver(load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, f"checkpoint.dir={tmp_path / 'refused'}"]))
+    halved = ["pools.rollout.workers=2", "pools.teacher.replicas=1", "pools.teacher.max_replicas=1", "pools.learner.ranks=1"]
+    job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *halved, f"checkpoint.dir={tmp_path / 'run'}"])
+    driver, seconds = start_pools(job)
+    try:
+        print(f"4-GPU node: pools started in {seconds:.1f} s; {format_placements(driver.placements)}")
+        assert gpu_ids(driver.placements) == ["0", "1", "2", "3"]
+    finally:
+        driver.shutdown()
