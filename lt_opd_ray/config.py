@@ -183,11 +183,28 @@ class Resources(_Strict):
         return {self.node_resource: 1.0} if self.node_resource else {}
 
 
+class VLLMSettings(_Strict):
+    """What a GPU user tunes of a pool's vLLM engines (ignored by the transformers backend; on CPU vLLM runs
+    eager, and its CPU KV cache is sized by VLLM_CPU_KVCACHE_SPACE instead of a memory share)."""
+
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Share of its GPU's memory one engine takes for weights, activations and KV cache; engines sharing a GPU
+    (pools with gpus < 1) need shares that sum to at most 1."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences one engine batches at a time (vLLM's continuous batching)."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture: faster start, slower decoding."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a prompt's shared prefix across its n responses."""
+
+
 class RolloutPool(Resources):
     workers: int = Field(1, ge=1)
     """Rollout workers, each owning one engine with the current student."""
     backend: Literal["transformers", "vllm"] = "transformers"
     """Inference engine of the rollout workers."""
+    vllm: VLLMSettings = VLLMSettings()
+    """The rollout workers' vLLM engines (backend vllm)."""
     verify_weights: bool = False
     """Each worker hashes the weights it is sent (about 1 s per GB), so `checksums()` can prove the engine
     got exactly the learners' weights; needed for a vLLM worker's checksum (it keeps no other copy)."""
@@ -215,6 +232,8 @@ class TeacherPool(Resources):
     """Dtype of the teacher's log-probs on the wire (ids are always int32)."""
     backend: Literal["transformers", "vllm"] = "transformers"
     """Inference engine of the teacher."""
+    vllm: VLLMSettings = VLLMSettings()
+    """The teacher replicas' vLLM engines (backend vllm)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> TeacherPool:

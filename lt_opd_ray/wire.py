@@ -254,14 +254,16 @@ class ActorPlacement:
     actor: str
     node: str
     gpus: tuple[str, ...]
+    engine: str  # what computes in it: "transformers", "vLLM V2 runner", "DeepSpeed ZeRO-3", ...
 
     @staticmethod
-    def here(actor: str) -> ActorPlacement:
+    def here(actor: str, engine: str) -> ActorPlacement:
         """The calling actor's placement."""
         import ray
 
         context = ray.get_runtime_context()
-        return ActorPlacement(actor, context.get_node_id(), tuple(str(g) for g in context.get_accelerator_ids().get("GPU", ())))
+        gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", ()))
+        return ActorPlacement(actor, context.get_node_id(), gpus, engine)
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,12 @@ class FakeGpuCluster:
     def add_node(self, gpus: int, cpus: int, resources: dict | None = None) -> None:
         import json
 
-        where = ["--head", f"--port={self.port or free_port()}"] if self.port is None else [f"--address=127.0.0.1:{self.port}"]
         if self.port is None:
-            self.port = int(where[1].split("=")[1])
-        args = [str(RAY), "start", *where, f"--num-cpus={cpus}", f"--num-gpus={gpus}", "--include-dashboard=false",
-                "--disable-usage-stats", f"--object-store-memory={300 * 2**20}"]
+            self.port = free_port()
+            where = ["--head", f"--port={self.port}", "--include-dashboard=false", "--disable-usage-stats"]
+        else:
+            where = [f"--address=127.0.0.1:{self.port}"]
+        args = [str(RAY), "start", *where, f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--object-store-memory={300 * 2**20}"]
         if resources:
             args.append(f"--resources={json.dumps(resources)}")
         started = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=180)
@@ -93,12 +94,15 @@ def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(fa
     driver, seconds = start_pools(job)
     try:
         placements = driver.placements
-        print(f"8-GPU node: pools started in {seconds:.1f} s; {format_placements(placements)}")
+        out = capsys.readouterr().out
+        with capsys.disabled():
+            print(f"\n8-GPU node: pools started in {seconds:.1f} s; {format_placements(placements)}")
         names = sorted(p.actor.split("-")[0] for p in placements)
         assert names == ["learner"] * 2 + ["rollout"] * 4 + ["teacher"] * 2
         assert all(len(p.gpus) == 1 for p in placements)
         assert gpu_ids(placements) == [str(i) for i in range(8)]  # eight actors, eight distinct GPUs
-        assert "the teacher may autoscale to pools.teacher.max_replicas = 4; this cluster has room for 2" in capsys.readouterr().out
+        assert "the teacher may autoscale to pools.teacher.max_replicas = 4; this cluster has room for 2" in out
+        assert {p.engine for p in placements} == {"transformers", "DeepSpeed ZeRO-3"}
         log = driver.run_step()  # the collectives run (gloo: the actors see no CUDA) under the device guard
         assert log.tokens > 0 and log.loss == log.loss
     finally:
@@ -117,7 +121,7 @@ def test_pinned_pools_on_two_8_gpu_nodes(fake_cluster, tmp_path):
     driver, seconds = start_pools(job)
     try:
         placements = driver.placements
-        print(f"2 x 8-GPU nodes: pools started in {seconds:.1f} s; {format_placements(placements)}")
+        print(f"\n2 x 8-GPU nodes: pools started in {seconds:.1f} s; {format_placements(placements)}")
         nodes = {role: {p.node for p in placements if p.actor.startswith(role)} for role in ("rollout", "teacher", "learner")}
         assert len(nodes["rollout"]) == 1 and nodes["teacher"] == nodes["learner"] and nodes["rollout"] != nodes["learner"]
         assert all(len(p.gpus) == 1 for p in placements)
@@ -139,7 +143,7 @@ def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(fak
     job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *halved, f"checkpoint.dir={tmp_path / 'run'}"])
     driver, seconds = start_pools(job)
     try:
-        print(f"4-GPU node: pools started in {seconds:.1f} s; {format_placements(driver.placements)}")
+        print(f"\n4-GPU node: pools started in {seconds:.1f} s; {format_placements(driver.placements)}")
         assert gpu_ids(driver.placements) == ["0", "1", "2", "3"]
     finally:
         driver.shutdown()

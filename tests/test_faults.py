@@ -117,3 +117,41 @@ def test_the_teacher_app_a_killed_driver_left_is_removed_by_the_next_run_of_the_
     driver.run_step()
     driver.shutdown()
     assert wait_until(lambda: not serve.status().applications)
+
+
+def test_a_rollout_worker_killed_mid_broadcast_is_replaced_and_synced_and_the_learners_live_on(cluster, tmp_path):
+    """The worker is frozen before a broadcast (so the stream is under way and waits on it: the 126 MB of the
+    real-vocabulary model fill the socket buffers) and killed in the middle. The other worker and learner rank 0 are
+    freed by an abort, the worker replaced, the group re-formed, the weights sent again; under ZeRO-3 the learners
+    stayed in step and go on training."""
+    import threading
+
+    from lt_opd_ray.models.loading import resolve_model_dir
+
+    job = job_for(resolve_model_dir("tiny:qwen3_5-vocab248320"), tmp_path, ranks=2, zero_stage=3, workers=2, name="sync-kill",
+                  verify_weights=True)
+    driver = Driver(job)
+    try:
+        driver.run_step()
+        learner_pids = [ray.get(a.pid.remote()) for a in driver.learners.actors]
+        victim = ray.get(driver.rollouts.workers[1].pid.remote())
+        os.kill(victim, signal.SIGSTOP)
+        result = {}
+        sync = threading.Thread(target=lambda: result.update(sync=driver.broadcast(version=driver.step)))
+        begin = time.time()
+        sync.start()
+        time.sleep(3.0)
+        assert sync.is_alive()  # the stream waits on the frozen worker
+        os.kill(victim, signal.SIGKILL)
+        sync.join(timeout=180)
+        assert not sync.is_alive() and result["sync"].version == driver.step
+        print(f"\nworker killed mid-broadcast: recovered (replaced, re-formed, synced) {time.time() - begin - 3.0:.1f} s after the kill")
+        assert driver.sync.replaced == ["rollout-1"] and driver.metrics.restart_counts.get("rollout") == 1
+        assert ray.get(driver.rollouts.workers[1].pid.remote()) != victim
+        assert [ray.get(a.pid.remote()) for a in driver.learners.actors] == learner_pids  # no learner was lost
+        expected = driver.learners.weights_checksum()
+        assert driver.rollouts.checksums() == [(driver.step, expected)] * 2
+        log = driver.run_step()  # the learners' own group is in step: ZeRO-3 trains on
+        assert log.step == 1 and log.tokens > 0
+    finally:
+        driver.shutdown()

@@ -30,6 +30,9 @@ class RolloutEngine(Protocol):
     def sink(self) -> WeightSink:
         """Where the weight broadcast writes the student's new weights."""
 
+    runner: str
+    """What samples: "transformers", or which of vLLM's model runners."""
+
     def weights_checksum(self, dtype: torch.dtype) -> str:
         """A digest of the weights the engine holds, comparable with `weights_checksum` of the learner's in `dtype`."""
 
@@ -40,6 +43,8 @@ class TransformersRolloutEngine:
     In the fixed-prefix and SFT ablations it also holds a frozen copy of the initial
     weights (the teacher) that samples the responses at full tokens.
     """
+
+    runner = "transformers"
 
     def __init__(self, job: JobConfig):
         from ..models.adapter import QwenVLM
@@ -131,6 +136,10 @@ class VLLMRolloutEngine:
 
     def sink(self) -> WeightSink:
         return self._sink
+
+    @property
+    def runner(self) -> str:
+        return self.engine.runner
 
     def weights_checksum(self, dtype: torch.dtype) -> str:
         if not self.job.pools.rollout.verify_weights:

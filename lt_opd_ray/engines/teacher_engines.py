@@ -15,6 +15,9 @@ from ..wire import Rollout, TeacherScore
 
 
 class TeacherEngine(Protocol):
+    runner: str
+    """What scores: "transformers", or which of vLLM's model runners."""
+
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
         """One score per rollout; `samples[r.prompt_index]` is each rollout's sample."""
 
@@ -22,6 +25,8 @@ class TeacherEngine(Protocol):
 class TransformersTeacherEngine:
     """The teacher as a transformers module: each prompt's full-token prefix runs once, its responses continue
     from the shared cache in token-budgeted micro-batches (`scoring.teacher_scores`)."""
+
+    runner = "transformers"
 
     def __init__(self, job: JobConfig):
         from ..models.adapter import QwenVLM
@@ -55,6 +60,10 @@ class VLLMTeacherEngine:
 
         self.job = job
         self.processor, self.engine = open_for_job(job, role="teacher")
+
+    @property
+    def runner(self) -> str:
+        return self.engine.runner
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
         from ..models.processor import encode_samples, load_image

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import VLLMSettings
 from ..models.processor import IMAGE, PromptInputs
 from ..models.sampler import Completion, SamplingParams
 from .vllm_models import SelectionRequest
@@ -114,9 +115,11 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096,
                  max_logprobs: int = 128, max_images: int = 1, seed: int = 0,
-                 min_pixels: int | None = None, max_pixels: int | None = None, token_merge: bool = False):
+                 min_pixels: int | None = None, max_pixels: int | None = None, token_merge: bool = False,
+                 settings: VLLMSettings | None = None):
         """`token_merge`: give the student a learnable token-merge head although its folder has none (a run
-        starting from the base model; a folder that has one gets it anyway)."""
+        starting from the base model; a folder that has one gets it anyway). `settings`: the pool's engine
+        settings (memory share, batch size, CUDA graphs, prefix caching)."""
         import json
 
         from ..models.token_merge import merge_parameter_shapes, settings
@@ -127,6 +130,7 @@ class VLLMEngine:
         dim = config.get("text_config", config)["hidden_size"]
         merging = token_merge or bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
         self.merge_shapes = merge_parameter_shapes(dim) if merging else {}
+        self.tied_embeddings = bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
         configure_environment()
         from vllm import LLM
 
@@ -134,6 +138,7 @@ class VLLMEngine:
 
         register()
         on_gpu = torch.cuda.is_available()
+        settings = settings or VLLMSettings()
         self.llm = LLM(
             model=str(self.model_dir),
             dtype=dtype,
@@ -143,15 +148,22 @@ class VLLMEngine:
             limit_mm_per_prompt={"image": max_images, "video": 0},
             # the same resize bounds as VLMProcessor (otherwise the model folder's)
             mm_processor_kwargs={k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v} or None,
-            enforce_eager=not on_gpu,
+            enforce_eager=settings.enforce_eager or not on_gpu,
+            max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=settings.enable_prefix_caching,
             seed=seed,
             logprobs_mode="raw_logprobs",  # log p under the model's distribution, before temperature / top-p
-            gpu_memory_utilization=0.5 if on_gpu else 0.9,
+            gpu_memory_utilization=settings.gpu_memory_utilization if on_gpu else 0.9,
             hf_overrides={"vision_token_compressor": settings(dim)} if token_merge and "vision_token_compressor" not in config else None,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+
+    @property
+    def runner(self) -> str:
+        """Which of vLLM's model runners this engine uses, as the start-up line names it."""
+        return "vLLM V2 runner" if self.v2_runner else f"vLLM V1 runner ({'CPU build' if not torch.cuda.is_available() else 'VLLM_USE_V2_MODEL_RUNNER=0'})"
 
     # --------------------------------------------------------------- rollouts
     def generate(
@@ -291,9 +303,12 @@ class VLLMEngine:
     # ---------------------------------------------------------------- weights
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The weights an update must bring: the model folder's tensors, less the multi-token-prediction
-        head (`mtp.*`, in Qwen3.5 checkpoints) that the student neither has nor samples with, and with a token
-        merge, its head's tensors."""
-        return {n: s for n, s in _checkpoint_shapes(self.model_dir).items() if not n.startswith("mtp.")} | self.merge_shapes
+        head (`mtp.*`, in Qwen3.5 checkpoints) that the student neither has nor samples with and, with tied
+        embeddings, less an output head a folder may store beside them (the learner's is the embedding, sent
+        once under its name); with a token merge, its head's tensors."""
+        tied = {"lm_head.weight"} if self.tied_embeddings else set()
+        shapes = _checkpoint_shapes(self.model_dir)
+        return {n: s for n, s in shapes.items() if not n.startswith("mtp.") and n not in tied} | self.merge_shapes
 
     def write_weights(self, stream) -> None:
         """Write (name, tensor) pairs in checkpoint format into the engine's own parameters, in place.
@@ -388,6 +403,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         min_pixels=job.data.min_pixels,
         max_pixels=job.data.max_pixels,
         token_merge=role == "rollout" and job.selector.merge == "learnable",
+        settings=getattr(job.pools, role).vllm,
     )
     if role == "teacher":
         check_teacher_scoring(engine)

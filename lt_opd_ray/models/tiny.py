@@ -94,7 +94,7 @@ def _mrope_section(rotary_dim: int) -> list[int]:
     return [frequencies - 2 * spatial, spatial, spatial]
 
 
-def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vocab_size: int | None = None):
+def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vocab_size: int | None = None, tied: bool = False):
     """A tiny config of `family` whose special-token ids match `tokenizer`.
 
     `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as Qwen3.5-4B's
@@ -121,7 +121,7 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vo
         eos_token_id=ids["eos_token_id"],
         pad_token_id=ids["pad_token_id"],
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         initializer_range=0.1,  # wider than 0.02 so a random model's next-token choices vary
     )
     vision_common = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
@@ -183,7 +183,7 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vo
         )
     else:
         raise ValueError(f"unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
-    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, **token_ids, tie_word_embeddings=False)
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, **token_ids, tie_word_embeddings=tied)
     config.eos_token_id = ids["eos_token_id"]
     config.pad_token_id = ids["pad_token_id"]
     return config
@@ -206,14 +206,16 @@ def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: i
     }
 
 
-def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, vocab_size: int | None = None) -> Path:
-    """Write a tiny random `family` VLM to `out_dir` (an ordinary HF folder) and return the path."""
+def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, vocab_size: int | None = None,
+                     tied: bool = False) -> Path:
+    """Write a tiny random `family` VLM to `out_dir` (an ordinary HF folder) and return the path; `tied`: the output
+    head is the input embedding (one tensor, as Qwen3.5-4B's checkpoint has it)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = tiny_config(family, tokenizer, hidden=hidden, vocab_size=vocab_size)
+    config = tiny_config(family, tokenizer, hidden=hidden, vocab_size=vocab_size, tied=tied)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id
@@ -226,8 +228,8 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: in
 
 
 def tiny_model_dir(name: str, cache_root: str | Path | None = None) -> Path:
-    """The embedded tiny model `name` (`<family>` or `<family>-vocab<N>`), built once into a cache folder
-    (seed 0) named by its recipe.
+    """The embedded tiny model `name` (`<family>`, `<family>-vocab<N>`, either with `-tied`), built once into a
+    cache folder (seed 0) named by its recipe. `-tied`: embeddings tied to the output head, as Qwen3.5-4B's are.
 
     `qwen3_5-vocab248320` is the narrow model of the paper-shaped job: the tiny body with
     Qwen3.5-4B's real output vocabulary. The folder name carries a hash of this file, so a
@@ -239,13 +241,14 @@ def tiny_model_dir(name: str, cache_root: str | Path | None = None) -> Path:
 
     root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
     recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # this file is the recipe
-    family, _, vocab = name.partition("-vocab")
+    base, tied = (name[: -len("-tied")], True) if name.endswith("-tied") else (name, False)
+    family, _, vocab = base.partition("-vocab")
     if family not in FAMILIES or (vocab and not vocab.isdigit()):
-        raise ValueError(f"model.path tiny:{name}: expected tiny:<family> or tiny:<family>-vocab<N>, family one of {', '.join(FAMILIES)}")
+        raise ValueError(f"model.path tiny:{name}: expected tiny:<family>[-vocab<N>][-tied], family one of {', '.join(FAMILIES)}")
     target = root / "tiny" / f"{name}-{recipe}"
     if not (target / "config.json").exists():
         staging = target.with_name(target.name + f".tmp{os.getpid()}")
-        build_tiny_model(family, staging, vocab_size=int(vocab) if vocab else None)
+        build_tiny_model(family, staging, vocab_size=int(vocab) if vocab else None, tied=tied)
         try:
             staging.rename(target)  # atomic: a half-built folder never looks complete
         except OSError:  # another process finished first

@@ -23,9 +23,9 @@ from ..config import BPS, JobConfig
 from ..curriculum import BudgetSchedule
 from ..data import Sample, load_samples
 from ..evals.benchmarks import benchmark
-from ..models.loading import resolve_model_dir
+from ..models.loading import check_checkpoint_names, resolve_model_dir
 from ..train_loop import batches
-from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch
+from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch, SyncResult
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
@@ -95,6 +95,7 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
     model_dir = attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
     if model_dir is not None:
+        attempt(lambda: check_checkpoint_names(model_dir))
         attempt(lambda: check_token_merge(job, model_dir))
     samples = attempt(lambda: load_samples(job.data.path, job.data.image_root, job.seed))
     benchmarks = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
@@ -151,7 +152,7 @@ class Driver:
                 self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
                 lap("checkpoint load")
             self.checkpoints.record_run(resumed_from=tag)
-            self.sync.broadcast(version=self.step)  # workers start from exactly the learners' weights
+            self.broadcast(version=self.step)  # workers start from exactly the learners' weights
             lap("first weight sync")
             self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
             self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
@@ -178,7 +179,7 @@ class Driver:
         summaries = self.rollouts.wait([g.summary for g in current.groups], self.group_workers(current), f"rollout summaries of update {update}")
         lost = self.settle(self.next) if self.next else []
         with Stopwatch() as sync_watch:
-            sync = self.sync.broadcast(version=self.step)  # before any rollout of the next weights
+            sync = self.broadcast(version=self.step)  # before any rollout of the next weights
         if lost:
             self.resubmit_lost(self.next, lost)  # sampled by the new weights: staleness 0
         spans = [sync_watch.span("sync", "learner-0", f"v{self.step}")]
@@ -356,8 +357,17 @@ class Driver:
             self.rollouts.replace(index)
             self.metrics.record_restart("rollout")
         self.sync.connect()
-        self.sync.broadcast(version=self.step)
+        self.broadcast(version=self.step)
         return [self.rollouts.names[i] for i in dead]
+
+    def broadcast(self, version: int) -> SyncResult:
+        """The weight broadcast; a worker replaced because it died during it counts as a rollout restart."""
+        before = len(self.sync.replaced)
+        result = self.sync.broadcast(version)
+        for name in self.sync.replaced[before:]:
+            self.metrics.record_restart("rollout")
+            print(f"{name} died during the weight broadcast v{version}: replaced, and the weights sent again", flush=True)
+        return result
 
     def shutdown(self) -> None:
         """Stop every pool, also when one of them failed or died: what the run started, it removes."""

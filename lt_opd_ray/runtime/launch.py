@@ -67,10 +67,11 @@ def format_step(log, total: int, full: float | None = None) -> str:
 
 
 def format_placements(placements) -> str:
-    """`placed on GPUs: rollout-0 0, ... (node abcd1234)`: the GPU ids Ray gave each actor, grouped by node."""
+    """`placed on GPUs: node abcd1234: rollout-0 0 (vLLM V2 runner), ...`: the GPU ids Ray gave each actor and
+    what computes in it, by node."""
     nodes: dict[str, list[str]] = {}
     for p in placements:
-        nodes.setdefault(p.node, []).append(f"{p.actor} {','.join(p.gpus) or '-'}")
+        nodes.setdefault(p.node, []).append(f"{p.actor} {','.join(p.gpus) or '-'} ({p.engine})")
     return "placed on GPUs: " + "; ".join(f"node {node[:8]}: {', '.join(actors)}" for node, actors in nodes.items())
 
 

@@ -110,7 +110,10 @@ class Learner:
         import deepspeed
 
         self.job, self.rank, self.world = job, rank, world
-        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
+        config = deepspeed_config(job)
+        zero3 = job.pools.learner.zero_stage == 3
+        # ZeRO-3: the weights are created partitioned (never a whole fp32 copy per rank) and loaded shard by shard
+        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable", zero3_config=config if zero3 else None)
         if job.pools.learner.activation_checkpointing:
             # recompute each decoder / vision block in backward: activations of one block per layer stay alive
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -118,11 +121,9 @@ class Learner:
         self.model_dir = model_dir
         self.module = StudentObjective(model.train(), job.objective)
         optimizer, scheduler = build_optimizer(model, job.optimizer)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(job)
-        )
+        self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         weights_only_checkpoint_engine(self.engine)  # a checkpoint's pickles never run code in the learner
-        if job.pools.learner.zero_stage == 3:
+        if zero3:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
 

@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import JobConfig
 from ..wire import ActorPlacement, LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
+from .rollout_pool import CONTROL
 from .storage import RunStorage
 from .waits import RoleDiedError, wait_for, wait_one
 
@@ -84,19 +85,45 @@ class LearnerActor:
         return result
 
     def broadcast_weights(self, version: int) -> WeightsSent:
-        """Every rank gathers bucket by bucket (ZeRO-3 is a collective); rank 0 sends each bucket in the wire dtype."""
+        """Every rank gathers bucket by bucket (ZeRO-3 is a collective); rank 0 sends each bucket in the wire dtype.
+
+        If the send fails (a member died, the driver aborted the group), rank 0 stops sending but goes on
+        gathering to the last bucket, so the learners' own group stays in step, then raises."""
+        from .weight_sync import WeightSyncError
+
         begin = time.perf_counter()
         bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
-        send = None
+        send, failure = None, []
         if self.rank == 0:
             layout = self.learner.wire_layout()
-            self.sync.send_header(layout, version, bucket_bytes)
-            send = lambda tensors: self.sync.send_bucket(tensors, layout.torch_dtype)  # noqa: E731
+            try:
+                self.sync.send_header(layout, version, bucket_bytes)
+            except RuntimeError as exc:  # gloo's and NCCL's errors, WeightSyncError
+                failure.append(exc)
+
+            def send(tensors) -> int:
+                if failure:
+                    return 0
+                try:
+                    return self.sync.send_bucket(tensors, layout.torch_dtype)
+                except RuntimeError as exc:
+                    failure.append(exc)
+                    return 0
+
         nbytes = self.learner.stream_weights(send, bucket_bytes)
         seconds = time.perf_counter() - begin
+        if failure:
+            raise WeightSyncError(f"weight broadcast v{version} stopped after {nbytes} bytes: {str(failure[0])[:300]}"
+                                  " (every learner rank finished its gathers; the sync group must be re-formed)")
         if self.rank == 0:
             self.metrics.record_sync(seconds, nbytes)
         return WeightsSent(self.rank, nbytes, self.learner.wire_dtype, seconds)
+
+    @ray.method(concurrency_group="control")
+    def abort_weight_sync(self) -> None:
+        """Free a `broadcast_weights` blocked on a member that is gone (rank 0; the others hold no sync group)."""
+        if self.sync is not None:
+            self.sync.abort()
 
     def full_state_dict(self) -> dict | None:
         """Rank 0 answers; the other ranks take part in the ZeRO-3 gather and answer None."""
@@ -116,7 +143,7 @@ class LearnerActor:
         return ray.get_runtime_context().get_node_id()
 
     def placement(self) -> ActorPlacement:
-        return ActorPlacement.here(f"learner-{self.rank}")
+        return ActorPlacement.here(f"learner-{self.rank}", f"DeepSpeed ZeRO-{self.job.pools.learner.zero_stage}")
 
     # One rank per node moves its node's checkpoint files between the local staging folder and a URI storage.
     def upload(self, location: str, staging: str | None, local: str, to: str, last: tuple[str, ...] = ()) -> dict[str, list]:
@@ -204,7 +231,7 @@ class LearnerGroup:
         bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {}), **pool.ray_resources()}
         self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
         wait_for([self.placement.ready()], ["placement group"], job.schedule.wait_timeout_s, "reserving the learners' resources")
-        actor_cls = ray.remote(LearnerActor)
+        actor_cls = ray.remote(concurrency_groups=CONTROL)(LearnerActor)
         self.actors = [
             actor_cls.options(
                 num_cpus=pool.cpus,

@@ -22,6 +22,11 @@ from ..wire import ActorPlacement, BenchmarkResult, EvalResult, RolloutGroup, Ro
 from .waits import wait_for
 
 
+# A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
+# every other call runs one at a time, in order, in the default group.
+CONTROL = {"control": 1}
+
+
 @dataclass(frozen=True)
 class GroupRef:
     """Where one RolloutGroup will live, which learner rank trains on it, and its small summary."""
@@ -59,9 +64,16 @@ class RolloutWorker:
         self.metrics = RolloutMetrics(job.name, name)
         self.loaded_at = time.time()
 
+    @ray.method(concurrency_group="control")
     def ready(self) -> float:
-        """When its engine was ready (wall clock)."""
+        """When its engine was ready (wall clock); answered while a long call runs (it is also the liveness ping)."""
         return self.loaded_at
+
+    @ray.method(concurrency_group="control")
+    def abort_weight_sync(self) -> None:
+        """Free a `receive_weights` blocked on a sync group whose sender or another member is gone."""
+        if self.sync is not None:
+            self.sync.abort()
 
     def generate(self, samples, start: int, stop: int, budget_bps: int, update: int, learner_rank: int) -> tuple[RolloutSummary, RolloutGroup]:
         """The rollouts of prompts [start, stop) for `update` (called with num_returns=2: the driver reads the summary,
@@ -124,7 +136,7 @@ class RolloutWorker:
         return os.getpid()
 
     def placement(self) -> ActorPlacement:
-        return ActorPlacement.here(self.name)
+        return ActorPlacement.here(self.name, self.engine.runner)
 
 
 def sync_device() -> str:
@@ -141,7 +153,9 @@ class RolloutPool:
     def __init__(self, job: JobConfig):
         self.job = job
         pool = job.pools.rollout
-        self._actor_cls = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources())(RolloutWorker)
+        self._actor_cls = ray.remote(
+            num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources(), concurrency_groups=CONTROL
+        )(RolloutWorker)
         self.names = [f"rollout-{i}" for i in range(pool.workers)]
         self.workers = [self._spawn(name) for name in self.names]  # they load their models while the other pools start
 

@@ -1,17 +1,27 @@
-"""Control plane of the weight broadcast: forms the sync group and bounds every broadcast by a timeout.
+"""Control plane of the weight broadcast: forms the sync group, bounds every broadcast by a timeout, and recovers
+from a rollout worker lost mid-broadcast.
 
 Only small control messages pass through here; the weights go learner rank 0 ->
-workers over the gloo group. A broadcast that does not finish in time fails with
-the names of the workers that did not answer.
+workers over the sync group (gloo on CPU, NCCL on GPU). A broadcast that does not
+finish in time fails with the names of the workers that did not answer. A worker
+that dies mid-stream leaves the other members blocked in the collective (NCCL never
+notices a dead peer; gloo only at its timeout): the survivors and learner rank 0 are
+told to abort the group (a call in their control thread), the dead worker is replaced,
+the group re-formed under a new generation and the weights sent again. The learners
+never leave their own group in between (rank 0 keeps gathering: `broadcast_weights`).
 """
 
 from __future__ import annotations
+
+import ray
 
 from ..wire import SyncResult
 from .learner_group import LearnerGroup
 from .rollout_pool import RolloutPool
 from .waits import wait_for
 from .weight_sync import WeightSyncError
+
+SETTLE_S = 60.0  # members freed by an abort answer within this; longer: they are stuck for another reason
 
 
 def wait_all(refs: list, names: list[str], timeout_s: float, what: str) -> list:
@@ -23,6 +33,7 @@ class WeightBroadcaster:
         self.learners, self.pool = learners, pool
         self.timeout_s = timeout_s
         self.generation = 0
+        self.replaced: list[str] = []  # workers replaced after dying mid-broadcast, in order (the driver's metrics)
         self.host, self.port = wait_all([learners.actors[0].host_weight_sync.remote()], ["learner-0"], timeout_s, "hosting the weight-sync store")[0]
         self.connect()
 
@@ -38,10 +49,38 @@ class WeightBroadcaster:
         wait_all(refs, ["learner-0", *self.pool.names], self.timeout_s, "joining the weight-sync group")
 
     def broadcast(self, version: int) -> SyncResult:
-        """Send the learners' current weights as `version`; every worker checks it received exactly that."""
+        """Send the learners' current weights as `version`; every worker checks it received exactly that. A worker
+        that died during it is replaced and the broadcast runs again (once)."""
+        send, receive = self._start(version)
+        try:
+            return self._result(version, send, receive)
+        except (ray.exceptions.RayActorError, WeightSyncError):
+            dead = self.pool.dead_workers()
+            if not dead:
+                raise  # a learner died (the learner group names it), or the sync failed for another reason
+        self._abort(send + receive, dead)
+        for index in dead:
+            self.pool.replace(index)
+            self.replaced.append(self.pool.names[index])
+        self.connect()
+        return self._result(version, *self._start(version))
+
+    def _start(self, version: int) -> tuple[list, list]:
         send = [actor.broadcast_weights.remote(version) for actor in self.learners.actors]
         receive = [worker.receive_weights.remote(version) for worker in self.pool.workers]
+        return send, receive
+
+    def _result(self, version: int, send: list, receive: list) -> SyncResult:
         names = [f"learner-{r}" for r in range(len(send))] + list(self.pool.names)
         results = wait_all(send + receive, names, self.timeout_s, f"weight broadcast v{version}")
         sent = results[0]  # learner rank 0's WeightsSent; then the other ranks', then every worker's WeightsReceived
         return SyncResult(version, sent.bytes, sent.dtype, max(r.seconds for r in results))
+
+    def _abort(self, refs: list, dead: list[int]) -> None:
+        """Free every live member of the broken group and wait until each has left its broadcast call."""
+        alive = [w for i, w in enumerate(self.pool.workers) if i not in dead]
+        ray.wait([member.abort_weight_sync.remote() for member in [self.learners.actors[0], *alive]],
+                 num_returns=1 + len(alive), timeout=SETTLE_S)
+        _, stuck = ray.wait(refs, num_returns=len(refs), timeout=SETTLE_S)
+        if stuck:
+            raise WeightSyncError(f"weight broadcast: {len(stuck)} member(s) did not leave the aborted sync group within {SETTLE_S:.0f} s")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -132,6 +133,10 @@ class WeightUpdateRefused(WeightSyncError):
     """A header that does not fit the receiver: refused before any weight was written."""
 
 
+class WeightSyncAborted(WeightSyncError):
+    """This member stopped waiting on the group (`SyncGroup.abort`); the group is unusable, a new generation follows."""
+
+
 class WeightSink(Protocol):
     """Where received weights go."""
 
@@ -157,13 +162,17 @@ class ModuleSink:
                 self.params[name].copy_(tensor)  # into the module's own dtype and device
 
 
+ABANDONED: list = []  # aborted groups with an operation still pending (see SyncGroup._broadcast)
+
+
 class SyncGroup:
     """One member of the weight-sync group (rank 0 = learner rank 0)."""
 
     def __init__(self, store: dist.Store, rank: int, world: int, generation: int, timeout_s: float, device: str = "cpu"):
         install_guard_if_asked()
         prefixed = dist.PrefixStore(f"weight-sync/{generation}", store)
-        self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.rank, self.world, self.device, self.generation = rank, world, torch.device(device), generation
+        self.aborted = threading.Event()
         timeout = timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -173,18 +182,35 @@ class SyncGroup:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Broadcast from member 0, finished on the device when this returns.
+        """Broadcast from member 0, finished on the device when this returns, or aborted.
 
-        Under NCCL `wait()` only orders the current stream after the collective and returns at once; the
-        host then waits for the device (synchronize), so a sync's seconds are the transfer's and a bucket
-        is never reused while in flight. Gloo's `wait()` blocks already.
+        The host polls the work until it is complete: under NCCL that is when the device has finished
+        (`wait()` would only order the current stream after the collective and return at once), so a
+        sync's seconds are the transfer's and a bucket is never reused while in flight. Between polls
+        it checks `abort()`: a member that died mid-stream leaves the others blocked in the collective
+        (NCCL detects no dead peer; gloo only at its timeout), and the driver frees them this way.
         """
         if tensor.device != self.device:
             raise WeightSyncError(f"weight sync over {self.device.type}: got a tensor on {tensor.device}")
-        self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.aborted.is_set():
+            raise WeightSyncAborted(f"weight-sync group {self.generation} was aborted")
+        work = self.group.broadcast([tensor], dist.BroadcastOptions())
+        pause = 1e-4
+        while not work.is_completed():
+            if self.aborted.wait(pause):
+                if self.device.type == "cuda":
+                    self.group.abort()  # ncclCommAbort: frees the communicator's blocked kernels
+                # gloo cannot cancel the op: its thread waits out the group's timeout, and destroying the group
+                # would wait with it, so the group is parked, never destroyed, while a new generation takes over
+                ABANDONED.append(self.group)
+                raise WeightSyncAborted(f"weight-sync group {self.generation} was aborted mid-stream")
+            pause = min(2 * pause, 5e-3)
+        work.wait()  # raises the collective's own error (a peer that closed its connection, a timeout)
         return tensor
+
+    def abort(self) -> None:
+        """Stop waiting on this group, from another thread (the actor's control concurrency group)."""
+        self.aborted.set()
 
     # ------------------------------------------------------------------ sender
     def send_header(self, layout: Layout, version: int, bucket_bytes: int) -> int:
