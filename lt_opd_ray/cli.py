@@ -285,7 +285,7 @@ def cmd_plan(args) -> int:
 
     from .config import JobConfigError, load_job
     from .efficiency import PRESETS
-    from .planner import EFFICIENCY, GPUS, SCHEDULES, best_split, job_split, plan, shapes_of
+    from .planner import EFFICIENCY, GPUS, SCHEDULES, best_split, job_split, learner_gb_per_gpu, plan, shapes_of, update_work
 
     try:
         job = load_job(args.job)
@@ -328,6 +328,9 @@ def cmd_plan(args) -> int:
         print(f"{label:<24} {'/'.join(map(str, p.split)):>10} {p.phases['rollout']:>7.1f}s {p.phases['teacher']:>7.1f}s"
               f" {p.phases['learner']:>7.1f}s {p.phases['sync']:>5.2f}s | " + " ".join(f"{p.step[name]:>18.1f}s" for name in SCHEDULES))
     chosen = rows[0][1]
+    need = learner_gb_per_gpu(update_work(config, shapes, efficiency), chosen.split[2])
+    verdict = "fits" if need <= gpu.memory_gb else "DOES NOT FIT: more learner ranks, or GPUs with more memory"
+    print(f"learner memory per GPU ({rows[0][0]}, {chosen.split[2]} ZeRO-3 ranks): {need:.1f} GB of {gpu.memory_gb:g} GB, {verdict}")
     for name in SCHEDULES:
         busy = ", ".join(f"{pool} {fraction:.0%}" for pool, fraction in chosen.busy[name].items())
         print(f"busy ({rows[0][0]}, {name}): {busy}; {PAPER_SECONDS_PER_UPDATE / chosen.step[name]:.1f}x the paper's {PAPER_SECONDS_PER_UPDATE} s/update")
@@ -432,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner = sub.add_parser("plan", help="estimate seconds per update of a job on N GPUs per schedule, and a pool split (analytic)")
     planner.add_argument("job", help="job YAML")
     planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    planner.add_argument("--gpu", choices=["a100", "h100", "h200"], default="a100")
+    planner.add_argument("--gpu", choices=["a100", "a100-40gb", "h100", "h200"], default="a100")
     planner.add_argument("--preset", choices=["qwen3.5-4b"], default=None, help="the model's layout when its config.json is not at hand")
     planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")
     planner.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")

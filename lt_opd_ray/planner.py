@@ -14,7 +14,9 @@ efficiency (`EFFICIENCY`, overridable). Per update:
 - learner: forward + backward = 3x the forward FLOPs (4x with activation
   checkpointing) of every reduced prompt + response, the vision tower once per
   prompt, the head at response positions; plus the optimizer reading and writing
-  its fp32 states (16 bytes per parameter, sharded over the ranks).
+  its fp32 states (16 bytes per parameter, sharded over the ranks). A split fits when each learner
+  rank holds every byte ZeRO-3 keeps per parameter (ZERO3_BYTES_PER_PARAM: 20 B in bf16 mode) over
+  the ranks, the largest gathered parameter twice, and LEARNER_HEADROOM_GB.
 - sync: the weights in bf16 over the GPU interconnect.
 
 Schedules: synchronous (phases in series), streaming (max_staleness 0: teacher and
@@ -43,6 +45,7 @@ class GPU:
 
 GPUS = {  # vendor datasheet figures (SXM parts)
     "a100": GPU("A100-80GB SXM", 312.0, 80.0, 2.039, 600.0),
+    "a100-40gb": GPU("A100-40GB SXM", 312.0, 40.0, 1.555, 600.0),  # p4d.24xlarge
     "h100": GPU("H100 SXM", 989.0, 80.0, 3.35, 900.0),
     "h200": GPU("H200 SXM", 989.0, 141.0, 4.8, 900.0),
 }
@@ -88,6 +91,18 @@ class Work:
     learner_flops: float
     optimizer_bytes: float
     sync_bytes: float
+    gathered_bytes: float  # the largest parameter a ZeRO-3 rank gathers whole: the bf16 output head / embedding
+
+
+# What a ZeRO-3 learner rank holds per parameter in DeepSpeed's bf16 mode, partitioned over the ranks.
+ZERO3_BYTES_PER_PARAM = {
+    "bf16 weights": 2,
+    "fp32 master weights": 4,
+    "Adam m and v (fp32)": 8,
+    "fp32 gradients (partition)": 4,
+    "bf16 gradients (partition)": 2,
+}
+LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recompute, allocator slack, NCCL buffers
 
 
 def parameter_count(config: dict) -> int:
@@ -128,8 +143,9 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
         decode_kv_bytes=kv_read,
         teacher_flops=shapes.prompts * (full.lm_flops + vision) + sequences * (response(full.prefill_tokens) + mean * head),
         learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens) + mean * head) + shapes.prompts * vision),
-        optimizer_bytes=2 * 16 * params,
+        optimizer_bytes=2 * 16 * params,  # Adam reads and writes master weights, m, v and gradients in fp32
         sync_bytes=2 * params,
+        gathered_bytes=2 * text["hidden_size"] * text["vocab_size"],
     )
 
 
@@ -174,9 +190,15 @@ def plan(config: dict, shapes: Shapes, gpu: GPU, split: tuple[int, int, int], ef
     return Plan(split, phases, step, busy)
 
 
+def learner_gb_per_gpu(work: Work, learner_gpus: int) -> float:
+    """One ZeRO-3 rank's memory: every per-parameter byte (ZERO3_BYTES_PER_PARAM) over the ranks, the largest
+    gathered parameter (twice: the one in use and the next prefetched), and the headroom."""
+    partitioned = sum(ZERO3_BYTES_PER_PARAM.values()) * work.params / learner_gpus
+    return (partitioned + 2 * work.gathered_bytes) / 1e9 + LEARNER_HEADROOM_GB
+
+
 def learner_fits(work: Work, gpu: GPU, learner_gpus: int) -> bool:
-    """ZeRO-3: fp32 master weights + Adam states (16 B/param) sharded, a bf16 compute copy gathered per layer, 8 GB headroom."""
-    return 16 * work.params / learner_gpus / 1e9 + 8 <= gpu.memory_gb
+    return learner_gb_per_gpu(work, learner_gpus) <= gpu.memory_gb
 
 
 def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: dict, schedule: str) -> Plan:
@@ -187,7 +209,9 @@ def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: di
         if gpus - r - t >= 1 and learner_fits(work, gpu, gpus - r - t)
     ]
     if not candidates:
-        raise ValueError(f"no split of {gpus} {gpu.name} GPUs holds the learner's optimizer states ({16 * work.params / 1e9:.0f} GB)")
+        per_param = sum(ZERO3_BYTES_PER_PARAM.values())
+        raise ValueError(f"no split of {gpus} {gpu.name} GPUs holds the learner's states ({per_param} B/param:"
+                         f" {per_param * work.params / 1e9:.0f} GB, plus {learner_gb_per_gpu(work, 10**9):.0f} GB per rank)")
     return min(candidates, key=lambda p: (p.step[schedule], p.split))
 
 

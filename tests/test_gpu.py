@@ -54,3 +54,28 @@ def test_cuda_reference_update_in_bf16(tiny_dirs):
     assert trainer.student.device.type == "cuda"
     report = trainer.update(load_samples("synthetic:4")[:2])
     assert torch.isfinite(torch.tensor(report.stats.loss)) and report.stats.tokens > 0
+
+
+def test_nccl_takes_the_lockstep_flags_and_the_weight_sync_on_the_device(tmp_path):
+    """World size 1 over NCCL: the learners' flags reduced where NCCL wants them, a sync group broadcasting a bucket
+    finished on the device, and an abort that frees the group (runtime/collectives.py, runtime/weight_sync.py)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lt_opd_ray.runtime.collectives import all_reduce_max, install_guard
+    from lt_opd_ray.runtime.rollout_pool import sync_device
+    from lt_opd_ray.runtime.weight_sync import SyncGroup, WeightSyncAborted, host_store
+
+    install_guard()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        assert all_reduce_max([True, False]) == [1, 0]
+        group = SyncGroup(host_store("127.0.0.1", 0, 1, 60.0), 0, 1, 1, 60.0, device=sync_device())
+        assert group._broadcast(torch.arange(4, device="cuda")).tolist() == [0, 1, 2, 3]
+        group.abort()
+        with pytest.raises(WeightSyncAborted):
+            group._broadcast(torch.arange(4, device="cuda"))
+    finally:
+        dist.destroy_process_group()

@@ -54,8 +54,18 @@ def test_best_split_uses_every_gpu_and_refuses_a_learner_that_cannot_hold_its_st
     shapes = paper_shapes()
     best = best_split(CONFIG, shapes, GPUS["a100"], 8, EFFICIENCY, "staleness 1")
     assert sum(best.split) == 8 and min(best.split) >= 1
-    with pytest.raises(ValueError, match="no split of 3 A100-80GB SXM GPUs holds the learner's optimizer states"):
-        best_split(CONFIG, shapes, GPUS["a100"], 3, EFFICIENCY, "staleness 1")  # 16 B/param on one 80 GB GPU
+    with pytest.raises(ValueError, match=r"no split of 3 A100-80GB SXM GPUs holds the learner's states \(20 B/param"):
+        best_split(CONFIG, shapes, GPUS["a100"], 3, EFFICIENCY, "staleness 1")  # 20 B/param on one 80 GB GPU
+
+
+def test_the_learner_fit_counts_every_byte_and_two_ranks_of_4b_need_80_gb_gpus():
+    from lt_opd_ray.planner import ZERO3_BYTES_PER_PARAM, learner_gb_per_gpu, learner_fits, update_work
+
+    work = update_work(CONFIG, paper_shapes(), EFFICIENCY)
+    assert sum(ZERO3_BYTES_PER_PARAM.values()) == 20  # bf16 weights 2, fp32 master 4, Adam 8, fp32 grads 4, bf16 grads 2
+    by_hand = (20 * work.params / 2 + 2 * 2 * CONFIG["text_config"]["hidden_size"] * CONFIG["text_config"]["vocab_size"]) / 1e9 + 8
+    assert learner_gb_per_gpu(work, 2) == pytest.approx(by_hand)
+    assert learner_fits(work, GPUS["a100"], 2) and not learner_fits(work, GPUS["a100-40gb"], 2)  # p4de, not p4d
 
 
 def test_plan_command_prints_an_estimate_and_names_bad_input():
@@ -63,6 +73,9 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
     out = subprocess.run([*cli, "--gpu", "h200", "--preset", "qwen3.5-4b"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ESTIMATE (analytic, not measured)") and "x the paper's 311 s/update" in out.stdout
+    assert "learner memory per GPU (job's split, 2 ZeRO-3 ranks): 55.9 GB of 141 GB, fits" in out.stdout
+    small = subprocess.run([*cli, "--gpu", "a100-40gb", "--preset", "qwen3.5-4b"], cwd=REPO, capture_output=True, text=True)
+    assert "55.9 GB of 40 GB, DOES NOT FIT" in small.stdout  # p4d.24xlarge
     bad = subprocess.run([*cli, "--preset", "qwen3.5-4b", "--efficiency", "mfu=0.5"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--efficiency 'mfu=0.5': unknown name" in bad.stderr
     missing = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)

@@ -401,3 +401,54 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     export_student(job, tmp_path / "step4", step=4)
     at_step_4 = AutoModelForImageTextToText.from_pretrained(tmp_path / "step4", dtype=torch.float32)
     assert relative_distance({n: p.detach() for n, p in at_step_4.named_parameters()}, reference_run(job, 4)[1]) <= drift
+
+
+@pytest.mark.slow
+def test_a_tied_checkpoint_trains_under_zero3_resumes_syncs_into_vllm_and_exports_its_own_names(cluster, tmp_path):
+    """Qwen3.5-4B ties its embeddings: the head is the embedding, one ZeRO-3 parameter (partitioned at load), sent
+    once under the embedding's name. Trained and resumed as the reference; written into vLLM; exported with the
+    checkpoint's own names."""
+    from safetensors import safe_open
+
+    from lt_opd_ray.export import export_student
+    from lt_opd_ray.models.loading import check_checkpoint_names
+    from lt_opd_ray.models.tiny import build_tiny_model
+
+    def names(folder):
+        with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+            return set(handle.keys())
+
+    tied = build_tiny_model("qwen3_5", tmp_path / "tied", seed=0, tied=True)
+    job = job_for(tied, tmp_path / "run", ranks=2, zero_stage=3, every=2, name="tied")
+    _, ref_weights = reference_run(job, STEPS)
+    driver_run(job, 2)  # a checkpoint at step 2
+    first, _, weights = driver_run(job, STEPS, resume=True)
+    assert first == 2 and set(weights) == set(ref_weights) == names(tied)  # no separate lm_head anywhere
+    assert relative_distance(weights, ref_weights) <= 1e-4
+    export_student(job, tmp_path / "served", step=2)  # the ZeRO-3 partitions of a checkpoint, gathered
+    assert names(tmp_path / "served") == names(tied)
+    check_checkpoint_names(tmp_path / "served")
+
+    on_vllm = job_for(tied, tmp_path / "vllm", name="tied-vllm", dtype="bfloat16", backend="vllm", verify_weights=True)
+    driver = Driver(on_vllm)
+    try:
+        driver.run_step()
+        assert driver.rollouts.checksums("bfloat16") == [(1, driver.learners.weights_checksum("bfloat16"))]
+    finally:
+        driver.shutdown()
+
+
+def test_a_folder_with_foreign_tensor_names_is_refused_before_any_actor_starts(cluster, tiny_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "foreign"
+    shutil.copytree(tiny_dirs["qwen3_5"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors.pop("model.language_model.layers.0.mlp.up_proj.weight")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    free = ray.available_resources().get("CPU")
+    with pytest.raises(PreflightError, match=r"in the folder but not loaded \(1\): model.layers.0.mlp.up_proj.weight"):
+        Driver(job_for(folder, tmp_path / "run", name="foreign"))
+    assert ray.available_resources().get("CPU") == free

@@ -116,9 +116,9 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096,
                  max_logprobs: int = 128, max_images: int = 1, seed: int = 0,
                  min_pixels: int | None = None, max_pixels: int | None = None, token_merge: bool = False,
-                 settings: VLLMSettings | None = None):
+                 tuning: VLLMSettings | None = None):
         """`token_merge`: give the student a learnable token-merge head although its folder has none (a run
-        starting from the base model; a folder that has one gets it anyway). `settings`: the pool's engine
+        starting from the base model; a folder that has one gets it anyway). `tuning`: the pool's engine
         settings (memory share, batch size, CUDA graphs, prefix caching)."""
         import json
 
@@ -138,7 +138,7 @@ class VLLMEngine:
 
         register()
         on_gpu = torch.cuda.is_available()
-        settings = settings or VLLMSettings()
+        tuning = tuning or VLLMSettings()
         self.llm = LLM(
             model=str(self.model_dir),
             dtype=dtype,
@@ -148,12 +148,12 @@ class VLLMEngine:
             limit_mm_per_prompt={"image": max_images, "video": 0},
             # the same resize bounds as VLMProcessor (otherwise the model folder's)
             mm_processor_kwargs={k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v} or None,
-            enforce_eager=settings.enforce_eager or not on_gpu,
-            max_num_seqs=settings.max_num_seqs,
-            enable_prefix_caching=settings.enable_prefix_caching,
+            enforce_eager=tuning.enforce_eager or not on_gpu,
+            max_num_seqs=tuning.max_num_seqs,
+            enable_prefix_caching=tuning.enable_prefix_caching,
             seed=seed,
             logprobs_mode="raw_logprobs",  # log p under the model's distribution, before temperature / top-p
-            gpu_memory_utilization=settings.gpu_memory_utilization if on_gpu else 0.9,
+            gpu_memory_utilization=tuning.gpu_memory_utilization if on_gpu else 0.9,
             hf_overrides={"vision_token_compressor": settings(dim)} if token_merge and "vision_token_compressor" not in config else None,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -403,7 +403,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         min_pixels=job.data.min_pixels,
         max_pixels=job.data.max_pixels,
         token_merge=role == "rollout" and job.selector.merge == "learnable",
-        settings=getattr(job.pools, role).vllm,
+        tuning=getattr(job.pools, role).vllm,
     )
     if role == "teacher":
         check_teacher_scoring(engine)
