@@ -6,9 +6,10 @@ before), against weights created partitioned (deepspeed.zero.Init through transf
 
 Each rank is a process of its own in a gloo group (as the learner actors are), built from the learner's own
 pieces: `load_vlm`, `deepspeed_config`, `StudentObjective`, `build_optimizer`, `deepspeed.initialize`. Printed
-per way: the peak resident memory of each rank (ru_maxrss: everything the process touched), its resident memory
-after the engine is built, and the parameter bytes the rank holds (its partition). On a GPU the same bytes would
-sit in device memory; this box has none, so the figures are host memory.
+per way and rank: the parameter bytes the rank holds once the model is loaded (what would sit on its GPU before
+the engine exists), its anonymous resident memory (RssAnon: allocations, not the safetensors file's mapped pages)
+after loading and after the engine is built, and its peak resident memory (ru_maxrss, file pages included). This
+box has no GPU: on one, the first column is device memory.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import resource
 JOB = "jobs/train_qwen35_shape.yaml"
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def anon_mb() -> float:
+    """RssAnon: resident memory that is not a mapped file (the weights' safetensors pages are)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
 
 
 def rank_main(rank: int, world: int, port: int, partitioned: bool, out) -> None:
@@ -39,13 +41,13 @@ def rank_main(rank: int, world: int, port: int, partitioned: bool, out) -> None:
     job = load_job(JOB)
     init_process_group(rank, world, "127.0.0.1", port)
     config = deepspeed_config(job)
-    before = rss_mb()
     _, model = load_vlm(job.model.path, zero3_config=config if partitioned else None)
+    tensors = [getattr(p, "ds_tensor", p) for p in model.parameters()]  # a partitioned parameter's own part
+    loaded = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    after_load = anon_mb()
     optimizer, scheduler = build_optimizer(model, job.optimizer)
-    engine, _, _, _ = deepspeed.initialize(model=StudentObjective(model, job.objective), optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    held = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((rank, peak, rss_mb(), before, held / 2**20))
+    deepspeed.initialize(model=StudentObjective(model, job.objective), optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    out.put((rank, loaded, after_load, anon_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -75,16 +77,16 @@ def main() -> None:
     folder = resolve_model_dir(job.model.path)  # built once, before the ranks start
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**20
     print(f"== learner start-up memory: {JOB} ({job.model.path}, {size:.0f} MB of fp32 weights), ZeRO-3, {args.ranks} ranks (gloo, CPU)")
-    print("| load | rank | peak RSS MB | RSS after engine MB | RSS before load MB | parameters held MB |")
+    print("| load | rank | parameters held after loading MB | RssAnon after loading MB | RssAnon after engine MB | peak RSS MB |")
     print("|---|---|---|---|---|---|")
-    peaks = {}
+    held = {}
     for label, partitioned in (("whole model, then partitioned", False), ("created partitioned (zero.Init)", True)):
         rows = measure(args.ranks, partitioned)
-        peaks[label] = max(peak - before for _, peak, _, before, _ in rows)
-        for rank, peak, after, before, held in rows:
-            print(f"| {label} | {rank} | {peak:.0f} | {after:.0f} | {before:.0f} | {held:.1f} |")
-    whole, split = peaks.values()
-    print(f"peak growth over the pre-load RSS, worst rank: {whole:.0f} MB -> {split:.0f} MB ({whole / split:.2f}x)")
+        held[label] = max(row[1] for row in rows)
+        for rank, loaded, after_load, after_engine, peak in rows:
+            print(f"| {label} | {rank} | {loaded:.1f} | {after_load:.0f} | {after_engine:.0f} | {peak:.0f} |")
+    whole, split = held.values()
+    print(f"parameters a rank holds once loaded, worst rank: {whole:.1f} MB -> {split:.1f} MB ({whole / split:.2f}x: the model / its share)")
 
 
 if __name__ == "__main__":
