@@ -4,6 +4,8 @@
 CUDA_VISIBLE_DEVICES, and the actors run their tiny models on CPU (gloo, no CUDA). So the placement a GPU
 cluster would make (every pool at its real GPU request, a GPU of its own per actor, the learners packed,
 pools pinned to node types) is tested here with the real driver; what runs inside stays CPU (docs/gpu.md).
+Each layout runs in a fresh process: Ray fixes a process's auth mode (token, as `ray start` clusters use) and its Serve
+client at the first session, so an earlier test's local cluster must not be the first.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class FakeGpuCluster:
 
     def __init__(self):
         self.tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths stay under 108 bytes
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": self.tmp, **WORKER_ENV}
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": self.tmp, **WORKER_ENV}
         self.port = None
 
     def add_node(self, gpus: int, cpus: int, resources: dict | None = None) -> None:
@@ -59,27 +61,60 @@ class FakeGpuCluster:
         assert started.returncode == 0, started.stderr[-3000:]
 
     def connect(self) -> None:
-        os.environ.update({"RAY_AUTH_MODE": "disabled", **WORKER_ENV})
+        """This process joins as the driver, with the nodes' temp folder (not a session an earlier cluster left)."""
+        self.saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_TMPDIR")}
+        os.environ.update({"RAY_AUTH_MODE": "token", "RAY_TMPDIR": self.tmp, **WORKER_ENV})
         ray.init(address=f"127.0.0.1:{self.port}", log_to_driver=False)
 
     def stop(self) -> None:
+        from ray import serve
+
         if ray.is_initialized():
+            serve.shutdown()
             ray.shutdown()
+        for key, value in getattr(self, "saved", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         subprocess.run([str(RAY), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-@pytest.fixture()
-def fake_cluster():
+def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], overrides: list[str], steps: int) -> dict:
+    """In this (fresh) process: start `nodes` (GPUs, CPUs, custom resources), run the main job's driver with
+    `overrides` for `steps` updates; what the start-up printed, how long the pools took, where each actor went."""
+    import contextlib
+    import io
+
     cluster = FakeGpuCluster()
-    yield cluster
-    cluster.stop()
+    printed = io.StringIO()
+    try:
+        for gpus, cpus, resources in nodes:
+            cluster.add_node(gpus, cpus, resources)
+        cluster.connect()
+        job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *overrides])
+        begin = time.perf_counter()
+        with contextlib.redirect_stdout(printed):
+            driver = Driver(job)
+        try:
+            seconds = time.perf_counter() - begin
+            logs = [driver.run_step() for _ in range(steps)]
+            return {"placements": driver.placements, "seconds": seconds, "printed": printed.getvalue(),
+                    "tokens": [log.tokens for log in logs]}
+        finally:
+            driver.shutdown()
+    except PreflightError as exc:
+        return {"refused": str(exc)}
+    finally:
+        cluster.stop()
 
 
-def start_pools(job) -> tuple[Driver, float]:
-    begin = time.perf_counter()
-    driver = Driver(job)
-    return driver, time.perf_counter() - begin
+def fresh(nodes, overrides, steps=0) -> dict:
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(on_fake_cluster, (nodes, overrides, steps))
 
 
 def gpu_ids(placements) -> list[str]:
@@ -87,63 +122,41 @@ def gpu_ids(placements) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(fake_cluster, tmp_path, capsys):
-    fake_cluster.add_node(gpus=8, cpus=72)  # the recipe's pools take 8 CPUs per actor
-    fake_cluster.connect()
-    job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, f"checkpoint.dir={tmp_path / 'run'}"])
-    driver, seconds = start_pools(job)
-    try:
-        placements = driver.placements
-        out = capsys.readouterr().out
-        with capsys.disabled():
-            print(f"\n8-GPU node: pools started in {seconds:.1f} s; {format_placements(placements)}")
-        names = sorted(p.actor.split("-")[0] for p in placements)
-        assert names == ["learner"] * 2 + ["rollout"] * 4 + ["teacher"] * 2
-        assert all(len(p.gpus) == 1 for p in placements)
-        assert gpu_ids(placements) == [str(i) for i in range(8)]  # eight actors, eight distinct GPUs
-        assert "the teacher may autoscale to pools.teacher.max_replicas = 4; this cluster has room for 2" in out
-        assert {p.engine for p in placements} == {"transformers", "DeepSpeed ZeRO-3"}
-        log = driver.run_step()  # the collectives run (gloo: the actors see no CUDA) under the device guard
-        assert log.tokens > 0 and log.loss == log.loss
-    finally:
-        driver.shutdown()
+def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(tmp_path):
+    run = fresh([(8, 72, None)], [f"checkpoint.dir={tmp_path / 'run'}"], steps=1)  # the recipe's pools take 8 CPUs per actor
+    placements = run["placements"]
+    print(f"\n8-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(placements)}")
+    assert sorted(p.actor.split("-")[0] for p in placements) == ["learner"] * 2 + ["rollout"] * 4 + ["teacher"] * 2
+    assert all(len(p.gpus) == 1 for p in placements)
+    assert gpu_ids(placements) == [str(i) for i in range(8)]  # eight actors, eight distinct GPUs
+    assert len({p.node for p in placements}) == 1
+    assert "the teacher may autoscale to pools.teacher.max_replicas = 4; this cluster has room for 2" in run["printed"]
+    assert {p.engine for p in placements} == {"transformers", "DeepSpeed ZeRO-3"}
+    assert run["tokens"][0] > 0  # one update ran: the collectives (gloo: the actors see no CUDA) under the device guard
 
 
 @pytest.mark.slow
-def test_pinned_pools_on_two_8_gpu_nodes(fake_cluster, tmp_path):
+def test_pinned_pools_on_two_8_gpu_nodes(tmp_path):
     """Two node types, as a 16-GPU cluster with a node type per role: rollouts on one, teacher + learners on the other."""
-    fake_cluster.add_node(gpus=8, cpus=40, resources={"lt_opd_rollout": 8})
-    fake_cluster.add_node(gpus=8, cpus=40, resources={"lt_opd_teacher": 4, "lt_opd_learner": 4})
-    fake_cluster.connect()
     pins = [f"pools.{pool}.node_resource=lt_opd_{pool}" for pool in ("rollout", "teacher", "learner")]
-    job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *pins, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4",
-                                                        f"checkpoint.dir={tmp_path / 'run'}"])
-    driver, seconds = start_pools(job)
-    try:
-        placements = driver.placements
-        print(f"\n2 x 8-GPU nodes: pools started in {seconds:.1f} s; {format_placements(placements)}")
-        nodes = {role: {p.node for p in placements if p.actor.startswith(role)} for role in ("rollout", "teacher", "learner")}
-        assert len(nodes["rollout"]) == 1 and nodes["teacher"] == nodes["learner"] and nodes["rollout"] != nodes["learner"]
-        assert all(len(p.gpus) == 1 for p in placements)
-        per_node = {}
-        for p in placements:
-            per_node.setdefault(p.node, []).extend(p.gpus)
-        assert all(len(ids) == len(set(ids)) for ids in per_node.values())  # no GPU given twice on a node
-    finally:
-        driver.shutdown()
+    nodes = [(8, 40, {"lt_opd_rollout": 8}), (8, 40, {"lt_opd_teacher": 4, "lt_opd_learner": 4})]
+    run = fresh(nodes, [*pins, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4", f"checkpoint.dir={tmp_path / 'run'}"])
+    placements = run["placements"]
+    print(f"\n2 x 8-GPU nodes: pools started in {run['seconds']:.1f} s; {format_placements(placements)}")
+    nodes_of = {role: {p.node for p in placements if p.actor.startswith(role)} for role in ("rollout", "teacher", "learner")}
+    assert len(nodes_of["rollout"]) == 1 and nodes_of["teacher"] == nodes_of["learner"] and nodes_of["rollout"] != nodes_of["learner"]
+    assert all(len(p.gpus) == 1 for p in placements)
+    per_node: dict[str, list[str]] = {}
+    for p in placements:
+        per_node.setdefault(p.node, []).extend(p.gpus)
+    assert all(len(ids) == len(set(ids)) for ids in per_node.values())  # no GPU given twice on a node
 
 
 @pytest.mark.slow
-def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(fake_cluster, tmp_path):
-    fake_cluster.add_node(gpus=4, cpus=40)
-    fake_cluster.connect()
-    with pytest.raises(PreflightError, match=r"GPU: the pools need 8 \(rollout 4, teacher 2, learner 2\) but the cluster has 4, short by 4"):
-        Driver(load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, f"checkpoint.dir={tmp_path / 'refused'}"]))
+def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(tmp_path):
+    refused = fresh([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"])["refused"]
+    assert "GPU: the pools need 8 (rollout 4, teacher 2, learner 2) but the cluster has 4, short by 4" in refused
     halved = ["pools.rollout.workers=2", "pools.teacher.replicas=1", "pools.teacher.max_replicas=1", "pools.learner.ranks=1"]
-    job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *halved, f"checkpoint.dir={tmp_path / 'run'}"])
-    driver, seconds = start_pools(job)
-    try:
-        print(f"\n4-GPU node: pools started in {seconds:.1f} s; {format_placements(driver.placements)}")
-        assert gpu_ids(driver.placements) == ["0", "1", "2", "3"]
-    finally:
-        driver.shutdown()
+    run = fresh([(4, 40, None)], [*halved, f"checkpoint.dir={tmp_path / 'run'}"])
+    print(f"\n4-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(run['placements'])}")
+    assert gpu_ids(run["placements"]) == ["0", "1", "2", "3"]
