@@ -448,7 +448,15 @@ def test_a_folder_with_foreign_tensor_names_is_refused_before_any_actor_starts(c
     tensors = load_file(str(folder / "model.safetensors"))
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors.pop("model.language_model.layers.0.mlp.up_proj.weight")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    free = ray.available_resources().get("CPU")
+    import time
+
+    def all_free() -> bool:
+        return ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
+
+    deadline = time.time() + 60  # an earlier test's actors may still be giving their CPUs back
+    while not all_free() and time.time() < deadline:
+        time.sleep(0.5)
+    assert all_free()
     with pytest.raises(PreflightError, match=r"in the folder but not loaded \(1\): model.layers.0.mlp.up_proj.weight"):
         Driver(job_for(folder, tmp_path / "run", name="foreign"))
-    assert ray.available_resources().get("CPU") == free
+    assert all_free()  # refused before any actor started

@@ -46,8 +46,11 @@ def test_staleness_one_reproduces_the_lagged_reference(cluster, tiny_dirs, tmp_p
     assert [log.budget_bps for log in logs] == [r.budget_bps for r in reports]
     assert [log.tokens for log in logs] == [r.stats.tokens for r in reports]  # the same rollouts, update by update
     assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
+    # later losses: 1e-5 relative held on an AVX2 EPYC; on an AVX-512 Xeon the CPU kernels round otherwise and update 2 of
+    # the 2-rank run differs by 2.2e-5 (measured, 2026-12-02, on the code before and after this bound): still 200x below
+    # the on-policy reference's difference asserted below
     for log, report in zip(logs[1:], reports[1:]):
-        assert log.loss == pytest.approx(report.stats.loss, rel=1e-5)
+        assert log.loss == pytest.approx(report.stats.loss, rel=5e-5)
     assert relative_distance(weights, ref_weights) <= 1e-5  # measured 4e-7
     # the lag is real: the on-policy reference samples update 1 on from other weights
     on_policy, _ = reference_run(lagged(job, 0, adam_eps=1e-5), steps)
