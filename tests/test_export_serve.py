@@ -97,6 +97,68 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.mark.slow
+class serving:
+    """`lt-opd serve FOLDER` on a free port, up (its /health answers) inside the block, stopped after it."""
+
+    def __init__(self, student, tmp_path, *extra: str):
+        self.student, self.tmp_path, self.extra = student, tmp_path, extra
+
+    def __enter__(self) -> serving:
+        self.port = _free_port()
+        self.log = open(self.tmp_path / "server.log", "w")
+        self.server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli", "serve", str(self.student), "--port", str(self.port),
+                                        "--max-model-len", "1024", *self.extra, "--", "--trust-request-mm-kwargs"],
+                                       stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return self
+            except OSError:
+                assert self.alive(), (self.tmp_path / "server.log").read_text()[-3000:]
+                assert time.time() < deadline, "server did not come up"
+                time.sleep(2)
+
+    def __exit__(self, *exc) -> None:
+        self.server.terminate()
+        self.server.wait(timeout=60)
+        self.log.close()
+
+    def alive(self) -> bool:
+        return self.server.poll() is None
+
+
+def image_question(student, image, question: str, port: int, budget_bps: int, k_min: int) -> tuple[dict, list]:
+    """One chat request about `image`; checks the prefill held k of the image's N visual tokens.
+    Returns (the request's body, its message content)."""
+    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.models.processor import VLMProcessor, question_messages
+
+    prompt = VLMProcessor(student).encode(question_messages(question), [image])
+    n = int((prompt.mm_token_type_ids == 1).sum())
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+               {"type": "text", "text": question}]
+    body = {"model": str(student), "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    answer = _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+    assert isinstance(answer["choices"][0]["message"]["content"], str)
+    assert answer["usage"]["prompt_tokens"] == prompt.input_ids.numel() - n + tokens_to_keep(n, budget_bps, k_min)
+    return body, content
+
+
+def test_a_tied_qwen3_5_student_is_served_at_its_budget(tmp_path):
+    """Qwen3.5-4B's shape: tied embeddings and the real tensor names, exported and served (bf16 on vLLM's CPU build)."""
+    from lt_opd_ray.export import export_student
+    from lt_opd_ray.models.tiny import build_tiny_model
+
+    job = job_for(build_tiny_model("qwen3_5", tmp_path / "tied", seed=0, tied=True), tmp_path / "run")
+    shutil.copytree(tmp_path / "tied", tmp_path / "run" / "final")  # what a finished run leaves
+    student = export_student(job, tmp_path / "student")
+    with serving(student, tmp_path, "--dtype", "bfloat16") as server:
+        image_question(student, random_image(3), "What is in the picture?", server.port, job.budget.target_bps, job.budget.k_min)
+
+
 def test_served_student_answers_an_image_question_with_the_compressed_prefill(tiny_dirs, tmp_path):
     from lt_opd_ray.curriculum import tokens_to_keep
     from lt_opd_ray.export import CompressionConfig
@@ -114,31 +176,9 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
     n = int((prompt.mm_token_type_ids == 1).sum())
     full_length = prompt.input_ids.numel()
 
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli", "serve", str(student), "--port", str(port),
-                               "--max-model-len", "1024", "--", "--trust-request-mm-kwargs"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-                assert time.time() < deadline, "server did not come up"
-                time.sleep(2)
-        png = io.BytesIO()
-        image.save(png, format="PNG")
-        content = [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
-            {"type": "text", "text": question},
-        ]
-        body = {"model": str(student), "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
-        answer = _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
-        assert isinstance(answer["choices"][0]["message"]["content"], str)
-        # the prefill held k of the image's N visual tokens (the compression config's budget)
-        assert answer["usage"]["prompt_tokens"] == full_length - n + tokens_to_keep(n, 2500, 2)
+    with serving(student, tmp_path) as server:
+        port = server.port
+        body, content = image_question(student, image, question, port, 2500, 2)  # the compression config's budget
         # a request may set its own budget where the server trusts request mm kwargs (a vLLM option)
         body["mm_processor_kwargs"] = {"lt_opd_budget_bps": 10000}
         assert _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)["usage"]["prompt_tokens"] == full_length
@@ -167,8 +207,4 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
                 status = error.code
             assert status in (200, 400), (settings, status)
         assert _post(url, {**body, "mm_processor_kwargs": {}})["usage"]["prompt_tokens"] == full_length - n + tokens_to_keep(n, 2500, 2)
-        assert server.poll() is None
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+        assert server.alive()
