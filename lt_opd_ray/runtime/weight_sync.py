@@ -204,7 +204,7 @@ class SyncGroup:
                 # would wait with it, so the group is parked, never destroyed, while a new generation takes over
                 ABANDONED.append(self.group)
                 raise WeightSyncAborted(f"weight-sync group {self.generation} was aborted mid-stream")
-            pause = min(2 * pause, 5e-3)
+            pause = min(2 * pause, 1e-3)  # at most ~1 ms past a finished bucket: the sync is hundreds of buckets
         work.wait()  # raises the collective's own error (a peer that closed its connection, a timeout)
         return tensor
 
