@@ -205,6 +205,10 @@ class RolloutPool(Resources):
     """Inference engine of the rollout workers."""
     vllm: VLLMSettings = VLLMSettings()
     """The rollout workers' vLLM engines (backend vllm)."""
+    engine_groups: int = Field(32, ge=1)
+    """Rollout groups a vLLM worker feeds into its one engine at once: their sequences share vLLM's continuous
+    batch (up to vllm.max_num_seqs) and each group is handed on as soon as its own sequences finish. 1 samples
+    one group at a time. The transformers backend always samples one group at a time."""
     verify_weights: bool = False
     """Each worker hashes the weights it is sent (about 1 s per GB), so `checksums()` can prove the engine
     got exactly the learners' weights; needed for a vLLM worker's checksum (it keeps no other copy)."""

@@ -80,16 +80,20 @@ def student_loss(
             features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
         reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
     hidden = student.response_hidden(reduced, [r.response_ids for r in rollouts])
+    device = hidden[0].device
+    supports = [[t.to(device) for t in support(r, s)] for r, s in zip(rollouts, scores)]
+    # one output-head pass over every response row of the micro-batch (one [V, H] gradient buffer, not one per sequence)
+    lengths = [h.shape[0] for h in hidden]
+    ids_all = torch.cat([ids for ids, _, _ in supports])
+    student_logp_all = gather_log_probs(torch.cat(hidden), student.lm_head.weight, ids_all, objective.logsoftmax_chunk)
     sequence_losses, divs, weights, overlaps = [], [], [], []
-    for h, r, s in zip(hidden, rollouts, scores):
-        ids, valid, teacher_logp = (t.to(h.device) for t in support(r, s))
-        student_logp = gather_log_probs(h, student.lm_head.weight, ids, objective.logsoftmax_chunk)
+    for student_logp, r, (ids, valid, teacher_logp) in zip(student_logp_all.split(lengths), rollouts, supports):
         token_loss, div, weight = lt_opd_token_losses(
             student_logp,
             teacher_logp,
             valid,
             sampled_column=ids.shape[1] - 1,
-            old_logp=r.old_logp.to(h.device),
+            old_logp=r.old_logp.to(device),
             kind=objective.divergence,
             alpha=objective.alpha,
             importance_clip=objective.importance_clip,

@@ -27,7 +27,9 @@ class _ChunkedGatherLogProbs(torch.autograd.Function):
 
     Saves only hidden, ids and the per-position logsumexp; backward recomputes each
     chunk's logits and turns them in place into the gradient, so one chunk x V fp32
-    buffer is alive at a time.
+    buffer is alive at a time. The output head's gradient is accumulated chunk by
+    chunk into one [V, H] buffer in the weight's own dtype (the GEMM accumulates in
+    fp32 inside; TF32 on GPU where the caller allows it): no fp32 [V, H] copy.
     """
 
     @staticmethod
@@ -46,8 +48,8 @@ class _ChunkedGatherLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, ids, lse = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             grad_logits = F.linear(hidden[rows], weight).float()
@@ -55,12 +57,11 @@ class _ChunkedGatherLogProbs(torch.autograd.Function):
             # d lp[p, j] / d logit[p, v] = [v == ids[p, j]] - p[v]  =>  g = scatter(grad) - p * Σ_j grad[p, j]
             grad_logits.mul_(-grad_out[rows].sum(-1, keepdim=True))
             grad_logits.scatter_add_(-1, ids[rows], grad_out[rows].float())
+            grad_logits = grad_logits.to(weight.dtype)  # [C, V] in the compute dtype for both GEMMs
             if grad_hidden is not None:
-                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[rows] = (grad_logits @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[rows].float()
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+                grad_weight.addmm_(grad_logits.T, hidden[rows].to(weight.dtype))  # dW += gᵀ h, in place
         return grad_hidden, grad_weight, None, None
 
 

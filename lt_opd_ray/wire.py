@@ -255,15 +255,16 @@ class ActorPlacement:
     node: str
     gpus: tuple[str, ...]
     engine: str  # what computes in it: "transformers", "vLLM V2 runner", "DeepSpeed ZeRO-3", ...
+    missing_kernels: tuple[str, ...] = ()  # fast-kernel packages its model falls back from here (models/kernels.py)
 
     @staticmethod
-    def here(actor: str, engine: str) -> ActorPlacement:
+    def here(actor: str, engine: str, missing_kernels: tuple[str, ...] = ()) -> ActorPlacement:
         """The calling actor's placement."""
         import ray
 
         context = ray.get_runtime_context()
         gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", ()))
-        return ActorPlacement(actor, context.get_node_id(), gpus, engine)
+        return ActorPlacement(actor, context.get_node_id(), gpus, engine, missing_kernels)
 
 
 @dataclass(frozen=True)

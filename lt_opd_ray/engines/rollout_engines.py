@@ -32,6 +32,8 @@ class RolloutEngine(Protocol):
 
     runner: str
     """What samples: "transformers", or which of vLLM's model runners."""
+    missing_kernels: tuple[str, ...]
+    """Fast-kernel packages the model falls back from in this process (models/kernels.py)."""
 
     def weights_checksum(self, dtype: torch.dtype) -> str:
         """A digest of the weights the engine holds, comparable with `weights_checksum` of the learner's in `dtype`."""
@@ -48,6 +50,7 @@ class TransformersRolloutEngine:
 
     def __init__(self, job: JobConfig):
         from ..models.adapter import QwenVLM
+        from ..models.kernels import missing_kernels
         from ..models.loading import load_vlm
         from ..models.processor import VLMProcessor
         from ..reference import sampling_params
@@ -57,6 +60,7 @@ class TransformersRolloutEngine:
         model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
+        self.missing_kernels = missing_kernels(model.config.model_type)
         self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
@@ -95,9 +99,16 @@ class TransformersRolloutEngine:
 
 
 class VLLMRolloutEngine:
-    """The student inside a vLLM engine with our pruning plugin; the weight sync writes into its parameters."""
+    """The student inside a vLLM engine with our pruning plugin; the weight sync writes into its parameters.
+
+    Called from several threads at once (a worker's rollout groups), whose requests share the engine's batch.
+    """
+
+    missing_kernels = ()  # vLLM brings its own kernels
 
     def __init__(self, job: JobConfig):
+        import threading
+
         from ..reference import sampling_params
         from .vllm_engine import EngineSink, open_for_job
 
@@ -105,25 +116,32 @@ class VLLMRolloutEngine:
         self.processor, self.engine = open_for_job(job, role="rollout")
         self.params = sampling_params(job, self.processor.tokenizer)
         self._sink = EngineSink(self.engine, digest=job.pools.rollout.verify_weights)
+        self._encoding = threading.Lock()  # a Rust tokenizer refuses concurrent calls ("Already borrowed")
+
+    def _encode(self, samples: list[Sample], system_prompt: str | None):
+        from ..models.processor import encode_samples
+
+        with self._encoding:
+            return encode_samples(self.processor, samples, system_prompt)
 
     def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
-        from ..models.processor import encode_samples, load_image
+        from ..models.processor import load_image
         from .vllm_roles import vllm_rollout
 
         job = self.job
-        prompts = encode_samples(self.processor, samples, job.data.system_prompt)
+        prompts = self._encode(samples, job.data.system_prompt)
         return vllm_rollout(
             self.engine, prompts, [[load_image(s.image, s.uid)] for s in samples], [s.uid for s in samples], job.selector.name,
             budget_bps, job.budget.k_min, self.params, job.sampling.n, job.seed, step,
         )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
-        from ..models.processor import encode_samples, load_image
+        from ..models.processor import load_image
         from ..models.sampler import SamplingParams
         from .vllm_engine import engine_prompt
         from .vllm_models import SelectionRequest
 
-        prompts = encode_samples(self.processor, samples, system_prompt)
+        prompts = self._encode(samples, system_prompt)
         engine_prompts = [engine_prompt(p, [load_image(s.image, s.uid)]) for p, s in zip(prompts, samples)]
         tokenizer = self.processor.tokenizer
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,))

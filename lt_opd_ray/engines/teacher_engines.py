@@ -17,6 +17,8 @@ from ..wire import Rollout, TeacherScore
 class TeacherEngine(Protocol):
     runner: str
     """What scores: "transformers", or which of vLLM's model runners."""
+    missing_kernels: tuple[str, ...]
+    """Fast-kernel packages the model falls back from in this process (models/kernels.py)."""
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
         """One score per rollout; `samples[r.prompt_index]` is each rollout's sample."""
@@ -30,6 +32,7 @@ class TransformersTeacherEngine:
 
     def __init__(self, job: JobConfig):
         from ..models.adapter import QwenVLM
+        from ..models.kernels import missing_kernels
         from ..models.loading import load_vlm
         from ..models.processor import VLMProcessor
 
@@ -37,6 +40,7 @@ class TransformersTeacherEngine:
         model_dir, model = load_vlm(job.model.path)
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
+        self.missing_kernels = missing_kernels(model.config.model_type)
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
         from ..models.loading import compute_precision
@@ -54,6 +58,8 @@ class TransformersTeacherEngine:
 
 class VLLMTeacherEngine:
     """The teacher inside a vLLM engine (prompt log-probs of each full-token prompt + response)."""
+
+    missing_kernels = ()  # vLLM brings its own kernels
 
     def __init__(self, job: JobConfig):
         from .vllm_engine import open_for_job

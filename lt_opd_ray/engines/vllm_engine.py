@@ -29,6 +29,7 @@ import torch
 from ..config import VLLMSettings
 from ..models.processor import IMAGE, PromptInputs
 from ..models.sampler import Completion, SamplingParams
+from .vllm_loop import EngineLoop
 from .vllm_models import SelectionRequest
 
 
@@ -51,9 +52,10 @@ class EnginePrompt:
 
 def engine_prompt(prompt: PromptInputs, images: list) -> EnginePrompt:
     """Collapse each image's run of placeholders back to the single token vLLM's processor expands."""
-    ids, types = prompt.input_ids.tolist(), prompt.mm_token_type_ids.tolist()
-    collapsed = [tok for i, (tok, kind) in enumerate(zip(ids, types)) if kind != IMAGE or i == 0 or types[i - 1] != IMAGE]
-    runs = sum(1 for i, kind in enumerate(types) if kind == IMAGE and (i == 0 or types[i - 1] != IMAGE))
+    is_image = prompt.mm_token_type_ids == IMAGE
+    run_start = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])  # an image token after a non-image one
+    collapsed = prompt.input_ids[~is_image | run_start].tolist()
+    runs = int(run_start.sum())
     if runs != len(images):
         raise ValueError(f"prompt has {runs} image run(s) but {len(images)} image(s)")
     return EnginePrompt(collapsed, list(images), prompt.input_ids[prompt.query_mask].tolist(), prompt.input_ids.numel())
@@ -156,6 +158,7 @@ class VLLMEngine:
             gpu_memory_utilization=tuning.gpu_memory_utilization if on_gpu else 0.9,
             hf_overrides={"vision_token_compressor": settings(dim)} if token_merge and "vision_token_compressor" not in config else None,
         )
+        self.loop = EngineLoop(self.llm)  # every caller's requests in one continuously batched engine
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
@@ -173,7 +176,8 @@ class VLLMEngine:
         params: SamplingParams,
         seeds: list[int],
     ) -> list[tuple[Completion, Kept]]:
-        """One sampled response per prompt, with what was kept of each of its images."""
+        """One sampled response per prompt, with what was kept of each of its images. Safe to call from several
+        threads at once: their requests share the engine's batch (`EngineLoop`)."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         if not len(prompts) == len(selections) == len(seeds):
@@ -201,7 +205,7 @@ class VLLMEngine:
                     flat_logprobs=True,  # a few flat lists instead of a dict per position
                 )
             )
-        outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
+        outputs = self.loop.run(requests, vllm_params)
         kept = self.selections(list(nonces.values()))
         results = []
         for request, output in zip(requests, outputs):
@@ -233,7 +237,7 @@ class VLLMEngine:
 
     def selections(self, nonces: list[int]) -> dict[int, Kept]:
         """What the model recorded for these request nonces: kept indices, and merge routes with a merge head."""
-        recorded = self.llm.collective_rpc(_pop_selections, args=(list(nonces),))[0]
+        recorded = self.loop.call(lambda llm: llm.collective_rpc(_pop_selections, args=(list(nonces),))[0])
         # rebuilt outside vLLM's inference mode, so they can index tensors that need gradients
         found = {nonce: Kept.rebuilt(images) for nonce, images in recorded.items()}
         missing = [n for n in nonces if n not in found]
@@ -273,30 +277,20 @@ class VLLMEngine:
                     **extra,
                 )
             )
-        outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
+        outputs = self.loop.run(requests, vllm_params)
         scored = []
         for response, ids, output in zip(responses, requested, outputs):
             scored.append(self._read_scores(output, response.numel(), ids, top_k))
         return scored
 
     def _read_scores(self, output, length, ids, top_k) -> ScoredResponse:
-        # prompt_logprobs row i is the distribution that predicted prompt token i: the last
-        # `length` rows are the response's
-        flat = output.prompt_logprobs
-        rows = range(len(flat.start_indices) - length, len(flat.start_indices))
+        # prompt_logprobs row i is the distribution that predicted prompt token i: the last `length` rows are the
+        # response's; each row holds the prompt token's entry, then ranks 1..k (V1: the whole vocabulary)
+        token_ids, logprobs = flat_rows(output.prompt_logprobs, length, top_k if self.v2_runner else self.vocab_size)
         if self.v2_runner:
-            top_ids = torch.empty(length, top_k, dtype=torch.int32)
-            top_logp = torch.empty(length, top_k)
-            for i, row in enumerate(rows):
-                ranked = _ranked(flat, row, top_k)
-                top_ids[i] = torch.tensor([t for t, _ in ranked], dtype=torch.int32)
-                top_logp[i] = torch.tensor([lp for _, lp in ranked])
             requested_logp = torch.as_tensor(output.prompt_token_id_logprobs, dtype=torch.float32)
-            return ScoredResponse(top_ids, top_logp, requested_logp)
-        full = torch.full((length, self.vocab_size), float("-inf"))
-        for i, row in enumerate(rows):
-            start, end = flat.start_indices[row], flat.end_indices[row]
-            full[i, flat.token_ids[start:end]] = torch.tensor(flat.logprobs[start:end])
+            return ScoredResponse(token_ids[:, 1:].to(torch.int32), logprobs[:, 1:], requested_logp)
+        full = torch.full((length, self.vocab_size), float("-inf")).scatter_(1, token_ids[:, 1:], logprobs[:, 1:])
         top_logp, top_ids = torch.topk(full, min(top_k, self.vocab_size), dim=-1)
         return ScoredResponse(top_ids.to(torch.int32), top_logp, full.gather(-1, ids.long()))
 
@@ -315,10 +309,14 @@ class VLLMEngine:
 
         vLLM's layerwise reload buffers a layer's tensors until the layer is complete, then loads
         and repacks it: with a stream that brings each layer in one piece (the weight sync's buckets
-        never split a layer), no more than a layer is held besides the model.
+        never split a layer), no more than a layer is held besides the model. Refused while any request is
+        being sampled: no sequence is sampled across a weight change.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        def write(llm):
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+            llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+        self.loop.call(write, idle=True)
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Replace weights in place from tensors at hand; names and shapes are checked first, and a mismatch is refused whole."""
@@ -419,26 +417,33 @@ def _context_length(job, config: dict) -> int:
     return min(wanted, int(text.get("max_position_embeddings", wanted)))
 
 
-def _ranked(flat, row: int, k: int) -> list[tuple[int, float]]:
-    """(token id, log-prob) of ranks 1..k at one position of flat logprobs (the sampled token may lead, unranked)."""
-    start, end = flat.start_indices[row], flat.end_indices[row]
-    by_rank = {}
-    for token, logprob, rank in zip(flat.token_ids[start:end], flat.logprobs[start:end], flat.ranks[start:end]):
-        if rank is not None and rank <= k:
-            by_rank.setdefault(rank, (token, logprob))
-    return [by_rank[r] for r in sorted(by_rank)]
+def flat_rows(flat, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `rows` positions of vLLM's flat logprobs as tensors: ids [rows, 1 + k] and log-probs [rows, 1 + k].
+
+    vLLM writes every position as the position's own token (sampled, or the prompt's) followed by ranks 1..k in
+    rank order, so a position is a fixed-width slice of the flat lists: read with one gather, no per-entry Python.
+    """
+    starts = torch.tensor(flat.start_indices[len(flat.start_indices) - rows :], dtype=torch.long)
+    ends = torch.tensor(flat.end_indices[len(flat.end_indices) - rows :], dtype=torch.long)
+    if rows and not bool((ends - starts == k + 1).all()):
+        bad = int((ends - starts != k + 1).nonzero()[0])
+        raise RuntimeError(f"vLLM logprobs: position {bad} of the last {rows} holds {int(ends[bad] - starts[bad])} entries, expected 1 + {k}")
+    first = int(starts[0]) if rows else 0
+    entries = slice(first, first + rows * (k + 1))  # the positions are contiguous in the flat lists
+    if rows and list(flat.ranks[first + 1 : first + k + 1]) != list(range(1, k + 1)):
+        raise RuntimeError("vLLM logprobs: the entries after a position's own token are not ranks 1..k in order")
+    token_ids = torch.tensor(flat.token_ids[entries], dtype=torch.long).reshape(rows, k + 1)
+    logprobs = torch.tensor(flat.logprobs[entries], dtype=torch.float32).reshape(rows, k + 1)
+    return token_ids, logprobs
 
 
 def _sampled_and_top(flat, tokens: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per generated token: its log-prob [T] and the top-k ids [T, k], from vLLM's flat sample logprobs."""
-    logprobs, top_ids = [], []
-    for row, token in enumerate(tokens):
-        start = flat.start_indices[row]
-        if flat.token_ids[start] != token:
-            raise RuntimeError(f"vLLM logprobs out of step with the sampled tokens at position {row}")
-        logprobs.append(flat.logprobs[start])  # vLLM puts the sampled token first
-        top_ids.append([t for t, _ in _ranked(flat, row, k)])
-    return torch.tensor(logprobs, dtype=torch.float32), torch.tensor(top_ids, dtype=torch.long).reshape(len(tokens), k)
+    token_ids, logprobs = flat_rows(flat, len(tokens), k)
+    off = (token_ids[:, 0] != torch.tensor(tokens, dtype=torch.long)).nonzero()
+    if off.numel():
+        raise RuntimeError(f"vLLM logprobs out of step with the sampled tokens at position {int(off[0])}")
+    return logprobs[:, 0], token_ids[:, 1:]
 
 
 def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:

@@ -98,8 +98,7 @@ class SelectionRequest:
             if not isinstance(ids, (list, tuple)) or len(ids) > MAX_QUERY_IDS:
                 raise ValueError(f"{cls.PREFIX}query_ids: expected a list of at most {MAX_QUERY_IDS} token ids, got {type(ids).__name__}"
                                  + (f" of {len(ids)}" if isinstance(ids, (list, tuple)) else ""))
-            for position, token in enumerate(ids):
-                _check_integer(f"{cls.PREFIX}query_ids[{position}]", token, 0, vocab_size - 1)
+            _check_token_ids(f"{cls.PREFIX}query_ids", ids, vocab_size)
             ours["query_ids"] = tuple(ids)
         return cls(**ours), cls.processor_kwargs(kwargs)
 
@@ -119,6 +118,17 @@ def _check_integer(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name}: expected an integer, got {type(value).__name__} {str(value)[:40]!r}")
     if not low <= value <= high:
         raise ValueError(f"{name}: {value} is outside [{low}, {high}]")
+
+
+def _check_token_ids(name: str, ids: Sequence, vocab_size: int) -> None:
+    """Every entry a Python int in [0, vocab_size): checked by C-level passes (set, min, max); only a bad list is
+    walked, to name its first bad entry."""
+    if not set(map(type, ids)) <= {int}:  # bools, floats, strings, numpy scalars
+        bad = next(i for i, v in enumerate(ids) if type(v) is not int)
+        _check_integer(f"{name}[{bad}]", ids[bad], 0, vocab_size - 1)
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i, v in enumerate(ids) if not 0 <= v < vocab_size)
+        _check_integer(f"{name}[{bad}]", ids[bad], 0, vocab_size - 1)
 
 
 def _merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:

@@ -179,6 +179,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
 
     from tqdm import tqdm
 
+    from ..models.kernels import slow_kernels_warning
     from ..tracking import Trackers
     from .driver import Driver
 
@@ -199,6 +200,8 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
                    + f" (pools started together, ready after: {ready})")
         if any(p.gpus for p in driver.placements):
             tqdm.write(format_placements(driver.placements))
+        if warning := slow_kernels_warning(driver.placements):
+            tqdm.write(warning)
         storage = driver.checkpoints.storage
         tqdm.write(f"run {driver.checkpoints.run_id}: outputs (checkpoints, steps.jsonl, final/) go to {storage.describe()}"
                    + (f" (staged in {storage.local})" if storage.remote else ""))

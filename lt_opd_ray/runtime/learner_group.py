@@ -143,7 +143,10 @@ class LearnerActor:
         return ray.get_runtime_context().get_node_id()
 
     def placement(self) -> ActorPlacement:
-        return ActorPlacement.here(f"learner-{self.rank}", f"DeepSpeed ZeRO-{self.job.pools.learner.zero_stage}")
+        from ..models.kernels import missing_kernels
+
+        model_type = self.learner.module.model.config.model_type
+        return ActorPlacement.here(f"learner-{self.rank}", f"DeepSpeed ZeRO-{self.job.pools.learner.zero_stage}", missing_kernels(model_type))
 
     # One rank per node moves its node's checkpoint files between the local staging folder and a URI storage.
     def upload(self, location: str, staging: str | None, local: str, to: str, last: tuple[str, ...] = ()) -> dict[str, list]:

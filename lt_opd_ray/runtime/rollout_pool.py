@@ -23,8 +23,14 @@ from .waits import wait_for
 
 
 # A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
-# every other call runs one at a time, in order, in the default group.
+# every other call runs one at a time, in order, in the default group, but the rollout groups of a vLLM worker:
+# they run on threads of their own ("sampling"), all feeding one engine (engines/vllm_loop.py).
 CONTROL = {"control": 1}
+
+
+def concurrency_groups(job: JobConfig) -> dict[str, int]:
+    pool = job.pools.rollout
+    return CONTROL | ({"sampling": pool.engine_groups} if pool.backend == "vllm" else {})
 
 
 @dataclass(frozen=True)
@@ -77,13 +83,14 @@ class RolloutWorker:
 
     def generate(self, samples, start: int, stop: int, budget_bps: int, update: int, learner_rank: int) -> tuple[RolloutSummary, RolloutGroup]:
         """The rollouts of prompts [start, stop) for `update` (called with num_returns=2: the driver reads the summary,
-        the teacher and the learner rank read the group)."""
+        the teacher and the learner rank read the group). A vLLM worker runs several at once in one engine."""
+        version = self.weights_version  # the engine refuses a weight write while any group is sampled
         with Stopwatch() as watch:
             rollouts = self.engine.rollout(samples[start:stop], budget_bps, update)
         for r in rollouts:
             r.prompt_index += start
         span = watch.span("rollout", self.name, f"u{update} p{start}-{stop - 1}")
-        group = RolloutGroup(update, start, stop, learner_rank, rollouts, self.name, self.weights_version, span)
+        group = RolloutGroup(update, start, stop, learner_rank, rollouts, self.name, version, span)
         self.metrics.record(group.tokens, span.seconds, budget_bps)
         return group.summary(), group
 
@@ -136,7 +143,7 @@ class RolloutWorker:
         return os.getpid()
 
     def placement(self) -> ActorPlacement:
-        return ActorPlacement.here(self.name, self.engine.runner)
+        return ActorPlacement.here(self.name, self.engine.runner, self.engine.missing_kernels)
 
 
 def sync_device() -> str:
@@ -154,8 +161,9 @@ class RolloutPool:
         self.job = job
         pool = job.pools.rollout
         self._actor_cls = ray.remote(
-            num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources(), concurrency_groups=CONTROL
+            num_cpus=pool.cpus, num_gpus=pool.gpus, resources=pool.ray_resources(), concurrency_groups=concurrency_groups(job)
         )(RolloutWorker)
+        self._sampling = {"concurrency_group": "sampling"} if pool.backend == "vllm" else {}
         self.names = [f"rollout-{i}" for i in range(pool.workers)]
         self.workers = [self._spawn(name) for name in self.names]  # they load their models while the other pools start
 
@@ -174,7 +182,8 @@ class RolloutPool:
         ]
 
     def submit_group(self, samples_ref, start: int, stop: int, rank: int, budget_bps: int, update: int, worker: int) -> GroupRef:
-        summary, group = self.workers[worker].generate.options(num_returns=2).remote(samples_ref, start, stop, budget_bps, update, rank)
+        call = self.workers[worker].generate.options(num_returns=2, **self._sampling)
+        summary, group = call.remote(samples_ref, start, stop, budget_bps, update, rank)
         return GroupRef(update, start, stop, rank, worker, group, summary)
 
     def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[EvalResult]:

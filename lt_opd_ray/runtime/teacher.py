@@ -76,7 +76,7 @@ class TeacherDeployment:
 
     async def placement(self) -> tuple[str, ActorPlacement]:
         """(this replica's Serve id, its placement)."""
-        return serve.get_replica_context().replica_id.unique_id, ActorPlacement.here(self.model.name, self.model.engine.runner)
+        return serve.get_replica_context().replica_id.unique_id, ActorPlacement.here(self.model.name, self.model.engine.runner, self.model.engine.missing_kernels)
 
     async def score(self, request: tuple) -> TeacherPayload:
         # request: ([samples ref], [group ref]), nested so Serve passes the refs untouched. Awaiting the group
