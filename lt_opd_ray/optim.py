@@ -27,12 +27,17 @@ def param_groups(model: torch.nn.Module, lr) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (decoupled weight decay) + warm-up of `warmup_steps` updates, then constant."""
+    """AdamW (decoupled weight decay) + warm-up of `warmup_steps` updates, then constant.
+
+    torch's fused AdamW: one kernel over every tensor of a group, on CUDA and on CPU alike (DeepSpeed hands it its
+    fp32 partitions); element for element the same update as the per-tensor loop, without a launch per tensor.
+    """
     optimizer = torch.optim.AdamW(
         param_groups(model, config.lr),
         betas=tuple(config.betas),
         eps=config.eps,
         weight_decay=config.weight_decay,
+        fused=True,
     )
     warmup = config.warmup_steps
     # update u (0-based) uses lr * (u + 1) / warmup during warm-up

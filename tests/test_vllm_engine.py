@@ -201,6 +201,60 @@ def test_the_samples_of_a_prompt_share_one_vision_pass_and_selection(tiny_dirs, 
     assert len({tuple(c.token_ids.tolist()) for c, _ in results[:n]}) > 1  # the samples still differ (own seeds)
 
 
+@pytest.mark.slow
+def test_groups_called_from_several_threads_share_one_batch_and_each_gets_its_own_samples(tiny_dirs, engines):
+    """A vLLM worker's rollout groups run on threads of their own: their sequences decode in one engine batch, each
+    call returns as its own finish (a short group before a long one), and sampling equals one group at a time."""
+    import threading
+    import time
+
+    from lt_opd_ray.engines.vllm_loop import EngineBusyError
+
+    family = "qwen3_vl"
+    engine = engines(family)
+    _, _, engine_prompts = _prompts(tiny_dirs[family], count=3)
+    selections = _selections(3)
+    n = 4
+    groups = [([engine_prompts[g]] * n, [selections[g]] * n) for g in range(3)]
+    seeds = [list(range(10 * g, 10 * g + n)) for g in range(3)]
+    lengths = [64, 64, 4]  # the last group is short: it must come back while the others decode
+    params = [SamplingParams(max_new_tokens=t, top_k_logprobs=3, stop=()) for t in lengths]
+    alone = [engine.generate(*group, params[g], seeds[g]) for g, group in enumerate(groups)]
+
+    begin = time.perf_counter()
+    results, finished_at, errors = [None] * 3, [0.0] * 3, []
+
+    def run(g):
+        try:
+            results[g] = engine.generate(*groups[g], params[g], seeds[g])
+            finished_at[g] = time.perf_counter()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in range(3)]
+    for thread in threads:
+        thread.start()
+    while not engine.loop.waiters and any(t.is_alive() for t in threads):
+        time.sleep(0.001)
+    def stream():  # a weight update that must not be read while sequences are sampled
+        raise AssertionError("weights written while the engine was sampling")
+        yield
+
+    with pytest.raises(EngineBusyError, match="must be idle"):  # no sequence is sampled across a weight change
+        engine.write_weights(stream())
+    for thread in threads:
+        thread.join()
+    assert not errors
+    steps = engine.loop.steps_since(begin)
+    assert max(s.ran for s in steps) == 3 * n  # all three groups' sequences in one decode step
+    assert finished_at[2] < min(finished_at[:2])  # the short group was handed back first
+    for mine, theirs in zip(results, alone):
+        for (a, kept_a), (b, kept_b) in zip(mine, theirs):
+            assert a.token_ids.tolist() == b.token_ids.tolist()  # per-request seeds: batching changes no sample
+            assert (a.logprobs - b.logprobs).abs().max() <= 1e-4
+            assert torch.equal(kept_a.indices[0], kept_b.indices[0])
+
+
 def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
     from lt_opd_ray.engines.vllm_engine import VLLMEngine
     from lt_opd_ray.models.adapter import UnsupportedArchitectureError

@@ -110,6 +110,8 @@ class Learner:
         import deepspeed
 
         self.job, self.rank, self.world = job, rank, world
+        if torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True  # an fp32 learner's GEMMs (the chunked output head) on tensor cores
         config = deepspeed_config(job)
         zero3 = job.pools.learner.zero_stage == 3
         # ZeRO-3: the weights are created partitioned (never a whole fp32 copy per rank) and loaded shard by shard
