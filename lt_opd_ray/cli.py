@@ -285,7 +285,8 @@ def cmd_plan(args) -> int:
 
     from .config import JobConfigError, load_job
     from .efficiency import PRESETS
-    from .planner import EFFICIENCY, GPUS, SCHEDULES, best_split, job_split, learner_gb_per_gpu, plan, shapes_of, update_work
+    from .planner import (EFFICIENCY, EFFICIENCY_SOURCES, GPUS, SCHEDULES, best_split, job_split, learner_gb_per_gpu, plan, shapes_of,
+                          update_work, zero_stage_for)
 
     try:
         job = load_job(args.job)
@@ -319,7 +320,14 @@ def cmd_plan(args) -> int:
     print(f"ESTIMATE (analytic, not measured) for {args.job} on {args.gpus}x {gpu.name}; model {source}; {shapes.prompts} prompts x"
           f" {shapes.n} responses of up to {shapes.max_new_tokens} tokens (mean {efficiency['mean_response_fraction']:.0%}),"
           f" budget {shapes.budget_bps / 100:g}%")
-    print("efficiencies: " + ", ".join(f"{k} {v:g}" for k, v in efficiency.items()))
+    print("assumed efficiencies (none measured on a GPU; --efficiency NAME=VALUE to change):")
+    for name, value in efficiency.items():
+        print(f"  {name} {value:g}: {EFFICIENCY_SOURCES[name]}")
+    one_node = sum(split) <= gpu.gpus_per_node
+    print(f"links: weight sync and ZeRO collectives over {'NVLink' if one_node else 'the nodes network'}"
+          f" ({gpu.link_gbps if one_node else gpu.network_gbps:g} GB/s); rollout engines decode {shapes.engine_batch} sequences at once"
+          f" ({job.pools.rollout.backend}); teacher on {shapes.teacher_backend}"
+          + (" (the prompt once per prompt)" if shapes.teacher_backend == "transformers" else " (the prompt prefilled with every response)"))
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
     rows += [(f"best for {name}", best_split(config, shapes, gpu, args.gpus, efficiency, name)) for name in SCHEDULES]
     print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "
@@ -328,9 +336,16 @@ def cmd_plan(args) -> int:
         print(f"{label:<24} {'/'.join(map(str, p.split)):>10} {p.phases['rollout']:>7.1f}s {p.phases['teacher']:>7.1f}s"
               f" {p.phases['learner']:>7.1f}s {p.phases['sync']:>5.2f}s | " + " ".join(f"{p.step[name]:>18.1f}s" for name in SCHEDULES))
     chosen = rows[0][1]
-    need = learner_gb_per_gpu(update_work(config, shapes, efficiency), chosen.split[2])
-    verdict = "fits" if need <= gpu.memory_gb else "DOES NOT FIT: more learner ranks, or GPUs with more memory"
-    print(f"learner memory per GPU ({rows[0][0]}, {chosen.split[2]} ZeRO-3 ranks): {need:.1f} GB of {gpu.memory_gb:g} GB, {verdict}")
+    work, ranks = update_work(config, shapes, efficiency), chosen.split[2]
+    for stage in (2, 3):
+        need = learner_gb_per_gpu(work, ranks, stage)
+        verdict = "fits" if need <= gpu.memory_gb else "DOES NOT FIT"
+        print(f"learner memory per GPU ({rows[0][0]}, {ranks} ZeRO-{stage} ranks): {need:.1f} GB of {gpu.memory_gb:g} GB, {verdict}"
+              + (" (the job's stage)" if stage == shapes.zero_stage else ""))
+    best_stage = zero_stage_for(work, gpu, ranks)
+    advice = ("more learner ranks, or GPUs with more memory" if best_stage is None else
+              f"ZeRO-{best_stage}" + (" (fits, and gathers no parameters)" if best_stage == 2 else ""))
+    print(f"learner ZeRO stage for this split: {advice}" + (f"; the job sets {shapes.zero_stage}" if best_stage != shapes.zero_stage else ""))
     for name in SCHEDULES:
         busy = ", ".join(f"{pool} {fraction:.0%}" for pool, fraction in chosen.busy[name].items())
         print(f"busy ({rows[0][0]}, {name}): {busy}; {PAPER_SECONDS_PER_UPDATE / chosen.step[name]:.1f}x the paper's {PAPER_SECONDS_PER_UPDATE} s/update")

@@ -4,20 +4,30 @@ An analytic model, not a measurement. Work comes from the job's shapes and the
 efficiency module's FLOP counts; time from each GPU's peak figures times a stated
 efficiency (`EFFICIENCY`, overridable). Per update:
 
-- rollout (decode, memory-bound): each of the `max_new_tokens` decode steps reads the
-  weights once per rollout GPU plus the KV cache of the sequences still running, or
-  is compute-bound if 2 x params x running sequences is slower; sequences finish
-  uniformly over the steps (the mean response is `mean_response_fraction` of the
-  maximum), the batch runs until its longest response. Plus the reduced prefills.
-- teacher: one full-token prefill per prompt + a forward over every response token,
-  with the full-vocabulary head at response positions only.
+- rollout (decode, memory-bound): a worker's sequences decode in one engine batch as the
+  code runs them (vLLM: every group it holds, up to `max_num_seqs`; transformers: one
+  group at a time), in as many waves as that batch needs; each of a wave's
+  `max_new_tokens` decode steps reads the weights once plus the KV cache of the sequences
+  still running, or is compute-bound if 2 x params x running sequences is slower;
+  sequences finish uniformly over the steps (the mean response is `mean_response_fraction`
+  of the maximum), a wave runs until its longest response. Plus one reduced prefill per
+  sequence (the n samples of a prompt share its vision pass, not its prefill: they are
+  scheduled in the same step).
+- teacher, per backend: transformers runs each prompt's full-token prefix once and its
+  responses continue from the cache; vLLM prefills the full prompt with every response
+  (it reads no prefix cache for prompt-logprob requests). The full-vocabulary head at
+  response positions only.
 - learner: forward + backward = 3x the forward FLOPs (4x with activation
   checkpointing) of every reduced prompt + response, the vision tower once per
-  prompt, the head at response positions; plus the optimizer reading and writing
-  its fp32 states (16 bytes per parameter, sharded over the ranks). A split fits when each learner
-  rank holds every byte ZeRO-3 keeps per parameter (ZERO3_BYTES_PER_PARAM: 20 B in bf16 mode) over
-  the ranks, the largest gathered parameter twice, and LEARNER_HEADROOM_GB.
-- sync: the weights in bf16 over the GPU interconnect.
+  prompt, the head at response positions; plus the optimizer's traffic
+  (OPTIMIZER_BYTES_PER_PARAM, sharded over the ranks), and ZeRO's collectives per
+  micro-batch over the link between the ranks (gradients reduced in every backward;
+  ZeRO-3 also gathers every parameter in every forward, backward and recompute), not
+  overlapped with compute. A rank fits when it holds every byte its ZeRO stage keeps per
+  parameter (LEARNER_BYTES_PER_PARAM), ZeRO-3's largest gathered parameter twice, and
+  LEARNER_HEADROOM_GB; `zero_stage_for` picks ZeRO-2 where it fits (no gathers).
+- sync: the weights in bf16 from learner rank 0 to the rollout workers, over NVLink when
+  every pool is on one node, else over the nodes' network.
 
 Schedules: synchronous (phases in series), streaming (max_staleness 0: teacher and
 learner work on groups as they are sampled, so an update costs its slowest pool plus
@@ -40,25 +50,36 @@ class GPU:
     bf16_tflops: float  # dense peak
     memory_gb: float
     memory_tbps: float  # HBM bandwidth
-    link_gbps: float  # per-GPU interconnect bandwidth (NVLink), GB/s
+    link_gbps: float  # per-GPU interconnect bandwidth inside a node (NVLink), GB/s
+    network_gbps: float  # a node's network bandwidth to other nodes (its instance's EFA), GB/s
+    gpus_per_node: int = 8
 
 
-GPUS = {  # vendor datasheet figures (SXM parts)
-    "a100": GPU("A100-80GB SXM", 312.0, 80.0, 2.039, 600.0),
-    "a100-40gb": GPU("A100-40GB SXM", 312.0, 40.0, 1.555, 600.0),  # p4d.24xlarge
-    "h100": GPU("H100 SXM", 989.0, 80.0, 3.35, 900.0),
-    "h200": GPU("H200 SXM", 989.0, 141.0, 4.8, 900.0),
+GPUS = {  # vendor datasheet figures (SXM parts); networks of the AWS instances that carry them (p4d/p4de 400 Gb/s, p5/p5e 3,200 Gb/s)
+    "a100": GPU("A100-80GB SXM", 312.0, 80.0, 2.039, 600.0, 50.0),  # p4de.24xlarge
+    "a100-40gb": GPU("A100-40GB SXM", 312.0, 40.0, 1.555, 600.0, 50.0),  # p4d.24xlarge
+    "h100": GPU("H100 SXM", 989.0, 80.0, 3.35, 900.0, 400.0),  # p5.48xlarge
+    "h200": GPU("H200 SXM", 989.0, 141.0, 4.8, 900.0, 400.0),  # p5e.48xlarge
 }
 
-# Fractions of peak each phase reaches: assumed, typical of published vLLM / Megatron / DeepSpeed figures
-# for a 4B model; override with --efficiency NAME=VALUE.
+# Fractions of peak each phase reaches. Every one is an assumption, none is measured on a GPU here; the source of
+# each is in EFFICIENCY_SOURCES and `lt-opd plan` prints it. Override with --efficiency NAME=VALUE.
 EFFICIENCY = {
-    "decode_bandwidth": 0.6,  # fraction of HBM bandwidth a decode step streams at
-    "decode_compute": 0.3,  # MFU of a compute-bound decode step
-    "prefill_mfu": 0.45,  # teacher prefill and rollout prefill
-    "train_mfu": 0.35,  # learner forward + backward (ZeRO-3, bf16)
-    "link": 0.5,  # fraction of the interconnect a weight broadcast reaches
-    "mean_response_fraction": 0.5,  # mean response length / max_new_tokens
+    "decode_bandwidth": 0.6,
+    "decode_compute": 0.3,
+    "prefill_mfu": 0.45,
+    "train_mfu": 0.35,
+    "link": 0.5,
+    "mean_response_fraction": 0.5,
+}
+EFFICIENCY_SOURCES = {
+    "decode_bandwidth": "fraction of HBM bandwidth a decode step streams at; assumed, typical of vLLM's published decode throughput",
+    "decode_compute": "MFU of a compute-bound decode step; assumed",
+    "prefill_mfu": "MFU of teacher and rollout prefills; assumed, typical of published vLLM / transformers prefill on bf16 4B models",
+    "train_mfu": "MFU of the learner's forward + backward; assumed, typical of Megatron / DeepSpeed figures, and only with the gpu"
+                 " extra's linear-attention kernels (without them Qwen3.5's 24 Gated DeltaNet layers run >10x slower)",
+    "link": "fraction of NVLink or the network a collective reaches (weight sync, ZeRO's reductions and gathers); assumed",
+    "mean_response_fraction": "mean response length / max_new_tokens; assumed (the paper gives none)",
 }
 
 SCHEDULES = ("synchronous", "streaming", "staleness 1")
@@ -76,33 +97,38 @@ class Shapes:
     top_k: int
     checkpointing: bool
     group_prompts: int
+    engine_batch: int  # sequences one rollout engine decodes at once, as the code feeds it
+    teacher_backend: str  # "transformers" (shared prompt cache) or "vllm" (a full prefill per response)
+    micro_batch_tokens: int  # the learner's token budget per micro-batch
+    zero_stage: int
 
 
 @dataclass(frozen=True)
 class Work:
-    """One update's work in FLOPs and bytes, independent of the GPUs."""
+    """One update's work in FLOPs and bytes, independent of the GPUs (decode per sequence: it depends on the batch)."""
 
     params: int
+    sequences: int
     rollout_prefill_flops: float
     decode_steps: int
-    decode_seq_steps: float  # Σ over decode steps of the sequences still running
-    decode_kv_bytes: float  # Σ over decode steps of the KV cache read (all sequences)
+    decode_seq_steps: float  # one sequence's Σ over decode steps of its share still running (the mean response / 1)
+    decode_kv_bytes: float  # one sequence's Σ over decode steps of the KV cache it has read
     teacher_flops: float
     learner_flops: float
+    learner_tokens: float  # reduced prompt + response positions over the update's sequences
     optimizer_bytes: float
     sync_bytes: float
     gathered_bytes: float  # the largest parameter a ZeRO-3 rank gathers whole: the bf16 output head / embedding
 
 
-# What a ZeRO-3 learner rank holds per parameter in DeepSpeed's bf16 mode, partitioned over the ranks.
-ZERO3_BYTES_PER_PARAM = {
-    "bf16 weights": 2,
-    "fp32 master weights": 4,
-    "Adam m and v (fp32)": 8,
-    "fp32 gradients (partition)": 4,
-    "bf16 gradients (partition)": 2,
+# What a learner rank holds per parameter in DeepSpeed's bf16 mode: (bytes every rank holds whole, bytes partitioned over the ranks)
+LEARNER_BYTES_PER_PARAM = {
+    2: {"bf16 weights": (2, 0), "bf16 gradients": (2, 0), "fp32 master weights": (0, 4), "Adam m and v (fp32)": (0, 8), "fp32 gradients": (0, 4)},
+    3: {"bf16 weights": (0, 2), "bf16 gradients": (0, 2), "fp32 master weights": (0, 4), "Adam m and v (fp32)": (0, 8), "fp32 gradients": (0, 4)},
 }
 LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recompute, allocator slack, NCCL buffers
+# Adam's step per parameter: reads fp32 weight, gradient, m, v (16 B), writes weight, m, v (12 B); then the bf16 copy (reads 4, writes 2)
+OPTIMIZER_BYTES_PER_PARAM = 34
 
 
 def parameter_count(config: dict) -> int:
@@ -128,22 +154,23 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
     vision = vision_projection_flops(config, grid) + vision_attention_flops(config, grid)
     # response positions continue a prefix: FLOPs of (prefix + response) minus the prefix alone
     response = lambda prefix: lm_flops(config, prefix + round(mean)) - lm_flops(config, prefix)  # noqa: E731
-    # decode: all sequences start together; with uniform finishing, running(s) falls linearly to 0 over
-    # 2 x mean steps (capped at the maximum), the batch lasting until the longest response
+    # decode: with uniform finishing, a sequence's share still running falls linearly to 0 over 2 x mean steps
     steps = shapes.max_new_tokens
-    running = [sequences * max(0.0, 1 - s / (2 * mean)) for s in range(steps)] if mean else [0.0] * steps
+    running = [max(0.0, 1 - s / (2 * mean)) for s in range(steps)] if mean else [0.0] * steps
     kv_per_token = cache_bytes(config, 1)[0]  # bf16 keys + values of one cached token
-    kv_read = sum(r * (reduced.prefill_tokens + s) * kv_per_token for s, r in enumerate(running))
+    prompt_passes = shapes.prompts if shapes.teacher_backend == "transformers" else sequences  # full-token prefills
     passes = 4 if shapes.checkpointing else 3
     return Work(
         params=params,
-        rollout_prefill_flops=shapes.prompts * (reduced.lm_flops + vision),
+        sequences=sequences,
+        rollout_prefill_flops=shapes.prompts * vision + sequences * reduced.lm_flops,
         decode_steps=steps,
         decode_seq_steps=sum(running),
-        decode_kv_bytes=kv_read,
-        teacher_flops=shapes.prompts * (full.lm_flops + vision) + sequences * (response(full.prefill_tokens) + mean * head),
+        decode_kv_bytes=sum(r * (reduced.prefill_tokens + s) * kv_per_token for s, r in enumerate(running)),
+        teacher_flops=shapes.prompts * vision + prompt_passes * full.lm_flops + sequences * (response(full.prefill_tokens) + mean * head),
         learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens) + mean * head) + shapes.prompts * vision),
-        optimizer_bytes=2 * 16 * params,  # Adam reads and writes master weights, m, v and gradients in fp32
+        learner_tokens=sequences * (reduced.prefill_tokens + mean),
+        optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * params,
         sync_bytes=2 * params,
         gathered_bytes=2 * text["hidden_size"] * text["vocab_size"],
     )
@@ -157,20 +184,46 @@ class Plan:
     busy: dict[str, dict[str, float]]  # schedule -> pool -> busy fraction
 
 
-def phase_seconds(work: Work, gpu: GPU, split: tuple[int, int, int], efficiency: dict) -> dict[str, float]:
-    rollout_gpus, teacher_gpus, learner_gpus = split
+def link_bytes_per_second(gpu: GPU, gpus: int, efficiency: dict) -> float:
+    """What a collective among `gpus` GPUs reaches: NVLink inside one node, else the nodes' network."""
+    return (gpu.link_gbps if gpus <= gpu.gpus_per_node else gpu.network_gbps) * 1e9 * efficiency["link"]
+
+
+def rollout_seconds(work: Work, shapes: Shapes, gpu: GPU, rollout_gpus: int, efficiency: dict) -> float:
+    """Decode of one rollout GPU's share, in waves of the engine's batch, plus the prefills."""
     peak = gpu.bf16_tflops * 1e12
     bandwidth = gpu.memory_tbps * 1e12 * efficiency["decode_bandwidth"]
-    per_step_weights = 2 * work.params / bandwidth  # every decode step reads the bf16 weights on each rollout GPU
-    memory = work.decode_steps * per_step_weights + work.decode_kv_bytes / rollout_gpus / bandwidth
-    compute = 2 * work.params * work.decode_seq_steps / rollout_gpus / (peak * efficiency["decode_compute"])
-    decode = max(memory, compute)
+    share = math.ceil(work.sequences / rollout_gpus)  # sequences per engine
+    batch = min(shapes.engine_batch, share)
+    waves = math.ceil(share / batch)
+    weights = work.decode_steps * 2 * work.params / bandwidth  # every decode step of a wave reads the bf16 weights
+    wave_memory = weights + batch * work.decode_kv_bytes / bandwidth
+    wave_compute = 2 * work.params * batch * work.decode_seq_steps / (peak * efficiency["decode_compute"])
+    return waves * max(wave_memory, wave_compute) + work.rollout_prefill_flops / rollout_gpus / (peak * efficiency["prefill_mfu"])
+
+
+def learner_seconds(work: Work, shapes: Shapes, gpu: GPU, learner_gpus: int, efficiency: dict) -> float:
+    """Compute, the optimizer's traffic, and ZeRO's per-micro-batch collectives between the ranks (not overlapped)."""
+    peak = gpu.bf16_tflops * 1e12
+    seconds = work.learner_flops / learner_gpus / (peak * efficiency["train_mfu"])
+    seconds += work.optimizer_bytes / learner_gpus / (gpu.memory_tbps * 1e12)
+    if learner_gpus > 1:
+        micro_batches = math.ceil(work.learner_tokens / learner_gpus / shapes.micro_batch_tokens)
+        others = (learner_gpus - 1) / learner_gpus  # the share of a collective's bytes a rank sends or receives
+        passes = (4 if shapes.checkpointing else 3) if shapes.zero_stage == 3 else 0  # parameter gathers per micro-batch
+        traffic = micro_batches * (1 + passes) * 2 * work.params * others  # bf16 gradients reduced, bf16 weights gathered
+        seconds += traffic / link_bytes_per_second(gpu, learner_gpus, efficiency)
+    return seconds
+
+
+def phase_seconds(work: Work, shapes: Shapes, gpu: GPU, split: tuple[int, int, int], efficiency: dict) -> dict[str, float]:
+    rollout_gpus, teacher_gpus, learner_gpus = split
+    peak = gpu.bf16_tflops * 1e12
     return {
-        "rollout": decode + work.rollout_prefill_flops / rollout_gpus / (peak * efficiency["prefill_mfu"]),
+        "rollout": rollout_seconds(work, shapes, gpu, rollout_gpus, efficiency),
         "teacher": work.teacher_flops / teacher_gpus / (peak * efficiency["prefill_mfu"]),
-        "learner": work.learner_flops / learner_gpus / (peak * efficiency["train_mfu"])
-        + work.optimizer_bytes / learner_gpus / (gpu.memory_tbps * 1e12),
-        "sync": work.sync_bytes / (gpu.link_gbps * 1e9 * efficiency["link"]),
+        "learner": learner_seconds(work, shapes, gpu, learner_gpus, efficiency),
+        "sync": work.sync_bytes / link_bytes_per_second(gpu, sum(split), efficiency),
     }
 
 
@@ -183,22 +236,28 @@ def schedule_seconds(phases: dict[str, float], groups_per_update: int) -> dict[s
 
 def plan(config: dict, shapes: Shapes, gpu: GPU, split: tuple[int, int, int], efficiency: dict) -> Plan:
     work = update_work(config, shapes, efficiency)
-    phases = phase_seconds(work, gpu, split, efficiency)
+    phases = phase_seconds(work, shapes, gpu, split, efficiency)
     groups = max(1, shapes.prompts // shapes.group_prompts)
     step = schedule_seconds(phases, groups)
     busy = {name: {pool: phases[pool] / seconds for pool in ("rollout", "teacher", "learner")} for name, seconds in step.items()}
     return Plan(split, phases, step, busy)
 
 
-def learner_gb_per_gpu(work: Work, learner_gpus: int) -> float:
-    """One ZeRO-3 rank's memory: every per-parameter byte (ZERO3_BYTES_PER_PARAM) over the ranks, the largest
+def learner_gb_per_gpu(work: Work, learner_gpus: int, zero_stage: int = 3) -> float:
+    """One rank's memory: every per-parameter byte of its ZeRO stage (LEARNER_BYTES_PER_PARAM), ZeRO-3's largest
     gathered parameter (twice: the one in use and the next prefetched), and the headroom."""
-    partitioned = sum(ZERO3_BYTES_PER_PARAM.values()) * work.params / learner_gpus
-    return (partitioned + 2 * work.gathered_bytes) / 1e9 + LEARNER_HEADROOM_GB
+    held = sum(whole + part / learner_gpus for whole, part in LEARNER_BYTES_PER_PARAM[zero_stage].values()) * work.params
+    gathered = 2 * work.gathered_bytes if zero_stage == 3 else 0
+    return (held + gathered) / 1e9 + LEARNER_HEADROOM_GB
 
 
-def learner_fits(work: Work, gpu: GPU, learner_gpus: int) -> bool:
-    return learner_gb_per_gpu(work, learner_gpus) <= gpu.memory_gb
+def learner_fits(work: Work, gpu: GPU, learner_gpus: int, zero_stage: int = 3) -> bool:
+    return learner_gb_per_gpu(work, learner_gpus, zero_stage) <= gpu.memory_gb
+
+
+def zero_stage_for(work: Work, gpu: GPU, learner_gpus: int) -> int | None:
+    """ZeRO-2 where it fits (no parameter gathers), else ZeRO-3 where that fits, else None."""
+    return next((stage for stage in (2, 3) if learner_fits(work, gpu, learner_gpus, stage)), None)
 
 
 def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: dict, schedule: str) -> Plan:
@@ -206,13 +265,20 @@ def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: di
     candidates = [
         plan(config, shapes, gpu, (r, t, gpus - r - t), efficiency)
         for r, t in itertools.product(range(1, gpus), repeat=2)
-        if gpus - r - t >= 1 and learner_fits(work, gpu, gpus - r - t)
+        if gpus - r - t >= 1 and learner_fits(work, gpu, gpus - r - t, shapes.zero_stage)
     ]
     if not candidates:
-        per_param = sum(ZERO3_BYTES_PER_PARAM.values())
-        raise ValueError(f"no split of {gpus} {gpu.name} GPUs holds the learner's states ({per_param} B/param:"
-                         f" {per_param * work.params / 1e9:.0f} GB, plus {learner_gb_per_gpu(work, 10**9):.0f} GB per rank)")
+        per_param = sum(whole + part for whole, part in LEARNER_BYTES_PER_PARAM[shapes.zero_stage].values())
+        raise ValueError(f"no split of {gpus} {gpu.name} GPUs holds the learner's states under ZeRO-{shapes.zero_stage} ({per_param} B/param:"
+                         f" {per_param * work.params / 1e9:.0f} GB, plus {learner_gb_per_gpu(work, 10**9, shapes.zero_stage):.0f} GB per rank)")
     return min(candidates, key=lambda p: (p.step[schedule], p.split))
+
+
+def engine_batch(job) -> int:
+    """Sequences one rollout engine decodes at once, as the workers feed it: every group a vLLM worker holds (up to
+    engine_groups, within max_num_seqs), one group at a time on transformers."""
+    pool, group = job.pools.rollout, job.schedule.group_prompts * job.sampling.n
+    return min(pool.vllm.max_num_seqs, pool.engine_groups * group) if pool.backend == "vllm" else group
 
 
 def shapes_of(job, text_tokens: int, image: tuple[int, int]) -> Shapes:
@@ -220,6 +286,8 @@ def shapes_of(job, text_tokens: int, image: tuple[int, int]) -> Shapes:
         prompts=job.sampling.prompts_per_step, n=job.sampling.n, max_new_tokens=job.sampling.max_new_tokens,
         text_tokens=text_tokens, image=image, budget_bps=job.budget.target_bps, k_min=job.budget.k_min, top_k=job.objective.top_k,
         checkpointing=job.pools.learner.activation_checkpointing, group_prompts=job.schedule.group_prompts,
+        engine_batch=engine_batch(job), teacher_backend=job.pools.teacher.backend,
+        micro_batch_tokens=job.pools.learner.micro_batch_tokens, zero_stage=job.pools.learner.zero_stage,
     )
 
 

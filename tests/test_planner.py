@@ -54,18 +54,42 @@ def test_best_split_uses_every_gpu_and_refuses_a_learner_that_cannot_hold_its_st
     shapes = paper_shapes()
     best = best_split(CONFIG, shapes, GPUS["a100"], 8, EFFICIENCY, "staleness 1")
     assert sum(best.split) == 8 and min(best.split) >= 1
-    with pytest.raises(ValueError, match=r"no split of 3 A100-80GB SXM GPUs holds the learner's states \(20 B/param"):
+    with pytest.raises(ValueError, match=r"no split of 3 A100-80GB SXM GPUs holds the learner's states under ZeRO-2 \(20 B/param"):
         best_split(CONFIG, shapes, GPUS["a100"], 3, EFFICIENCY, "staleness 1")  # 20 B/param on one 80 GB GPU
 
 
 def test_the_learner_fit_counts_every_byte_and_two_ranks_of_4b_need_80_gb_gpus():
-    from lt_opd_ray.planner import ZERO3_BYTES_PER_PARAM, learner_gb_per_gpu, learner_fits, update_work
+    from lt_opd_ray.planner import LEARNER_BYTES_PER_PARAM, learner_gb_per_gpu, learner_fits, update_work, zero_stage_for
 
     work = update_work(CONFIG, paper_shapes(), EFFICIENCY)
-    assert sum(ZERO3_BYTES_PER_PARAM.values()) == 20  # bf16 weights 2, fp32 master 4, Adam 8, fp32 grads 4, bf16 grads 2
-    by_hand = (20 * work.params / 2 + 2 * 2 * CONFIG["text_config"]["hidden_size"] * CONFIG["text_config"]["vocab_size"]) / 1e9 + 8
-    assert learner_gb_per_gpu(work, 2) == pytest.approx(by_hand)
+    per_param = {stage: sum(w + p for w, p in held.values()) for stage, held in LEARNER_BYTES_PER_PARAM.items()}
+    assert per_param == {2: 20, 3: 20}  # bf16 weights 2, bf16 grads 2, fp32 master 4, Adam 8, fp32 grads 4: ZeRO-2 keeps the bf16 ones whole
+    head = 2 * CONFIG["text_config"]["hidden_size"] * CONFIG["text_config"]["vocab_size"]
+    assert learner_gb_per_gpu(work, 2, 3) == pytest.approx((20 * work.params / 2 + 2 * head) / 1e9 + 8)
+    assert learner_gb_per_gpu(work, 2, 2) == pytest.approx((4 * work.params + 16 * work.params / 2) / 1e9 + 8)
     assert learner_fits(work, GPUS["a100"], 2) and not learner_fits(work, GPUS["a100-40gb"], 2)  # p4de, not p4d
+    assert zero_stage_for(work, GPUS["a100"], 2) == 2  # 62.4 GB of 80: no parameter gathers
+    assert zero_stage_for(work, GPUS["a100-40gb"], 4) == 3 and zero_stage_for(work, GPUS["a100-40gb"], 2) is None
+
+
+def test_engine_batches_teacher_backends_and_links_are_modelled_as_the_code_runs():
+    from dataclasses import replace
+
+    from lt_opd_ray.planner import link_bytes_per_second, rollout_seconds
+
+    shapes, gpu = paper_shapes(), GPUS["a100"]
+    work = update_work(CONFIG, shapes, EFFICIENCY)
+    full_engines = rollout_seconds(work, shapes, gpu, 4, EFFICIENCY)
+    one_group = rollout_seconds(work, replace(shapes, engine_batch=8), gpu, 4, EFFICIENCY)  # transformers, or engine_groups 1
+    assert one_group > 10 * full_engines  # 20 waves of 8 against one of 160 per engine (memory-bound decode)
+    by_vllm = update_work(CONFIG, replace(shapes, teacher_backend="vllm"), EFFICIENCY)
+    grid = patch_grid(CONFIG, 896, 832)
+    full = prefill_cost(CONFIG, 84, [grid], 10000, 32)
+    assert by_vllm.teacher_flops - work.teacher_flops == pytest.approx((640 - 80) * full.lm_flops)  # the prompt again per response
+    assert link_bytes_per_second(gpu, 8, EFFICIENCY) == 600e9 * EFFICIENCY["link"]  # one node: NVLink
+    assert link_bytes_per_second(gpu, 16, EFFICIENCY) == 50e9 * EFFICIENCY["link"]  # two p4de nodes: EFA
+    zero3 = plan(CONFIG, replace(shapes, zero_stage=3), gpu, (4, 2, 2), EFFICIENCY).phases["learner"]
+    assert zero3 > plan(CONFIG, replace(shapes, zero_stage=2), gpu, (4, 2, 2), EFFICIENCY).phases["learner"]  # the gathers cost
 
 
 def test_plan_command_prints_an_estimate_and_names_bad_input():
@@ -73,9 +97,11 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
     out = subprocess.run([*cli, "--gpu", "h200", "--preset", "qwen3.5-4b"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ESTIMATE (analytic, not measured)") and "x the paper's 311 s/update" in out.stdout
-    assert "learner memory per GPU (job's split, 2 ZeRO-3 ranks): 55.9 GB of 141 GB, fits" in out.stdout
+    assert "learner memory per GPU (job's split, 2 ZeRO-2 ranks): 62.4 GB of 141 GB, fits (the job's stage)" in out.stdout
+    assert "learner ZeRO stage for this split: ZeRO-2 (fits, and gathers no parameters)" in out.stdout
+    assert "train_mfu 0.35: MFU of the learner's forward + backward; assumed" in out.stdout  # every efficiency with its source
     small = subprocess.run([*cli, "--gpu", "a100-40gb", "--preset", "qwen3.5-4b"], cwd=REPO, capture_output=True, text=True)
-    assert "55.9 GB of 40 GB, DOES NOT FIT" in small.stdout  # p4d.24xlarge
+    assert "55.9 GB of 40 GB, DOES NOT FIT" in small.stdout and "more learner ranks" in small.stdout  # p4d.24xlarge
     bad = subprocess.run([*cli, "--preset", "qwen3.5-4b", "--efficiency", "mfu=0.5"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--efficiency 'mfu=0.5': unknown name" in bad.stderr
     missing = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
