@@ -54,9 +54,9 @@ def step_split(job_path: str, steps: int) -> None:
     for i, (log, ref) in enumerate(zip(logs, reference)):
         print(f"{i:>6} " + " ".join(f"{getattr(log.phases, p):>14.3f}s" for p in phases) + f" {ref:>9.3f}s")
     warm = slice(1, None)
-    dist_mean = statistics.mean(log.phases.step for log in logs[warm])
-    ref_mean = statistics.mean(reference[warm])
-    print(f"RESULT mean after warm-up: distributed step {dist_mean:.3f} s, reference update {ref_mean:.3f} s,"
+    dist_mean = statistics.median(log.phases.step for log in logs[warm])
+    ref_mean = statistics.median(reference[warm])
+    print(f"RESULT median after warm-up: distributed step {dist_mean:.3f} s, reference update {ref_mean:.3f} s,"
           f" ratio distributed/reference = {dist_mean / ref_mean:.2f}x;"
           f" teacher payload {logs[-1].payload_bytes_per_token:.0f} B/token; weight sync {logs[-1].sync_bytes / 2**20:.2f} MB")
 
@@ -103,9 +103,11 @@ class Receiver:
 
         self.group = SyncGroup(join_store(host, port, 120), rank, world, generation, 120)
 
-    def receive(self, version: int, bucket_bytes: int) -> float:
+    def receive(self, version: int) -> float:
+        from lt_opd_ray.runtime.weight_sync import ModuleSink
+
         begin = time.perf_counter()
-        self.group.receive(self.model, version, bucket_bytes)
+        self.group.receive(ModuleSink(self.model), version)  # the bucket size comes in the sync's header
         return time.perf_counter() - begin
 
 
@@ -125,7 +127,7 @@ def sync_throughput(receivers: int, megabytes: int) -> None:
         times = []
         for _ in range(3):
             version += 1
-            refs = [sender.send.remote(version, bucket)] + [w.receive.remote(version, bucket) for w in workers]
+            refs = [sender.send.remote(version, bucket)] + [w.receive.remote(version) for w in workers]
             times.append(max(ray.get(refs)))
         best = min(times)
         print(f"{label:>22} {best:>9.3f} {numel * 4 / 2**20 / best:>18.0f}")

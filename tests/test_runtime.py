@@ -153,7 +153,7 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
             assert 0.5 < log.importance_weight <= job.objective.importance_clip  # bf16 sampler vs fp32 learner: near 1
         assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
         samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
-        _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, 0, 2, 1500, 9, 0))
+        _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, [(0, 2, 0)], 1500, 9))
         for rollout in group.rollouts:
             assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
             assert (rollout.merge_routes is not None) == (merge == "learnable")

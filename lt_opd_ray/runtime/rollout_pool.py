@@ -1,13 +1,15 @@
 """The rollout pool: N Ray actors, each owning one engine that holds the current student.
 
 `submit` cuts an update's prompts into groups of `schedule.group_prompts` prompts,
-never across two learner ranks' prompt ranges, and queues them over the workers
+never across two learner ranks' prompt ranges, and deals them over the workers
 in the order the learners consume them (each rank's first group, then each
-rank's second, ...). Every group is its own actor call, so it is handed over
-(to the teacher, then to its one learner rank) as soon as it is finished, while
-the worker samples the next. Sampling and selection are seeded by (seed, update,
-sample uid, response index), so the rollouts depend on neither the worker, the
-grouping nor the rank count.
+rank's second, ...). A vLLM worker gets every group as its own call, all feeding its
+one engine, so each is handed over (to the teacher, then to its one learner rank) as
+soon as its sequences finish. A transformers worker, which batches statically (a
+batch runs until its longest response), gets all its groups in one call and samples
+them as one batch, each group still its own ObjectRef. Sampling and selection are
+seeded by (seed, update, sample uid, response index), so the rollouts depend on
+neither the worker, the grouping nor the rank count.
 """
 
 from __future__ import annotations
@@ -81,18 +83,23 @@ class RolloutWorker:
         if self.sync is not None:
             self.sync.abort()
 
-    def generate(self, samples, start: int, stop: int, budget_bps: int, update: int, learner_rank: int) -> tuple[RolloutSummary, RolloutGroup]:
-        """The rollouts of prompts [start, stop) for `update` (called with num_returns=2: the driver reads the summary,
-        the teacher and the learner rank read the group). A vLLM worker runs several at once in one engine."""
+    def generate(self, samples, groups: list[tuple[int, int, int]], budget_bps: int, update: int) -> tuple:
+        """The rollouts of each group (start, stop, learner rank) of `update`, sampled as one batch: (summary, group)
+        per group, flattened (called with num_returns=2 x groups: the driver reads the summaries, the teacher and
+        the learner ranks the groups). A vLLM worker runs several calls at once in one engine."""
         version = self.weights_version  # the engine refuses a weight write while any group is sampled
+        prompts = [i for start, stop, _ in groups for i in range(start, stop)]
         with Stopwatch() as watch:
-            rollouts = self.engine.rollout(samples[start:stop], budget_bps, update)
+            rollouts = self.engine.rollout([samples[i] for i in prompts], budget_bps, update)
         for r in rollouts:
-            r.prompt_index += start
-        span = watch.span("rollout", self.name, f"u{update} p{start}-{stop - 1}")
-        group = RolloutGroup(update, start, stop, learner_rank, rollouts, self.name, version, span)
-        self.metrics.record(group.tokens, span.seconds, budget_bps)
-        return group.summary(), group
+            r.prompt_index = prompts[r.prompt_index]  # the update's prompt index
+        out = []
+        for start, stop, learner_rank in groups:
+            span = watch.span("rollout", self.name, f"u{update} p{start}-{stop - 1}")
+            group = RolloutGroup(update, start, stop, learner_rank, [r for r in rollouts if start <= r.prompt_index < stop], self.name, version, span)
+            out += [group.summary(), group]
+        self.metrics.record(sum(r.response_ids.numel() for r in rollouts), watch.end - watch.start, budget_bps)
+        return tuple(out)
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> EvalResult:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
@@ -176,15 +183,21 @@ class RolloutPool:
 
     def submit(self, samples_ref, budget_bps: int, update: int, learner_ranges: list[tuple[int, int]], group_prompts: int) -> list[GroupRef]:
         """Queue every group of an update over the workers; `learner_ranges`: each rank's [start, stop) of its prompts."""
-        return [
-            self.submit_group(samples_ref, start, stop, rank, budget_bps, update, i % len(self.workers))
-            for i, (start, stop, rank) in enumerate(group_bounds(learner_ranges, group_prompts))
-        ]
+        bounds = group_bounds(learner_ranges, group_prompts)
+        dealt: dict[int, list[tuple[int, int, int]]] = {}
+        for i, group in enumerate(bounds):
+            dealt.setdefault(i % len(self.workers), []).append(group)
+        # vLLM: a call per group (they share the engine's batch); transformers: a call per worker, one batch
+        calls = [(worker, [group]) for worker, groups in dealt.items() for group in groups] if self._sampling else list(dealt.items())
+        refs = {group: ref for worker, groups in calls for group, ref in zip(groups, self._generate(samples_ref, groups, budget_bps, update, worker))}
+        return [refs[group] for group in bounds]
 
     def submit_group(self, samples_ref, start: int, stop: int, rank: int, budget_bps: int, update: int, worker: int) -> GroupRef:
-        call = self.workers[worker].generate.options(num_returns=2, **self._sampling)
-        summary, group = call.remote(samples_ref, start, stop, budget_bps, update, rank)
-        return GroupRef(update, start, stop, rank, worker, group, summary)
+        return self._generate(samples_ref, [(start, stop, rank)], budget_bps, update, worker)[0]
+
+    def _generate(self, samples_ref, groups: list[tuple[int, int, int]], budget_bps: int, update: int, worker: int) -> list[GroupRef]:
+        refs = self.workers[worker].generate.options(num_returns=2 * len(groups), **self._sampling).remote(samples_ref, groups, budget_bps, update)
+        return [GroupRef(update, start, stop, rank, worker, refs[2 * i + 1], refs[2 * i]) for i, (start, stop, rank) in enumerate(groups)]
 
     def evaluate(self, samples_ref, budget_bps: int, selectors: list[str]) -> list[EvalResult]:
         """One evaluation per selector, spread over the workers (all hold the same weights)."""

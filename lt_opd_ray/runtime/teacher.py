@@ -55,7 +55,7 @@ class TeacherDeployment:
         self.model = TeacherModel(job, name=f"teacher-{os.getpid()}")
         self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)  # the groups already waiting, no wait for more: later ones queue meanwhile
     async def score_batch(self, requests: list[tuple]) -> list[TeacherPayload]:
         # each request: (samples ref, finished RolloutGroup). Groups of the same update (same samples)
         # share one engine call; other updates' get their own.
