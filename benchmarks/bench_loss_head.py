@@ -26,20 +26,7 @@ SUPPORT = 201  # student top-100 + teacher top-100 + the sampled token
 CHUNK = 256
 
 BEFORE = '''
-class PerSequenceFp32(torch.autograd.Function):  # the previous backward: a fresh fp32 [V, H] buffer per call
-    @staticmethod
-    def forward(ctx, hidden, weight, ids, chunk_size):
-        out = torch.empty(ids.shape, dtype=torch.float32)
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32)
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = F.linear(hidden[rows], weight).float()
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            out[rows] = logits.gather(-1, ids[rows]) - lse[rows, None]
-        ctx.save_for_backward(hidden, weight, ids, lse)
-        ctx.chunk_size = chunk_size
-        return out
-
+class PerSequenceFp32(_ChunkedGatherLogProbs):  # the previous backward (the forward is today's): a fresh fp32 [V, H] buffer per call
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, ids, lse = ctx.saved_tensors
@@ -61,7 +48,7 @@ def measure(variant: str, dtype: str, hidden: int, sequences: int, tokens: int) 
     code = f"""
 import json, resource, time, torch
 import torch.nn.functional as F
-from lt_opd_ray.objective import gather_log_probs
+from lt_opd_ray.objective import _ChunkedGatherLogProbs, gather_log_probs
 {BEFORE}
 torch.manual_seed(0)
 dtype = getattr(torch, {dtype!r})
