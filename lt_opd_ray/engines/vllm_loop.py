@@ -9,8 +9,8 @@ its own requests have finished, so a group is handed on while the others still d
 
 Everything that touches the engine (enqueue, step, collective_rpc, cache resets)
 runs under one lock: vLLM's in-process engine is not thread-safe. Per step the loop
-records how many sequences the engine ran (`StepRecord`), which the rollout metrics
-and `benchmarks/bench_rollout_occupancy.py` read.
+records how many sequences the engine ran (`StepRecord`), which
+`benchmarks/bench_rollout_occupancy.py` reads.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class EngineLoop:
         try:
             while True:
                 self._step()
+                time.sleep(0)  # yield the GIL between steps, so a caller waiting for the lock gets to enqueue
         except BaseException as exc:  # noqa: BLE001 - every caller learns why, none waits forever
             with self.lock:
                 self._fail(exc)
