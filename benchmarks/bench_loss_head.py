@@ -8,10 +8,11 @@ plus the copy. Now one call covers every response row of the micro-batch and acc
 the head gradient chunk by chunk, in place, into one [V, H] buffer in the weight's dtype.
 
 Each variant runs forward + backward of S sequences x T response rows in a fresh
-subprocess; peak RSS above the RSS right before the loss (weights and inputs already
-allocated); the head's gradients of the two variants are compared.
+subprocess; peak memory above what was allocated right before the loss (weights and
+inputs): RSS on CPU, the CUDA allocator's peak on a GPU; the head's gradients of the
+two variants are compared.
 
-    python benchmarks/bench_loss_head.py [--hidden 512] [--sequences 4] [--tokens 128]
+    python benchmarks/bench_loss_head.py [--hidden 512] [--sequences 4] [--tokens 128] [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PerSequenceFp32(_ChunkedGatherLogProbs):  # the previous backward (the for
     def backward(ctx, grad_out):
         hidden, weight, ids, lse = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             g = F.linear(hidden[rows], weight).float()
@@ -44,7 +45,7 @@ class PerSequenceFp32(_ChunkedGatherLogProbs):  # the previous backward (the for
 '''
 
 
-def measure(variant: str, dtype: str, hidden: int, sequences: int, tokens: int) -> dict:
+def measure(variant: str, dtype: str, hidden: int, sequences: int, tokens: int, device: str) -> dict:
     code = f"""
 import json, resource, time, torch
 import torch.nn.functional as F
@@ -52,21 +53,28 @@ from lt_opd_ray.objective import _ChunkedGatherLogProbs, gather_log_probs
 {BEFORE}
 torch.manual_seed(0)
 dtype = getattr(torch, {dtype!r})
-weight = (torch.randn({VOCAB}, {hidden}) * 0.02).to(dtype).requires_grad_()
-hidden = [torch.randn({tokens}, {hidden}).to(dtype).requires_grad_() for _ in range({sequences})]
-ids = [torch.randint(0, {VOCAB}, ({tokens}, {SUPPORT})) for _ in range({sequences})]
-def rss_kb():
+device = {device!r}
+weight = (torch.randn({VOCAB}, {hidden}, device=device) * 0.02).to(dtype).requires_grad_()
+hidden = [torch.randn({tokens}, {hidden}, device=device).to(dtype).requires_grad_() for _ in range({sequences})]
+ids = [torch.randint(0, {VOCAB}, ({tokens}, {SUPPORT}), device=device) for _ in range({sequences})]
+def used_kb():
+    if device == "cuda":
+        return torch.cuda.memory_allocated() // 1024
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
-before = rss_kb()
+if device == "cuda":
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+before = used_kb()
 begin = time.perf_counter()
 if {variant!r} == "before":
     for h, i in zip(hidden, ids):
         PerSequenceFp32.apply(h, weight, i, {CHUNK}).sum().backward()
 else:
     gather_log_probs(torch.cat(hidden), weight, torch.cat(ids), {CHUNK}).sum().backward()
+if device == "cuda":
+    torch.cuda.synchronize()
 seconds = time.perf_counter() - begin
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-torch.save(weight.grad.float(), "/tmp/bench_loss_head_{variant}_{dtype}.pt")
+peak = torch.cuda.max_memory_allocated() // 1024 if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+torch.save(weight.grad.float().cpu(), "/tmp/bench_loss_head_{variant}_{dtype}.pt")
 print(json.dumps({{"peak_mb": (peak - before) / 1024, "seconds": seconds}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -78,17 +86,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     import torch
 
     head_mb = VOCAB * args.hidden / 2**20
     print(f"== loss head gradient: V = {VOCAB}, H = {args.hidden}, {args.sequences} sequences x {args.tokens} response rows,"
-          f" |U| = {SUPPORT}, chunk = {CHUNK}; [V, H] is {4 * head_mb:.0f} MB in fp32, {2 * head_mb:.0f} MB in bf16")
+          f" |U| = {SUPPORT}, chunk = {CHUNK}, {args.device}; [V, H] is {4 * head_mb:.0f} MB in fp32, {2 * head_mb:.0f} MB in bf16")
     print("| weights | before: peak MB | after: peak MB | before s | after s | max |grad difference| / max |grad| |")
     print("|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
-        before = measure("before", dtype, args.hidden, args.sequences, args.tokens)
-        after = measure("after", dtype, args.hidden, args.sequences, args.tokens)
+        before = measure("before", dtype, args.hidden, args.sequences, args.tokens, args.device)
+        after = measure("after", dtype, args.hidden, args.sequences, args.tokens, args.device)
         old = torch.load(f"/tmp/bench_loss_head_before_{dtype}.pt")
         new = torch.load(f"/tmp/bench_loss_head_after_{dtype}.pt")
         difference = float((old - new).abs().max() / old.abs().max())
