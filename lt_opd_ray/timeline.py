@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .wire import Span
+from .wire import Span, busy_seconds
 
 ROLE_COLOURS = {"rollout": "tab:blue", "teacher": "tab:orange", "learner": "tab:green", "sync": "tab:red",
                 "checkpoint": "tab:purple", "eval": "tab:gray"}
@@ -75,7 +75,7 @@ def window_busy(steps: list[dict]) -> list[dict[str, float]]:
     starts = [ends[0] - steps[0]["phases"]["step"], *ends[:-1]]
     busy = []
     for start, end in zip(starts, ends):
-        clipped = lambda pool: sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in spans if s.role == pool)  # noqa: E731
+        clipped = lambda pool: busy_seconds([s for s in spans if s.role == pool], start, end)  # noqa: E731
         busy.append({pool: clipped(pool) / (actors[pool] * (end - start)) for pool in POOLS})
     return busy
 

@@ -31,6 +31,20 @@ class Span:
         return self.end - self.start
 
 
+def busy_seconds(spans, start: float = float("-inf"), end: float = float("inf")) -> float:
+    """Seconds the spans' actors were busy within [start, end], summed over actors: an actor's overlapping spans
+    (the groups of one rollout batch, a vLLM worker's groups sharing its engine, a teacher batch) count once."""
+    total = 0.0
+    for actor in {s.actor for s in spans}:
+        reach = start  # how far this actor's busy time is counted
+        for span in sorted((s for s in spans if s.actor == actor), key=lambda s: s.start):
+            begin, stop = max(span.start, reach), min(span.end, end)
+            if stop > begin:
+                total += stop - begin
+                reach = stop
+    return total
+
+
 class Stopwatch:
     """`with Stopwatch() as watch: ...` then `watch.span(role, actor, what)`."""
 

@@ -155,3 +155,21 @@ def test_busy_fractions_count_each_span_in_the_windows_it_overlaps():
     first, second = window_busy(steps)
     assert first == pytest.approx({"rollout": 8 / 10, "teacher": 5 / 10, "learner": 9 / 20})  # the teacher's 8-11 span: 2 s here
     assert second == pytest.approx({"rollout": 0.0, "teacher": 1 / 4, "learner": 6 / 8})
+
+
+def test_an_actors_overlapping_spans_count_once_in_its_busy_time():
+    """Groups sampled in one batch, or sharing a vLLM engine, overlap on one actor: busy is their union, per actor,
+    against a brute-force count on a 1 ms grid."""
+    import random
+
+    from lt_opd_ray.wire import busy_seconds
+
+    rng = random.Random(0)
+    spans = [Span("rollout", f"w{rng.randrange(3)}", "g", a, a + rng.uniform(0, 3)) for a in (rng.uniform(0, 10) for _ in range(40))]
+    for start, end in [(float("-inf"), float("inf")), (2.0, 7.5)]:
+        grid = [t / 1000 for t in range(-1000, 14000)]
+        brute = sum(0.001 for actor in {s.actor for s in spans} for t in grid
+                    if start <= t < end and any(s.actor == actor and s.start <= t < s.end for s in spans))
+        assert busy_seconds(spans, start, end) == pytest.approx(brute, abs=0.01 * len(spans))
+    same_batch = [Span("rollout", "w0", f"p{i}", 1.0, 3.0) for i in range(4)]
+    assert busy_seconds(same_batch) == pytest.approx(2.0)  # not 8

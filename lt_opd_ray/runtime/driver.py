@@ -25,7 +25,7 @@ from ..data import Sample, load_samples
 from ..evals.benchmarks import benchmark
 from ..models.loading import check_checkpoint_names, resolve_model_dir
 from ..train_loop import batches
-from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch, SyncResult
+from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch, SyncResult, busy_seconds
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
@@ -268,17 +268,17 @@ class Driver:
     ) -> StepLog:
         end = time.time()
         rollout_spans = [s.span for s in summaries]
-        teacher_spans = list(dict.fromkeys(s for r in ranks for s in r.spans if s.role == "teacher"))  # a batch of groups shares one
+        teacher_spans = list(dict.fromkeys(s for r in ranks for s in r.spans if s.role == "teacher"))  # each once
         learner_spans = [s for r in ranks for s in r.spans if s.role == "learner"]
         extent = lambda chosen: max(s.end for s in chosen) - min(s.start for s in chosen) if chosen else 0.0  # noqa: E731
         of = lambda role: sum(s.seconds for s in spans if s.role == role)  # noqa: E731
         period = end - self.last_end
         self.last_end = end
         sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
-        busy = {
-            "rollout": sum(s.seconds for s in rollout_spans) / (sizes["rollout"] * period),
-            "teacher": sum(s.seconds for s in teacher_spans) / (max(sizes["teacher"], 1) * period),
-            "learner": sum(s.seconds for s in learner_spans) / (sizes["learner"] * period),
+        busy = {  # an actor's overlapping spans (groups sampled or scored in one batch) count once
+            "rollout": busy_seconds(rollout_spans) / (sizes["rollout"] * period),
+            "teacher": busy_seconds(teacher_spans) / (max(sizes["teacher"], 1) * period),
+            "learner": busy_seconds(learner_spans) / (sizes["learner"] * period),
         }
         phases = PhaseTimes(
             rollout=extent(rollout_spans), teacher=extent(teacher_spans), learner=max(r.seconds for r in ranks),
