@@ -26,13 +26,11 @@ MAX_RECORDS = 65536  # step records kept for readers (oldest dropped first)
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step: sequences it ran (those still running after it + those it finished), those it finished, and
-    those in the engine before it (running or waiting for room)."""
+    """One engine step: sequences it ran (those still running after it + those it finished) and those it finished."""
 
     at: float  # perf_counter when the step ended
     ran: int
     finished: int
-    in_engine: int
 
 
 @dataclass
@@ -110,7 +108,7 @@ class EngineLoop:
             in_engine = len(self.waiters)
             finished = [o for o in self.llm.llm_engine.step() if o.finished]
             ran = len(finished) + (len(self.scheduler.running) if self.scheduler is not None else in_engine - len(finished))
-            self.records.append(StepRecord(time.perf_counter(), ran, len(finished), in_engine))
+            self.records.append(StepRecord(time.perf_counter(), ran, len(finished)))
             del self.records[:-MAX_RECORDS]
             for output in finished:
                 self.waiters.pop(output.request_id).finish(output)
