@@ -325,7 +325,7 @@ def cmd_plan(args) -> int:
         print(f"  {name} {value:g}: {EFFICIENCY_SOURCES[name]}")
     one_node = sum(split) <= gpu.gpus_per_node
     print(f"links: weight sync and ZeRO collectives over {'NVLink' if one_node else 'the nodes network'}"
-          f" ({gpu.link_gbps if one_node else gpu.network_gbps:g} GB/s); rollout engines decode {shapes.engine_batch} sequences at once"
+          f" ({gpu.link_gbps if one_node else gpu.network_gbps:g} GB/s); rollout engines decode {shapes.engine_batch or 'all their'} sequences at once"
           f" ({job.pools.rollout.backend}); teacher on {shapes.teacher_backend}"
           + (" (the prompt once per prompt)" if shapes.teacher_backend == "transformers" else " (the prompt prefilled with every response)"))
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]

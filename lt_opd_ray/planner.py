@@ -5,28 +5,31 @@ efficiency module's FLOP counts; time from each GPU's peak figures times a state
 efficiency (`EFFICIENCY`, overridable). Per update:
 
 - rollout (decode, memory-bound): a worker's sequences decode in one engine batch as the
-  code runs them (vLLM: every group it holds, up to `max_num_seqs`; transformers: one
-  group at a time), in as many waves as that batch needs; each of a wave's
+  code runs them (vLLM: every group it holds, up to `max_num_seqs`, finished sequences
+  leaving the batch; transformers: all its groups in one static batch, every row computed
+  until the longest finishes), in as many waves as that batch needs; each of a wave's
   `max_new_tokens` decode steps reads the weights once plus the KV cache of the sequences
-  still running, or is compute-bound if 2 x params x running sequences is slower;
-  sequences finish uniformly over the steps (the mean response is `mean_response_fraction`
-  of the maximum), a wave runs until its longest response. Plus one reduced prefill per
-  sequence (the n samples of a prompt share its vision pass, not its prefill: they are
-  scheduled in the same step).
+  still running, or is compute-bound if 2 x params x running sequences is slower, and
+  then makes LOGIT_PASSES["decode"] fp32 passes over the running rows' full-vocabulary
+  logits (sampling and top-k log-probs); sequences finish uniformly over the steps (the
+  mean response is `mean_response_fraction` of the maximum), a wave runs until its
+  longest response. Plus one reduced prefill per sequence (the n samples of a prompt
+  share its vision pass, not its prefill: they are scheduled in the same step).
 - teacher, per backend: transformers runs each prompt's full-token prefix once and its
   responses continue from the cache; vLLM prefills the full prompt with every response
   (it reads no prefix cache for prompt-logprob requests). The full-vocabulary head at
-  response positions only.
+  response positions only, and LOGIT_PASSES["teacher"] passes over each one's logits.
 - learner: forward + backward = 3x the forward FLOPs (4x with activation
   checkpointing) of every reduced prompt + response, the vision tower once per
-  prompt, the head at response positions; plus the optimizer's traffic
+  prompt, the head at response positions and LOGIT_PASSES["learner"] passes over its
+  logits; plus the optimizer's traffic
   (OPTIMIZER_BYTES_PER_PARAM, sharded over the ranks), and ZeRO's collectives per
   micro-batch over the link between the ranks (gradients reduced in every backward;
   ZeRO-3 also gathers every parameter in every forward, backward and recompute), not
   overlapped with compute. A rank fits when it holds every byte its ZeRO stage keeps per
   parameter (LEARNER_BYTES_PER_PARAM), ZeRO-3's largest gathered parameter twice, and
   LEARNER_HEADROOM_GB; `zero_stage_for` picks ZeRO-2 where it fits (no gathers).
-- sync: the weights in bf16 from learner rank 0 to the rollout workers, over NVLink when
+- sync: the weights in the job's dtype from learner rank 0 to the rollout workers, over NVLink when
   every pool is on one node, else over the nodes' network.
 
 Schedules: synchronous (phases in series), streaming (max_staleness 0: teacher and
@@ -65,7 +68,7 @@ GPUS = {  # vendor datasheet figures (SXM parts); networks of the AWS instances 
 # Fractions of peak each phase reaches. Every one is an assumption, none is measured on a GPU here; the source of
 # each is in EFFICIENCY_SOURCES and `lt-opd plan` prints it. Override with --efficiency NAME=VALUE.
 EFFICIENCY = {
-    "decode_bandwidth": 0.6,
+    "memory_bandwidth": 0.6,
     "decode_compute": 0.3,
     "prefill_mfu": 0.45,
     "train_mfu": 0.35,
@@ -73,7 +76,8 @@ EFFICIENCY = {
     "mean_response_fraction": 0.5,
 }
 EFFICIENCY_SOURCES = {
-    "decode_bandwidth": "fraction of HBM bandwidth a decode step streams at; assumed, typical of vLLM's published decode throughput",
+    "memory_bandwidth": "fraction of HBM bandwidth a memory-bound pass streams at (a decode step's weights and KV cache, passes over"
+                        " full-vocabulary logits); assumed, typical of vLLM's published decode throughput",
     "decode_compute": "MFU of a compute-bound decode step; assumed",
     "prefill_mfu": "MFU of teacher and rollout prefills; assumed, typical of published vLLM / transformers prefill on bf16 4B models",
     "train_mfu": "MFU of the learner's forward + backward; assumed, typical of Megatron / DeepSpeed figures, and only with the gpu"
@@ -83,6 +87,7 @@ EFFICIENCY_SOURCES = {
 }
 
 SCHEDULES = ("synchronous", "streaming", "staleness 1")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # a job's model.dtype
 
 
 @dataclass(frozen=True)
@@ -97,10 +102,12 @@ class Shapes:
     top_k: int
     checkpointing: bool
     group_prompts: int
-    engine_batch: int  # sequences one rollout engine decodes at once, as the code feeds it
+    engine_batch: int | None  # sequences one rollout engine decodes at once, as the code feeds it; None: a worker's whole share,
+    # in one static batch (transformers: every row runs until the batch's longest response)
     teacher_backend: str  # "transformers" (shared prompt cache) or "vllm" (a full prefill per response)
     micro_batch_tokens: int  # the learner's token budget per micro-batch
     zero_stage: int
+    dtype_bytes: int = 2  # the job's compute dtype: weights read per decode step, KV cache, weight sync
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,9 @@ class Work:
     decode_steps: int
     decode_seq_steps: float  # one sequence's Σ over decode steps of its share still running (the mean response / 1)
     decode_kv_bytes: float  # one sequence's Σ over decode steps of the KV cache it has read
+    logit_bytes: float  # one full-vocabulary fp32 row
     teacher_flops: float
+    response_positions: float  # where the teacher scores and the learner's loss reads the full-vocabulary head
     learner_flops: float
     learner_tokens: float  # reduced prompt + response positions over the update's sequences
     optimizer_bytes: float
@@ -129,6 +138,11 @@ LEARNER_BYTES_PER_PARAM = {
 LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recompute, allocator slack, NCCL buffers
 # Adam's step per parameter: reads fp32 weight, gradient, m, v (16 B), writes weight, m, v (12 B); then the bf16 copy (reads 4, writes 2)
 OPTIMIZER_BYTES_PER_PARAM = 34
+# fp32 passes over one position's full-vocabulary logits, counted in the code: a decode step writes the head's output, reads
+# and writes its log-softmax, reads it for the top-k, reads and writes the sampler's softmax and cumulative sum; the teacher
+# writes, log-softmaxes (read + write) and reads for its top-k; the learner's chunked head writes and reads (log-sum-exp)
+# in forward, then writes, reads and writes (softmax) and reads again (the GEMMs' input) in backward
+LOGIT_PASSES = {"decode": 8, "teacher": 4, "learner": 6}
 
 
 def parameter_count(config: dict) -> int:
@@ -157,7 +171,9 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
     # decode: with uniform finishing, a sequence's share still running falls linearly to 0 over 2 x mean steps
     steps = shapes.max_new_tokens
     running = [max(0.0, 1 - s / (2 * mean)) for s in range(steps)] if mean else [0.0] * steps
-    kv_per_token = cache_bytes(config, 1)[0]  # bf16 keys + values of one cached token
+    if shapes.engine_batch is None:  # a static batch computes every row until its longest response
+        running = [1.0] * steps
+    kv_per_token = cache_bytes(config, 1, shapes.dtype_bytes)[0]  # keys + values of one cached token
     prompt_passes = shapes.prompts if shapes.teacher_backend == "transformers" else sequences  # full-token prefills
     passes = 4 if shapes.checkpointing else 3
     return Work(
@@ -167,11 +183,13 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
         decode_steps=steps,
         decode_seq_steps=sum(running),
         decode_kv_bytes=sum(r * (reduced.prefill_tokens + s) * kv_per_token for s, r in enumerate(running)),
+        logit_bytes=4 * text["vocab_size"],
         teacher_flops=shapes.prompts * vision + prompt_passes * full.lm_flops + sequences * (response(full.prefill_tokens) + mean * head),
+        response_positions=sequences * mean,
         learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens) + mean * head) + shapes.prompts * vision),
         learner_tokens=sequences * (reduced.prefill_tokens + mean),
         optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * params,
-        sync_bytes=2 * params,
+        sync_bytes=shapes.dtype_bytes * params,
         gathered_bytes=2 * text["hidden_size"] * text["vocab_size"],
     )
 
@@ -192,26 +210,32 @@ def link_bytes_per_second(gpu: GPU, gpus: int, efficiency: dict) -> float:
 def rollout_seconds(work: Work, shapes: Shapes, gpu: GPU, rollout_gpus: int, efficiency: dict) -> float:
     """Decode of one rollout GPU's share, in waves of the engine's batch, plus the prefills."""
     peak = gpu.bf16_tflops * 1e12
-    bandwidth = gpu.memory_tbps * 1e12 * efficiency["decode_bandwidth"]
+    bandwidth = gpu.memory_tbps * 1e12 * efficiency["memory_bandwidth"]
     share = math.ceil(work.sequences / rollout_gpus)  # sequences per engine
-    batch = min(shapes.engine_batch, share)
+    batch = min(shapes.engine_batch or share, share)
     waves = math.ceil(share / batch)
-    weights = work.decode_steps * 2 * work.params / bandwidth  # every decode step of a wave reads the bf16 weights
+    weights = work.decode_steps * shapes.dtype_bytes * work.params / bandwidth  # every decode step of a wave reads the weights
     wave_memory = weights + batch * work.decode_kv_bytes / bandwidth
     wave_compute = 2 * work.params * batch * work.decode_seq_steps / (peak * efficiency["decode_compute"])
-    return waves * max(wave_memory, wave_compute) + work.rollout_prefill_flops / rollout_gpus / (peak * efficiency["prefill_mfu"])
+    wave_logits = batch * work.decode_seq_steps * work.logit_bytes * LOGIT_PASSES["decode"] / bandwidth
+    return waves * (max(wave_memory, wave_compute) + wave_logits) + work.rollout_prefill_flops / rollout_gpus / (peak * efficiency["prefill_mfu"])
+
+
+def logit_seconds(work: Work, gpu: GPU, gpus: int, role: str, efficiency: dict) -> float:
+    """A role's passes over the full-vocabulary logits of every response position, shared over its GPUs."""
+    return work.response_positions * work.logit_bytes * LOGIT_PASSES[role] / gpus / (gpu.memory_tbps * 1e12 * efficiency["memory_bandwidth"])
 
 
 def learner_seconds(work: Work, shapes: Shapes, gpu: GPU, learner_gpus: int, efficiency: dict) -> float:
     """Compute, the optimizer's traffic, and ZeRO's per-micro-batch collectives between the ranks (not overlapped)."""
     peak = gpu.bf16_tflops * 1e12
-    seconds = work.learner_flops / learner_gpus / (peak * efficiency["train_mfu"])
+    seconds = work.learner_flops / learner_gpus / (peak * efficiency["train_mfu"]) + logit_seconds(work, gpu, learner_gpus, "learner", efficiency)
     seconds += work.optimizer_bytes / learner_gpus / (gpu.memory_tbps * 1e12)
     if learner_gpus > 1:
         micro_batches = math.ceil(work.learner_tokens / learner_gpus / shapes.micro_batch_tokens)
         others = (learner_gpus - 1) / learner_gpus  # the share of a collective's bytes a rank sends or receives
         passes = (4 if shapes.checkpointing else 3) if shapes.zero_stage == 3 else 0  # parameter gathers per micro-batch
-        traffic = micro_batches * (1 + passes) * 2 * work.params * others  # bf16 gradients reduced, bf16 weights gathered
+        traffic = micro_batches * (1 + passes) * shapes.dtype_bytes * work.params * others  # gradients reduced, weights gathered
         seconds += traffic / link_bytes_per_second(gpu, learner_gpus, efficiency)
     return seconds
 
@@ -221,7 +245,7 @@ def phase_seconds(work: Work, shapes: Shapes, gpu: GPU, split: tuple[int, int, i
     peak = gpu.bf16_tflops * 1e12
     return {
         "rollout": rollout_seconds(work, shapes, gpu, rollout_gpus, efficiency),
-        "teacher": work.teacher_flops / teacher_gpus / (peak * efficiency["prefill_mfu"]),
+        "teacher": work.teacher_flops / teacher_gpus / (peak * efficiency["prefill_mfu"]) + logit_seconds(work, gpu, teacher_gpus, "teacher", efficiency),
         "learner": learner_seconds(work, shapes, gpu, learner_gpus, efficiency),
         "sync": work.sync_bytes / link_bytes_per_second(gpu, sum(split), efficiency),
     }
@@ -274,11 +298,11 @@ def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: di
     return min(candidates, key=lambda p: (p.step[schedule], p.split))
 
 
-def engine_batch(job) -> int:
+def engine_batch(job) -> int | None:
     """Sequences one rollout engine decodes at once, as the workers feed it: every group a vLLM worker holds (up to
-    engine_groups, within max_num_seqs), one group at a time on transformers."""
+    engine_groups, within max_num_seqs); None on transformers, whose worker samples all its groups as one static batch."""
     pool, group = job.pools.rollout, job.schedule.group_prompts * job.sampling.n
-    return min(pool.vllm.max_num_seqs, pool.engine_groups * group) if pool.backend == "vllm" else group
+    return min(pool.vllm.max_num_seqs, pool.engine_groups * group) if pool.backend == "vllm" else None
 
 
 def shapes_of(job, text_tokens: int, image: tuple[int, int]) -> Shapes:
@@ -288,6 +312,7 @@ def shapes_of(job, text_tokens: int, image: tuple[int, int]) -> Shapes:
         checkpointing=job.pools.learner.activation_checkpointing, group_prompts=job.schedule.group_prompts,
         engine_batch=engine_batch(job), teacher_backend=job.pools.teacher.backend,
         micro_batch_tokens=job.pools.learner.micro_batch_tokens, zero_stage=job.pools.learner.zero_stage,
+        dtype_bytes=DTYPE_BYTES[job.model.dtype],
     )
 
 
