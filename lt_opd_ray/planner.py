@@ -8,8 +8,9 @@ efficiency (`EFFICIENCY`, overridable). Per update:
   code runs them (vLLM: every group it holds, up to `max_num_seqs`, finished sequences
   leaving the batch; transformers: all its groups in one static batch, every row computed
   until the longest finishes), in as many waves as that batch needs; each of a wave's
-  `max_new_tokens` decode steps reads the weights once plus the KV cache of the sequences
-  still running, or is compute-bound if 2 x params x running sequences is slower, and
+  `max_new_tokens` decode steps reads the language model's weights and the head once plus
+  the KV cache of the sequences still running, or is compute-bound if 2 x those
+  parameters x running sequences is slower, and
   then makes LOGIT_PASSES["decode"] fp32 passes over the running rows' full-vocabulary
   logits (sampling and top-k log-probs); sequences finish uniformly over the steps (the
   mean response is `mean_response_fraction` of the maximum), a wave runs until its
@@ -20,9 +21,9 @@ efficiency (`EFFICIENCY`, overridable). Per update:
   (it reads no prefix cache for prompt-logprob requests). The full-vocabulary head at
   response positions only, and LOGIT_PASSES["teacher"] passes over each one's logits.
 - learner: forward + backward = 3x the forward FLOPs (4x with activation
-  checkpointing) of every reduced prompt + response, the vision tower once per
-  prompt, the head at response positions and LOGIT_PASSES["learner"] passes over its
-  logits; plus the optimizer's traffic
+  checkpointing) of every reduced prompt + response and the vision tower once per
+  prompt; the head at response positions 4x (the chunked head recomputes its logits in
+  backward) and LOGIT_PASSES["learner"] passes over its logits; plus the optimizer's traffic
   (OPTIMIZER_BYTES_PER_PARAM, sharded over the ranks), and ZeRO's collectives per
   micro-batch over the link between the ranks (gradients reduced in every backward;
   ZeRO-3 also gathers every parameter in every forward, backward and recompute), not
@@ -30,7 +31,8 @@ efficiency (`EFFICIENCY`, overridable). Per update:
   parameter (LEARNER_BYTES_PER_PARAM), ZeRO-3's largest gathered parameter twice, and
   LEARNER_HEADROOM_GB; `zero_stage_for` picks ZeRO-2 where it fits (no gathers).
 - sync: the weights in the job's dtype from learner rank 0 to the rollout workers, over NVLink when
-  every pool is on one node, else over the nodes' network.
+  every pool is on one node, else over the nodes' network; under ZeRO-3 the learner ranks
+  first gather every parameter.
 
 Schedules: synchronous (phases in series), streaming (max_staleness 0: teacher and
 learner work on groups as they are sampled, so an update costs its slowest pool plus
@@ -69,6 +71,7 @@ GPUS = {  # vendor datasheet figures (SXM parts); networks of the AWS instances 
 # each is in EFFICIENCY_SOURCES and `lt-opd plan` prints it. Override with --efficiency NAME=VALUE.
 EFFICIENCY = {
     "memory_bandwidth": 0.6,
+    "logit_bandwidth": 0.5,
     "decode_compute": 0.3,
     "prefill_mfu": 0.45,
     "train_mfu": 0.35,
@@ -78,6 +81,8 @@ EFFICIENCY = {
 EFFICIENCY_SOURCES = {
     "memory_bandwidth": "fraction of HBM bandwidth a memory-bound pass streams at (a decode step's weights and KV cache, passes over"
                         " full-vocabulary logits); assumed, typical of vLLM's published decode throughput",
+    "logit_bandwidth": "fraction of HBM bandwidth a pass over full-vocabulary logits reaches (log-softmax, top-k, the sampler's"
+                       " softmax and cumulative sum; LOGIT_PASSES counts them per role); assumed",
     "decode_compute": "MFU of a compute-bound decode step; assumed",
     "prefill_mfu": "MFU of teacher and rollout prefills; assumed, typical of published vLLM / transformers prefill on bf16 4B models",
     "train_mfu": "MFU of the learner's forward + backward; assumed, typical of Megatron / DeepSpeed figures, and only with the gpu"
@@ -115,6 +120,7 @@ class Work:
     """One update's work in FLOPs and bytes, independent of the GPUs (decode per sequence: it depends on the batch)."""
 
     params: int
+    decoded_params: int  # what a decode step reads and multiplies: the language model's linear layers and the output head
     sequences: int
     rollout_prefill_flops: float
     decode_steps: int
@@ -138,11 +144,11 @@ LEARNER_BYTES_PER_PARAM = {
 LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recompute, allocator slack, NCCL buffers
 # Adam's step per parameter: reads fp32 weight, gradient, m, v (16 B), writes weight, m, v (12 B); then the bf16 copy (reads 4, writes 2)
 OPTIMIZER_BYTES_PER_PARAM = 34
-# fp32 passes over one position's full-vocabulary logits, counted in the code: a decode step writes the head's output, reads
-# and writes its log-softmax, reads it for the top-k, reads and writes the sampler's softmax and cumulative sum; the teacher
-# writes, log-softmaxes (read + write) and reads for its top-k; the learner's chunked head writes and reads (log-sum-exp)
-# in forward, then writes, reads and writes (softmax) and reads again (the GEMMs' input) in backward
-LOGIT_PASSES = {"decode": 8, "teacher": 4, "learner": 6}
+# fp32 passes over one position's full-vocabulary logits after the head's GEMM, counted in the code: a decode step reads and
+# writes the log-softmax, reads it for the top-k, reads and writes the sampler's softmax and cumulative sum (7); the teacher
+# reads for the log-sum-exp, reads and writes the log-probs, reads them for the top-k (4); the learner's chunked head reads
+# for the log-sum-exp in forward, then reads and writes the softmax and the gradient in backward (5)
+LOGIT_PASSES = {"decode": 7, "teacher": 4, "learner": 5}
 
 
 def parameter_count(config: dict) -> int:
@@ -178,6 +184,7 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
     passes = 4 if shapes.checkpointing else 3
     return Work(
         params=params,
+        decoded_params=lm_projection_flops_per_token(config) // 2 + text["vocab_size"] * text["hidden_size"],
         sequences=sequences,
         rollout_prefill_flops=shapes.prompts * vision + sequences * reduced.lm_flops,
         decode_steps=steps,
@@ -186,7 +193,8 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
         logit_bytes=4 * text["vocab_size"],
         teacher_flops=shapes.prompts * vision + prompt_passes * full.lm_flops + sequences * (response(full.prefill_tokens) + mean * head),
         response_positions=sequences * mean,
-        learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens) + mean * head) + shapes.prompts * vision),
+        # the chunked head runs its GEMM 4 times (forward, its recompute in backward, both gradients), checkpointing or not
+        learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens)) + shapes.prompts * vision) + 4 * sequences * mean * head,
         learner_tokens=sequences * (reduced.prefill_tokens + mean),
         optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * params,
         sync_bytes=shapes.dtype_bytes * params,
@@ -214,16 +222,16 @@ def rollout_seconds(work: Work, shapes: Shapes, gpu: GPU, rollout_gpus: int, eff
     share = math.ceil(work.sequences / rollout_gpus)  # sequences per engine
     batch = min(shapes.engine_batch or share, share)
     waves = math.ceil(share / batch)
-    weights = work.decode_steps * shapes.dtype_bytes * work.params / bandwidth  # every decode step of a wave reads the weights
+    weights = work.decode_steps * shapes.dtype_bytes * work.decoded_params / bandwidth  # every decode step of a wave reads them
     wave_memory = weights + batch * work.decode_kv_bytes / bandwidth
-    wave_compute = 2 * work.params * batch * work.decode_seq_steps / (peak * efficiency["decode_compute"])
-    wave_logits = batch * work.decode_seq_steps * work.logit_bytes * LOGIT_PASSES["decode"] / bandwidth
+    wave_compute = 2 * work.decoded_params * batch * work.decode_seq_steps / (peak * efficiency["decode_compute"])
+    wave_logits = batch * work.decode_seq_steps * work.logit_bytes * LOGIT_PASSES["decode"] / (gpu.memory_tbps * 1e12 * efficiency["logit_bandwidth"])
     return waves * (max(wave_memory, wave_compute) + wave_logits) + work.rollout_prefill_flops / rollout_gpus / (peak * efficiency["prefill_mfu"])
 
 
 def logit_seconds(work: Work, gpu: GPU, gpus: int, role: str, efficiency: dict) -> float:
     """A role's passes over the full-vocabulary logits of every response position, shared over its GPUs."""
-    return work.response_positions * work.logit_bytes * LOGIT_PASSES[role] / gpus / (gpu.memory_tbps * 1e12 * efficiency["memory_bandwidth"])
+    return work.response_positions * work.logit_bytes * LOGIT_PASSES[role] / gpus / (gpu.memory_tbps * 1e12 * efficiency["logit_bandwidth"])
 
 
 def learner_seconds(work: Work, shapes: Shapes, gpu: GPU, learner_gpus: int, efficiency: dict) -> float:
@@ -247,8 +255,17 @@ def phase_seconds(work: Work, shapes: Shapes, gpu: GPU, split: tuple[int, int, i
         "rollout": rollout_seconds(work, shapes, gpu, rollout_gpus, efficiency),
         "teacher": work.teacher_flops / teacher_gpus / (peak * efficiency["prefill_mfu"]) + logit_seconds(work, gpu, teacher_gpus, "teacher", efficiency),
         "learner": learner_seconds(work, shapes, gpu, learner_gpus, efficiency),
-        "sync": work.sync_bytes / link_bytes_per_second(gpu, sum(split), efficiency),
+        "sync": sync_seconds(work, shapes, gpu, split, efficiency),
     }
+
+
+def sync_seconds(work: Work, shapes: Shapes, gpu: GPU, split: tuple[int, int, int], efficiency: dict) -> float:
+    """The weights from learner rank 0 to every rollout worker; under ZeRO-3 the ranks first gather every parameter."""
+    learner_gpus = split[2]
+    seconds = work.sync_bytes / link_bytes_per_second(gpu, sum(split), efficiency)
+    if shapes.zero_stage == 3 and learner_gpus > 1:
+        seconds += work.sync_bytes * (learner_gpus - 1) / learner_gpus / link_bytes_per_second(gpu, learner_gpus, efficiency)
+    return seconds
 
 
 def schedule_seconds(phases: dict[str, float], groups_per_update: int) -> dict[str, float]:

@@ -106,3 +106,34 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
     assert bad.returncode == 2 and "--efficiency 'mfu=0.5': unknown name" in bad.stderr
     missing = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
     assert missing.returncode == 2 and "pass --preset qwen3.5-4b" in missing.stderr
+
+
+def test_static_batches_logit_passes_dtype_and_the_zero3_gather_before_a_sync():
+    from dataclasses import replace
+
+    from lt_opd_ray.planner import LOGIT_PASSES, logit_seconds, rollout_seconds, sync_seconds
+
+    shapes, gpu = paper_shapes(), GPUS["a100"]
+    text = CONFIG["text_config"]
+    work = update_work(CONFIG, shapes, EFFICIENCY)
+    # a transformers worker: its whole share in one static batch, every row decoded to the cap
+    static = update_work(CONFIG, replace(shapes, engine_batch=None), EFFICIENCY)
+    assert static.decode_seq_steps == shapes.max_new_tokens and work.decode_seq_steps == pytest.approx(shapes.max_new_tokens / 2, rel=1e-3)
+    assert rollout_seconds(static, replace(shapes, engine_batch=None), gpu, 4, EFFICIENCY) > rollout_seconds(work, shapes, gpu, 4, EFFICIENCY)
+    # each role's passes over the fp32 logits of every response position, by brute force
+    positions = 640 * EFFICIENCY["mean_response_fraction"] * 1024
+    rate = gpu.memory_tbps * 1e12 * EFFICIENCY["logit_bandwidth"]
+    for role in ("teacher", "learner"):
+        assert logit_seconds(work, gpu, 2, role, EFFICIENCY) == pytest.approx(positions * 4 * text["vocab_size"] * LOGIT_PASSES[role] / 2 / rate)
+    # decode reads the language model's linear layers and the (tied) head, not the vision tower
+    assert 0.8 * work.params < work.decoded_params < work.params
+    # an fp32 job: 4 B per parameter on the wire; ZeRO-3 ranks gather every parameter first
+    fp32 = update_work(CONFIG, replace(shapes, dtype_bytes=4), EFFICIENCY)
+    assert fp32.sync_bytes == 4 * work.params
+    link = link_bytes(gpu)
+    assert sync_seconds(work, shapes, gpu, (4, 2, 2), EFFICIENCY) == pytest.approx(2 * work.params / link)
+    assert sync_seconds(work, replace(shapes, zero_stage=3), gpu, (4, 2, 2), EFFICIENCY) == pytest.approx(2 * work.params * 1.5 / link)
+
+
+def link_bytes(gpu):
+    return gpu.link_gbps * 1e9 * EFFICIENCY["link"]
