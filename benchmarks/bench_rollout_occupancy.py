@@ -16,7 +16,7 @@ update of each is warm-up. Default: the tiny vLLM job; `--shape` adds the paper-
 job with vLLM rollouts (bf16, the transformers teacher: vLLM's CPU runner cannot score
 a 248,320-id vocabulary).
 
-    python benchmarks/bench_rollout_occupancy.py [--groups 8] [--n 8] [--tokens 64] [--updates 3] [--shape]
+    python benchmarks/bench_rollout_occupancy.py [--groups 8] [--n 8] [--tokens 64] [--updates 3] [--shape | --shape-only]
 """
 
 from __future__ import annotations
@@ -120,13 +120,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--shape", action="store_true", help="also the paper-shaped job with vLLM rollouts (slow: minutes per update)")
+    parser.add_argument("--shape-only", action="store_true", help="only the paper-shaped job")
     parser.add_argument("--engine-only", action="store_true")
     args = parser.parse_args()
-    engine_part(args.groups, args.n, args.tokens)
-    if args.engine_only:
-        return
-    job_part("tiny vLLM job", "jobs/train_tiny_vllm.yaml", ["sampling.prompts_per_step=8", "sampling.n=4"], args.updates)
-    if args.shape:
+    if not args.shape_only:
+        engine_part(args.groups, args.n, args.tokens)
+        if args.engine_only:
+            return
+        job_part("tiny vLLM job", "jobs/train_tiny_vllm.yaml", ["sampling.prompts_per_step=8", "sampling.n=4"], args.updates)
+    if args.shape or args.shape_only:
         job_part("paper-shaped job, vLLM rollouts", "jobs/train_qwen35_shape.yaml",
                  ["model.dtype=bfloat16", "pools.rollout.backend=vllm", "sampling.prompts_per_step=4", "budget.total_steps=3"], args.updates)
 
