@@ -34,6 +34,9 @@ efficiency (`EFFICIENCY`, overridable). Per update:
   every pool is on one node, else over the nodes' network; under ZeRO-3 the learner ranks
   first gather every parameter.
 
+The model's structure is checked against a measured run on CPU, phase by phase, with that machine's rates
+measured by microbenchmarks (`benchmarks/bench_planner.py`; docs/gpu.md has its table).
+
 Schedules: synchronous (phases in series), streaming (max_staleness 0: teacher and
 learner work on groups as they are sampled, so an update costs its slowest pool plus
 the other pools' share of one group at the end), staleness 1 (the next update's
@@ -82,7 +85,8 @@ EFFICIENCY_SOURCES = {
     "memory_bandwidth": "fraction of HBM bandwidth a memory-bound pass streams at (a decode step's weights and KV cache, passes over"
                         " full-vocabulary logits); assumed, typical of vLLM's published decode throughput",
     "logit_bandwidth": "fraction of HBM bandwidth a pass over full-vocabulary logits reaches (log-softmax, top-k, the sampler's"
-                       " softmax and cumulative sum; LOGIT_PASSES counts them per role); assumed",
+                       " softmax and cumulative sum; LOGIT_PASSES counts them per role); assumed (measured on a CPU: 0.11 of its"
+                       " memory stream, bound by the exponentials and the selection; benchmarks/bench_planner.py)",
     "decode_compute": "MFU of a compute-bound decode step; assumed",
     "prefill_mfu": "MFU of teacher and rollout prefills; assumed, typical of published vLLM / transformers prefill on bf16 4B models",
     "train_mfu": "MFU of the learner's forward + backward; assumed, typical of Megatron / DeepSpeed figures, and only with the gpu"
