@@ -127,3 +127,34 @@ def test_visual_features_have_grid_token_count(loaded, family):
     features = vlm.visual_features(prompt)
     t, h, w = features.merged_grids[0]
     assert features.embeds[0].shape[0] == t * h * w == int((prompt.mm_token_type_ids == IMAGE).sum())
+
+
+@torch.no_grad()
+def test_rows_end_at_their_first_eos_or_stop_string_and_the_others_run_on(loaded):
+    """Brute force: the streams sampled without any end, cut where each row first meets an EOS id or a stop string."""
+    _, processor, vlm = loaded["qwen3_5"]
+    tokenizer = processor.tokenizer
+    reduced = []
+    for prompt in prompts_for(processor, 3):
+        features = vlm.visual_features(prompt)
+        reduced.append(vlm.reduce(prompt, features, vlm.keep_all(features)))
+    rows, seeds, steps = reduced * 2, [5, 6, 7, 8, 9, 10], 12
+    free = [c.token_ids.tolist() for c in sample(vlm, rows, SamplingParams(max_new_tokens=steps, stop=()), seeds, tokenizer)]
+    eos = free[0][3]  # row 0 ends at step 3 at the latest
+    stop = tokenizer.decode(free[1][4:8])  # row 1 meets this text by step 7
+
+    def cut(tokens):
+        for t, token in enumerate(tokens):
+            if token == eos:
+                return t + 1, "eos"
+            if stop in tokenizer.decode(tokens[: t + 1]):
+                return t + 1, "stop"
+        return len(tokens), "length"
+
+    params = SamplingParams(max_new_tokens=steps, stop=(stop,), eos_token_ids=(eos,))
+    ended = sample(vlm, rows, params, seeds, tokenizer)
+    for tokens, completion in zip(free, ended):
+        length, reason = cut(tokens)
+        assert (completion.token_ids.tolist(), completion.finish_reason) == (tokens[:length], reason)
+        assert completion.logprobs.shape == (length,) and completion.top_ids.shape[0] == length
+    assert [c.finish_reason for c in ended[:3]] == ["eos", "stop", "length"]  # rows ending apart, one running on
