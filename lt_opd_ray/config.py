@@ -208,7 +208,9 @@ class RolloutPool(Resources):
     engine_groups: int = Field(32, ge=1)
     """Rollout groups a vLLM worker feeds into its one engine at once: their sequences share vLLM's continuous
     batch (up to vllm.max_num_seqs) and each group is handed on as soon as its own sequences finish. 1 samples
-    one group at a time. The transformers backend always samples one group at a time."""
+    one group at a time: on a CPU, where a decode step costs in proportion to its batch, that keeps the teacher and
+    learners busy on early groups and was faster for the paper-shaped job (docs/gpu.md). A transformers worker
+    samples all its groups of an update as one batch."""
     verify_weights: bool = False
     """Each worker hashes the weights it is sent (about 1 s per GB), so `checksums()` can prove the engine
     got exactly the learners' weights; needed for a vLLM worker's checksum (it keeps no other copy)."""
