@@ -2,9 +2,8 @@
 
 Prompts are left-padded; the padding is masked for the full-attention layers and
 zeroed for the linear-attention (Gated DeltaNet) layers, so each row decodes as it
-would alone. Every row's uniforms come from its own seeded generator and each step
-draws the whole batch's tokens at once from them (inverse CDF, `choose`), so a
-sample's response does not depend on which other samples share its batch or worker.
+would alone. Every row draws from its own seeded generator, so a sample's
+response does not depend on which other samples share its batch or worker.
 
 Recorded per response token: the sampled id, its log-prob under the model's
 distribution (the learner recomputes exactly this quantity, so the truncated
@@ -39,24 +38,18 @@ class Completion:
     finish_reason: str = field(default="length")  # eos | stop | length
 
 
-def choose(log_probs: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row from log-probs [B, V] under temperature and nucleus (top-p) sampling, by inverse CDF: row b
-    takes the first id whose cumulative probability exceeds uniforms[b] (in [0, 1)) x the row's total mass. Each row's
-    draw depends only on its own log-probs and uniform, never on the other rows of the batch."""
+def _choose(log_probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one row's log-probs [V] under temperature and nucleus (top-p) sampling."""
     if params.greedy:
-        return torch.argmax(log_probs, dim=-1)
+        return int(torch.argmax(log_probs))
     probs = torch.softmax(log_probs / params.temperature, dim=-1)
-    order = None
     if params.top_p < 1.0:
-        probs, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        probs.masked_fill_(torch.cumsum(probs, -1) - probs >= params.top_p, 0.0)
-    cumulative = torch.cumsum(probs, dim=-1)
-    total = cumulative[:, -1:].contiguous()
-    picked = torch.searchsorted(cumulative, uniforms[:, None] * total, right=True)
-    # u x total can round up to the total itself: the last id with mass is where the cumulative sum first reaches it
-    picked = torch.minimum(picked, torch.searchsorted(cumulative, total))
-    return picked[:, 0] if order is None else order.gather(1, picked)[:, 0]
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class _StopChecker:
@@ -85,49 +78,48 @@ def sample(
     """Sample one response per prompt (repeat a prompt n times for n responses, with distinct seeds)."""
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    # every row's uniforms come from its own seed, drawn up front: one per decode step
-    uniforms = torch.stack([torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
     stopper = _StopChecker(tokenizer, params.stop)
-    eos = torch.tensor(sorted(params.eos_token_ids), dtype=torch.long)
+    eos = set(params.eos_token_ids)
     batch = vlm.pad_batch(prompts)
     hidden, cache = vlm.run_language_model(batch, use_cache=True)
     last_hidden = hidden[:, -1]
     lengths = batch.attention_mask.sum(-1)  # real tokens per row, for the seq_index channel
     attention_mask = batch.attention_mask
     rows = len(prompts)
-    top_k = min(params.top_k_logprobs, vlm.lm_head.weight.shape[0])
-    device = vlm.device
-    next_positions = torch.tensor([p.next_position for p in prompts], device=device)  # full-sequence M-RoPE
-    steps_tokens, steps_logprobs, steps_tops = [], [], []  # per step: [B] ids, [B] log-probs, [B, k] top ids
-    response_lengths = torch.full((rows,), params.max_new_tokens, dtype=torch.long)
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    tops: list[list[torch.Tensor]] = [[] for _ in range(rows)]
     finish = ["length"] * rows
-    running = torch.ones(rows, dtype=torch.bool)
+    done = [False] * rows
+    top_k = min(params.top_k_logprobs, vlm.lm_head.weight.shape[0])
     for step in range(params.max_new_tokens):
         log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1).cpu()  # [B, V]
-        token = choose(log_probs, params, uniforms[:, step])
-        if steps_tokens:  # a finished row keeps the batch shape by repeating its last token; its outputs are ignored
-            token = torch.where(running, token, steps_tokens[-1])
-        steps_tokens.append(token)
-        steps_logprobs.append(log_probs.gather(1, token[:, None])[:, 0])
-        steps_tops.append(torch.topk(log_probs, top_k, dim=-1).indices)
-        ended = running & torch.isin(token, eos)
-        for b in ended.nonzero()[:, 0].tolist():
-            finish[b] = "eos"
-        if params.stop:  # stop strings are found in the decoded tail of each row still running
-            tails = torch.stack(steps_tokens[-stopper.window :], 1).tolist()
-            for b in (running & ~ended).nonzero()[:, 0].tolist():
-                if stopper.hit(tails[b]):
-                    ended[b], finish[b] = True, "stop"
-        response_lengths[ended] = step + 1
-        running &= ~ended
-        if not running.any() or step == params.max_new_tokens - 1:
+        top_ids = torch.topk(log_probs, top_k, dim=-1).indices
+        next_ids = []
+        for b in range(rows):
+            if done[b]:
+                next_ids.append(tokens[b][-1])  # keeps the batch shape; its outputs are ignored
+                continue
+            token = _choose(log_probs[b], params, generators[b])
+            tokens[b].append(token)
+            logprobs[b].append(float(log_probs[b, token]))
+            tops[b].append(top_ids[b])
+            next_ids.append(token)
+            if token in eos:
+                done[b], finish[b] = True, "eos"
+            elif stopper.hit(tokens[b]):
+                done[b], finish[b] = True, "stop"
+        if all(done) or step == params.max_new_tokens - 1:
             break
+        device = vlm.device
+        ids = torch.tensor(next_ids, dtype=torch.long)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
         position_ids = torch.empty(4, rows, 1, dtype=torch.long, device=device)
         position_ids[0, :, 0] = lengths + step  # seq_index continues after the reduced prompt
-        position_ids[1:, :, 0] = next_positions + step
+        position_ids[1:, :, 0] = torch.tensor([p.next_position + step for p in prompts], device=device)  # full-sequence M-RoPE
         step_batch = PaddedBatch(
-            inputs_embeds=vlm.embed_tokens(token.to(device))[:, None],
+            inputs_embeds=vlm.embed_tokens(ids)[:, None],
             attention_mask=attention_mask,
             position_ids=position_ids,
             visual_pos_masks=torch.zeros(rows, 1, dtype=torch.bool, device=device),
@@ -135,12 +127,11 @@ def sample(
         )
         hidden, cache = vlm.run_language_model(step_batch, past_key_values=cache, use_cache=True)
         last_hidden = hidden[:, -1]
-    tokens, logprobs, tops = torch.stack(steps_tokens, 1), torch.stack(steps_logprobs, 1), torch.stack(steps_tops, 1)
     return [
         Completion(
-            token_ids=tokens[b, : response_lengths[b]].clone(),
-            logprobs=logprobs[b, : response_lengths[b]].clone(),
-            top_ids=tops[b, : response_lengths[b]].clone(),
+            token_ids=torch.tensor(tokens[b], dtype=torch.long),
+            logprobs=torch.tensor(logprobs[b], dtype=torch.float32),
+            top_ids=torch.stack(tops[b]) if tops[b] else torch.zeros(0, top_k, dtype=torch.long),
             finish_reason=finish[b],
         )
         for b in range(rows)
