@@ -82,8 +82,8 @@ EFFICIENCY = {
     "mean_response_fraction": 0.5,
 }
 EFFICIENCY_SOURCES = {
-    "memory_bandwidth": "fraction of HBM bandwidth a memory-bound pass streams at (a decode step's weights and KV cache, passes over"
-                        " full-vocabulary logits); assumed, typical of vLLM's published decode throughput",
+    "memory_bandwidth": "fraction of HBM bandwidth a decode step streams its weights and KV cache at; assumed, typical of vLLM's"
+                        " published decode throughput",
     "logit_bandwidth": "fraction of HBM bandwidth a pass over full-vocabulary logits reaches (log-softmax, top-k, the sampler's"
                        " softmax and cumulative sum; LOGIT_PASSES counts them per role); assumed (measured on a CPU: 0.11 of its"
                        " memory stream, bound by the exponentials and the selection; benchmarks/bench_planner.py)",
@@ -149,7 +149,7 @@ LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recom
 # Adam's step per parameter: reads fp32 weight, gradient, m, v (16 B), writes weight, m, v (12 B); then the bf16 copy (reads 4, writes 2)
 OPTIMIZER_BYTES_PER_PARAM = 34
 # fp32 passes over one position's full-vocabulary logits after the head's GEMM, counted in the code: a decode step reads and
-# writes the log-softmax, reads it for the top-k, reads and writes the sampler's softmax and cumulative sum (7); the teacher
+# writes the log-softmax, reads it for the top-k, reads and writes the sampler's softmax and its cumulative sum (7); the teacher
 # reads for the log-sum-exp, reads and writes the log-probs, reads them for the top-k (4); the learner's chunked head reads
 # for the log-sum-exp in forward, then reads and writes the softmax and the gradient in backward (5)
 LOGIT_PASSES = {"decode": 7, "teacher": 4, "learner": 5}
