@@ -4,8 +4,8 @@ and weight-sync throughput of a ~100 MB model over gloo between Ray actors.
     python benchmarks/bench_runtime.py              # both parts (a few minutes on 2 cores)
     python benchmarks/bench_runtime.py --sync-only
 
-Part 1 runs the same updates (same job, seed and data) both ways; the first
-update of each is reported apart as warm-up. Part 2 broadcasts a ~100 MB fp32
+Part 1 runs the same updates (same job, seed and data) both ways, alternating
+update by update; the first update of each is reported apart as warm-up. Part 2 broadcasts a ~100 MB fp32
 model shaped like a transformer (per layer two 1 MB matrices and four 4 KB
 vectors: 48 layers, 288 tensors) from one actor to N actors, with per-tensor
 buckets (every tensor its own broadcast) and with flat buckets of several sizes.
@@ -34,27 +34,30 @@ def step_split(job_path: str, steps: int) -> None:
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": "runs/bench", "every_steps": 10**6})})
     trainer = ReferenceTrainer(job)
     data = batches(load_samples(job.data.path, job.data.image_root, job.seed), job.sampling.prompts_per_step, job.data.shuffle_seed)
-    reference = []
+    init_ray(job)
+    driver = Driver(job)
+    # the two alternate, update by update (the reference in this process while the job's actors wait), so both
+    # meet the same moments of this machine's speed, which drifts by tens of percent over minutes on a shared VM
+    reference, logs, distributed = [], [], []
     for _ in range(steps):
         begin = time.perf_counter()
         trainer.update(next(data))
         reference.append(time.perf_counter() - begin)
-
-    init_ray(job)
-    driver = Driver(job)
-    logs = [driver.run_step() for _ in range(steps)]
+        begin = time.perf_counter()
+        logs.append(driver.run_step())
+        distributed.append(time.perf_counter() - begin)  # the log's own step period would include the reference's
     driver.shutdown()
     ray.shutdown()
 
     pools = job.pools
     print(f"== step split: {job_path}, {steps} updates ({job.sampling.prompts_per_step} prompts x {job.sampling.n} responses,"
           f" {pools.rollout.workers} rollout worker, {pools.teacher.replicas} teacher replica, {pools.learner.ranks} learner ranks ZeRO-{pools.learner.zero_stage})")
-    phases = ["rollout", "teacher", "learner", "sync", "step"]
-    print(f"{'update':>6} " + " ".join(f"{p:>15}" for p in phases) + f" {'reference':>10}")
-    for i, (log, ref) in enumerate(zip(logs, reference)):
-        print(f"{i:>6} " + " ".join(f"{getattr(log.phases, p):>14.3f}s" for p in phases) + f" {ref:>9.3f}s")
+    phases = ["rollout", "teacher", "learner", "sync"]
+    print(f"{'update':>6} " + " ".join(f"{p:>15}" for p in [*phases, "step"]) + f" {'reference':>10}")
+    for i, (log, step, ref) in enumerate(zip(logs, distributed, reference)):
+        print(f"{i:>6} " + " ".join(f"{getattr(log.phases, p):>14.3f}s" for p in phases) + f" {step:>14.3f}s {ref:>9.3f}s")
     warm = slice(1, None)
-    dist_mean = statistics.median(log.phases.step for log in logs[warm])
+    dist_mean = statistics.median(distributed[warm])
     ref_mean = statistics.median(reference[warm])
     print(f"RESULT median after warm-up: distributed step {dist_mean:.3f} s, reference update {ref_mean:.3f} s,"
           f" ratio distributed/reference = {dist_mean / ref_mean:.2f}x;"

@@ -82,7 +82,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     vlm = QwenVLM(model.train())
     encoded, rollouts, scores = synthetic_share(str(model_dir), prompts, 8, response_tokens, top_k, 500, 32 if "vocab" in model_path else 2)
     objective = ObjectiveConfig(top_k=top_k, logsoftmax_chunk=chunk)
-    groups = [StreamedGroup([r for r in rollouts if r.prompt_index == p], [s for r, s in zip(rollouts, scores) if r.prompt_index == p]) for p in encoded]
+    groups = [StreamedGroup([r for r in rollouts if r.prompt_index == p], lambda: []) for p in encoded]  # packing only: no scores read
     micro = list(MicroBatchStream(iter(groups), lambda indices: [encoded[i] for i in indices], budget))  # the learner's own packing
     process, peak, running = psutil.Process(), [0], [True]
 

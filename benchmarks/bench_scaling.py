@@ -103,7 +103,7 @@ def main() -> None:
     pool = RolloutPool(with_pools(job, rollout={"workers": 2}))
     groups = pool.submit(samples_ref, 2500, 0, [(0, args.prompts)], args.prompts // 2)
     tokens = sum(s.tokens for s in ray.get([g.summary for g in groups]))
-    shard_refs = [g.group for g in groups for _ in range(2)]  # 4 requests per round
+    shard_refs = [g for g in groups for _ in range(2)]  # 4 requests per round
     if not args.autoscaling_only:
         print(f"== teacher service ({len(shard_refs)} group requests per round, {2 * tokens} positions, 3 rounds, best of 3)")
         for r in (1, 2):

@@ -55,6 +55,29 @@ def reduced_length(prompt: PromptInputs, selected: list[torch.Tensor]) -> int:
     return prompt.input_ids.numel() - image_tokens + sum(int(s.numel()) for s in selected)
 
 
+@dataclass(frozen=True)
+class StudentForward:
+    """The student's differentiable forward on replayed rollouts, before the output head: what the loss needs
+    besides the teacher's scores, so a learner can compute it while the teacher is still scoring."""
+
+    hidden: list[torch.Tensor]  # per rollout: [T, H] hidden states at the rows that predict its response tokens
+    vision_forwards: int  # vision tower + merger passes (one per prompt)
+
+
+def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list[PromptInputs], rollouts: list[Rollout]) -> StudentForward:
+    """The student's reduced prompts (each rollout's selection and merge routes replayed, never recomputed) and its
+    hidden states at the response rows. The vision tower runs once per prompt: the n rollouts of a prompt replay
+    their selections on the same features, and autograd sums their gradients."""
+    features = {}
+    reduced = []
+    for r in rollouts:
+        prompt = prompts[r.prompt_index]
+        if r.prompt_index not in features:
+            features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
+        reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
+    return StudentForward(student.response_hidden(reduced, [r.response_ids for r in rollouts]), len(features))
+
+
 def student_loss(
     student: QwenVLM,
     prompts: Mapping[int, PromptInputs] | list[PromptInputs],
@@ -68,18 +91,17 @@ def student_loss(
     With the default normaliser (the number of rollouts) this is the seq-mean-token-mean of
     the batch. A micro-batch of an update passes the update's sequence count instead, so
     the micro-batch losses add up to the update's seq-mean-token-mean, not to a mean of
-    micro-batch means. The vision tower runs once per prompt: the n rollouts of a prompt
-    replay their selections on the same features, and autograd sums their gradients.
+    micro-batch means.
     """
+    return loss_on_forward(student, student_forward(student, prompts, rollouts), rollouts, scores, objective, normaliser)
+
+
+def loss_on_forward(
+    student: QwenVLM, forward: StudentForward, rollouts: list[Rollout], scores: list[TeacherScore], objective, normaliser: int | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """`student_loss` from the student's forward on `rollouts` (`student_forward`) and the teacher's scores."""
     normaliser = normaliser or len(rollouts)
-    features = {}
-    reduced = []
-    for r in rollouts:
-        prompt = prompts[r.prompt_index]
-        if r.prompt_index not in features:
-            features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
-        reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
-    hidden = student.response_hidden(reduced, [r.response_ids for r in rollouts])
+    hidden = forward.hidden
     device = hidden[0].device
     supports = [[t.to(device) for t in support(r, s)] for r, s in zip(rollouts, scores)]
     # one output-head pass over every response row of the micro-batch (one [V, H] gradient buffer, not one per sequence)
@@ -115,6 +137,6 @@ def student_loss(
         top_k_overlap=float(torch.cat(overlaps).mean()),
         tokens=int(sum(r.response_ids.numel() for r in rollouts)),
         sequences=len(rollouts),
-        vision_forwards=len(features),
+        vision_forwards=forward.vision_forwards,
     )
     return loss, stats

@@ -137,7 +137,7 @@ class TeacherPayload:
     top_ids: np.ndarray  # [ΣT, k] int32
     top_logp: np.ndarray  # [ΣT, k] fp16 or fp32
     requested_logp: np.ndarray  # [ΣT, k_student + 1]: at the student's top-k ids, then the sampled token
-    span: Span | None = None
+    spans: tuple[Span, ...] = ()  # the replica's work on this group: its head start (when it had one), then its scoring
     replica: str = ""
 
     @property

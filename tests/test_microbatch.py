@@ -164,6 +164,26 @@ def test_shared_prompt_teacher_scores_equal_one_forward_per_rollout(updates, fam
             torch.testing.assert_close(gathered, score.top_logp, rtol=1e-5, atol=1e-5)  # same ids up to ties
 
 
+def test_prompt_prefixes_run_ahead_give_the_teachers_scores_bit_for_bit(updates):
+    """The teacher service's head start (`TeacherEngine.prefill`, while the rollouts are sampled): scores from
+    prefixes run ahead equal scores computed in one call, each prefix is used once, and old updates' are let go."""
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.engines.teacher_engines import TransformersTeacherEngine
+
+    trainer, _, rollouts, _ = updates["qwen3_5"]
+    samples = dict(enumerate(load_samples("synthetic:4")[:2]))
+    engine = TransformersTeacherEngine(trainer.job)
+    expected = engine.score(samples, rollouts, update=3)  # no head start: each prefix run inside the call
+    assert engine.prefill(3, {0: samples[0]}) == 1 and engine.prefill(3, {0: samples[0]}) == 0  # already there
+    assert engine.prefill(2, samples) == 2 and set(engine.prefixes) == {(3, 0), (2, 0), (2, 1)}
+    got = engine.score(samples, rollouts, update=3)  # prompt 0 from its head start, prompt 1 run here
+    assert set(engine.prefixes) == {(2, 0), (2, 1)}  # update 3's used once; update 2's wait for their own score
+    for a, b in zip(got, expected):
+        assert torch.equal(a.top_ids, b.top_ids) and torch.equal(a.top_logp, b.top_logp) and torch.equal(a.requested_logp, b.requested_logp)
+    engine.prefill(4, {0: samples[0]})
+    assert set(engine.prefixes) == {(4, 0)}  # at most two updates are in flight: update 2's were scored elsewhere
+
+
 def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(updates):
     """pools.learner.activation_checkpointing: each decoder and vision block runs again in the backward; same gradients."""
     trainer, prompts, rollouts, scores = updates["qwen3_5"]

@@ -302,6 +302,47 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
     ray.cancel(refs[1], force=True)
 
 
+@ray.remote(num_cpus=1)
+def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, float, float, list[str]]:
+    """One learner rank (world 1) trains on one group whose teacher scores are handed over only when asked for:
+    (language-model forwards run before they were asked for, the rank's loss, the reference loss, span names)."""
+    from lt_opd_ray.loss import student_loss
+    from lt_opd_ray.rollouts import rollout
+    from lt_opd_ray.runtime.learner import Learner, StreamedGroup, init_process_group
+    from lt_opd_ray.runtime.learner_group import free_port
+    from lt_opd_ray.scoring import teacher_scores
+
+    job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"zero_stage": zero_stage})})})
+    trainer = ReferenceTrainer(job)
+    samples = load_samples("synthetic:4")[:2]
+    prompts = trainer.encode(samples)
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 2500, 2, trainer.params, 2, 0, 0)
+    scores = teacher_scores(trainer.teacher, prompts, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk)
+    init_process_group(0, 1, "127.0.0.1", free_port())
+    learner = Learner(job, 0, 1)
+    forwards, before_scores = [], []
+    learner.module.model.model.language_model.register_forward_hook(lambda *_: forwards.append(1))
+
+    def wait_scores():
+        before_scores.append(len(forwards))
+        return scores
+
+    result = learner.train_step(dict(enumerate(samples)), iter([StreamedGroup(rollouts, wait_scores)]), len(rollouts), 0)
+    reference, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
+    return before_scores[0], result.loss, float(reference), [s.what for s in result.spans]
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_the_learner_runs_its_forward_before_it_waits_for_the_teachers_scores(cluster, tiny_dirs, tmp_path, zero_stage):
+    """The forward of a micro-batch needs only its rollouts, so a rank computes it while the teacher scores; the
+    loss on it (a second engine call: ZeRO-3 gathers the head for it) equals the one-call loss."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1)
+    forwards_before_scores, loss, reference, spans = ray.get(learner_step_with_scores_waited_for.remote(job, zero_stage))
+    assert forwards_before_scores == 1
+    assert loss == pytest.approx(reference, rel=1e-6)
+    assert spans == ["u0 mb0 forward", "u0 mb0", "u0 optimizer"]
+
+
 def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(cluster, tiny_dirs, tmp_path):
     from lt_opd_ray.models.processor import question_messages
     from lt_opd_ray.runtime.teacher import TeacherModel
@@ -339,13 +380,13 @@ def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny
         groups = pool.submit(first, 2500, 0, [(0, 1), (1, 2)], 1) + pool.submit(second, 2500, 1, [(0, 2)], 1)
         assert [(g.update, g.start, g.stop, g.learner_rank, g.worker) for g in groups] == [
             (0, 0, 1, 0, 0), (0, 1, 2, 1, 1), (1, 0, 1, 0, 0), (1, 1, 2, 0, 1)]  # each rank's first group first, over the workers
-        payloads = ray.get(service.async_score(first, [g.group for g in groups[:2]]) + service.async_score(second, [g.group for g in groups[2:]]))
+        payloads = ray.get(service.async_score(first, groups[:2]) + service.async_score(second, groups[2:]))
         import json
 
         vocab = json.loads((Path(tiny_dirs["qwen3_5"]) / "config.json").read_text())["text_config"]["vocab_size"]
         for payload, group in zip(payloads, ray.get([g.group for g in groups])):
             assert len(unpack_scores(payload, group.rollouts, vocab)) == len(group.rollouts) == 2
-            assert payload.span.start >= group.span.end  # scored after it was sampled
+            assert payload.spans[-1].start >= group.span.end  # scored after it was sampled
     finally:
         service.shutdown()
         pool.shutdown()

@@ -7,11 +7,14 @@ student's top-k ids and the sampled token (`wire.TeacherScore`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import JobConfig
 from ..data import Sample
 from ..wire import Rollout, TeacherScore
+
+if TYPE_CHECKING:
+    from ..scoring import TeacherPrefix
 
 
 class TeacherEngine(Protocol):
@@ -20,13 +23,18 @@ class TeacherEngine(Protocol):
     missing_kernels: tuple[str, ...]
     """Fast-kernel packages the model falls back from in this process (models/kernels.py)."""
 
-    def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
-        """One score per rollout; `samples[r.prompt_index]` is each rollout's sample."""
+    def prefill(self, update: int, samples: dict[int, Sample]) -> int:
+        """A head start on these prompts of `update`, taken while their rollouts are sampled: the work that needs no
+        rollouts, kept for `score` of the same update. Returns the prompts it ran (0: nothing to start early)."""
+
+    def score(self, samples: dict[int, Sample], rollouts: list[Rollout], update: int) -> list[TeacherScore]:
+        """One score per rollout of `update`; `samples[r.prompt_index]` is each rollout's sample."""
 
 
 class TransformersTeacherEngine:
-    """The teacher as a transformers module: each prompt's full-token prefix runs once, its responses continue
-    from the shared cache in token-budgeted micro-batches (`scoring.teacher_scores`)."""
+    """The teacher as a transformers module: each prompt's full-token prefix runs once (`prefill`, while the
+    rollouts are sampled, or else in `score`), its responses continue from the shared cache in token-budgeted
+    micro-batches (`scoring.teacher_scores`)."""
 
     runner = "transformers"
 
@@ -41,19 +49,38 @@ class TransformersTeacherEngine:
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)
+        self.prefixes: dict[tuple[int, int], TeacherPrefix] = {}  # (update, prompt index) -> prefix run ahead
 
-    def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
+    def prefill(self, update: int, samples: dict[int, Sample]) -> int:
         from ..models.loading import compute_precision
-        from ..models.processor import encode_samples
+        from ..scoring import teacher_prefix
+
+        # at most two updates are in flight (schedule.max_staleness <= 1): older prefixes belong to groups that
+        # were scored elsewhere (a retry on another replica) and are let go
+        self.prefixes = {key: prefix for key, prefix in self.prefixes.items() if key[0] >= update - 1}
+        todo = [i for i in sorted(samples) if (update, i) not in self.prefixes]
+        with compute_precision(self.job.model.dtype, self.vlm.device):
+            for i, prompt in zip(todo, self.encode(samples, todo)):
+                self.prefixes[(update, i)] = teacher_prefix(self.vlm, prompt)
+        return len(todo)
+
+    def score(self, samples: dict[int, Sample], rollouts: list[Rollout], update: int) -> list[TeacherScore]:
+        from ..models.loading import compute_precision
         from ..scoring import teacher_scores
 
         job = self.job
         used = sorted({r.prompt_index for r in rollouts})
-        encoded = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], job.data.system_prompt)))
+        ahead = {i: self.prefixes.pop((update, i)) for i in used if (update, i) in self.prefixes}
+        encoded = dict(zip([i for i in used if i not in ahead], self.encode(samples, [i for i in used if i not in ahead])))
         with compute_precision(job.model.dtype, self.vlm.device):
             return teacher_scores(
-                self.vlm, encoded, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk, job.pools.teacher.micro_batch_tokens
+                self.vlm, encoded, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk, job.pools.teacher.micro_batch_tokens, ahead
             )
+
+    def encode(self, samples: dict[int, Sample], indices: list[int]):
+        from ..models.processor import encode_samples
+
+        return encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)
 
 
 class VLLMTeacherEngine:
@@ -71,7 +98,12 @@ class VLLMTeacherEngine:
     def runner(self) -> str:
         return self.engine.runner
 
-    def score(self, samples: dict[int, Sample], rollouts: list[Rollout]) -> list[TeacherScore]:
+    def prefill(self, update: int, samples: dict[int, Sample]) -> int:
+        """Nothing: vLLM reads no prefix cache for prompt log-probs, so each response prefills its prompt anew
+        (docs/gpu.md)."""
+        return 0
+
+    def score(self, samples: dict[int, Sample], rollouts: list[Rollout], update: int) -> list[TeacherScore]:
         from ..models.processor import encode_samples, load_image
         from .vllm_roles import vllm_teacher_scores
 

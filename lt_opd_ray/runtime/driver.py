@@ -36,6 +36,9 @@ from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
 from .waits import NoAnswerError
 
+# The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
+REPLICA_COUNT_MAX_AGE_S = 10.0
+
 
 @dataclass
 class StepLog:
@@ -209,7 +212,7 @@ class Driver:
         samples_ref = ray.put(batch)
         ranges = self.learners.prompt_ranges(len(batch))
         groups = self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts)
-        return InFlight(update, budget, batch, samples_ref, groups, self.teacher.async_score(samples_ref, [g.group for g in groups]))
+        return InFlight(update, budget, batch, samples_ref, groups, self.teacher.async_score(samples_ref, groups))
 
     def settle(self, pending: InFlight) -> list[int]:
         """Wait (bounded) until the next update's groups are sampled, so the workers are free for the weights.
@@ -237,7 +240,7 @@ class Driver:
             old = pending.groups[i]
             group = self.rollouts.submit_group(pending.samples_ref, old.start, old.stop, old.learner_rank, pending.budget_bps, old.update, old.worker)
             pending.groups[i] = group
-            pending.payloads[i] = self.teacher.async_score(pending.samples_ref, [group.group])[0]
+            pending.payloads[i] = self.teacher.async_score(pending.samples_ref, [group])[0]
 
     def fetch_groups(self, pending: InFlight | None) -> list[RolloutGroup]:
         """The finished groups of the update in flight, to be kept with a checkpoint."""
@@ -255,7 +258,7 @@ class Driver:
             GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, ray.put(g), ray.put(g.summary()))
             for g in kept
         ]
-        payloads = self.teacher.async_score(samples_ref, [g.group for g in groups])
+        payloads = self.teacher.async_score(samples_ref, groups)
         return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups, payloads)
 
     def group_workers(self, flight: InFlight) -> list[str]:
@@ -274,7 +277,7 @@ class Driver:
         of = lambda role: sum(s.seconds for s in spans if s.role == role)  # noqa: E731
         period = end - self.last_end
         self.last_end = end
-        sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(), "learner": len(self.learners.actors)}
+        sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S), "learner": len(self.learners.actors)}
         busy = {  # an actor's overlapping spans (groups sampled or scored in one batch) count once
             "rollout": busy_seconds(rollout_spans) / (sizes["rollout"] * period),
             "teacher": busy_seconds(teacher_spans) / (max(sizes["teacher"], 1) * period),

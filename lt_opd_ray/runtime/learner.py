@@ -2,8 +2,9 @@
 
 Each rank trains on the rollouts of its own contiguous range of the update's
 prompts, in token-budgeted micro-batches (`microbatch.Packer`, fed group by group
-as the groups arrive, in prompt order) whose gradients accumulate into the
-update's one optimizer step. Every micro-batch loss is
+as the groups' rollouts arrive, in prompt order) whose gradients accumulate into the
+update's one optimizer step. A micro-batch's forward needs no teacher scores, so it runs
+while the teacher is still scoring; the loss waits for them. Every micro-batch loss is
 normalised by the update's sequence count over ranks (N / M, as DeepSpeed averages
 gradients over the M ranks), so the step is that of the update's seq-mean-token-mean
 whatever the micro-batches and however unevenly the prompts split over ranks.
@@ -16,7 +17,7 @@ step is deterministic.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -28,18 +29,21 @@ from ..models.adapter import QwenVLM
 from ..models.loading import compute_precision, load_vlm
 from ..models.processor import PromptInputs, VLMProcessor, encode_samples
 from ..optim import build_optimizer
-from ..loss import LossStats, reduced_length, student_loss
+from ..loss import LossStats, StudentForward, loss_on_forward, reduced_length, student_forward
 from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 from .checkpoint_files import weights_only_checkpoint_engine
 from .collectives import all_reduce_max, install_guard_if_asked
 
 
 class StudentObjective(torch.nn.Module):
-    """The engine's module: forward = the LT-OPD loss of the student on replayed rollouts.
+    """The engine's module, called twice per micro-batch: `forward(prompts, rollouts)` is the student's forward on
+    the replayed rollouts (`loss.student_forward`: no teacher scores needed, so it runs while the teacher scores);
+    `forward(computed, rollouts, scores, normaliser)` is the LT-OPD loss on it (`loss.loss_on_forward`).
 
     The loss reads lm_head.weight outside lm_head's own forward (chunked
     log-softmax), so under ZeRO-3 it is registered as an external parameter of
-    this module: DeepSpeed gathers it for this forward and its backward.
+    this module: DeepSpeed gathers it for that forward and its backward. The first call's answer is a dataclass,
+    which DeepSpeed does not walk: only the loss carries its backward hooks.
     """
 
     def __init__(self, model, objective):
@@ -47,8 +51,11 @@ class StudentObjective(torch.nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, prompts, rollouts, scores, normaliser: float) -> tuple[torch.Tensor, LossStats]:
-        return student_loss(QwenVLM(self.model), prompts, rollouts, scores, self.objective, normaliser)
+    def forward(self, inputs, rollouts, scores=None, normaliser: float = 1.0) -> StudentForward | tuple[torch.Tensor, LossStats]:
+        student = QwenVLM(self.model)
+        if scores is None:
+            return student_forward(student, inputs, rollouts)
+        return loss_on_forward(student, inputs, rollouts, scores, self.objective, normaliser)
 
 
 def deepspeed_config(job: JobConfig) -> dict:
@@ -68,14 +75,15 @@ def deepspeed_config(job: JobConfig) -> dict:
 
 @dataclass
 class StreamedGroup:
-    """One rollout group with its teacher scores, as the learner receives it."""
+    """One rollout group as the learner receives it: its rollouts, and its teacher scores when they are asked for."""
 
     rollouts: list[Rollout]
-    scores: list[TeacherScore]
+    wait_scores: Callable[[], list[TeacherScore]]  # waits (bounded) for the teacher's answer; called once
 
 
 class MicroBatchStream:
-    """This rank's micro-batches, packed as its groups arrive (in prompt order) within the token budget.
+    """This rank's micro-batches, packed as its groups' rollouts arrive (in prompt order) within the token budget;
+    their teacher scores are waited for only when `scores` asks for them.
 
     Each sequence is its reduced prompt (the replayed selection) plus its response.
     """
@@ -84,14 +92,26 @@ class MicroBatchStream:
         self.groups, self.encode = groups, encode
         self.packer = Packer(token_budget)
         self.rollouts: list[Rollout] = []
-        self.scores: list[TeacherScore] = []
         self.prompts: dict[int, PromptInputs] = {}
+        self._groups: list[StreamedGroup] = []
+        self._firsts: list[int] = []  # per group: the index of its first sequence
+        self._owners: list[int] = []  # per sequence: its group
+        self._scores: dict[int, list[TeacherScore]] = {}  # per group, once waited for
+
+    def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore]:
+        """The teacher's scores of these sequences, waiting for each of their groups' answers the first time."""
+        for g in dict.fromkeys(self._owners[i] for i in sequences):
+            if g not in self._scores:
+                self._scores[g] = self._groups[g].wait_scores()
+        return [self._scores[self._owners[i]][i - self._firsts[self._owners[i]]] for i in sequences]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for group in self.groups:
             first = len(self.rollouts)
             self.rollouts += group.rollouts
-            self.scores += group.scores
+            self._owners += [len(self._groups)] * len(group.rollouts)
+            self._groups.append(group)
+            self._firsts.append(first)
             new = sorted({r.prompt_index for r in group.rollouts} - self.prompts.keys())
             self.prompts.update(zip(new, self.encode(new)))
             by_prompt: dict[int, list[Sequence]] = {}
@@ -132,10 +152,12 @@ class Learner:
     def train_step(self, samples, groups: Iterator[StreamedGroup], total_sequences: int, version: int) -> LearnerStepResult:
         """One optimizer step on this rank's groups, run as micro-batches while later groups still arrive.
 
-        `groups` yields this rank's groups in prompt order (blocking until each is there), of `total_sequences` in
-        the update; `samples[prompt_index]` is each one's sample. Ranks run their backwards in lockstep (ZeRO
-        reduces in each): before each, they agree whether any rank still has a micro-batch and whether any has
-        one after it (the accumulation boundary), so a rank that is done runs zero-weighted fillers.
+        `groups` yields this rank's groups in prompt order (blocking until each one's rollouts are there), of
+        `total_sequences` in the update; `samples[prompt_index]` is each one's sample. A micro-batch's forward runs
+        as soon as its rollouts are there; its teacher scores are waited for after it, before the loss. Ranks run
+        their forwards and backwards in lockstep (ZeRO-3 gathers in each, ZeRO reduces in each backward): before a
+        forward they agree whether any rank still has a micro-batch, before a backward whether any has one after it
+        (the accumulation boundary), so a rank that is done runs zero-weighted fillers.
         """
         encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
         stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens)
@@ -147,23 +169,29 @@ class Learner:
         normaliser = total_sequences / self.world
         parts, spans, real, passes = [], [], 0, 0
         while True:
-            following = next(batches, None) if current is not None else None
-            any_current, any_following = all_reduce_max([current is not None, following is not None])
+            (any_current,) = all_reduce_max([current is not None])  # before the forward: ZeRO-3 gathers in it
             if not any_current:
                 break
             batch = current or filler
+            label = f"u{version} {'mb' if current else 'filler'}{passes}"
+            chosen = [stream.rollouts[i] for i in batch.sequences]
+            with Stopwatch() as watch, compute_precision(self.job.model.dtype, self.engine.device):
+                computed = self.engine(stream.prompts, chosen)  # needs no teacher scores: runs while the teacher scores
+            spans.append(watch.span("learner", f"learner-{self.rank}", f"{label} forward"))
+            following = next(batches, None) if current is not None else None  # the next groups' rollouts, not scores
+            (any_following,) = all_reduce_max([following is not None])  # the accumulation boundary
+            scores = stream.scores(batch.sequences)
             with Stopwatch() as watch:
                 self.engine.set_gradient_accumulation_boundary(not any_following)
                 with compute_precision(self.job.model.dtype, self.engine.device):
-                    chosen = [stream.rollouts[i] for i in batch.sequences]
-                    loss, stats = self.engine(stream.prompts, chosen, [stream.scores[i] for i in batch.sequences], normaliser)
+                    loss, stats = self.engine(computed, chosen, scores, normaliser)
                 if current is None:
                     loss = loss * 0.0  # a filler: the same graph as a real micro-batch, no contribution
                 else:
                     parts.append(stats)
                     real += 1
                 self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
-            spans.append(watch.span("learner", f"learner-{self.rank}", f"u{version} {'mb' if current else 'filler'}{passes}"))
+            spans.append(watch.span("learner", f"learner-{self.rank}", label))
             passes += 1
             current = following
         with Stopwatch() as watch:

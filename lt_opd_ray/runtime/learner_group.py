@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import socket
@@ -171,7 +172,8 @@ class LearnerActor:
 
 
 class GroupReceiver:
-    """A learner rank's groups with their teacher scores, in prompt order, each waited for (bounded) as it is needed.
+    """A learner rank's groups in prompt order, each one's rollouts and then its teacher scores waited for (bounded)
+    as they are needed.
 
     Checks every group before it is trained on: it belongs to this update and rank, and its sampling weights are
     at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
@@ -190,17 +192,24 @@ class GroupReceiver:
         for worker, group_ref, payload_ref in self.work:
             group = wait_one(group_ref, worker, self.timeout_s, f"{me} waiting for a rollout group of update {self.version}")
             self.check(group)
-            payload = self.payload(payload_ref, group_ref, f"{me} waiting for the teacher's scores of {group.worker}'s group")
-            scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
-            self.payload_bytes += payload.nbytes
-            self.payload_tokens += int(payload.lengths.sum())
-            self.spans += [group.span, payload.span]
-            yield StreamedGroup(group.rollouts, scores)
+            self.spans.append(group.span)
+            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, payload_ref, group_ref))
 
-    def payload(self, payload_ref, group_ref, what: str):
+    def scores(self, group: RolloutGroup, payload_ref, group_ref) -> list:
+        """The teacher's scores of `group`, waited for (bounded) and checked against its rollouts."""
+        payload = self.payload(payload_ref, group_ref, group, f"learner-{self.rank} waiting for the teacher's scores of {group.worker}'s group")
+        scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
+        self.payload_bytes += payload.nbytes
+        self.payload_tokens += int(payload.lengths.sum())
+        self.spans += payload.spans
+        return scores
+
+    def payload(self, payload_ref, group_ref, group: RolloutGroup, what: str):
         """The teacher's answer; when the replica serving it died, the request again (Serve restarts replicas), at
         most TEACHER_RETRIES times."""
         from ray import serve
+
+        from .teacher import score_request
 
         for attempt in range(TEACHER_RETRIES + 1):
             try:
@@ -210,7 +219,7 @@ class GroupReceiver:
                     raise RuntimeError(f"{what}: the teacher replica died {attempt + 1} times on this request ({type(exc).__name__})") from exc
                 self.retries += 1
                 handle = serve.get_app_handle(self.scoring.app)
-                payload_ref = handle.score.remote(([self.scoring.samples_ref], [group_ref]))._to_object_ref_sync()
+                payload_ref = handle.score.remote(score_request(self.scoring.samples_ref, group_ref, group.update, group.start, group.stop))._to_object_ref_sync()
 
     def check(self, group: RolloutGroup) -> None:
         where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"

@@ -1,8 +1,10 @@
 """The frozen full-token teacher behind a Ray Serve deployment, with request batching.
 
-A request is one rollout group (plus the update's samples), sent as soon as the
-group is submitted: the replica awaits the group itself, so groups are scored as
-they are finished, and `@serve.batch` joins the groups that are ready together
+A request is one rollout group (plus the update's samples and the group's prompt
+range), sent as soon as the group is submitted: the replica first runs the work on
+the group's prompts that needs no rollouts (`TeacherEngine.prefill`: the full-token
+prompt prefix), while they are sampled, then awaits the group itself, so groups are
+scored as they are finished, and `@serve.batch` joins the groups that are ready together
 into one engine call. The answer is a compact `wire.TeacherPayload`: int32 ids and
 fp16/fp32 log-probs, one row per response position. Payloads are validated where
 they enter the learner (`wire.unpack_scores`), so a malformed one fails with a
@@ -14,7 +16,8 @@ from __future__ import annotations
 from ray import serve
 
 from ..config import JobConfig
-from ..wire import ActorPlacement, RolloutGroup, Stopwatch, TeacherPayload, pack_scores
+from ..wire import ActorPlacement, RolloutGroup, Span, Stopwatch, TeacherPayload, pack_scores
+from .rollout_pool import GroupRef
 
 
 class TeacherModel:
@@ -30,16 +33,29 @@ class TeacherModel:
         self.job, self.name = job, name
         self.engine = build_teacher_engine(job)
         self.metrics = TeacherMetrics(job.name, name)
+        self.prefill_spans: dict[tuple[int, int], Span] = {}  # (update, group start) -> its head start
+
+    def prefill(self, samples, update: int, start: int, stop: int) -> None:
+        """The head start on one group's prompts, before its rollouts exist (`TeacherEngine.prefill`)."""
+        with Stopwatch() as watch:
+            ran = self.engine.prefill(update, {i: samples[i] for i in range(start, stop)})
+        self.prefill_spans = {key: span for key, span in self.prefill_spans.items() if key[0] >= update - 1}  # as the engine's
+        if ran:
+            self.prefill_spans[(update, start)] = watch.span("teacher", self.name, f"u{update} p{start}-{stop - 1} prefix")
 
     def score_groups(self, samples, groups: list[RolloutGroup]) -> list[TeacherPayload]:
-        """Scores every rollout of every group in one engine call (each prompt's full-token prefix once); one payload per group."""
+        """Scores every rollout of every group (all of one update) in one engine call (each prompt's full-token
+        prefix once, or taken from `prefill`); one payload per group."""
+        (update,) = {group.update for group in groups}
         with Stopwatch() as watch:
             rollouts = [r for group in groups for r in group.rollouts]
-            scores = self.engine.score({r.prompt_index: samples[r.prompt_index] for r in rollouts}, rollouts)
+            scores = self.engine.score({r.prompt_index: samples[r.prompt_index] for r in rollouts}, rollouts, update)
         payloads, offset = [], 0
         for group in groups:
             payload = pack_scores(scores[offset : offset + len(group.rollouts)], self.job.pools.teacher.payload_dtype)
-            payload.span, payload.replica = watch.span("teacher", self.name, f"u{group.update} p{group.start}-{group.stop - 1}"), self.name
+            head_start = self.prefill_spans.pop((update, group.start), None)
+            scoring = watch.span("teacher", self.name, f"u{update} p{group.start}-{group.stop - 1}")
+            payload.spans, payload.replica = (*([head_start] if head_start else []), scoring), self.name
             payloads.append(payload)
             offset += len(group.rollouts)
         tokens = sum(r.response_ids.numel() for r in rollouts)
@@ -55,7 +71,10 @@ class TeacherDeployment:
         self.model = TeacherModel(job, name=f"teacher-{os.getpid()}")
         self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)  # the groups already waiting, no wait for more: later ones queue meanwhile
+    # The groups finished within a few ms of the first join its batch: a worker's groups of one static batch come back
+    # together, but each request resumes from its own await, so with no wait the first would be scored alone. Groups
+    # finishing later queue while this batch is scored.
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def score_batch(self, requests: list[tuple]) -> list[TeacherPayload]:
         # each request: (samples ref, finished RolloutGroup). Groups of the same update (same samples)
         # share one engine call; other updates' get their own.
@@ -79,10 +98,17 @@ class TeacherDeployment:
         return serve.get_replica_context().replica_id.unique_id, ActorPlacement.here(self.model.name, self.model.engine.runner, self.model.engine.missing_kernels)
 
     async def score(self, request: tuple) -> TeacherPayload:
-        # request: ([samples ref], [group ref]), nested so Serve passes the refs untouched. Awaiting the group
-        # here, before the batch forms, lets a batch take the groups that are finished, not the first submitted.
-        (samples_ref,), (group_ref,) = request
+        # request: `score_request`. The head start runs before the group is awaited, while it is sampled; awaiting
+        # the group here, before the batch forms, lets a batch take the groups that are finished, not the first submitted.
+        (samples_ref,), (group_ref,), (update, start, stop) = request
+        self.model.prefill(await samples_ref, update, start, stop)
         return await self.score_batch((samples_ref, await group_ref))
+
+
+def score_request(samples_ref, group_ref, update: int, start: int, stop: int) -> tuple:
+    """What `TeacherDeployment.score` takes for one group: the refs nested in lists, so Serve hands them over
+    unresolved, and the group's update and prompt range, so the replica can start on its prompts before it is sampled."""
+    return ([samples_ref], [group_ref], (update, start, stop))
 
 
 def deployment_options(job: JobConfig) -> dict:
@@ -116,16 +142,22 @@ class TeacherService:
             warnings.warn(f"removing the Serve app {self.app_name!r} an earlier driver of job {job.name!r} left running", stacklevel=2)
             serve.delete(self.app_name)
         self.handle = serve.run(app, name=self.app_name, route_prefix=None)
+        self._replicas: tuple[float, int] | None = None  # (when counted, running replicas)
 
-    def async_score(self, samples_ref, group_refs: list) -> list:
-        """ObjectRef[TeacherPayload] per ObjectRef[RolloutGroup], sent at once: a replica scores each group when it is
-        finished. The bulk data stays in the object store."""
-        return [self.handle.score.remote(([samples_ref], [group]))._to_object_ref_sync() for group in group_refs]
+    def async_score(self, samples_ref, groups: list[GroupRef]) -> list:
+        """ObjectRef[TeacherPayload] per group, sent at once: a replica starts on each group's prompts at once and
+        scores the group when it is finished. The bulk data stays in the object store."""
+        return [self.handle.score.remote(score_request(samples_ref, g.group, g.update, g.start, g.stop))._to_object_ref_sync() for g in groups]
 
-    def replicas(self) -> int:
-        """Running replicas of the teacher deployment (moves with autoscaling)."""
-        status = serve.status().applications[self.app_name].deployments["TeacherDeployment"]
-        return int(status.replica_states.get("RUNNING", 0))
+    def replicas(self, max_age_s: float = 0.0) -> int:
+        """Running replicas of the teacher deployment (moves with autoscaling), as counted at most `max_age_s` ago:
+        asking Serve takes ~30 ms of the driver's time, too much to spend on every update's metrics."""
+        import time
+
+        if self._replicas is None or time.monotonic() - self._replicas[0] > max_age_s:
+            status = serve.status().applications[self.app_name].deployments["TeacherDeployment"]
+            self._replicas = (time.monotonic(), int(status.replica_states.get("RUNNING", 0)))
+        return self._replicas[1]
 
     def placements(self, attempts: int = 64) -> list[ActorPlacement]:
         """Every running replica's placement. Serve routes each call to a replica of its choosing, so this asks
