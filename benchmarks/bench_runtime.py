@@ -34,15 +34,20 @@ def step_split(job_path: str, steps: int) -> None:
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": "runs/bench", "every_steps": 10**6})})
     trainer = ReferenceTrainer(job)
     data = batches(load_samples(job.data.path, job.data.image_root, job.seed), job.sampling.prompts_per_step, job.data.shuffle_seed)
+
+    def reference_update() -> float:
+        begin = time.perf_counter()
+        trainer.update(next(data))
+        return time.perf_counter() - begin
+
+    alone = [reference_update() for _ in range(4)]  # before any Ray process exists (the first is warm-up)
     init_ray(job)
     driver = Driver(job)
     # the two alternate, update by update (the reference in this process while the job's actors wait), so both
     # meet the same moments of this machine's speed, which drifts by tens of percent over minutes on a shared VM
     reference, logs, distributed = [], [], []
     for _ in range(steps):
-        begin = time.perf_counter()
-        trainer.update(next(data))
-        reference.append(time.perf_counter() - begin)
+        reference.append(reference_update())
         begin = time.perf_counter()
         logs.append(driver.run_step())
         distributed.append(time.perf_counter() - begin)  # the log's own step period would include the reference's
@@ -62,6 +67,8 @@ def step_split(job_path: str, steps: int) -> None:
     print(f"RESULT median after warm-up: distributed step {dist_mean:.3f} s, reference update {ref_mean:.3f} s,"
           f" ratio distributed/reference = {dist_mean / ref_mean:.2f}x;"
           f" teacher payload {logs[-1].payload_bytes_per_token:.0f} B/token; weight sync {logs[-1].sync_bytes / 2**20:.2f} MB")
+    print(f"reference before the cluster started: median {statistics.median(alone[1:]):.3f} s over {len(alone) - 1} updates"
+          f" (the interleaved reference shares the machine with the job's idle actors, Serve and Ray's own processes)")
 
 
 def transformer_like(megabytes: int, fill) -> torch.nn.ParameterList:
