@@ -18,8 +18,8 @@ The "GPUs" of the split are the job's actors: rollout workers, teacher replicas,
 
 Then the job (`jobs/train_qwen35_shape.yaml`, its own pools) runs for `--updates` updates; the last is compared,
 its mean response length taken as `mean_response_fraction`. Printed: the rates, then per phase the planner's
-seconds and the measured ones (rollout and teacher: the wall extent of the update's groups; learner: the slowest
-rank's compute; sync: the broadcast), and their ratio.
+seconds and the measured ones (rollout: the wall extent of the update's groups; teacher: its replicas' busy seconds
+each, the head start on the prompts included; learner: the slowest rank's compute; sync: the broadcast), and their ratio.
 
     python benchmarks/bench_planner.py [--updates 2] [--save runs/bench-planner.json | --load runs/bench-planner.json [--rates]]
 
@@ -117,6 +117,7 @@ def measure_rates(job, config: dict) -> dict:
 
 def run_job(job, updates: int) -> dict:
     from lt_opd_ray.runtime.driver import Driver
+    from lt_opd_ray.wire import busy_seconds
 
     driver = Driver(job)
     try:
@@ -127,7 +128,14 @@ def run_job(job, updates: int) -> dict:
     origin = min(span.start for span in last.timeline)
     return {
         "timeline": [(span.role, span.actor, span.what, span.start - origin, span.seconds) for span in last.timeline],
-        "phases": {"rollout": last.phases.rollout, "teacher": last.phases.teacher, "learner": last.phases.learner, "sync": last.phases.sync},
+        "phases": {
+            "rollout": last.phases.rollout,
+            # the replicas' work (its head start on the prompts runs during the rollouts: the phase's wall extent
+            # would count the wait between), per replica as the planner counts it
+            "teacher": busy_seconds([s for s in last.timeline if s.role == "teacher"]) / job.pools.teacher.replicas,
+            "learner": last.phases.learner,
+            "sync": last.phases.sync,
+        },
         "step": last.phases.step, "every_step": [log.phases.step for log in logs],
         "tokens": last.tokens, "sequences": last.sequences, "micro_batches": last.micro_batches,
     }

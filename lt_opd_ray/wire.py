@@ -304,7 +304,8 @@ class BenchmarkResult:
 @dataclass
 class PhaseTimes:
     """Seconds of one update by phase. Rollout and teacher are the wall extent of this update's groups (which,
-    with max_staleness 1, overlap the previous update's learner step); `step` is the time between the ends of
+    with max_staleness 1, overlap the previous update's learner step; the teacher's from its head start on the
+    first group's prompts, while they are sampled, to its last scoring); `step` is the time between the ends of
     consecutive updates: what an update costs in throughput."""
 
     rollout: float = 0.0
