@@ -41,8 +41,10 @@ def test_readme_first_run_climbs_from_the_untrained_retain(tmp_path):
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
-# measured (FIRST_RUN_MEASURED): the first run's last retain minus its untrained retain, seeds 0-2 (--set seed=N)
-FIRST_RUN_MARGIN = 0.05
+# measured: the first run's last retain minus its untrained retain, every seed and machine measured: seeds 0-2 on a
+# 2-core Xeon +0.234, +0.082, +0.128; seed 0 on another 2-core machine +0.089; seed 0 on a 2-core AMD EPYC +0.023
+# (the README). A broken update (wrong sign, stale weights) drops the retain well below the untrained one.
+FIRST_RUN_MARGIN = 0.02
 
 
 def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
