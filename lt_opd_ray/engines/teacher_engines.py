@@ -16,6 +16,9 @@ from ..wire import Rollout, TeacherScore
 if TYPE_CHECKING:
     from ..scoring import TeacherPrefix
 
+# Updates whose groups can be in flight at once (schedule.max_staleness <= 1): what a head start is kept for.
+UPDATES_IN_FLIGHT = 2
+
 
 class TeacherEngine(Protocol):
     runner: str
@@ -55,9 +58,8 @@ class TransformersTeacherEngine:
         from ..models.loading import compute_precision
         from ..scoring import teacher_prefix
 
-        # at most two updates are in flight (schedule.max_staleness <= 1): older prefixes belong to groups that
-        # were scored elsewhere (a retry on another replica) and are let go
-        self.prefixes = {key: prefix for key, prefix in self.prefixes.items() if key[0] >= update - 1}
+        # older prefixes belong to groups that were scored elsewhere (a retry on another replica) and are let go
+        self.prefixes = {key: prefix for key, prefix in self.prefixes.items() if key[0] > update - UPDATES_IN_FLIGHT}
         todo = [i for i in sorted(samples) if (update, i) not in self.prefixes]
         with compute_precision(self.job.model.dtype, self.vlm.device):
             for i, prompt in zip(todo, self.encode(samples, todo)):
@@ -71,7 +73,8 @@ class TransformersTeacherEngine:
         job = self.job
         used = sorted({r.prompt_index for r in rollouts})
         ahead = {i: self.prefixes.pop((update, i)) for i in used if (update, i) in self.prefixes}
-        encoded = dict(zip([i for i in used if i not in ahead], self.encode(samples, [i for i in used if i not in ahead])))
+        rest = [i for i in used if i not in ahead]
+        encoded = dict(zip(rest, self.encode(samples, rest)))
         with compute_precision(job.model.dtype, self.vlm.device):
             return teacher_scores(
                 self.vlm, encoded, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk, job.pools.teacher.micro_batch_tokens, ahead

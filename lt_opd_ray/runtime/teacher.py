@@ -37,9 +37,11 @@ class TeacherModel:
 
     def prefill(self, samples, update: int, start: int, stop: int) -> None:
         """The head start on one group's prompts, before its rollouts exist (`TeacherEngine.prefill`)."""
+        from ..engines.teacher_engines import UPDATES_IN_FLIGHT
+
         with Stopwatch() as watch:
             ran = self.engine.prefill(update, {i: samples[i] for i in range(start, stop)})
-        self.prefill_spans = {key: span for key, span in self.prefill_spans.items() if key[0] >= update - 1}  # as the engine's
+        self.prefill_spans = {key: span for key, span in self.prefill_spans.items() if key[0] > update - UPDATES_IN_FLIGHT}
         if ran:
             self.prefill_spans[(update, start)] = watch.span("teacher", self.name, f"u{update} p{start}-{stop - 1} prefix")
 
