@@ -12,6 +12,7 @@ SET_HELP = "override a field of the job, e.g. --set optimizer.lr.language_model=
 
 def cmd_validate(args) -> int:
     from .config import JobConfigError, load_job
+    from .job_inputs import read_job_inputs
 
     failed = 0
     for path in args.jobs:
@@ -21,7 +22,16 @@ def cmd_validate(args) -> int:
             print(exc, file=sys.stderr)
             failed += 1
             continue
-        print(f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name})")
+        summary = f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name}"
+        if args.schema_only:
+            print(summary + "; schema only, inputs not read)")
+        else:
+            inputs, problems = read_job_inputs(job, draw_generated=False)  # the data and benchmark files, read as `train` reads them
+            if problems:
+                print(f"{path}: {len(problems)} problem(s) with the job's inputs\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
+                failed += 1
+                continue
+            print(summary + f", {inputs.rows} training rows)")
         if args.print:
             import yaml
 
@@ -40,15 +50,24 @@ def _load_job_or_report(path: str, overrides: list[str] = ()):
         return None
 
 
+# Exit codes of `lt-opd train` (README, "Faults"): what a script or a scheduler can act on.
+EXIT_DONE, EXIT_UNEXPECTED, EXIT_REFUSED, EXIT_RESUMABLE = 0, 1, 2, 3
+
+
 def cmd_train(args) -> int:
-    from .models.processor import InputError
+    """Every run-ending error is one line on stderr: refused input (2), a role that died or stopped answering (3,
+    with the checkpoint `--resume` continues from), anything else (1, its traceback kept in the run's error.log)."""
+    from .errors import InputError
     from .runtime.checkpoint_files import CheckpointError
     from .runtime.driver import PreflightError
     from .runtime.launch import RunFolderError
-    from .runtime.waits import RoleDiedError
+    from .runtime.resources import InsufficientResourcesError
+    from .runtime.run_lock import RunLockedError
+    from .runtime.storage import StorageError
+    from .runtime.waits import NoAnswerError, RoleDiedError
 
     if (job := _load_job_or_report(args.job, args.set)) is None:
-        return 2
+        return EXIT_REFUSED
     try:
         if args.reference:
             _train_reference(job, args.steps or job.budget.total_steps)
@@ -56,13 +75,43 @@ def cmd_train(args) -> int:
             from .runtime.launch import train
 
             train(job, steps=args.steps, resume=args.resume, address=args.address, force=args.force)
-    except (InputError, CheckpointError, PreflightError, RunFolderError, FileNotFoundError) as exc:  # named, no traceback
+    except (InputError, CheckpointError, PreflightError, RunFolderError, RunLockedError, InsufficientResourcesError, StorageError,
+            FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RoleDiedError as exc:
+        return EXIT_REFUSED
+    except (RoleDiedError, NoAnswerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 3
-    return 0
+        return EXIT_RESUMABLE
+    except Exception as exc:  # a bug or an environment we did not foresee: one line here, the traceback in the run folder
+        log = _keep_traceback(job)
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"error: {type(exc).__name__}: {first} (traceback in {log}; `--resume` continues from the newest checkpoint)", file=sys.stderr)
+        return EXIT_UNEXPECTED
+    return EXIT_DONE
+
+
+def _keep_traceback(job) -> str:
+    """The exception being handled, written with its traceback to <run folder>/error.log (or a temp file where the
+    run folder is not writable); returns where."""
+    import tempfile
+    import time
+    import traceback
+
+    from .runtime.storage import RunStorage
+
+    text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} lt-opd train {job.name}\n{traceback.format_exc()}\n"
+    try:
+        folder = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).local
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "error.log"
+        with path.open("a") as handle:
+            handle.write(text)
+    except OSError:
+        handle, name = tempfile.mkstemp(prefix="lt-opd-error-", suffix=".log")
+        with open(handle, "w") as out:
+            out.write(text)
+        path = name
+    return str(path)
 
 
 def _train_reference(job, steps: int) -> None:
@@ -177,7 +226,7 @@ def cmd_serve(args) -> int:
 def cmd_data(args) -> int:
     from tqdm import tqdm
 
-    from .models.processor import InputError
+    from .errors import InputError
     from .prepare import DataError, prepare
 
     with tqdm(desc="rows", unit="row") as bar:
@@ -203,7 +252,7 @@ def cmd_eval(args) -> int:
 
     from .evals.benchmarks import BenchmarkError
     from .evals.run import run_eval
-    from .models.processor import InputError
+    from .errors import InputError
 
     transformers.logging.set_verbosity_error()
     files = {}
@@ -356,10 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lt-opd", description="Low-token on-policy self-distillation for VLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    validate = sub.add_parser("validate", help="check job YAML files against the schema (no torch/Ray import)")
+    validate = sub.add_parser("validate", help="check job YAML files against the schema, and read their data and benchmark files (no torch/Ray import)")
     validate.add_argument("jobs", nargs="+", help="job YAML files")
     validate.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
     validate.add_argument("--print", action="store_true", help="print each job as resolved (defaults and --set applied)")
+    validate.add_argument("--schema-only", action="store_true",
+                          help="check the YAML against the schema only, without reading its data and benchmark files (validating a"
+                               " cluster job on a machine that does not hold them)")
     validate.set_defaults(func=cmd_validate)
 
     train = sub.add_parser("train", help="run a training job on Ray (a local cluster unless RAY_ADDRESS/--address is set)")

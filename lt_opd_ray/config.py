@@ -17,6 +17,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from .runtime.storage import check_location
 
 BPS = 10_000  # budgets are integer basis points: 500 bps = 5% of the visual tokens
+# Upper bounds on counts and sizes: far above any real job, low enough that a typo (an extra 000) is named by
+# `validate` instead of starting. What a machine or cluster can hold is checked at preflight (runtime/resources.py).
+MAX_ACTORS_PER_POOL = 4096  # rollout workers, teacher replicas, learner ranks
+MAX_RESPONSES_PER_PROMPT = 1024  # sampling.n
+MAX_PROMPTS_PER_STEP = 65_536
+MAX_SEQUENCE_TOKENS = 262_144  # response lengths and token budgets: Qwen3.5's context length
+MAX_TOP_K = 1024  # the support of the divergence; the paper's is 100
+MAX_UPDATES = 1_000_000  # curriculum lengths and intervals, in updates
+MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit: no larger image decodes
+MAX_ACTOR_CPUS, MAX_ACTOR_GPUS = 1024.0, 64.0
+MAX_WAIT_S = 7 * 24 * 3600.0  # a week: any longer wait is a hang
 
 
 class _Strict(BaseModel):
@@ -24,16 +35,11 @@ class _Strict(BaseModel):
 
 
 def check_data_spec(spec: str) -> str:
-    """The forms `synthetic:<n>[@<W>x<H>]` and `toy-<task>[-test]:<n>` checked for shape (n >= 1); a file or folder
-    is read later, with its own named errors."""
-    kind, _, rest = spec.partition(":")
-    if kind == "synthetic" or kind.startswith("toy-"):
-        count, _, size = rest.partition("@")
-        if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{spec!r}: expected {kind}:<count of at least 1>")
-        width, _, height = size.partition("x")
-        if size and (kind != "synthetic" or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
-            raise ValueError(f"{spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
+    """A generated form (`synthetic:<n>[@<W>x<H>]`, `toy-<task>[-test]:<n>`) checked for shape and task; a file or
+    folder is read by `validate` and at preflight, with its own named errors."""
+    from .data import generated_rows  # stdlib only at import: validate stays free of torch
+
+    generated_rows(spec)
     return spec
 
 
@@ -59,9 +65,9 @@ class DataConfig(_Strict):
     """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
-    min_pixels: int = Field(3136, gt=0)
+    min_pixels: int = Field(3136, gt=0, le=MAX_PIXELS)
     """Images smaller than this many pixels are upscaled (Qwen smart-resize rule)."""
-    max_pixels: int = Field(1_003_520, gt=0)
+    max_pixels: int = Field(1_003_520, gt=0, le=MAX_PIXELS)
     """Images larger than this many pixels are downscaled (Qwen smart-resize rule)."""
     system_prompt: str | None = None
     """Optional system message; never part of the selector's query."""
@@ -92,13 +98,13 @@ class BudgetConfig(_Strict):
     """Budget of the warm-up updates (2500 = 25%)."""
     target_bps: int = Field(500, gt=0, le=BPS)
     """Budget reached at `decay_end` and held afterwards; evaluation always uses it."""
-    warm_steps: int = Field(14, ge=0)
+    warm_steps: int = Field(14, ge=0, le=MAX_UPDATES)
     """Updates held at `start_bps` before the cosine decay."""
-    decay_end: int = Field(100, ge=0)
+    decay_end: int = Field(100, ge=0, le=MAX_UPDATES)
     """First update index held at `target_bps`."""
-    total_steps: int = Field(175, gt=0)
+    total_steps: int = Field(175, gt=0, le=MAX_UPDATES)
     """Number of optimizer updates in the run."""
-    k_min: int = Field(32, ge=1)
+    k_min: int = Field(32, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Floor on kept tokens per image: k = min(N, max(k_min, ceil(N*r)))."""
 
     @model_validator(mode="after")
@@ -120,24 +126,24 @@ class ObjectiveConfig(_Strict):
     """Per-position divergence on the top-k union plus a tail bin."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
     """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
-    top_k: int = Field(100, ge=1)
+    top_k: int = Field(100, ge=1, le=MAX_TOP_K)
     """Size of the student and teacher top-k sets that form the support U."""
     importance_clip: float = Field(2.0, gt=0.0)
     """Truncation of the detached importance weight min(exp(logp - old_logp), clip)."""
-    logsoftmax_chunk: int = Field(1024, ge=1)
+    logsoftmax_chunk: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
 
 
 class SamplingConfig(_Strict):
-    prompts_per_step: int = Field(80, ge=1)
+    prompts_per_step: int = Field(80, ge=1, le=MAX_PROMPTS_PER_STEP)
     """Prompts per rollout batch (one optimizer step per batch)."""
-    n: int = Field(8, ge=1)
+    n: int = Field(8, ge=1, le=MAX_RESPONSES_PER_PROMPT)
     """Responses sampled per prompt."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of the rollout policy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus mass of the rollout policy."""
-    max_new_tokens: int = Field(1024, ge=1)
+    max_new_tokens: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Longest response."""
     stop: list[str] = ["</answer>"]
     """Strings that end a response (besides EOS); the stop string is kept in the response."""
@@ -163,16 +169,16 @@ class OptimizerConfig(_Strict):
     """AdamW betas."""
     eps: float = Field(1e-8, gt=0.0)
     """AdamW epsilon."""
-    warmup_steps: int = Field(14, ge=0)
+    warmup_steps: int = Field(14, ge=0, le=MAX_UPDATES)
     """Linear learning-rate warm-up, then constant."""
     grad_clip: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
 
 
 class Resources(_Strict):
-    cpus: float = Field(1.0, ge=0.0)
+    cpus: float = Field(1.0, ge=0.0, le=MAX_ACTOR_CPUS)
     """CPUs reserved per actor."""
-    gpus: float = Field(0.0, ge=0.0)
+    gpus: float = Field(0.0, ge=0.0, le=MAX_ACTOR_GPUS)
     """GPUs reserved per actor."""
     node_resource: str | None = None
     """Custom Ray resource each actor takes one unit of, pinning the pool to the nodes that
@@ -190,7 +196,7 @@ class VLLMSettings(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Share of its GPU's memory one engine takes for weights, activations and KV cache; engines sharing a GPU
     (pools with gpus < 1) need shares that sum to at most 1."""
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(256, ge=1, le=MAX_PROMPTS_PER_STEP)
     """Sequences one engine batches at a time (vLLM's continuous batching)."""
     enforce_eager: bool = False
     """Skip CUDA graph capture: faster start, slower decoding."""
@@ -199,13 +205,13 @@ class VLLMSettings(_Strict):
 
 
 class RolloutPool(Resources):
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Rollout workers, each owning one engine with the current student."""
     backend: Literal["transformers", "vllm"] = "transformers"
     """Inference engine of the rollout workers."""
     vllm: VLLMSettings = VLLMSettings()
     """The rollout workers' vLLM engines (backend vllm)."""
-    engine_groups: int = Field(32, ge=1)
+    engine_groups: int = Field(32, ge=1, le=MAX_PROMPTS_PER_STEP)
     """Rollout groups a vLLM worker feeds into its one engine at once: their sequences share vLLM's continuous
     batch (up to vllm.max_num_seqs) and each group is handed on as soon as its own sequences finish. 1 samples
     one group at a time: on a CPU, where a decode step costs in proportion to its batch, that keeps the teacher and
@@ -217,21 +223,21 @@ class RolloutPool(Resources):
 
 
 class TeacherPool(Resources):
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Initial teacher replicas (Ray Serve deployment)."""
-    min_replicas: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Autoscaling lower bound."""
-    max_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Autoscaling upper bound."""
-    max_batch_size: int = Field(8, ge=1)
+    max_batch_size: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
     """Requests (rollout shards) batched together per teacher forward."""
     target_queue_per_replica: float = Field(2.0, gt=0)
     """Autoscaling target: ongoing (queued + running) requests per replica before Serve adds one."""
-    upscale_delay_s: float = Field(5.0, ge=0)
+    upscale_delay_s: float = Field(5.0, ge=0, le=MAX_WAIT_S)
     """How long the queue must stay above target before a replica is added."""
-    downscale_delay_s: float = Field(60.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0, le=MAX_WAIT_S)
     """How long the queue must stay below target before a replica is removed."""
-    micro_batch_tokens: int = Field(16384, ge=1)
+    micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
     """Response tokens (responses x longest response) per teacher forward; the n responses of a prompt
     share its full-token prompt cache, computed once (each prompt's prefix in a forward of its own)."""
     payload_dtype: Literal["float16", "float32"] = "float32"
@@ -252,20 +258,20 @@ class TeacherPool(Resources):
 
 
 class LearnerPool(Resources):
-    ranks: int = Field(1, ge=1)
+    ranks: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Data-parallel learner ranks (DeepSpeed)."""
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage."""
-    micro_batch_tokens: int = Field(16384, ge=1)
+    micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
     """Padded tokens (sequences x longest reduced prompt + response) per forward/backward; a rank's share
     runs as several micro-batches accumulated into the update's one optimizer step, so activation memory
     follows this budget, not the share. A sequence longer than the budget runs alone."""
     activation_checkpointing: bool = False
     """Recompute each decoder and vision block in the backward instead of keeping its activations."""
-    sync_bucket_mb: float = Field(16.0, gt=0)
+    sync_bucket_mb: float = Field(16.0, gt=0, le=65_536)
     """Size of the flat buckets the weights are broadcast in (4-16 MB measured fastest on gloo; see bench_runtime).
     A bucket never splits a layer (vLLM fuses a layer's weights), so a layer larger than this gets its own."""
-    sync_timeout_s: float = Field(300.0, gt=0)
+    sync_timeout_s: float = Field(300.0, gt=0, le=MAX_WAIT_S)
     """A weight broadcast not finished in this time fails, naming the workers that did not answer."""
 
 
@@ -286,12 +292,17 @@ class ScheduleConfig(_Strict):
     are sampled by the weights of update t while the learners train on update t (one-step off-policy; the clipped
     importance weight corrects for the lag). The learners refuse a rollout staler than this. Deeper lags would
     only queue weight broadcasts behind busy workers, so they are not offered."""
-    group_prompts: int = Field(1, ge=1)
+    group_prompts: int = Field(1, ge=1, le=MAX_PROMPTS_PER_STEP)
     """Prompts per rollout group, the unit that streams: a group goes to the teacher and on to its learner rank as
     soon as it is sampled. Smaller: earlier hand-over; larger: bigger engine batches."""
-    wait_timeout_s: float = Field(1800.0, gt=0)
+    wait_timeout_s: float = Field(1800.0, gt=0, le=MAX_WAIT_S)
     """Longest wait on any actor (a rollout group, a teacher payload, a learner step, a checkpoint write); one that
     does not answer in time fails the run, naming the role and actor."""
+    liveness_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S)
+    """While the driver waits on an update, it pings the rollout workers still sampling it and the learner ranks
+    every few seconds (answered from a second thread while they work); one that dies is named at once, one that has
+    not answered for this long (a frozen process, a lost node) is named as stopped, with what it was doing, and the
+    run ends with the checkpoint `--resume` continues from."""
 
 
 class CheckpointConfig(_Strict):
@@ -301,9 +312,9 @@ class CheckpointConfig(_Strict):
     staging_dir: str | None = None
     """With `dir` a URI: the local folder (same path on every node) where outputs are written before they are
     uploaded; None: a folder under the system's temp dir."""
-    every_steps: int = Field(25, ge=1)
+    every_steps: int = Field(25, ge=1, le=MAX_UPDATES)
     """Checkpoint interval in optimizer steps."""
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, le=MAX_UPDATES)
     """Complete checkpoints kept on disk."""
 
 
@@ -316,7 +327,7 @@ class EvalConfig(_Strict):
 
     data: Annotated[str, AfterValidator(check_data_spec)] | None = None
     """Rows with reference answers (file, `synthetic:<n>`, `toy-<task>-test:<n>`); None: no evaluation."""
-    every_steps: int = Field(10, ge=1)
+    every_steps: int = Field(10, ge=1, le=MAX_UPDATES)
     """Evaluate after every this many optimizer steps (and after the last)."""
     budget_bps: int | None = Field(None, gt=0, le=BPS)
     """Visual budget of the evaluation; None: budget.target_bps."""
@@ -326,7 +337,7 @@ class EvalConfig(_Strict):
     """Before the first update of a fresh run, also evaluate `data` at full visual tokens (the reference a retain
     ratio divides by) and at the budget (the untrained student, the baseline training must beat); every later
     evaluation then prints its retain ratio."""
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Longest answer."""
     benchmarks: dict[BenchmarkName, str] = {}
     """Benchmark files scored with their own metric at the same budget and selectors (name -> file; see `lt-opd eval`)."""
@@ -339,7 +350,7 @@ class EvalConfig(_Strict):
 class MetricsConfig(_Strict):
     export_port: int = Field(8090, ge=1024, le=65535)
     """Prometheus export port of the Ray node (outside Ray's worker port range 10002-19999)."""
-    log_every: int = Field(1, ge=1)
+    log_every: int = Field(1, ge=1, le=MAX_UPDATES)
     """Terminal log interval in steps."""
 
     @model_validator(mode="after")

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .models.processor import InputError
+from .errors import InputError
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (235, 210, 40)}
 SHAPES = ("square", "circle")
+DATA_SUFFIXES = (".jsonl", ".parquet")  # the row files `load_samples` reads
+PREPARED_MANIFEST = "manifest.json"  # what marks a folder `lt-opd data` prepared (written last)
 MAX_QUESTION_CHARS = 65_536  # a question is a sentence or a page, never a document: longer is refused per row
 REQUIRED_FIELDS = ("sample_uid", "image", "question")
 
@@ -73,6 +76,12 @@ def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file not found")
+    if path.is_dir():
+        raise InputError(f"{path}: a folder without {PREPARED_MANIFEST}: give a JSONL or parquet file, or the folder `lt-opd data` wrote")
+    if path.suffix not in DATA_SUFFIXES:
+        raise InputError(f"{path}: a {path.suffix or 'suffix-less'} file; rows are read from {' or '.join(DATA_SUFFIXES)} files")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: data file not readable (permission denied)")
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -122,30 +131,61 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
         if isinstance(image, str):
             image = Path(image_root) / image
         samples.append(Sample(uid=uid, image=image, question=str(row["question"]), answer=row.get("answer")))
+    missing = [(number, sample.image) for (number, _), sample in zip(records, samples) if isinstance(sample.image, Path) and not sample.image.is_file()]
+    if missing:
+        shown = "; ".join(f"{where} {number}: {image}" for number, image in missing[:3])
+        raise InputError(f"{path}: {len(missing)} of {len(samples)} image file(s) not found under image_root {image_root}"
+                         f" ({shown}{'; ...' if len(missing) > 3 else ''})")
     return samples
+
+
+MAX_GENERATED_ROWS = 100_000  # synthetic and toy rows are drawn in memory at start: more is a typo, not a data set
+
+
+@dataclass(frozen=True)
+class GeneratedRows:
+    """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>]` or `toy-<task>[-test]:<n>`."""
+
+    kind: str  # "synthetic" or "toy-<task>[-test]"
+    count: int
+    size: tuple[int, int] | None = None  # (width, height) of synthetic images; None: 128 x 128
+
+    @property
+    def toy_task(self) -> str | None:
+        return self.kind.removeprefix("toy-").removesuffix("-test") if self.kind.startswith("toy-") else None
+
+
+def generated_rows(spec: str) -> GeneratedRows | None:
+    """The generated form `spec` names, or None for a file or folder (read later, with its own named errors);
+    a malformed generated form is an InputError saying the expected shape."""
+    kind, _, rest = spec.partition(":")
+    if kind != "synthetic" and not kind.startswith("toy-"):
+        return None
+    count, _, size = rest.partition("@")
+    if not count.isdigit() or not 1 <= int(count) <= MAX_GENERATED_ROWS:
+        raise InputError(f"{spec!r}: expected {kind}:<count from 1 to {MAX_GENERATED_ROWS:,}>")
+    width, _, height = size.partition("x")
+    if size and (kind != "synthetic" or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
+        raise InputError(f"{spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
+    rows = GeneratedRows(kind, int(count), (int(width), int(height)) if size else None)
+    if rows.toy_task is not None:
+        from .toy.tasks import toy_task
+
+        toy_task(rows.toy_task)  # a known task, or an InputError naming the known ones
+    return rows
 
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
     """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size),
     `toy-<task>:<n>` / `toy-<task>-test:<n>` (a toy task's training / held-out split, lt_opd_ray/toy),
     a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
-    kind, _, count = spec.partition(":")
-    if kind == "synthetic" or kind.startswith("toy-"):
-        count, _, size = count.partition("@")
-        if not count.isdigit() or int(count) < 1:
-            raise InputError(f"data {spec!r}: expected {kind}:<positive count>")
-        if size:
-            width, _, height = size.partition("x")
-            if kind != "synthetic" or not (width.isdigit() and height.isdigit() and int(width) >= 32 and int(height) >= 32):
-                raise InputError(f"data {spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
-            return [synthetic_sample(i, seed, (int(width), int(height))) for i in range(int(count))]
-        if kind.startswith("toy-"):
+    if (generated := generated_rows(spec)) is not None:
+        if generated.toy_task is not None:
             from .toy.tasks import toy_task
 
-            name = kind.removeprefix("toy-").removesuffix("-test")
-            return toy_task(name).samples(int(count), "test" if kind.endswith("-test") else "train")
-        return [synthetic_sample(i, seed) for i in range(int(count))]
-    if (Path(spec) / "manifest.json").exists():  # prepared by `lt-opd data`
+            return toy_task(generated.toy_task).samples(generated.count, "test" if generated.kind.endswith("-test") else "train")
+        return [synthetic_sample(i, seed, generated.size or 128) for i in range(generated.count)]
+    if (Path(spec) / PREPARED_MANIFEST).exists():
         from .prepare import read_prepared
 
         return read_prepared(spec)

@@ -93,12 +93,23 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
             _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
         _check_loadable(staging)
+    except OSError as exc:  # shutil.Error too: a full disk, a folder it may not write
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ExportError(f"writing {staging} failed ({_first_os_error(exc)}); nothing was left there") from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(staging, out_dir)
     return out_dir
+
+
+def _first_os_error(exc: OSError) -> str:
+    """What went wrong, in words: copytree gathers its per-file errors as (source, target, why) in a shutil.Error."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        source, _, why = exc.args[0][0]
+        return f"{why} (copying {source}; {len(exc.args[0])} file(s) failed)"
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
 
 
 def _steps(storage) -> list[int]:

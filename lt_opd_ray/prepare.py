@@ -32,7 +32,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-MANIFEST = "manifest.json"
+from .data import PREPARED_MANIFEST as MANIFEST
+from .errors import InputError
+
 PROGRESS = "progress.json"
 ROW_GROUP = 64
 
@@ -264,22 +266,31 @@ class ShardImage:
 
 
 def read_prepared(folder: str | Path):
-    """The samples of a prepared folder (images read lazily), in manifest order; shards are checked against it."""
+    """The samples of a prepared folder (images read lazily), in manifest order; shards are checked against it, and a
+    manifest or shard that does not read is an InputError naming it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from .data import Sample
-    from .models.processor import InputError
 
     folder = Path(folder)
-    manifest = json.loads((folder / MANIFEST).read_text())
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        shards = [(str(shard["file"]), int(shard["rows"])) for shard in manifest["shards"]]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{folder / MANIFEST}: not a manifest `lt-opd data` wrote ({type(exc).__name__}: {str(exc)[:120]});"
+                         " prepare the folder again") from None
     samples = []
-    for shard in manifest["shards"]:
-        path = folder / shard["file"]
-        if not path.exists():
-            raise InputError(f"{folder}: shard {shard['file']} named by the manifest is missing")
-        table = pq.read_table(path, columns=["sample_uid", "question", "answer"])
-        if table.num_rows != shard["rows"]:
-            raise InputError(f"{path}: {table.num_rows} rows, the manifest says {shard['rows']}")
+    for file, rows in shards:
+        path = folder / file
+        if not path.is_file():
+            raise InputError(f"{folder}: shard {file} named by the manifest is missing")
+        try:
+            table = pq.read_table(path, columns=["sample_uid", "question", "answer"])
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path}: not a readable shard ({str(exc).splitlines()[0][:160]}); prepare the folder again") from None
+        if table.num_rows != rows:
+            raise InputError(f"{path}: {table.num_rows} rows, the manifest says {rows}")
         for row, (uid, question, answer) in enumerate(zip(*(table.column(c).to_pylist() for c in ("sample_uid", "question", "answer")))):
             samples.append(Sample(uid=uid, image=ShardImage(str(path), row), question=question, answer=answer))
     return samples

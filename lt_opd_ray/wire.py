@@ -149,6 +149,13 @@ class TeacherPayload:
         return self.nbytes / max(int(self.lengths.sum()), 1)
 
 
+def payload_bytes_per_position(top_k: int, value_dtype: str) -> int:
+    """A TeacherPayload's bytes per response position: top-k int32 ids, their log-probs, and the log-probs at the
+    student's top-k ids plus the sampled token."""
+    value = 2 if value_dtype == "float16" else 4
+    return top_k * 4 + top_k * value + (top_k + 1) * value
+
+
 def pack_scores(scores: list[TeacherScore], value_dtype: str) -> TeacherPayload:
     dtype = np.float16 if value_dtype == "float16" else np.float32
     return TeacherPayload(

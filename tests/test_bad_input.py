@@ -8,7 +8,8 @@ from conftest import bomb_png, random_image
 
 from lt_opd_ray.data import load_samples, read_rows
 from lt_opd_ray.models.adapter import QwenVLM, UnsupportedArchitectureError
-from lt_opd_ray.models.processor import InputError, question_messages
+from lt_opd_ray.errors import InputError
+from lt_opd_ray.models.processor import question_messages
 from lt_opd_ray.selectors import SelectionInput, build_selector
 
 
@@ -92,7 +93,7 @@ def test_data_rows_report_file_and_line(tmp_path):
         read_rows(rows)
     with pytest.raises(InputError, match="data file not found"):
         read_rows(tmp_path / "nope.jsonl")
-    with pytest.raises(InputError, match="synthetic:<positive count>"):
+    with pytest.raises(InputError, match="expected synthetic:<count from 1 to 100,000>"):
         load_samples("synthetic:zero")
 
 
@@ -155,3 +156,50 @@ def test_prepare_refuses_an_out_that_is_a_file_or_a_full_folder_before_any_work(
     with pytest.raises(DataError, match="full is a folder that is not empty"):
         prepare(source, tmp_path / "full")
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine" and not (tmp_path / "full.incoming").exists()
+
+
+def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tmp_path, capsys):
+    """What `train` would stop on later (a folder as data, a file of another kind, a prepared folder whose manifest is
+    damaged, missing images, fewer rows than an update's prompts) and absurd sizes are named by `validate`."""
+    from lt_opd_ray.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny.yaml").read())
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "manifest.json").write_bytes(bytes(range(256)))
+    random_image(2).save(tmp_path / "a.png")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"sample_uid": u, "image": f"{u}.png", "question": "Q?"}) + "\n" for u in "abc"))
+    cases = {
+        f"data.path={tmp_path / 'folder'}": f"{tmp_path / 'folder'}: a folder without manifest.json",
+        f"data.path={tmp_path / 'a.png'}": f"{tmp_path / 'a.png'}: a .png file; rows are read from .jsonl or .parquet files",
+        f"data.path={tmp_path / 'prepared'}": f"{tmp_path / 'prepared' / 'manifest.json'}: not a manifest `lt-opd data` wrote",
+        f"data.image_root={tmp_path}": "2 of 3 image file(s) not found",
+        "sampling.n=1000000000": "sampling.n (--set): Input should be less than or equal to 1024",
+        "pools.rollout.workers=1000000": "pools.rollout.workers (--set): Input should be less than or equal to 4096",
+        "sampling.prompts_per_step=65": "sampling.prompts_per_step (65) is more than the 64 rows of data.path 'synthetic:64'",
+    }
+    for override, expected in cases.items():
+        extra = [f"data.path={tmp_path / 'rows.jsonl'}"] if "image_root" in override else []
+        assert main(["validate", str(job), "--set", override, *(f"--set={e}" for e in extra)]) == 1, override
+        err = capsys.readouterr().err
+        assert expected in err, (override, err)
+    assert main(["validate", str(job), "--schema-only", "--set", f"data.path={tmp_path / 'folder'}"]) == 0
+
+
+def test_train_refuses_before_ray_starts_with_one_line(tmp_path, capsys):
+    """A folder as data and a job that needs more CPUs than this machine: one line each, exit 2, no Ray started."""
+    import ray
+
+    from lt_opd_ray.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny.yaml").read().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}"))
+    (tmp_path / "folder").mkdir()
+    assert main(["train", str(job), "--set", f"data.path={tmp_path / 'folder'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: job 'tiny' cannot start:\n  {tmp_path / 'folder'}: a folder without manifest.json") and "Traceback" not in err
+    assert main(["train", str(job), "--set", "pools.rollout.workers=4000", "--set", "pools.rollout.cpus=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: job 'tiny' does not fit this machine (a local Ray cluster of its ") and "CPU: the pools need 4001.5 (rollout 4000" in err
+    assert not ray.is_initialized()

@@ -91,7 +91,7 @@ def test_damaged_checkpoints_are_passed_over_by_name_down_to_the_newest_intact_o
     target.write_bytes(bytes(data))
     tag, passed = store.choose()
     assert tag == "step-2"
-    assert passed == [f"step-3: {target}: SHA-256 differs from the manifest (the file was changed after it was written)"]
+    assert list(map(str, passed)) == [f"step-3: {target}: SHA-256 differs from the manifest (the file was changed after it was written)"]
 
     # a truncated optimizer file and a hand-edited driver state
     optimizer = sorted((folder / "step-2").glob("*optim_states.pt"))[0]
@@ -112,11 +112,26 @@ def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_
     job = small_job(tiny_dirs["qwen3_5"], folder)
     restored, logs = run_steps(job, 1, resume=True)
     assert isinstance(restored, Restored) and restored.tag == "step-2"
-    assert restored.passed_over == [f"step-3: {folder / 'step-3' / MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
+    assert list(map(str, restored.passed_over)) == [f"step-3: {folder / 'step-3' / MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
     assert logs[0].step == 2 and np.isfinite(logs[0].loss)
     # the resumed run wrote step-3 again as the same run: it prunes its own history (keep 3), nothing else
     assert (folder / "latest").read_text() == "step-3" and damage(folder / "step-3") is None
     assert Manifest.read(folder / "step-3").run_id == Manifest.read(folder / "step-1").run_id
+
+
+def test_a_resume_sets_a_damaged_newer_checkpoint_aside_and_prunes_by_age_not_step(finished, tmp_path, tiny_dirs):
+    """A run wrote step-5 and it was damaged (truncated optimizer); the resume takes step-3 and writes step-4. With
+    keep 2, pruning by step number would remove the intact step-3 and keep the damaged step-5."""
+    folder = copy_of(finished, tmp_path)
+    shutil.copytree(folder / "step-3", folder / "step-5")
+    optimizer = sorted((folder / "step-5").glob("*optim_states.pt"))[0]
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    (folder / "latest").write_text("step-5")
+    restored, _ = run_steps(small_job(tiny_dirs["qwen3_5"], folder, keep=2), 1, resume=True)
+    assert restored.tag == "step-3" and [p.tag for p in restored.passed_over] == ["step-5"]
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-3", "step-4", "step-5.damaged"]
+    assert (folder / "latest").read_text() == "step-4"
+    assert damage(folder / "step-3") is None and damage(folder / "step-4") is None
 
 
 def test_a_fresh_run_beside_a_finished_one_never_prunes_its_own_newest_checkpoint(finished, tmp_path, tiny_dirs):
@@ -149,7 +164,7 @@ def test_a_checkpoint_pickle_that_runs_code_is_refused_at_resume_and_export(fini
     job = small_job(tiny_dirs["qwen3_5"], folder)
     tag, passed = CheckpointStore(job).choose()
     assert tag == "step-2" and len(passed) == 1
-    assert f"{target}: refused, the file is not weights-only" in passed[0] and "posix.system" in passed[0]
+    assert f"{target}: refused, the file is not weights-only" in str(passed[0]) and "posix.system" in str(passed[0])
     with pytest.raises(ExportError, match="not exported, the checkpoint is damaged or untrusted: .*not weights-only"):
         export_student(job, tmp_path / "out", step=3)
     assert not marker.exists()
@@ -248,7 +263,7 @@ def test_an_unfinished_upload_is_passed_over_and_a_damaged_download_is_named(fin
         f.write(b"\x00" * 64)
     store = CheckpointStore(job)
     tag, passed = store.choose()
-    assert tag == "step-2" and passed == [f"step-3: {uri}/step-3/{MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
+    assert tag == "step-2" and list(map(str, passed)) == [f"step-3: {uri}/step-3/{MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
     storage = RunStorage(uri, str(tmp_path / "stage"))
     from lt_opd_ray.runtime.checkpoint import download
 

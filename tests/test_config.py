@@ -102,7 +102,7 @@ def test_not_yaml_and_not_a_mapping():
     ("optimizer: {lr: {language_model: .inf}}", "optimizer.lr.language_model", "finite number"),
     ("sampling: {temperature: .inf}", "sampling.temperature", "finite number"),
     ("pools: {rollout: {cpus: .inf}}", "pools.rollout.cpus", "finite number"),
-    ("eval: {data: 'synthetic:0'}", "eval.data", "'synthetic:0': expected synthetic:<count of at least 1>"),
+    ("eval: {data: 'synthetic:0'}", "eval.data", "'synthetic:0': expected synthetic:<count from 1 to 100,000>"),
     ("eval: {data: 'synthetic:4@8x8'}", "eval.data", "sides of at least 32 pixels"),
 ])
 def test_values_that_would_fail_later_are_refused_by_validate(extra, where, reason):

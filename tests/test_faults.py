@@ -95,6 +95,42 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
     assert_same_weights(run_to_end(resumed), uninterrupted)
 
 
+@pytest.mark.parametrize("frozen", ["rollout-0", "learner-1"])
+def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_on_it(cluster, tiny_dirs, tmp_path, frozen):
+    """`kill -STOP`: the process lives but answers nothing. The learners wait on the frozen worker's groups (or the
+    other rank on the frozen one in a collective); the error names the frozen actor within the liveness bound."""
+    job = fault_job(tiny_dirs["qwen3_5"], tmp_path, f"freeze-{frozen}", extra="schedule: {liveness_timeout_s: 8}")
+    driver = Driver(job)
+    try:
+        driver.run_step()
+        role, index = frozen.split("-")
+        actor = driver.rollouts.workers[int(index)] if role == "rollout" else driver.learners.actors[int(index)]
+        pid = ray.get(actor.pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        begin = time.monotonic()
+        try:
+            with pytest.raises(NoAnswerError) as info:
+                driver.run_step()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - begin < 8 + 30
+        doing = "sampling prompts 0-0, 1-1 of update 1" if role == "rollout" else "learner step of update 1"
+        assert str(info.value).startswith(f"{frozen} stopped answering while {doing}; last answer "), info.value
+    finally:
+        driver.shutdown()
+
+
+def test_a_rollout_worker_killed_inside_an_update_is_named_not_a_learner(cluster, tiny_dirs, tmp_path):
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-kill"))
+    try:
+        driver.run_step()
+        os.kill(ray.get(driver.rollouts.workers[0].pid.remote()), signal.SIGKILL)
+        with pytest.raises(RoleDiedError, match=r"^rollout-0 died while (sampling prompts|in use)"):
+            driver.run_step()
+    finally:
+        driver.shutdown()
+
+
 def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, tmp_path, monkeypatch):
     import lt_opd_ray.runtime.driver as driver_module
 

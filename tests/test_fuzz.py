@@ -21,7 +21,8 @@ from conftest import bomb_png
 from lt_opd_ray.config import JobConfig, JobConfigError, load_job, parse_job
 from lt_opd_ray.data import read_rows
 from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
-from lt_opd_ray.models.processor import ImageError, InputError, decode_image
+from lt_opd_ray.errors import InputError
+from lt_opd_ray.models.processor import ImageError, decode_image
 from lt_opd_ray.prepare import DataError, prepare
 from test_benchmarks import fixture
 

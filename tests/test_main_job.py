@@ -108,6 +108,36 @@ def test_sigterm_stops_after_the_update_in_progress_with_a_checkpoint(tmp_path):
     assert not raylets() - before, "the run left its Ray processes behind"
 
 
+def test_one_run_per_folder_and_a_resume_right_after_a_sigkilled_driver(tmp_path):
+    """While a run holds its folder a second run into it is refused by name (exit 2, before Ray starts); once its
+    driver is SIGKILLed, an immediate `--resume` takes the lock over, stops the dead run's local Ray cluster (whose
+    dashboard agent would hold the metrics port for a minute) and continues from the checkpoint."""
+    import signal
+
+    text = (REPO / "jobs/train_tiny.yaml").read_text().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}").replace("every_steps: 4", "every_steps: 1")
+    (tmp_path / "job.yaml").write_text(text)
+    env = {"LT_OPD_CACHE": str(tmp_path / "cache")}
+    first = subprocess.Popen([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml")], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+    output = []
+    try:
+        for line in first.stdout:
+            output.append(line)
+            if "step    2/12" in line:
+                break
+        second = run([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml"), "--resume", "--steps", "1"], env=env)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"error: {tmp_path / 'run'} is in use by another run (lt-opd train tiny, pid {first.pid} on " in second.stderr
+        assert "Traceback" not in second.stderr
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        first.kill()
+    resumed = run([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml"), "--resume", "--steps", "1"], env=env, timeout=600)
+    assert resumed.returncode == 0, "".join(output)[-2000:] + resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and len(step_lines(resumed.stdout)) == 1
+
+
 def test_reference_flag_runs_the_single_process_update(tmp_path):
     out = run([str(BIN / "lt-opd"), "train", "jobs/train_tiny.yaml", "--steps", "2", "--reference"], env={"LT_OPD_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -104,7 +104,8 @@ def test_the_shipped_circles_teacher_was_trained_by_its_recipe_on_this_task_code
 
 
 def test_toy_data_specs_name_the_task_and_the_split():
-    from lt_opd_ray.data import InputError, load_samples
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.errors import InputError
 
     assert [s.uid for s in load_samples("toy-sizes-test:3")] == [f"sizes-test-0-{i}" for i in range(3)]
     assert load_samples("toy-board:2")[1].uid == "board-train-0-1"

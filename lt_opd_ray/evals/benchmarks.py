@@ -73,6 +73,8 @@ class Benchmark(abc.ABC):
         path = Path(path)
         if not path.exists():
             raise BenchmarkError(f"{path}: benchmark file not found")
+        if not path.is_file():
+            raise BenchmarkError(f"{path}: a folder, not a benchmark file")
         problems = _Problems(path)
         try:
             items = self._read(path, problems)

@@ -20,11 +20,9 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
+
 TEXT, IMAGE = 0, 1  # mm_token_type_ids values, as the Qwen processors use them
-
-
-class InputError(ValueError):
-    """A sample that cannot be turned into model inputs; the message names the sample and the field."""
 
 
 @dataclass

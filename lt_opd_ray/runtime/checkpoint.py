@@ -42,12 +42,23 @@ IN_FLIGHT = "in_flight.pt"
 DRIVER_STATE = "driver_state.json"
 
 
+@dataclass(frozen=True)
+class PassedOver:
+    """A checkpoint a resume did not take, and why."""
+
+    tag: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.tag}: {self.why}"
+
+
 @dataclass
 class Restored:
     tag: str
     state: dict  # step, cursor
     in_flight: list[RolloutGroup]
-    passed_over: list[str] = field(default_factory=list)  # newer checkpoints found damaged, each with why
+    passed_over: list[PassedOver] = field(default_factory=list)  # newer checkpoints found damaged (set aside as <tag>.damaged)
 
 
 class CheckpointStore:
@@ -113,17 +124,32 @@ class CheckpointStore:
         shutil.rmtree(self.root / tag, ignore_errors=True)  # the manifest's local copy
 
     def _prune(self, newest: str) -> None:
-        """This run's checkpoints beyond the newest `keep`; never `newest`, never another run's."""
+        """This run's checkpoints beyond the `keep` written last; never `newest`, never another run's. Ordered by
+        when each was written, not by step: after a resume from step-8, step-9 is newer than a step-12 of the
+        branch the resume left (which it set aside as damaged anyway)."""
         own = []
         for tag in self._step_tags():
             try:
-                if self._manifest(tag).run_id == self.run_id:
-                    own.append(tag)
+                manifest = self._manifest(tag)
             except CheckpointError:
                 continue  # not ours to judge: an unfinished or foreign folder stays
-        for old in own[: -self.job.checkpoint.keep]:
+            if manifest.run_id == self.run_id:
+                own.append((manifest.written_at, tag))
+        for _, old in sorted(own)[: -self.job.checkpoint.keep]:
             if old != newest:
                 self.storage.delete(old)
+
+    def _settle(self, chosen: str, passed_over: list[PassedOver]) -> None:
+        """After a resume took `chosen`: each damaged checkpoint it passed over is renamed `<tag>.damaged` (kept for
+        a post-mortem, never chosen, pruned or overwritten again) and `latest` names `chosen`."""
+        for passed in passed_over:
+            if self.storage.is_dir(passed.tag):
+                aside, n = f"{passed.tag}.damaged", 1
+                while self.storage.is_dir(aside):
+                    aside, n = f"{passed.tag}.damaged-{n}", n + 1
+                self.storage.rename(passed.tag, aside)
+        if self._pointer() != chosen:
+            self.storage.write_text("latest", chosen)
 
     # ------------------------------------------------------------------ reading
     def _step_tags(self) -> list[str]:
@@ -142,7 +168,7 @@ class CheckpointStore:
         tag = self._pointer()
         return tag if tag and self.storage.read_text(f"{tag}/{MANIFEST}") is not None else None
 
-    def choose(self) -> tuple[str | None, list[str]]:
+    def choose(self) -> tuple[str | None, list[PassedOver]]:
         """(the checkpoint to resume: the one `latest` names when intact, else the newest intact one; the ones
         passed over, each with why). Raises CheckpointError, naming each candidate's damage, when none is intact."""
         pointer = self._pointer()
@@ -156,9 +182,9 @@ class CheckpointStore:
                 why = remote_damage(self.storage, tag) if self.storage.remote else damage(self.root / tag)
             if why is None:
                 return tag, passed_over
-            passed_over.append(f"{tag}: {why}")
+            passed_over.append(PassedOver(tag, why))
         if passed_over:
-            raise CheckpointError(f"no intact checkpoint in {self.storage.describe()} to resume from:\n  " + "\n  ".join(passed_over))
+            raise CheckpointError(f"no intact checkpoint in {self.storage.describe()} to resume from:\n  " + "\n  ".join(map(str, passed_over)))
         return None, []
 
     def _written_at(self, tag: str) -> float:
@@ -167,7 +193,7 @@ class CheckpointStore:
         except CheckpointError:  # no manifest to ask: when the folder was last changed (0 in remote storage)
             return 0.0 if self.storage.remote else (self.root / tag).stat().st_mtime
 
-    def restore(self, learners, tag: str, passed_over: list[str]) -> Restored:
+    def restore(self, learners, tag: str, passed_over: list[PassedOver]) -> Restored:
         """Checkpoint `tag` (from `choose`) loaded into the learners, with its driver state and in-flight rollouts."""
         folder = self.root / tag
         if self.storage.remote:  # each node downloads it (and checks every file's SHA-256); the driver its own files
@@ -185,6 +211,7 @@ class CheckpointStore:
         if self.storage.remote:
             learners.on_each_node("discard", str(self.root / tag), what=f"removing the local copy of {tag}")
             shutil.rmtree(folder, ignore_errors=True)
+        self._settle(tag, passed_over)
         return Restored(tag, state, [from_plain(group) for group in kept], passed_over)
 
 

@@ -21,20 +21,20 @@ import ray
 
 from ..config import BPS, JobConfig
 from ..curriculum import BudgetSchedule
-from ..data import Sample, load_samples
-from ..evals.benchmarks import benchmark
+from ..data import Sample
+from ..job_inputs import read_job_inputs
 from ..models.loading import check_checkpoint_names, resolve_model_dir
 from ..train_loop import batches
 from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch, SyncResult, busy_seconds
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
-from .resources import InsufficientResourcesError, autoscaling_note, check_resources
+from .resources import InsufficientResourcesError, autoscaling_note, check_memory, check_resources
 from .rollout_pool import GroupRef, RolloutPool
 from .storage import RunStorage, StorageError
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
-from .waits import NoAnswerError
+from .waits import NoAnswerError, Watched
 
 # The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
 REPLICA_COUNT_MAX_AGE_S = 10.0
@@ -93,6 +93,7 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
 
     cluster = ray.cluster_resources()
     attempt(lambda: check_resources(job, cluster))
+    attempt(lambda: check_memory(job, cluster))
     if note := autoscaling_note(job, cluster):
         print(note, flush=True)
     attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
@@ -100,14 +101,13 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     if model_dir is not None:
         attempt(lambda: check_checkpoint_names(model_dir))
         attempt(lambda: check_token_merge(job, model_dir))
-    samples = attempt(lambda: load_samples(job.data.path, job.data.image_root, job.seed))
-    benchmarks = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
-    eval_samples = attempt(lambda: load_samples(job.eval.data, job.data.image_root, job.seed)) if job.eval.data else None
+    inputs, input_problems = read_job_inputs(job)
+    problems += input_problems
     problems += [f"tracking.backends names {name!r} but {name} is not installed: pip install 'lt-opd-ray[tracking]'"
                  for name in job.tracking.backends if importlib.util.find_spec(name) is None]
     if problems:
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
-    return samples, benchmarks, eval_samples
+    return inputs.samples, inputs.benchmarks, inputs.eval_samples
 
 
 def check_token_merge(job: JobConfig, model_dir) -> None:
@@ -174,7 +174,7 @@ class Driver:
         training = self.learners.async_train_step(current.batch, current.groups, current.payloads, self.rollouts.names, update, scoring)
         if self.job.schedule.max_staleness and update + 1 < self.job.budget.total_steps:
             self.next = self.submit(update + 1)  # sampled by weights v(update) while the learners train on update
-        ranks = self.learners.wait(training, f"learner step of update {update}")
+        ranks = self.learners.wait(training, f"learner step of update {update}", upstream=self.samplers(current))
         for _ in range(sum(r.teacher_retries for r in ranks)):
             self.metrics.record_restart("teacher")
         self.step += 1
@@ -260,6 +260,30 @@ class Driver:
         ]
         payloads = self.teacher.async_score(samples_ref, groups)
         return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups, payloads)
+
+    def samplers(self, flight: InFlight) -> list[Watched]:
+        """The rollout workers of `flight`'s groups, each watched while any of its groups is still being sampled."""
+        groups: dict[int, list[GroupRef]] = {}
+        for group in flight.groups:
+            groups.setdefault(group.worker, []).append(group)
+
+        def sampled(group: GroupRef) -> bool:
+            if not ray.wait([group.summary], timeout=0)[0]:
+                return False
+            try:
+                ray.get(group.summary)
+                return True
+            except ray.exceptions.RayError:  # its worker died on it
+                return False
+
+        def doing(mine: list[GroupRef]):
+            def now() -> str | None:
+                unfinished = [g for g in mine if not sampled(g)]
+                return (f"sampling prompts {', '.join(f'{g.start}-{g.stop - 1}' for g in unfinished)} of update {flight.update}"
+                        if unfinished else None)
+            return now
+
+        return [Watched(self.rollouts.names[w], self.rollouts.workers[w].ready.remote, doing(mine)) for w, mine in groups.items()]
 
     def group_workers(self, flight: InFlight) -> list[str]:
         return [self.rollouts.names[g.worker] for g in flight.groups]

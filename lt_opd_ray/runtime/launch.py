@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 from ..config import JobConfig
-from .resources import pool_demands
+from .resources import check_local_machine, machine_cpus
+from .run_lock import RunLock
 from .storage import RUN_RECORD, RunStorage
-from .waits import RoleDiedError
+from .waits import NoAnswerError, RoleDiedError
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
 WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -23,8 +24,9 @@ LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform == "linux" else {}
 def init_ray(job: JobConfig, address: str | None = None) -> None:
     """Join the cluster in RAY_ADDRESS / `address` (as under `ray job submit`), else start a local one.
 
-    A local cluster declares as many logical CPUs as the pools reserve, so the
-    whole system runs on a 2-core laptop (the actors then share the cores).
+    A local cluster declares this machine's CPUs, and a job whose pools reserve more is refused before it starts
+    (InsufficientResourcesError naming the shortfall); the laptop jobs reserve fractions of a core (cpus: 0.5), so
+    the whole system runs on 2 cores.
     """
     import logging
 
@@ -35,8 +37,8 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)  # the job's runtime env applies
         return
-    demand = pool_demands(job)
-    cpus = max(os.cpu_count() or 1, int(sum(d["CPU"] for d in demand.values()) + 0.999))
+    cpus = machine_cpus()
+    check_local_machine(job, cpus)
     os.environ.update(LOCAL_ENV)
     ray.init(
         address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine
@@ -109,13 +111,23 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     import ray
 
-    claim_run_folder(job.checkpoint.dir, resume, force, job.checkpoint.staging_dir)
-    begin = time.perf_counter()
-    init_ray(job, address)
+    from ..job_inputs import read_job_inputs
+    from .driver import PreflightError
+
+    if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
+        raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
+    lock = RunLock.acquire(RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).local, f"lt-opd train {job.name}")
     try:
-        return run(job, steps, resume, ray_seconds=time.perf_counter() - begin)
+        claim_run_folder(job.checkpoint.dir, resume, force, job.checkpoint.staging_dir)
+        begin = time.perf_counter()
+        init_ray(job, address)
+        lock.record_ray()  # a successor after a kill stops this local cluster before it starts its own
+        try:
+            return run(job, steps, resume, ray_seconds=time.perf_counter() - begin)
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        lock.release()
 
 
 class StopRequest:
@@ -147,7 +159,7 @@ def start_history(driver, storage: RunStorage, resume: bool) -> Path:
     step_file = storage.local / "steps.jsonl"
     if driver.restored is not None:
         for line in driver.restored.passed_over:
-            tqdm.write(f"passed over a damaged checkpoint: {line}")
+            tqdm.write(f"passed over a damaged checkpoint (kept as {line.tag}.damaged): {line}")
         tqdm.write(f"resuming from {storage.describe(driver.restored.tag)} (update {driver.step})")
         if storage.get("steps.jsonl"):
             kept = [line for line in step_file.read_text().splitlines() if _logged_step(line) < driver.step]
@@ -234,10 +246,10 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
         else:  # stopped by --steps: the last update is always kept, whatever checkpoint.every_steps says
             where = driver.checkpoint()
             tqdm.write(f"stopped after update {driver.step} of {total} (--more-updates): checkpoint {where}; `--resume` continues from it")
-    except RoleDiedError as exc:
+    except (RoleDiedError, NoAnswerError) as exc:
         latest = driver.checkpoints.latest()
         where = f"`--resume` continues from {driver.checkpoints.storage.describe(latest)}" if latest else "no checkpoint yet: start it again"
-        raise RoleDiedError(f"{exc}; the run stopped after update {driver.step}; {where}") from exc
+        raise type(exc)(f"{exc}; the run stopped after update {driver.step}; {where}") from exc
     finally:
         stop.restore()
         if trackers is not None:

@@ -17,7 +17,7 @@ from ..config import JobConfig
 from ..wire import ActorPlacement, LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
 from .rollout_pool import CONTROL
 from .storage import RunStorage
-from .waits import RoleDiedError, wait_for, wait_one
+from .waits import RoleDiedError, Watched, wait_for, wait_one, wait_watched
 
 FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
 TEACHER_RETRIES = 2  # a scoring request is sent again at most this often when its replica dies
@@ -46,6 +46,11 @@ class LearnerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def alive(self) -> float:
+        """The liveness ping: answered from the control thread while a step runs; a frozen process does not answer."""
+        return time.time()
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -274,14 +279,18 @@ class LearnerGroup:
         total = len(batch) * self.job.sampling.n
         return [a.train_step.remote(own, mine, total, version, scoring) for a, own, mine in zip(self.actors, own_samples, work)]
 
-    def wait(self, refs: list, what: str) -> list:
-        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer). A rank that
-        died is named in a RoleDiedError: a ZeRO group cannot go on without one of its ranks."""
+    def wait(self, refs: list, what: str, upstream: list[Watched] = ()) -> list:
+        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer). While it
+        waits, the ranks and the `upstream` actors they wait on (rollout workers) are pinged: one that dies or stops
+        answering is named (waits.wait_watched). A rank that died is named in a RoleDiedError: a ZeRO group cannot go
+        on without one of its ranks."""
+        names = [f"learner-{r}" for r in range(len(refs))]
+        ranks = [Watched(name, actor.alive.remote, lambda: what) for name, actor in zip(names, self.actors)]
         try:
-            return wait_for(refs, [f"learner-{r}" for r in range(len(refs))], self.job.schedule.wait_timeout_s, what)
+            return wait_watched(refs, names, self.job.schedule.wait_timeout_s, what, [*upstream, *ranks], self.job.schedule.liveness_timeout_s)
         except ray.exceptions.RayActorError as exc:
-            dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == exc.actor_id]
-            raise RoleDiedError(f"{dead[0] if dead else 'a learner rank'} died while {what}") from exc
+            dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == getattr(exc, "actor_id", None)]
+            raise RoleDiedError(f"{dead[0] if dead else 'an actor'} died while {what}") from exc
 
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         """Each rank's [start, stop) of an update's prompts."""

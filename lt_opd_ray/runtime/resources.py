@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from ..config import JobConfig
+from ..wire import payload_bytes_per_position
 
 
 class InsufficientResourcesError(RuntimeError):
@@ -42,6 +45,23 @@ def check_resources(job: JobConfig, cluster: dict[str, float]) -> None:
         )
 
 
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one: a container's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_local_machine(job: JobConfig, cpus: int) -> None:
+    """Before a local cluster starts: the pools' CPUs and custom resources against this machine (which has `cpus`
+    CPUs and no custom resource), so a job sized for a cluster is refused at once, naming the shortfall, instead of
+    Ray being asked for actors it can never place. GPUs are checked once Ray has detected them (preflight)."""
+    demands = {pool: {r: amount for r, amount in demand.items() if r != "GPU"} for pool, demand in pool_demands(job).items()}
+    if problems := shortfalls(demands, {"CPU": float(cpus)}):
+        raise InsufficientResourcesError(
+            f"job {job.name!r} does not fit this machine (a local Ray cluster of its {cpus} CPUs): " + "; ".join(problems)
+            + ". Lower the pools' cpus (fractions such as 0.5 share a core) or size, or run on a cluster (--address, RAY_ADDRESS)"
+        )
+
+
 def autoscaling_note(job: JobConfig, cluster: dict[str, float]) -> str | None:
     """A line for the start-up output when the teacher cannot autoscale to max_replicas on this cluster."""
     teacher = job.pools.teacher
@@ -66,3 +86,26 @@ def shortfalls(demands: dict[str, dict[str, float]], cluster: dict[str, float]) 
             parts = ", ".join(f"{pool} {d[resource]:g}" for pool, d in demands.items() if d.get(resource))
             problems.append(f"{resource}: the pools need {need:g} ({parts}) but the cluster has {have:g}, short by {need - have:g}")
     return problems
+
+
+def payload_bytes_in_flight(job: JobConfig) -> int:
+    """The most teacher-payload bytes the object store holds at once: every response of the updates in flight
+    (1 + max_staleness) at max_new_tokens positions (payloads dwarf the rollouts' token ids)."""
+    s = job.sampling
+    positions = (1 + job.schedule.max_staleness) * s.prompts_per_step * s.n * s.max_new_tokens
+    return positions * payload_bytes_per_position(job.objective.top_k, job.pools.teacher.payload_dtype)
+
+
+def check_memory(job: JobConfig, cluster: dict[str, float]) -> None:
+    """Refuse a job whose updates in flight need more object-store memory than the cluster has (Ray's
+    `object_store_memory`, summed over its nodes), naming the fields that set the size."""
+    need, have = payload_bytes_in_flight(job), cluster.get("object_store_memory", 0.0)
+    if need > have:
+        s = job.sampling
+        raise InsufficientResourcesError(
+            f"job {job.name!r} needs up to {need / 1e9:.1f} GB of teacher payloads in flight (sampling.prompts_per_step"
+            f" {s.prompts_per_step} x n {s.n} x max_new_tokens {s.max_new_tokens} x {1 + job.schedule.max_staleness} update(s),"
+            f" {payload_bytes_per_position(job.objective.top_k, job.pools.teacher.payload_dtype)} B per position at objective.top_k"
+            f" {job.objective.top_k}) but the cluster's object store holds {have / 1e9:.1f} GB: lower those sizes, set"
+            " pools.teacher.payload_dtype: float16, or give the cluster more memory"
+        )

@@ -21,13 +21,14 @@ import ray
 
 from ..config import JobConfig
 from ..wire import ActorPlacement, BenchmarkResult, EvalResult, RolloutGroup, RolloutSummary, Stopwatch, WeightsReceived
-from .waits import wait_for
+from .waits import RoleDiedError, wait_for
 
 
 # A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
 # every other call runs one at a time, in order, in the default group, but the rollout groups of a vLLM worker:
 # they run on threads of their own ("sampling"), all feeding one engine (engines/vllm_loop.py).
 CONTROL = {"control": 1}
+REPLACE_ATTEMPTS = 3  # replacements of one worker started in a row before the run gives up on it
 
 
 def concurrency_groups(job: JobConfig) -> dict[str, int]:
@@ -238,6 +239,14 @@ class RolloutPool:
             ray.kill(worker)
 
     def replace(self, index: int) -> None:
-        ray.kill(self.workers[index], no_restart=True)
-        self.workers[index] = self._spawn(self.names[index])
-        self.wait([self.workers[index].ready.remote()], [self.names[index]], "starting a replacement rollout worker")
+        """A new worker in place of `index` (dead or stuck), started at most REPLACE_ATTEMPTS times when a
+        replacement dies in turn; then one RoleDiedError naming it."""
+        for attempt in range(1, REPLACE_ATTEMPTS + 1):
+            ray.kill(self.workers[index], no_restart=True)
+            self.workers[index] = self._spawn(self.names[index])
+            try:
+                self.wait([self.workers[index].ready.remote()], [self.names[index]], "starting a replacement rollout worker")
+                return
+            except ray.exceptions.RayActorError as exc:
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        raise RoleDiedError(f"{self.names[index]}: {REPLACE_ATTEMPTS} replacements in a row died while starting (last: {reason})")

@@ -17,6 +17,7 @@ is checked after a download, by the node that downloaded.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import tempfile
@@ -182,6 +183,16 @@ class RunStorage:
             self.fs.delete_dir(self._path(rel))
         else:
             shutil.rmtree(self.local / rel, ignore_errors=True)
+
+    def rename(self, rel: str, to: str) -> None:
+        """Folder `rel` renamed `to` inside the run folder (object stores: copied, then removed)."""
+        if not self.remote:
+            os.replace(self.local / rel, self.local / to)
+            return
+        import pyarrow.fs as pafs
+
+        pafs.copy_files(self._path(rel), self._path(to), source_filesystem=self.fs, destination_filesystem=self.fs, use_threads=True)
+        self.fs.delete_dir(self._path(rel))
 
     def move_aside(self, suffix: str) -> str:
         """Move the whole run folder to a sibling named `<name><suffix>` (nothing deleted); returns where."""

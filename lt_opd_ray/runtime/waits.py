@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 
@@ -31,3 +33,65 @@ def wait_for(refs: list, names: list[str], timeout_s: float, what: str, error: t
 
 def wait_one(ref, name: str, timeout_s: float, what: str):
     return wait_for([ref], [name], timeout_s, what)[0]
+
+
+LIVENESS_TICK_S = 5.0  # how often a watched wait pings the actors it depends on
+
+
+@dataclass
+class Watched:
+    """An actor a wait depends on: `ping()` starts a call it answers from its control thread while its long call
+    runs; `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged)."""
+
+    name: str
+    ping: Callable[[], object]  # () -> ObjectRef
+    doing: Callable[[], str | None]
+
+
+def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watched: list[Watched], liveness_s: float) -> list:
+    """`wait_for`, and while it waits every watched actor is pinged each LIVENESS_TICK_S: one that died is named in
+    a RoleDiedError, one that has not answered for `liveness_s` in a NoAnswerError, each with what it was doing,
+    instead of the actors waiting downstream of it being named when the bound runs out."""
+    now = time.monotonic()
+    deadline = now + timeout_s
+    last = {w.name: now for w in watched}
+    pings = {w.name: w.ping() for w in watched}
+    pending = list(dict.fromkeys(refs))
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(LIVENESS_TICK_S, deadline - time.monotonic())))
+        try:
+            ray.get(ready)  # a call that failed raises at once
+        except ray.exceptions.RayActorError:  # its own actor died, or one it waited on: name the one that did
+            dead = _first_dead(watched, pings)
+            if dead is not None:
+                raise RoleDiedError(f"{dead.name} died while {dead.doing() or 'in use'} ({what} waited on it)") from None
+            raise
+        now = time.monotonic()
+        for w in watched:
+            if (doing := w.doing()) is None:
+                continue
+            if ray.wait([pings[w.name]], timeout=0)[0]:
+                try:
+                    ray.get(pings[w.name])
+                except ray.exceptions.RayActorError as exc:
+                    raise RoleDiedError(f"{w.name} died while {doing} ({what} waited on it)") from exc
+                last[w.name], pings[w.name] = now, w.ping()
+            elif now - last[w.name] > liveness_s:
+                raise NoAnswerError(f"{w.name} stopped answering while {doing}; last answer {now - last[w.name]:.0f} s ago"
+                                    f" (schedule.liveness_timeout_s {liveness_s:g}; {what} waited on it)")
+        if pending and now >= deadline:
+            late = sorted({name for ref, name in zip(refs, names) if ref in pending})
+            raise NoAnswerError(f"{what}: no answer after {timeout_s:.0f} s from {', '.join(late)}")
+    return ray.get(refs)
+
+
+def _first_dead(watched: list[Watched], pings: dict, timeout_s: float = LIVENESS_TICK_S) -> Watched | None:
+    """The first watched actor whose ping fails as a dead actor's does (each given up to `timeout_s`)."""
+    for w in watched:
+        try:
+            ray.get(pings[w.name], timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return w
+        except ray.exceptions.GetTimeoutError:
+            continue
+    return None

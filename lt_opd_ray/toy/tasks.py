@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..data import InputError, Sample
+from ..data import Sample
+from ..errors import InputError
 
 TILE = 32  # pixels per merged visual token at Qwen's 16 px patches and 2 x 2 merge
 COLOURS = {

@@ -1,0 +1,170 @@
+"""One run per folder: the driver holds `.<name>.lock` beside its run folder `<name>` from its first step to its
+last (beside it, not in it: `--force` moves an earlier run's folder aside under the lock).
+
+The lock is created atomically (O_CREAT | O_EXCL) and names its holder: host, pid, the process's start time (so a
+reused pid is not mistaken for the holder) and, once its local Ray cluster is up, that cluster's process ids. A
+driver refreshes the file's mtime every HEARTBEAT_S. A lock whose holder is gone is taken over: on the same host when
+the pid no longer runs that process, from any host when the heartbeat is older than STALE_S. A killed driver's local
+Ray cluster outlives it by a minute or more (its dashboard agent holding the metrics port), so the run that takes
+over its lock stops those processes first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+HEARTBEAT_S = 10.0
+STALE_S = 60.0  # six missed heartbeats
+
+
+class RunLockedError(RuntimeError):
+    """Another live run holds the folder."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), None where it does not run or cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    if started is not None and Path("/proc").is_dir():
+        return _start_time(pid) == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    def __init__(self, folder: Path, record: dict):
+        self.folder = Path(folder)
+        self.path = self.folder.parent / f".{self.folder.name}.lock"
+        self.record = record
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
+
+    @classmethod
+    def acquire(cls, folder: str | Path, purpose: str) -> RunLock:
+        """Hold `folder` for this process, taking over a dead holder's lock; RunLockedError naming a live one."""
+        folder = Path(folder).resolve()
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        pid = os.getpid()
+        record = {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid), "purpose": purpose,
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ray_pids": []}
+        lock = cls(folder, record)
+        for _ in range(3):  # a dead holder's lock is removed, then the create is tried again
+            try:
+                handle = os.open(lock.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                lock._take_over_if_dead()
+                continue
+            with os.fdopen(handle, "w") as out:
+                json.dump(record, out)
+            lock._beat.start()
+            return lock
+        raise RunLockedError(f"{lock.path}: could not be claimed (another run keeps creating it)")
+
+    def _take_over_if_dead(self) -> None:
+        try:
+            held = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return  # released meanwhile
+        except (OSError, ValueError):
+            held, age = {}, STALE_S + 1  # a lock cut short as it was written: judged by age alone
+        same_host = held.get("host") == socket.gethostname()
+        if same_host and isinstance(held.get("pid"), int):
+            dead = not _alive(held["pid"], held.get("started"))
+        else:
+            dead = age > STALE_S
+        if not dead:
+            where = f"pid {held.get('pid')} on {held.get('host')}" if held else "another process"
+            raise RunLockedError(
+                f"{self.folder} is in use by another run ({held.get('purpose', 'lt-opd')}, {where}, since {held.get('since', '?')}):"
+                " one run per folder; wait for it, stop it, or set checkpoint.dir to another folder"
+            )
+        if same_host:
+            self._stop_ray_of(held)
+        self.path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _stop_ray_of(held: dict) -> None:
+        """The dead driver's local Ray cluster (its pids, each checked to still run from the Ray package): SIGKILL, then
+        wait until they are gone, so its ports are free for this run."""
+        ray_package = _ray_package()
+        pids = [pid for pid in held.get("ray_pids", []) if ray_package and ray_package in _cmdline(pid)]
+        pids += _children(pids)  # the raylet's dashboard agent (the metrics port) and its workers
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 10.0
+        while any(_cmdline(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def record_ray(self) -> None:
+        """Add this process's local Ray cluster (GCS, raylet, dashboard agent, ...) to the lock, for a successor."""
+        import ray
+
+        node = getattr(ray._private.worker, "_global_node", None)  # set only where this process started the cluster
+        if node is None:
+            return
+        self.record["ray_pids"] = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None]
+        staged = self.path.with_name(self.path.name + ".tmp")
+        staged.write_text(json.dumps(self.record))
+        os.replace(staged, self.path)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        try:
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ray_package() -> str | None:
+    """The folder of the installed Ray package: every process of a Ray node runs a binary or script inside it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    return next(iter(spec.submodule_search_locations), None) if spec and spec.submodule_search_locations else None
+
+
+def _children(parents: list[int]) -> list[int]:
+    """The processes whose parent is one of `parents` (Linux /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in parents:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

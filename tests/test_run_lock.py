@@ -1,0 +1,62 @@
+"""One run per folder: the lock beside the run folder, refused while its holder lives, taken over when it is dead
+(its local Ray cluster's processes stopped first), or when another host's holder stopped beating."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lt_opd_ray.runtime.run_lock import STALE_S, RunLock, RunLockedError
+
+HOLD = "import sys, time; from lt_opd_ray.runtime.run_lock import RunLock; RunLock.acquire(sys.argv[1], 'holder'); print('held', flush=True); time.sleep(120)"
+
+
+def test_a_live_holder_is_named_and_a_dead_one_is_taken_over(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockedError, match=rf"{folder} is in use by another run \(holder, pid {holder.pid} on "):
+            RunLock.acquire(folder, "second")
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock.acquire(folder, "after the kill")  # same host, the pid gone: taken over at once
+    assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not lock.path.exists()
+
+
+def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_path):
+    folder = tmp_path / "run"
+    import ray
+
+    raylet = os.path.join(os.path.dirname(ray.__file__), "core", "src", "ray", "raylet", "raylet")  # as a real raylet's command line
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", raylet])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "not-ours"])
+    try:
+        dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+        record = {"host": socket.gethostname(), "pid": int(dead_pid), "started": "0", "ray_pids": [leftover.pid, bystander.pid]}
+        (tmp_path / ".run.lock").write_text(json.dumps(record))
+        RunLock.acquire(folder, "resume").release()
+        assert leftover.wait(timeout=10) == -9  # it runs from the Ray package: SIGKILLed
+        assert bystander.poll() is None  # a recorded pid that is no Ray process now (reused): left alone
+    finally:
+        for process in (leftover, bystander):
+            process.kill()
+            process.wait()
+
+
+def test_another_hosts_lock_holds_while_it_beats_and_is_taken_over_once_stale(tmp_path):
+    folder = tmp_path / "run"
+    path = tmp_path / ".run.lock"
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "purpose": "lt-opd train big", "since": "then"}))
+    with pytest.raises(RunLockedError, match="pid 1 on elsewhere"):
+        RunLock.acquire(folder, "here")
+    old = time.time() - STALE_S - 5
+    os.utime(path, (old, old))
+    RunLock.acquire(folder, "here").release()
