@@ -165,6 +165,6 @@ def test_validate_print_shows_the_resolved_job(tmp_path, capsys):
 
     path = tmp_path / "job.yaml"
     path.write_text(MINIMAL)
-    assert main(["validate", str(path), "--set", "pools.learner.ranks=2", "--print"]) == 0
+    assert main(["validate", str(path), "--set", "pools.learner.ranks=2", "--set", "sampling.prompts_per_step=8", "--print"]) == 0
     printed = capsys.readouterr().out
     assert "ranks: 2" in printed and "top_k: 100" in printed  # the override and a default

@@ -120,6 +120,25 @@ def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_o
         driver.shutdown()
 
 
+def test_a_frozen_teacher_replica_is_replaced_by_serve_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path):
+    """Serve's health check is the replicas' liveness bound: the frozen replica is replaced, the learners ask again."""
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-freeze", extra="schedule: {liveness_timeout_s: 8}"))
+    pid = None
+    try:
+        driver.run_step()
+        pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
+        os.kill(pid, signal.SIGSTOP)
+        log = driver.run_step()
+    except BaseException:
+        driver.shutdown()
+        raise
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)  # Serve has killed it by now, or the kill lands once it runs
+    assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
+    assert_same_weights(run_to_end(driver), uninterrupted)
+
+
 def test_a_rollout_worker_killed_inside_an_update_is_named_not_a_learner(cluster, tiny_dirs, tmp_path):
     driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-kill"))
     try:

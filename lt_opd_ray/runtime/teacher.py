@@ -18,6 +18,7 @@ from ray import serve
 from ..config import JobConfig
 from ..wire import ActorPlacement, RolloutGroup, Span, Stopwatch, TeacherPayload, pack_scores
 from .rollout_pool import GroupRef
+from .waits import LIVENESS_TICK_S
 
 
 class TeacherModel:
@@ -116,7 +117,10 @@ def score_request(samples_ref, group_ref, update: int, start: int, stop: int) ->
 def deployment_options(job: JobConfig) -> dict:
     pool = job.pools.teacher
     actor = {"num_cpus": pool.cpus, "num_gpus": pool.gpus, **({"resources": pool.ray_resources()} if pool.node_resource else {})}
-    options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_batch_size * 2}
+    # Serve's health check is the replicas' liveness: one that does not answer it for schedule.liveness_timeout_s (a
+    # frozen process) is replaced, and a learner whose request it held asks again (learner_group.GroupReceiver)
+    liveness = {"health_check_period_s": LIVENESS_TICK_S, "health_check_timeout_s": job.schedule.liveness_timeout_s}
+    options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_batch_size * 2, **liveness}
     if pool.max_replicas > pool.min_replicas:
         options["autoscaling_config"] = {
             "min_replicas": pool.min_replicas,
