@@ -137,3 +137,25 @@ def test_static_batches_logit_passes_dtype_and_the_zero3_gather_before_a_sync():
 
 def link_bytes(gpu):
     return gpu.link_gbps * 1e9 * EFFICIENCY["link"]
+
+
+def test_a_learner_that_cannot_hold_its_state_is_refused_before_start():
+    """ZeRO-2 over 2 ranks holds bf16 weights and gradients whole (2 + 2 B/param) and half of the fp32 master weights,
+    Adam's moments and fp32 gradients (16 / 2 B/param): 12 B/param, 54 GB for Qwen3.5-4B."""
+    from lt_opd_ray.config import load_job
+    from lt_opd_ray.efficiency import PRESETS
+    from lt_opd_ray.planner import parameter_count
+    from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_learner_memory, learner_state_bytes
+
+    config = PRESETS["qwen3.5-4b"]
+    job = load_job(REPO / "jobs" / "train_qwen35.yaml")
+    assert learner_state_bytes(job, config) == 12 * parameter_count(config)
+    gpu_node = lambda kind: {"Alive": True, "Resources": {"GPU": 8.0, f"accelerator_type:{kind}": 1.0, "memory": 1e12}}  # noqa: E731
+    check_learner_memory(job, config, [gpu_node("A100-80G")])
+    check_learner_memory(job, config, [{"Alive": True, "Resources": {"GPU": 8.0, "memory": 1e12}}])  # GPUs of no known type: not checked
+    with pytest.raises(InsufficientResourcesError, match=r"take 54.4 GB under ZeRO-2 over 2 rank\(s\), more than the 40 GB"):
+        check_learner_memory(job, config, [gpu_node("A100-40G")])
+    cpu = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"gpus": 0.0})})})
+    with pytest.raises(InsufficientResourcesError, match=r"2 CPU learner rank\(s\) on one node hold 108.8 GB"):
+        check_learner_memory(cpu, config, [{"Alive": True, "Resources": {"memory": 64e9}}])
+    check_learner_memory(cpu, config, [{"Alive": True, "Resources": {"memory": 64e9}}] * 2)  # a rank per node fits

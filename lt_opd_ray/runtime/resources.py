@@ -109,3 +109,48 @@ def check_memory(job: JobConfig, cluster: dict[str, float]) -> None:
             f" {job.objective.top_k}) but the cluster's object store holds {have / 1e9:.1f} GB: lower those sizes, set"
             " pools.teacher.payload_dtype: float16, or give the cluster more memory"
         )
+
+
+# Ray's accelerator_type resource of a node's NVIDIA GPUs -> the planner's GPU (its memory)
+ACCELERATOR_TYPES = {"A100-80G": "a100", "A100": "a100", "A100-40G": "a100-40gb", "H100": "h100", "H200": "h200"}
+
+
+def learner_state_bytes(job: JobConfig, model_config: dict) -> float:
+    """What one learner rank holds whatever its batch: weights, gradients, fp32 master weights and Adam's moments,
+    each whole or split over the ranks as the job's ZeRO stage keeps them (planner.LEARNER_BYTES_PER_PARAM)."""
+    from ..planner import LEARNER_BYTES_PER_PARAM, parameter_count
+
+    ranks = job.pools.learner.ranks
+    per_param = sum(whole + part / ranks for whole, part in LEARNER_BYTES_PER_PARAM[job.pools.learner.zero_stage].values())
+    return per_param * parameter_count(model_config)
+
+
+def check_learner_memory(job: JobConfig, model_config: dict, nodes: list[dict]) -> None:
+    """Refuse a job whose learner ranks cannot hold their state (activations not counted: a refusal here is certain
+    to be right): on GPUs, one rank's state against the memory of the largest GPU the cluster's nodes name
+    (`accelerator_type:*`; unnamed GPUs are not checked); on CPUs, against the largest node's memory, with every rank
+    on that node where the cluster has one node. `nodes`: `ray.nodes()`."""
+    from ..planner import GPUS
+
+    pool = job.pools.learner
+    try:
+        state = learner_state_bytes(job, model_config)
+    except KeyError:  # a layout the planner does not know: not checked here
+        return
+    resources = [node.get("Resources", {}) for node in nodes if node.get("Alive", True)]
+    if pool.gpus > 0:
+        types = {name.split(":", 1)[1] for r in resources for name in r if name.startswith("accelerator_type:")}
+        memory = [GPUS[ACCELERATOR_TYPES[t]].memory_gb * 1e9 for t in types if t in ACCELERATOR_TYPES]
+        if memory and state * pool.gpus > max(memory):  # a rank with gpus < 1 shares its GPU with others
+            raise InsufficientResourcesError(
+                f"job {job.name!r}: a learner rank's weights, gradients and optimizer state take {state / 1e9:.1f} GB under ZeRO-{pool.zero_stage}"
+                f" over {pool.ranks} rank(s), more than the {max(memory) / 1e9:.0f} GB of this cluster's largest GPU: more ranks, ZeRO-3,"
+                " or GPUs with more memory (`lt-opd plan` sizes them)")
+        return
+    memory = [r.get("memory", 0.0) for r in resources]
+    ranks_on_a_node = pool.ranks if len(resources) == 1 else 1
+    if memory and state * ranks_on_a_node > max(memory):
+        raise InsufficientResourcesError(
+            f"job {job.name!r}: {ranks_on_a_node} CPU learner rank(s) on one node hold {state * ranks_on_a_node / 1e9:.1f} GB of weights,"
+            f" gradients and optimizer state under ZeRO-{pool.zero_stage}, more than the {max(memory) / 1e9:.1f} GB of memory Ray"
+            " gives the node: more nodes, ZeRO-3 over more ranks, or a smaller model")
