@@ -30,7 +30,8 @@ def cluster():
 
 
 def fault_job(model_dir, folder, name, **overrides):
-    return job_for(model_dir, folder, ranks=2, zero_stage=2, every=1, total=STEPS, name=name, **overrides)
+    """Two rollout workers (one can be done without inside an update), two ZeRO-2 learner ranks."""
+    return job_for(model_dir, folder, ranks=2, zero_stage=2, every=1, total=STEPS, name=name, **{"workers": 2, **overrides})
 
 
 def run_to_end(driver):
@@ -99,7 +100,7 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
 def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_on_it(cluster, tiny_dirs, tmp_path, frozen):
     """`kill -STOP`: the process lives but answers nothing. The learners wait on the frozen worker's groups (or the
     other rank on the frozen one in a collective); the error names the frozen actor within the liveness bound."""
-    job = fault_job(tiny_dirs["qwen3_5"], tmp_path, f"freeze-{frozen}", extra="schedule: {liveness_timeout_s: 8}")
+    job = fault_job(tiny_dirs["qwen3_5"], tmp_path, f"freeze-{frozen}", workers=1, extra="schedule: {liveness_timeout_s: 8}")
     driver = Driver(job)
     try:
         driver.run_step()
@@ -139,8 +140,27 @@ def test_a_frozen_teacher_replica_is_replaced_by_serve_and_the_run_matches(unint
     assert_same_weights(run_to_end(driver), uninterrupted)
 
 
-def test_a_rollout_worker_killed_inside_an_update_is_named_not_a_learner(cluster, tiny_dirs, tmp_path):
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-kill"))
+def test_a_frozen_rollout_worker_is_stopped_its_groups_sampled_elsewhere_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys):
+    """On-policy: the learners wait on rollout-1's groups when it freezes. After the liveness bound it is stopped, its
+    groups are sampled by rollout-0 (the same rollouts: seeded by update, sample and response) and go to their ranks
+    in place of the lost ones, and it is replaced after the update: nothing lost, nothing trained twice."""
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-freeze", extra="schedule: {liveness_timeout_s: 8}"))
+    try:
+        driver.run_step()
+        pid = ray.get(driver.rollouts.workers[1].pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        log = driver.run_step()
+        assert log.step == 1 and driver.metrics.restart_counts.get("rollout") == 1
+        assert "rollout-1 lost inside update 1: prompts 1-1 sampled again by rollout-0" in capsys.readouterr().out
+        assert ray.get(driver.rollouts.workers[1].pid.remote()) != pid
+    except BaseException:
+        driver.shutdown()
+        raise
+    assert_same_weights(run_to_end(driver), uninterrupted)
+
+
+def test_a_lone_rollout_worker_killed_inside_an_update_is_named_not_a_learner(cluster, tiny_dirs, tmp_path):
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-kill", workers=1))
     try:
         driver.run_step()
         os.kill(ray.get(driver.rollouts.workers[0].pid.remote()), signal.SIGKILL)

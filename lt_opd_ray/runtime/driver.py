@@ -12,6 +12,7 @@ travel through this process (but for a checkpoint's in-flight rollouts).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import time
@@ -77,6 +78,17 @@ class InFlight:
     payloads: list[ray.ObjectRef]
 
 
+def sampled(group: GroupRef) -> bool:
+    """The group's rollouts are in the object store (not: still sampling, or its worker died on it)."""
+    if not ray.wait([group.summary], timeout=0)[0]:
+        return False
+    try:
+        ray.get(group.summary)
+        return True
+    except ray.exceptions.RayError:
+        return False
+
+
 class PreflightError(ValueError):
     """Everything that stops a job from starting, found before any actor starts."""
 
@@ -140,6 +152,7 @@ class Driver:
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
         lap("checks")
         self.rollouts = self.teacher = self.learners = None
+        self.lost_workers: set[int] = set()  # rollout workers stopped inside the update, replaced after it
         try:  # what the run starts, it removes, also when a later pool fails to start
             begin = time.time()  # the three pools start together: each loads its model while the others do
             self.rollouts = RolloutPool(job)
@@ -184,6 +197,7 @@ class Driver:
         self.cursor += len(current.batch)
         summaries = self.rollouts.wait([g.summary for g in current.groups], self.group_workers(current), f"rollout summaries of update {update}")
         lost = self.settle(self.next) if self.next else []
+        self.replace_workers(self.lost_workers | {self.next.groups[i].worker for i in lost})
         with Stopwatch() as sync_watch:
             sync = self.broadcast(version=self.step)  # before any rollout of the next weights
         if lost:
@@ -219,7 +233,7 @@ class Driver:
 
     def settle(self, pending: InFlight) -> list[int]:
         """Wait (bounded) until the next update's groups are sampled, so the workers are free for the weights.
-        Returns the groups whose worker died before finishing them; their workers are replaced."""
+        Returns the groups whose worker died before finishing them (their workers are then replaced)."""
         names = self.group_workers(pending)
         _, late = ray.wait([g.summary for g in pending.groups], num_returns=len(pending.groups), timeout=self.job.schedule.wait_timeout_s)
         if late:
@@ -231,12 +245,17 @@ class Driver:
                 ray.get(group.summary)  # ready (waited for above): returns or raises at once
             except ray.exceptions.RayActorError:
                 lost.append(i)
-        for index in sorted({pending.groups[i].worker for i in lost}):
+        return lost
+
+    def replace_workers(self, indices: set[int]) -> None:
+        """New workers in place of those that died or were stopped; they join the sync group, and the broadcast
+        that follows gives them the weights."""
+        for index in sorted(indices):
             self.rollouts.replace(index)
             self.metrics.record_restart("rollout")
-        if lost:
-            self.sync.connect()  # the replacements join; the broadcast that follows gives them the weights
-        return lost
+        if indices:
+            self.sync.connect()
+        self.lost_workers.clear()
 
     def resubmit_lost(self, pending: InFlight, lost: list[int]) -> None:
         for i in lost:
@@ -265,28 +284,42 @@ class Driver:
         return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups, payloads)
 
     def samplers(self, flight: InFlight) -> list[Watched]:
-        """The rollout workers of `flight`'s groups, each watched while any of its groups is still being sampled."""
-        groups: dict[int, list[GroupRef]] = {}
-        for group in flight.groups:
-            groups.setdefault(group.worker, []).append(group)
+        """Every rollout worker, watched while any of `flight`'s groups on it is still being sampled; one that dies or
+        stops answering is done without where another worker lives (`sample_elsewhere`)."""
 
-        def sampled(group: GroupRef) -> bool:
-            if not ray.wait([group.summary], timeout=0)[0]:
-                return False
-            try:
-                ray.get(group.summary)
-                return True
-            except ray.exceptions.RayError:  # its worker died on it
-                return False
-
-        def doing(mine: list[GroupRef]):
+        def doing(worker: int):
             def now() -> str | None:
-                unfinished = [g for g in mine if not sampled(g)]
+                unfinished = [g for g in flight.groups if g.worker == worker and not sampled(g)]
                 return (f"sampling prompts {', '.join(f'{g.start}-{g.stop - 1}' for g in unfinished)} of update {flight.update}"
                         if unfinished else None)
             return now
 
-        return [Watched(self.rollouts.names[w], self.rollouts.workers[w].ready.remote, doing(mine)) for w, mine in groups.items()]
+        return [Watched(name, worker.ready.remote, doing(i), functools.partial(self.sample_elsewhere, flight, i))
+                for i, (name, worker) in enumerate(zip(self.rollouts.names, self.rollouts.workers))]
+
+    def sample_elsewhere(self, flight: InFlight, lost: int) -> bool:
+        """Worker `lost` died or stopped answering inside the update: it is stopped, its unfinished groups are
+        sampled again by the live workers (the same rollouts: sampling is seeded by update, sample and response, not
+        by worker) and scored, and each goes to its learner rank in place of the lost one; the worker is replaced
+        after the update. False where no other worker lives."""
+        survivors = [i for i in range(len(self.rollouts.workers)) if i != lost and i not in self.lost_workers]
+        if not survivors:
+            return False
+        ray.kill(self.rollouts.workers[lost], no_restart=True)  # a stuck one too: it must not answer late
+        self.lost_workers.add(lost)
+        again = []
+        for i, old in enumerate(flight.groups):
+            if old.worker != lost or sampled(old):
+                continue
+            group = self.rollouts.submit_group(flight.samples_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, old.update,
+                                               survivors[len(again) % len(survivors)])
+            payload = self.teacher.async_score(flight.samples_ref, [group])[0]
+            flight.groups[i], flight.payloads[i] = group, payload
+            self.learners.actors[old.learner_rank].substitute.remote(old.update, old.start, [self.rollouts.names[group.worker], group.group, payload])
+            again.append(f"{old.start}-{old.stop - 1}")
+        print(f"{self.rollouts.names[lost]} lost inside update {flight.update}: prompts {', '.join(again) or '(none left)'} sampled again by"
+              f" {', '.join(self.rollouts.names[i] for i in survivors)}; it is replaced after the update", flush=True)
+        return True
 
     def group_workers(self, flight: InFlight) -> list[str]:
         return [self.rollouts.names[g.worker] for g in flight.groups]

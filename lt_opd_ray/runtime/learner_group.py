@@ -7,6 +7,7 @@ import functools
 import os
 import shutil
 import socket
+import threading
 import time
 
 import ray
@@ -43,9 +44,17 @@ class LearnerActor:
         self.sync_store = None  # rank 0 only: hosts the weight-sync TCPStore
         self.sync = None  # rank 0 only: the current weight-sync group
         self.metrics = LearnerMetrics(job.name, f"learner-{rank}")
+        self.substitutes = Substitutes()  # groups sampled again after their worker died, by (update, start)
 
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def substitute(self, update: int, start: int, refs: list) -> None:
+        """The group of `update` starting at prompt `start`, sampled again after its worker died: `refs` is
+        [worker name, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload]] (in a list, so Ray hands the refs over
+        unresolved). Answered while a step runs: the step waits for it (GroupReceiver)."""
+        self.substitutes.put((update, start), tuple(refs))
 
     @ray.method(concurrency_group="control")
     def alive(self) -> float:
@@ -79,9 +88,10 @@ class LearnerActor:
 
     def train_step(self, samples: dict, work: list, total_sequences: int, version: int, scoring: ScoringRequest) -> LearnerStepResult:
         """One optimizer step (weights `version` -> `version + 1`) on this rank's groups only, streamed: `work` is
-        [(worker name, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload])] in prompt order (nested in a list, so
+        [(worker name, first prompt, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload])] in prompt order (nested in a list, so
         Ray hands the refs over unresolved); `samples`: this rank's prompts by index; `scoring`: how to ask again."""
-        receiver = GroupReceiver(work, version, self.job, self.rank, self.learner.module.model.config.text_config.vocab_size, scoring)
+        receiver = GroupReceiver(work, version, self.job, self.rank, self.learner.module.model.config.text_config.vocab_size, scoring,
+                                 self.substitutes)
         result = self.learner.train_step(samples, iter(receiver), total_sequences, version)
         result = dataclasses.replace(
             result, staleness=receiver.staleness, payload_bytes=receiver.payload_bytes, payload_tokens=receiver.payload_tokens,
@@ -176,6 +186,25 @@ class LearnerActor:
             dist.destroy_process_group()
 
 
+class Substitutes:
+    """Groups sampled again for a learner rank after their worker died, put by the driver (from the actor's control
+    thread) and taken by the step's GroupReceiver (which waits for one, bounded)."""
+
+    def __init__(self):
+        self._ready = threading.Condition()
+        self._refs: dict[tuple[int, int], tuple] = {}
+
+    def put(self, key: tuple[int, int], refs: tuple) -> None:
+        with self._ready:
+            self._refs[key] = refs
+            self._ready.notify_all()
+
+    def take(self, key: tuple[int, int], timeout_s: float) -> tuple | None:
+        with self._ready:
+            self._ready.wait_for(lambda: key in self._refs, timeout=timeout_s)
+            return self._refs.pop(key, None)
+
+
 class GroupReceiver:
     """A learner rank's groups in prompt order, each one's rollouts and then its teacher scores waited for (bounded)
     as they are needed.
@@ -184,8 +213,11 @@ class GroupReceiver:
     at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
     """
 
-    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest):
+    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest,
+                 substitutes: Substitutes):
         self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
+        self.substitutes = substitutes
+        self.liveness_s = job.schedule.liveness_timeout_s
         self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
         self.staleness = self.payload_bytes = self.payload_tokens = self.retries = 0
         self.spans: list = []
@@ -194,8 +226,16 @@ class GroupReceiver:
         from .learner import StreamedGroup
 
         me = f"learner-{self.rank}"
-        for worker, group_ref, payload_ref in self.work:
-            group = wait_one(group_ref, worker, self.timeout_s, f"{me} waiting for a rollout group of update {self.version}")
+        for worker, start, group_ref, payload_ref in self.work:
+            what = f"{me} waiting for a rollout group of update {self.version}"
+            try:
+                group = wait_one(group_ref, worker, self.timeout_s, what)
+            except ray.exceptions.RayActorError:  # its worker died: the driver samples it again on another worker
+                refs = self.substitutes.take((self.version, start), 2 * self.liveness_s)
+                if refs is None:
+                    raise
+                worker, group_ref, payload_ref = refs
+                group = wait_one(group_ref, worker, self.timeout_s, what)
             self.check(group)
             self.spans.append(group.span)
             yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, payload_ref, group_ref))
@@ -274,7 +314,7 @@ class LearnerGroup:
         prompts' samples, groups (`GroupRef.learner_rank`) and payloads, and trains on each group as it arrives."""
         work = [[] for _ in self.actors]
         for group, payload in sorted(zip(groups, payload_refs), key=lambda pair: pair[0].start):  # each rank in prompt order
-            work[group.learner_rank].append((worker_names[group.worker], group.group, payload))
+            work[group.learner_rank].append((worker_names[group.worker], group.start, group.group, payload))
         own_samples = [ray.put({i: batch[i] for i in range(start, stop)}) for start, stop in self.prompt_ranges(len(batch))]
         total = len(batch) * self.job.sampling.n
         return [a.train_step.remote(own, mine, total, version, scoring) for a, own, mine in zip(self.actors, own_samples, work)]

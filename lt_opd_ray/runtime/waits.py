@@ -41,11 +41,14 @@ LIVENESS_TICK_S = 5.0  # how often a watched wait pings the actors it depends on
 @dataclass
 class Watched:
     """An actor a wait depends on: `ping()` starts a call it answers from its control thread while its long call
-    runs; `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged)."""
+    runs; `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged);
+    `recover()`, where the actor can be done without, stops it and hands its work elsewhere (True), or says it
+    cannot (False)."""
 
     name: str
     ping: Callable[[], object]  # () -> ObjectRef
     doing: Callable[[], str | None]
+    recover: Callable[[], bool] | None = None
 
 
 def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watched: list[Watched], liveness_s: float) -> list:
@@ -54,6 +57,7 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
     instead of the actors waiting downstream of it being named when the bound runs out."""
     now = time.monotonic()
     deadline = now + timeout_s
+    watched = list(watched)
     last = {w.name: now for w in watched}
     pings = {w.name: w.ping() for w in watched}
     pending = list(dict.fromkeys(refs))
@@ -67,16 +71,22 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                 raise RoleDiedError(f"{dead.name} died while {dead.doing() or 'in use'} ({what} waited on it)") from None
             raise
         now = time.monotonic()
-        for w in watched:
+        for w in list(watched):
             if (doing := w.doing()) is None:
                 continue
             if ray.wait([pings[w.name]], timeout=0)[0]:
                 try:
                     ray.get(pings[w.name])
                 except ray.exceptions.RayActorError as exc:
+                    if w.recover is not None and w.recover():
+                        watched.remove(w)
+                        continue
                     raise RoleDiedError(f"{w.name} died while {doing} ({what} waited on it)") from exc
                 last[w.name], pings[w.name] = now, w.ping()
             elif now - last[w.name] > liveness_s:
+                if w.recover is not None and w.recover():
+                    watched.remove(w)
+                    continue
                 raise NoAnswerError(f"{w.name} stopped answering while {doing}; last answer {now - last[w.name]:.0f} s ago"
                                     f" (schedule.liveness_timeout_s {liveness_s:g}; {what} waited on it)")
         if pending and now >= deadline:
