@@ -145,12 +145,12 @@ def prompt_shape(job) -> tuple[int, tuple[int, int]]:
     """(text tokens of a prompt, its image's (height, width)) as the job's processor encodes its first sample."""
     from lt_opd_ray.data import load_samples
     from lt_opd_ray.models.loading import resolve_model_dir
-    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples, load_image
 
     sample = load_samples(job.data.path, job.data.image_root, job.seed)[0]
     processor = VLMProcessor(resolve_model_dir(job.model.path), job.data.min_pixels, job.data.max_pixels)
     prompt = encode_samples(processor, [sample], job.data.system_prompt)[0]
-    width, height = sample.image.size
+    width, height = load_image(sample.image, sample.uid).size
     return int((prompt.mm_token_type_ids == 0).sum()), (height, width)
 
 

@@ -23,8 +23,8 @@ def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
     for index in range(20):
         sample, again = board.board_item(index, seed=0).sample, board.board_item(index, seed=0).sample
         assert sample.question == again.question == QUESTION and sample.answer == again.answer
-        assert np.array_equal(np.asarray(sample.image), np.asarray(again.image))
-        tiles = np.asarray(sample.image).reshape(GRID, TILE, GRID, TILE, 3).transpose(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
+        assert np.array_equal(np.asarray(sample.image.read()), np.asarray(again.image.read()))
+        tiles = np.asarray(sample.image.read()).reshape(GRID, TILE, GRID, TILE, 3).transpose(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
         counts = {name: 0 for name in COLOURS}
         for tile in tiles:
             present = [name for name, rgb in COLOURS.items() if (tile == rgb).all(-1).any()]
@@ -33,7 +33,7 @@ def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
                 counts[name] += 1
         assert sum(counts.values()) == TILES_PER_IMAGE
         assert counts[sample.answer] == MAJORITY and all(n < MAJORITY for c, n in counts.items() if c != sample.answer)
-    assert board.board_item(0, 0, "train").sample.image.tobytes() != board.board_item(0, 0, "test").sample.image.tobytes()
+    assert board.board_item(0, 0, "train").sample.image.read().tobytes() != board.board_item(0, 0, "test").sample.image.read().tobytes()
 
 
 def _nearest_colour(rgb: np.ndarray) -> str | None:
@@ -48,8 +48,8 @@ def test_sizes_items_answer_the_biggest_square_after_listing_colours_in_reading_
     for index in range(30):
         item, again = sizes.sizes_item(index, seed=0), sizes.sizes_item(index, seed=0)
         assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, image=item.sample.image))
-        assert np.array_equal(np.asarray(item.sample.image), np.asarray(again.sample.image))
-        pixels = np.asarray(item.sample.image).astype(float)
+        assert np.array_equal(np.asarray(item.sample.image.read()), np.asarray(again.sample.image.read()))
+        pixels = np.asarray(item.sample.image.read()).astype(float)
         tiles: dict[str, list[tuple[int, int]]] = {}
         for row in range(sizes.GRID):
             for col in range(sizes.GRID):
@@ -63,15 +63,15 @@ def test_sizes_items_answer_the_biggest_square_after_listing_colours_in_reading_
         reading_order = sorted(tiles, key=lambda c: min(tiles[c]))
         assert item.sample.answer == biggest and item.sample.question == sizes.QUESTION
         assert item.response == " ".join(reading_order) + f" <answer>{biggest}</answer>"
-    assert sizes.sizes_item(0, 0, "train").sample.image.tobytes() != sizes.sizes_item(0, 0, "test").sample.image.tobytes()
+    assert sizes.sizes_item(0, 0, "train").sample.image.read().tobytes() != sizes.sizes_item(0, 0, "test").sample.image.read().tobytes()
 
 
 def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_order():
     for index in range(30):
         item, again = circles.circles_item(index, seed=0), circles.circles_item(index, seed=0)
         assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, image=item.sample.image))
-        pixels = np.asarray(item.sample.image).astype(float)
-        assert np.array_equal(pixels, np.asarray(again.sample.image))
+        pixels = np.asarray(item.sample.image.read()).astype(float)
+        assert np.array_equal(pixels, np.asarray(again.sample.image.read()))
         rows, cols = np.indices(pixels.shape[:2])
         on = ~(pixels == circles.BACKGROUND).all(-1)
         colour_of = np.array([_nearest_colour(rgb) or "" for rgb in pixels[on]])
@@ -87,7 +87,7 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
         listed = item.response.removesuffix(f" <answer>{biggest}</answer>").split()
         centre_rows = [discs[c][1] for c in listed]
         assert sorted(listed) == sorted(discs) and all(a <= b + 1.0 for a, b in zip(centre_rows, centre_rows[1:]))  # reading order
-    assert circles.circles_item(0, 0, "train").sample.image.tobytes() != circles.circles_item(0, 0, "test").sample.image.tobytes()
+    assert circles.circles_item(0, 0, "train").sample.image.read().tobytes() != circles.circles_item(0, 0, "test").sample.image.read().tobytes()
 
 
 def test_the_shipped_circles_teacher_was_trained_by_its_recipe_on_this_task_code():
@@ -101,6 +101,18 @@ def test_the_shipped_circles_teacher_was_trained_by_its_recipe_on_this_task_code
     assert record["full_token_accuracy"] >= 0.95 and record["recipe"]["task"] == "circles"
     changed = dataclasses.replace(RECIPES["circles"], steps=RECIPES["circles"].steps + 1)
     assert shipped_teacher(changed) is None
+
+
+def test_toy_rows_are_drawn_when_read_so_a_data_set_is_small_until_used():
+    """2048 rows cost a few numbers each until an engine reads an image; what is read is what the task draws."""
+    import pickle
+
+    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.models.processor import load_image
+
+    rows = load_samples("toy-circles:2048")
+    assert len(pickle.dumps(rows)) < 2048 * 400, "a row pickles as where to draw it from, not its 300 KB of pixels"
+    assert np.array_equal(np.asarray(load_image(rows[7].image)), np.asarray(circles.draw(7, 0, "train")))
 
 
 def test_toy_data_specs_name_the_task_and_the_split():

@@ -65,10 +65,10 @@ def load_image(source: Any, where: str = "image"):
     """Decode a PIL image from a PIL image, a path or bytes; an undecodable one is an InputError naming it."""
     from PIL import Image
 
+    if hasattr(source, "read"):  # read on use: an image in a prepared shard (bytes), a toy item's image (PIL)
+        source = source.read()
     if isinstance(source, Image.Image):
         return source.convert("RGB")
-    if hasattr(source, "read"):  # an image inside a prepared shard (lt_opd_ray.prepare.ShardImage)
-        source = source.read()
     try:
         return decode_image(source).convert("RGB")
     except FileNotFoundError:

@@ -14,10 +14,10 @@ choices) but not the answer.
 from __future__ import annotations
 
 import random
-from typing import Any
+from dataclasses import dataclass
 
 from ..data import Sample, stable_seed
-from .tasks import BACKGROUND, COLOURS, TILE, ToyItem, ToyTask
+from .tasks import BACKGROUND, COLOURS, TILE, ToyImage, ToyItem, ToyTask
 
 PATTERNS = ("solid", "hollow", "checked", "striped", "dotted")
 GRID = 6  # one tile per merged visual token: 6 x 32 px = 192 px
@@ -47,10 +47,21 @@ def _draw_tile(draw, pattern: str, x0: int, y0: int, fill) -> None:
                 draw.ellipse((x0 + 8 * i + 1, y0 + 8 * j + 1, x0 + 8 * i + 6, y0 + 8 * j + 6), fill=fill)
 
 
-def board(index: int, seed: int, split: str = "train") -> tuple[Any, str]:
-    """(image, answer) of board `index` of `split` under `seed`: TILES_PER_IMAGE tiles, one colour on MAJORITY of them."""
-    from PIL import Image, ImageDraw
+@dataclass(frozen=True)
+class Board:
+    """Everything of an item but its pixels: the majority colour and each coloured tile's (colour, cell, pattern)."""
 
+    answer: str
+    tiles: tuple[tuple[str, int, str], ...]
+
+    @property
+    def response(self) -> str:
+        return f"<answer>{self.answer}</answer>"
+
+
+def layout(index: int, seed: int, split: str = "train") -> Board:
+    """Board `index` of `split` under `seed` without drawing it: TILES_PER_IMAGE tiles, one colour on MAJORITY of them
+    (every random draw of the item, in order)."""
     rng = random.Random(stable_seed("board", split, seed, index))
     names = list(COLOURS)
     majority = rng.choice(names)
@@ -60,21 +71,30 @@ def board(index: int, seed: int, split: str = "train") -> tuple[Any, str]:
         colour = rng.choice(others)
         if colours.count(colour) < MAJORITY - 1:
             colours.append(colour)
+    cells = rng.sample(range(GRID * GRID), TILES_PER_IMAGE)
+    return Board(majority, tuple((colour, cell, rng.choice(PATTERNS)) for colour, cell in zip(colours, cells)))
+
+
+def draw(index: int, seed: int, split: str = "train"):
+    """The board's image (PIL, IMAGE_SIZE square)."""
+    from PIL import Image, ImageDraw
+
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    for colour, cell in zip(colours, rng.sample(range(GRID * GRID), TILES_PER_IMAGE)):
-        _draw_tile(draw, rng.choice(PATTERNS), (cell % GRID) * TILE, (cell // GRID) * TILE, COLOURS[colour])
-    return image, majority
+    canvas = ImageDraw.Draw(image)
+    for colour, cell, pattern in layout(index, seed, split).tiles:
+        _draw_tile(canvas, pattern, (cell % GRID) * TILE, (cell // GRID) * TILE, COLOURS[colour])
+    return image
 
 
 QUESTION = "Which colour is on the most tiles?"
 
 
 def board_item(index: int, seed: int, split: str = "train") -> ToyItem:
-    """Board `index` of `split` under `seed` with its question, answer and the teacher's response, all seeded."""
-    image, answer = board(index, seed, split)
-    sample = Sample(uid=f"board-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
-    return ToyItem(sample, response=f"<answer>{answer}</answer>")
+    """Board `index` of `split` under `seed` with its question, answer and the teacher's response; its image is drawn
+    when read (ToyImage)."""
+    board = layout(index, seed, split)
+    sample = Sample(uid=f"board-{split}-{seed}-{index}", image=ToyImage("board", index, seed, split), question=QUESTION, answer=board.answer)
+    return ToyItem(sample, response=board.response)
 
 
-TASK = ToyTask(name="board", image_size=IMAGE_SIZE, item=board_item, response_tokens=10)
+TASK = ToyTask(name="board", image_size=IMAGE_SIZE, item=board_item, draw=draw, response_tokens=10)

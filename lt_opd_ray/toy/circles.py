@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 from ..data import Sample, stable_seed
-from .tasks import BACKGROUND, COLOURS, TILE, ToyItem, ToyTask
+from .tasks import BACKGROUND, COLOURS, TILE, ToyImage, ToyItem, ToyTask
 
 GRID = 10  # tiles per side: 10 x 32 px = 320 px
 IMAGE_SIZE = GRID * TILE
@@ -54,30 +55,60 @@ def _place(rng: random.Random) -> list[tuple[float, float, float]]:
             return discs
 
 
-def circles_item(index: int, seed: int, split: str = "train") -> ToyItem:
-    """Image `index` of `split` under `seed`, its question, answer and the teacher's response, all seeded."""
-    import numpy as np
-    from PIL import Image
+@dataclass(frozen=True)
+class Discs:
+    """Everything of an item but its pixels: each disc's colour and (centre x, centre y, radius) in tiles, biggest
+    first, and each tile's brightness factor."""
 
+    colours: tuple[str, ...]
+    discs: tuple[tuple[float, float, float], ...]
+    shade: tuple[tuple[float, ...], ...]  # [GRID rows][GRID columns]
+
+    @property
+    def answer(self) -> str:
+        return self.colours[0]  # discs are placed biggest first
+
+    @property
+    def response(self) -> str:
+        reading_order = [colour for (x, y, _), colour in sorted(zip(self.discs, self.colours), key=lambda dc: (dc[0][1], dc[0][0]))]
+        return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
+
+
+def layout(index: int, seed: int, split: str = "train") -> Discs:
+    """Item `index` of `split` under `seed`, without drawing it (every random draw of the item, in order)."""
     rng = random.Random(stable_seed("circles", split, seed, index))
     colours = rng.sample(list(COLOURS), len(RADII))
     discs = _place(rng)
+    shade = tuple(tuple(rng.uniform(*SHADE) for _ in range(GRID)) for _ in range(GRID))
+    return Discs(tuple(colours), tuple(discs), shade)
+
+
+def draw(index: int, seed: int, split: str = "train"):
+    """The item's image (PIL, IMAGE_SIZE square)."""
+    import numpy as np
+    from PIL import Image
+
+    item = layout(index, seed, split)
     # pixel centres in tile units; each disc covers the pixels within its radius of its centre
     coordinate = (np.arange(IMAGE_SIZE) + 0.5) / TILE
     xs, ys = np.meshgrid(coordinate, coordinate)
     pixels = np.empty((IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
     pixels[:] = BACKGROUND
-    for colour, (x, y, radius) in zip(colours, discs):
+    for colour, (x, y, radius) in zip(item.colours, item.discs):
         pixels[(xs - x) ** 2 + (ys - y) ** 2 <= radius**2] = COLOURS[colour]
-    shade = np.array([[rng.uniform(*SHADE) for _ in range(GRID)] for _ in range(GRID)], dtype=np.float32)
+    shade = np.array(item.shade, dtype=np.float32)
     on_disc = (pixels != np.array(BACKGROUND, dtype=np.float32)).any(axis=-1, keepdims=True)
     shaded = pixels * np.kron(shade, np.ones((TILE, TILE), dtype=np.float32))[..., None]  # one factor per tile
     pixels = np.where(on_disc, np.minimum(shaded, 255.0), pixels)
-    image = Image.fromarray(pixels.astype(np.uint8))
-    answer = colours[0]  # discs are placed biggest first
-    reading_order = [colour for (x, y, _), colour in sorted(zip(discs, colours), key=lambda dc: (dc[0][1], dc[0][0]))]
-    sample = Sample(uid=f"circles-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
-    return ToyItem(sample, response=" ".join(reading_order) + f" <answer>{answer}</answer>")
+    return Image.fromarray(pixels.astype(np.uint8))
 
 
-TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, item=circles_item, response_tokens=24)
+def circles_item(index: int, seed: int, split: str = "train") -> ToyItem:
+    """Item `index` of `split` under `seed`: its question, answer and the teacher's response; its image is drawn when
+    read (ToyImage)."""
+    item = layout(index, seed, split)
+    sample = Sample(uid=f"circles-{split}-{seed}-{index}", image=ToyImage("circles", index, seed, split), question=QUESTION, answer=item.answer)
+    return ToyItem(sample, response=item.response)
+
+
+TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, item=circles_item, draw=draw, response_tokens=24)

@@ -19,9 +19,10 @@ of its tiles, which the teacher's encoder never needed to.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from ..data import Sample, stable_seed
-from .tasks import BACKGROUND, COLOURS, TILE, ToyItem, ToyTask
+from .tasks import BACKGROUND, COLOURS, TILE, ToyImage, ToyItem, ToyTask
 
 GRID = 10  # tiles per side: 10 x 32 px = 320 px
 IMAGE_SIZE = GRID * TILE
@@ -47,26 +48,56 @@ def _place(rng: random.Random) -> list[tuple[int, int, int]]:
             return squares
 
 
-def sizes_item(index: int, seed: int, split: str = "train") -> ToyItem:
-    """Image `index` of `split` under `seed`, its question, answer and the teacher's response, all seeded."""
-    from PIL import Image, ImageDraw
+@dataclass(frozen=True)
+class Squares:
+    """Everything of an item but its pixels: each square's colour and (x, y, side) in tiles, in SIDES order, and
+    each of its tiles' brightness factor (column by column)."""
 
+    colours: tuple[str, ...]
+    squares: tuple[tuple[int, int, int], ...]
+    shades: tuple[tuple[float, ...], ...]  # per square: side x side factors, i-major
+
+    @property
+    def answer(self) -> str:
+        return self.colours[SIDES.index(max(SIDES))]
+
+    @property
+    def response(self) -> str:
+        reading_order = [colour for (x, y, _), colour in sorted(zip(self.squares, self.colours), key=lambda sc: (sc[0][1], sc[0][0]))]
+        return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
+
+
+def layout(index: int, seed: int, split: str = "train") -> Squares:
+    """Item `index` of `split` under `seed`, without drawing it (every random draw of the item, in order)."""
     rng = random.Random(stable_seed("sizes", split, seed, index))
     colours = rng.sample(list(COLOURS), len(SIDES))
     squares = _place(rng)
+    shades = tuple(tuple(rng.uniform(*SHADE) for _ in range(side * side)) for _, _, side in squares)
+    return Squares(tuple(colours), tuple(squares), shades)
+
+
+def draw(index: int, seed: int, split: str = "train"):
+    """The item's image (PIL, IMAGE_SIZE square)."""
+    from PIL import Image, ImageDraw
+
+    item = layout(index, seed, split)
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    for colour, (x, y, side) in zip(colours, squares):
-        for i in range(side):
-            for j in range(side):
-                shade = rng.uniform(*SHADE)
-                fill = tuple(min(255, int(channel * shade)) for channel in COLOURS[colour])
-                left, top = (x + i) * TILE, (y + j) * TILE
-                draw.rectangle((left, top, left + TILE - 1, top + TILE - 1), fill=fill)
-    answer = colours[SIDES.index(max(SIDES))]
-    reading_order = [colour for (x, y, _), colour in sorted(zip(squares, colours), key=lambda sc: (sc[0][1], sc[0][0]))]
-    sample = Sample(uid=f"sizes-{split}-{seed}-{index}", image=image, question=QUESTION, answer=answer)
-    return ToyItem(sample, response=" ".join(reading_order) + f" <answer>{answer}</answer>")
+    canvas = ImageDraw.Draw(image)
+    for colour, (x, y, side), shades in zip(item.colours, item.squares, item.shades):
+        for k, shade in enumerate(shades):
+            i, j = divmod(k, side)
+            fill = tuple(min(255, int(channel * shade)) for channel in COLOURS[colour])
+            left, top = (x + i) * TILE, (y + j) * TILE
+            canvas.rectangle((left, top, left + TILE - 1, top + TILE - 1), fill=fill)
+    return image
 
 
-TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, item=sizes_item, response_tokens=24)
+def sizes_item(index: int, seed: int, split: str = "train") -> ToyItem:
+    """Item `index` of `split` under `seed`: its question, answer and the teacher's response; its image is drawn when
+    read (ToyImage)."""
+    item = layout(index, seed, split)
+    sample = Sample(uid=f"sizes-{split}-{seed}-{index}", image=ToyImage("sizes", index, seed, split), question=QUESTION, answer=item.answer)
+    return ToyItem(sample, response=item.response)
+
+
+TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, item=sizes_item, draw=draw, response_tokens=24)

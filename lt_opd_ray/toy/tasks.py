@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..data import Sample
 from ..errors import InputError
@@ -26,6 +27,21 @@ BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisati
 
 
 @dataclass(frozen=True)
+class ToyImage:
+    """A toy item's image, drawn when read: a toy data set is a few numbers per row until an engine needs the pixels
+    (what `load_samples` returns, and what crosses the object store, stays small)."""
+
+    task: str
+    index: int
+    seed: int
+    split: str
+
+    def read(self):
+        """The PIL image."""
+        return toy_task(self.task).draw(self.index, self.seed, self.split)
+
+
+@dataclass(frozen=True)
 class ToyItem:
     sample: Sample
     response: str  # what the full-token teacher is trained to write, ending in <answer>...</answer>
@@ -35,7 +51,8 @@ class ToyItem:
 class ToyTask:
     name: str
     image_size: int  # pixels per side: (image_size / TILE)^2 visual tokens at full resolution
-    item: Callable[[int, int, str], ToyItem]  # (index, seed, split) -> item
+    item: Callable[[int, int, str], ToyItem]  # (index, seed, split) -> item, its image a ToyImage
+    draw: Callable[[int, int, str], Any]  # (index, seed, split) -> its PIL image
     response_tokens: int  # at least the tokens of any reference response (the toy tokenizer's)
 
     def items(self, count: int, split: str = "train", seed: int = 0) -> list[ToyItem]:

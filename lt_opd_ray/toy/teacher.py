@@ -9,7 +9,6 @@ on 2 cores.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -19,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .tasks import TILE, ToyTask, toy_task
+
+KEY_ITEMS = 32  # items per split whose drawing is part of a teacher's key
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,16 @@ class TeacherRecipe:
     eval_size: int = 128
 
     def key(self) -> str:
-        """The recipe's fields and the source of the task's module: a change to how its images are drawn retrains."""
-        drawing = inspect.getsource(inspect.getmodule(toy_task(self.task).item))
-        return hashlib.sha256((json.dumps(asdict(self), sort_keys=True) + drawing).encode()).hexdigest()[:12]
+        """The recipe's fields and what the task draws (the pixels, question, answer and response of the first
+        KEY_ITEMS items of each split): a change to how its items are drawn retrains; a refactor that draws the same
+        items does not."""
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode())
+        for split in ("train", "test"):
+            for item in toy_task(self.task).items(KEY_ITEMS, split):
+                image = item.sample.image.read() if hasattr(item.sample.image, "read") else item.sample.image
+                digest.update(image.tobytes())
+                digest.update(f"{item.sample.question}\0{item.sample.answer}\0{item.response}\0".encode())
+        return digest.hexdigest()[:12]
 
 
 RECIPES = {
@@ -86,9 +94,12 @@ def _at_resolution(sample, side: int):
 
     from PIL import Image
 
-    if sample.image.width == side * TILE:
-        return sample
-    return replace(sample, image=sample.image.resize((side * TILE, side * TILE), Image.BILINEAR))
+    from ..models.processor import load_image
+
+    image = load_image(sample.image, sample.uid)
+    if image.width == side * TILE:
+        return replace(sample, image=image)
+    return replace(sample, image=image.resize((side * TILE, side * TILE), Image.BILINEAR))
 
 
 def training_prompts(recipe: TeacherRecipe, task: ToyTask, out_dir: Path, items) -> list:
@@ -169,7 +180,7 @@ SHIPPED = Path(__file__).parent / "teachers"  # teachers small enough to ship: <
 
 
 def shipped_teacher(recipe: TeacherRecipe) -> Path | None:
-    """The teacher shipped with the package for `recipe`, if one was trained by exactly this recipe and task code."""
+    """The teacher shipped with the package for `recipe`, if one was trained by exactly this recipe on the items the task draws now (`TeacherRecipe.key`)."""
     folder = SHIPPED / recipe.task
     record = folder / "training.json"
     if record.exists() and json.loads(record.read_text()).get("key") == recipe.key():
