@@ -89,17 +89,19 @@ def draw(index: int, seed: int, split: str = "train"):
     from PIL import Image
 
     item = layout(index, seed, split)
-    # pixel centres in tile units; each disc covers the pixels within its radius of its centre
-    coordinate = (np.arange(IMAGE_SIZE) + 0.5) / TILE
-    xs, ys = np.meshgrid(coordinate, coordinate)
+    coordinate = (np.arange(IMAGE_SIZE) + 0.5) / TILE  # pixel centres in tile units
     pixels = np.empty((IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
     pixels[:] = BACKGROUND
+    on_disc = np.zeros((IMAGE_SIZE, IMAGE_SIZE), dtype=bool)
     for colour, (x, y, radius) in zip(item.colours, item.discs):
-        pixels[(xs - x) ** 2 + (ys - y) ** 2 <= radius**2] = COLOURS[colour]
-    shade = np.array(item.shade, dtype=np.float32)
-    on_disc = (pixels != np.array(BACKGROUND, dtype=np.float32)).any(axis=-1, keepdims=True)
-    shaded = pixels * np.kron(shade, np.ones((TILE, TILE), dtype=np.float32))[..., None]  # one factor per tile
-    pixels = np.where(on_disc, np.minimum(shaded, 255.0), pixels)
+        # a disc covers the pixels within its radius of its centre; only its bounding box (and a pixel more) is tested
+        rows = slice(max(0, int((y - radius) * TILE) - 1), min(IMAGE_SIZE, int((y + radius) * TILE) + 2))
+        cols = slice(max(0, int((x - radius) * TILE) - 1), min(IMAGE_SIZE, int((x + radius) * TILE) + 2))
+        inside = (coordinate[None, cols] - x) ** 2 + (coordinate[rows, None] - y) ** 2 <= radius**2
+        pixels[rows, cols][inside] = COLOURS[colour]
+        on_disc[rows, cols] |= inside
+    factor = np.repeat(np.repeat(np.array(item.shade, dtype=np.float32), TILE, axis=0), TILE, axis=1)  # one per tile
+    pixels = np.where(on_disc[..., None], np.minimum(pixels * factor[..., None], 255.0), pixels)
     return Image.fromarray(pixels.astype(np.uint8))
 
 
