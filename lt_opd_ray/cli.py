@@ -51,7 +51,7 @@ def _load_job_or_report(path: str, overrides: list[str] = ()):
 
 
 # Exit codes of `lt-opd train` (README, "Faults"): what a script or a scheduler can act on.
-EXIT_DONE, EXIT_UNEXPECTED, EXIT_REFUSED, EXIT_RESUMABLE = 0, 1, 2, 3
+EXIT_DONE, EXIT_UNEXPECTED, EXIT_REFUSED, EXIT_RESUMABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def cmd_train(args) -> int:
@@ -82,6 +82,9 @@ def cmd_train(args) -> int:
     except (RoleDiedError, NoAnswerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RESUMABLE
+    except KeyboardInterrupt:  # Ctrl-C, or a second SIGTERM: stopped at once, the pools stopped on the way out
+        print("stopped at once (Ctrl-C or a second SIGTERM); `--resume` continues from the newest checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a bug or an environment we did not foresee: one line here, the traceback in the run folder
         log = _keep_traceback(job)
         first = (str(exc).strip().splitlines() or [""])[0][:300]
