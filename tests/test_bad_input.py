@@ -203,3 +203,21 @@ def test_train_refuses_before_ray_starts_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: job 'tiny' does not fit this machine (a local Ray cluster of its ") and "CPU: the pools need 4001.5 (rollout 4000" in err
     assert not ray.is_initialized()
+
+
+def test_an_unforeseen_error_is_one_line_and_its_traceback_is_kept_in_the_run_folder(tmp_path, capsys, monkeypatch):
+    """The CLI's last resort (what is under test here is its handling, so the run itself is replaced by a failure)."""
+    import lt_opd_ray.runtime.launch as launch
+    from lt_opd_ray.cli import main
+
+    def fails(*args, **kwargs):
+        raise ZeroDivisionError("a bug nobody foresaw\nsecond line")
+
+    monkeypatch.setattr(launch, "train", fails)
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny.yaml").read().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}"))
+    assert main(["train", str(job)]) == 1
+    err = capsys.readouterr().err
+    log = tmp_path / "run" / "error.log"
+    assert err == f"error: ZeroDivisionError: a bug nobody foresaw (traceback in {log}; `--resume` continues from the newest checkpoint)\n"
+    assert "Traceback (most recent call last)" in log.read_text() and "in fails" in log.read_text()
