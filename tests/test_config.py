@@ -28,6 +28,14 @@ def test_every_shipped_job_validates(path):
     load_job(path)
 
 
+@pytest.mark.parametrize("path", SHIPPED_JOBS, ids=lambda p: p.name)
+def test_every_shipped_job_runs_as_a_command(path):
+    """`./jobs/x.yaml` (and `ray job submit -- jobs/x.yaml`) runs `lt-opd train` on it: the shebang and the run bit."""
+    import os
+
+    assert path.read_text().startswith("#!/usr/bin/env -S lt-opd train\n") and os.access(path, os.X_OK)
+
+
 def test_paper_recipe_carries_design_values():
     job = load_job(REPO / "jobs" / "train_qwen35.yaml")
     b, o, s, opt = job.budget, job.objective, job.sampling, job.optimizer
