@@ -63,13 +63,17 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
     pending = list(dict.fromkeys(refs))
     while pending:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(LIVENESS_TICK_S, deadline - time.monotonic())))
-        try:
-            ray.get(ready)  # a call that failed raises at once
-        except ray.exceptions.RayActorError:  # its own actor died, or one it waited on: name the one that did
+        failures = []
+        for ref in ready:  # a call that failed raises at once
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - judged below
+                failures.append(exc)
+        if failures:  # a dead actor explains its victims' failures (a peer's "connection closed"): name the one that died
             dead = _first_dead(watched, pings)
             if dead is not None:
-                raise RoleDiedError(f"{dead.name} died while {dead.doing() or 'in use'} ({what} waited on it)") from None
-            raise
+                raise RoleDiedError(f"{dead.name} died while {dead.doing() or 'in use'} ({what} waited on it)") from failures[0]
+            raise next((f for f in failures if isinstance(f, ray.exceptions.RayActorError)), failures[0])
         now = time.monotonic()
         for w in list(watched):
             if (doing := w.doing()) is None:
