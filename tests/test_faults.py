@@ -116,7 +116,7 @@ def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_o
             os.kill(pid, signal.SIGCONT)
         assert time.monotonic() - begin < 8 + 30
         doing = "sampling prompts 0-0, 1-1 of update 1" if role == "rollout" else "learner step of update 1"
-        assert str(info.value).startswith(f"{frozen} stopped answering while {doing}; last answer "), info.value
+        assert str(info.value).startswith(f"{frozen} stopped answering while {doing}") and "; last answer " in str(info.value), info.value
     finally:
         driver.shutdown()
 

@@ -72,7 +72,7 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
         if failures:  # a dead actor explains its victims' failures (a peer's "connection closed"): name the one that died
             dead = _first_dead(watched, pings)
             if dead is not None:
-                raise RoleDiedError(f"{dead.name} died while {dead.doing() or 'in use'} ({what} waited on it)") from failures[0]
+                raise RoleDiedError(f"{dead.name} died while {_doing(dead.doing() or 'in use', what)}") from failures[0]
             raise next((f for f in failures if isinstance(f, ray.exceptions.RayActorError)), failures[0])
         now = time.monotonic()
         for w in list(watched):
@@ -85,18 +85,23 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                     if w.recover is not None and w.recover():
                         watched.remove(w)
                         continue
-                    raise RoleDiedError(f"{w.name} died while {doing} ({what} waited on it)") from exc
+                    raise RoleDiedError(f"{w.name} died while {_doing(doing, what)}") from exc
                 last[w.name], pings[w.name] = now, w.ping()
             elif now - last[w.name] > liveness_s:
                 if w.recover is not None and w.recover():
                     watched.remove(w)
                     continue
-                raise NoAnswerError(f"{w.name} stopped answering while {doing}; last answer {now - last[w.name]:.0f} s ago"
-                                    f" (schedule.liveness_timeout_s {liveness_s:g}; {what} waited on it)")
+                raise NoAnswerError(f"{w.name} stopped answering while {_doing(doing, what)}; last answer {now - last[w.name]:.0f} s ago"
+                                    f" (schedule.liveness_timeout_s {liveness_s:g})")
         if pending and now >= deadline:
             late = sorted({name for ref, name in zip(refs, names) if ref in pending})
             raise NoAnswerError(f"{what}: no answer after {timeout_s:.0f} s from {', '.join(late)}")
     return ray.get(refs)
+
+
+def _doing(doing: str, what: str) -> str:
+    """What the actor was doing, and the wait that depended on it where that is another thing."""
+    return doing if doing == what else f"{doing} ({what} waited on it)"
 
 
 def _first_dead(watched: list[Watched], pings: dict, timeout_s: float = LIVENESS_TICK_S) -> Watched | None:
