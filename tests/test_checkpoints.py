@@ -19,7 +19,7 @@ import ray
 import torch
 
 from lt_opd_ray.export import ExportError, export_student
-from lt_opd_ray.runtime.checkpoint import CheckpointStore, Restored
+from lt_opd_ray.runtime.checkpoint import CheckpointStore, PassedOver, Restored
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder, start_history
@@ -203,7 +203,7 @@ def test_a_write_that_fails_with_enospc_is_reported_as_a_full_disk(tmp_path):
 def test_the_step_log_reads_as_one_history_across_a_resume(tmp_path):
     step_file = tmp_path / "steps.jsonl"
     step_file.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(5)) + '{"step": 5, "lo')
-    resumed = SimpleNamespace(restored=Restored("step-3", {"step": 3, "cursor": 6}, [], ["step-4: damaged"]), step=3)
+    resumed = SimpleNamespace(restored=Restored("step-3", {"step": 3, "cursor": 6}, [], [PassedOver("step-4", "damaged")]), step=3)
     assert start_history(resumed, RunStorage(str(tmp_path)), resume=True) == step_file
     assert [json.loads(line)["step"] for line in step_file.read_text().splitlines()] == [0, 1, 2]
 
