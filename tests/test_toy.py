@@ -21,7 +21,7 @@ def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
     from lt_opd_ray.toy.board import COLOURS, GRID, MAJORITY, QUESTION, TILES_PER_IMAGE
 
     for index in range(20):
-        sample, again = board.board_item(index, seed=0).sample, board.board_item(index, seed=0).sample
+        sample, again = board.TASK.item(index, seed=0).sample, board.TASK.item(index, seed=0).sample
         assert sample.question == again.question == QUESTION and sample.answer == again.answer
         assert np.array_equal(np.asarray(sample.image.read()), np.asarray(again.image.read()))
         tiles = np.asarray(sample.image.read()).reshape(GRID, TILE, GRID, TILE, 3).transpose(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
@@ -33,7 +33,7 @@ def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
                 counts[name] += 1
         assert sum(counts.values()) == TILES_PER_IMAGE
         assert counts[sample.answer] == MAJORITY and all(n < MAJORITY for c, n in counts.items() if c != sample.answer)
-    assert board.board_item(0, 0, "train").sample.image.read().tobytes() != board.board_item(0, 0, "test").sample.image.read().tobytes()
+    assert board.TASK.item(0, 0, "train").sample.image.read().tobytes() != board.TASK.item(0, 0, "test").sample.image.read().tobytes()
 
 
 def _nearest_colour(rgb: np.ndarray) -> str | None:
@@ -46,7 +46,7 @@ def _nearest_colour(rgb: np.ndarray) -> str | None:
 
 def test_sizes_items_answer_the_biggest_square_after_listing_colours_in_reading_order():
     for index in range(30):
-        item, again = sizes.sizes_item(index, seed=0), sizes.sizes_item(index, seed=0)
+        item, again = sizes.TASK.item(index, seed=0), sizes.TASK.item(index, seed=0)
         assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, image=item.sample.image))
         assert np.array_equal(np.asarray(item.sample.image.read()), np.asarray(again.sample.image.read()))
         pixels = np.asarray(item.sample.image.read()).astype(float)
@@ -63,12 +63,12 @@ def test_sizes_items_answer_the_biggest_square_after_listing_colours_in_reading_
         reading_order = sorted(tiles, key=lambda c: min(tiles[c]))
         assert item.sample.answer == biggest and item.sample.question == sizes.QUESTION
         assert item.response == " ".join(reading_order) + f" <answer>{biggest}</answer>"
-    assert sizes.sizes_item(0, 0, "train").sample.image.read().tobytes() != sizes.sizes_item(0, 0, "test").sample.image.read().tobytes()
+    assert sizes.TASK.item(0, 0, "train").sample.image.read().tobytes() != sizes.TASK.item(0, 0, "test").sample.image.read().tobytes()
 
 
 def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_order():
     for index in range(30):
-        item, again = circles.circles_item(index, seed=0), circles.circles_item(index, seed=0)
+        item, again = circles.TASK.item(index, seed=0), circles.TASK.item(index, seed=0)
         assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, image=item.sample.image))
         pixels = np.asarray(item.sample.image.read()).astype(float)
         assert np.array_equal(pixels, np.asarray(again.sample.image.read()))
@@ -87,7 +87,7 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
         listed = item.response.removesuffix(f" <answer>{biggest}</answer>").split()
         centre_rows = [discs[c][1] for c in listed]
         assert sorted(listed) == sorted(discs) and all(a <= b + 1.0 for a, b in zip(centre_rows, centre_rows[1:]))  # reading order
-    assert circles.circles_item(0, 0, "train").sample.image.read().tobytes() != circles.circles_item(0, 0, "test").sample.image.read().tobytes()
+    assert circles.TASK.item(0, 0, "train").sample.image.read().tobytes() != circles.TASK.item(0, 0, "test").sample.image.read().tobytes()
 
 
 def test_the_shipped_circles_teacher_was_trained_by_its_recipe_on_this_task_code():

@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..data import Sample, stable_seed
-from .tasks import BACKGROUND, COLOURS, TILE, ToyImage, ToyItem, ToyTask
+from ..data import stable_seed
+from .tasks import BACKGROUND, COLOURS, TILE, ToyTask
 
 PATTERNS = ("solid", "hollow", "checked", "striped", "dotted")
 GRID = 6  # one tile per merged visual token: 6 x 32 px = 192 px
@@ -89,12 +89,4 @@ def draw(index: int, seed: int, split: str = "train"):
 QUESTION = "Which colour is on the most tiles?"
 
 
-def board_item(index: int, seed: int, split: str = "train") -> ToyItem:
-    """Board `index` of `split` under `seed` with its question, answer and the teacher's response; its image is drawn
-    when read (ToyImage)."""
-    board = layout(index, seed, split)
-    sample = Sample(uid=f"board-{split}-{seed}-{index}", image=ToyImage("board", index, seed, split), question=QUESTION, answer=board.answer)
-    return ToyItem(sample, response=board.response)
-
-
-TASK = ToyTask(name="board", image_size=IMAGE_SIZE, item=board_item, draw=draw, response_tokens=10)
+TASK = ToyTask(name="board", image_size=IMAGE_SIZE, question=QUESTION, layout=layout, draw=draw, response_tokens=10)

@@ -29,8 +29,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from ..data import Sample, stable_seed
-from .tasks import BACKGROUND, COLOURS, TILE, ToyImage, ToyItem, ToyTask
+from ..data import stable_seed
+from .tasks import BACKGROUND, COLOURS, TILE, ToyTask
 
 GRID = 10  # tiles per side: 10 x 32 px = 320 px
 IMAGE_SIZE = GRID * TILE
@@ -105,12 +105,4 @@ def draw(index: int, seed: int, split: str = "train"):
     return Image.fromarray(pixels.astype(np.uint8))
 
 
-def circles_item(index: int, seed: int, split: str = "train") -> ToyItem:
-    """Item `index` of `split` under `seed`: its question, answer and the teacher's response; its image is drawn when
-    read (ToyImage)."""
-    item = layout(index, seed, split)
-    sample = Sample(uid=f"circles-{split}-{seed}-{index}", image=ToyImage("circles", index, seed, split), question=QUESTION, answer=item.answer)
-    return ToyItem(sample, response=item.response)
-
-
-TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, item=circles_item, draw=draw, response_tokens=24)
+TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, question=QUESTION, layout=layout, draw=draw, response_tokens=24)

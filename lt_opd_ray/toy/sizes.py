@@ -21,8 +21,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..data import Sample, stable_seed
-from .tasks import BACKGROUND, COLOURS, TILE, ToyImage, ToyItem, ToyTask
+from ..data import stable_seed
+from .tasks import BACKGROUND, COLOURS, TILE, ToyTask
 
 GRID = 10  # tiles per side: 10 x 32 px = 320 px
 IMAGE_SIZE = GRID * TILE
@@ -92,12 +92,4 @@ def draw(index: int, seed: int, split: str = "train"):
     return image
 
 
-def sizes_item(index: int, seed: int, split: str = "train") -> ToyItem:
-    """Item `index` of `split` under `seed`: its question, answer and the teacher's response; its image is drawn when
-    read (ToyImage)."""
-    item = layout(index, seed, split)
-    sample = Sample(uid=f"sizes-{split}-{seed}-{index}", image=ToyImage("sizes", index, seed, split), question=QUESTION, answer=item.answer)
-    return ToyItem(sample, response=item.response)
-
-
-TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, item=sizes_item, draw=draw, response_tokens=24)
+TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, question=QUESTION, layout=layout, draw=draw, response_tokens=24)
