@@ -130,13 +130,13 @@ def test_a_frozen_teacher_replica_is_replaced_by_serve_and_the_run_matches(unint
         pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
         os.kill(pid, signal.SIGSTOP)
         log = driver.run_step()
+        assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
     except BaseException:
         driver.shutdown()
         raise
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)  # Serve has killed it by now, or the kill lands once it runs
-    assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
     assert_same_weights(run_to_end(driver), uninterrupted)
 
 

@@ -319,15 +319,17 @@ class LearnerGroup:
         total = len(batch) * self.job.sampling.n
         return [a.train_step.remote(own, mine, total, version, scoring) for a, own, mine in zip(self.actors, own_samples, work)]
 
-    def wait(self, refs: list, what: str, upstream: list[Watched] = ()) -> list:
-        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer). While it
-        waits, the ranks and the `upstream` actors they wait on (rollout workers) are pinged: one that dies or stops
-        answering is named (waits.wait_watched). A rank that died is named in a RoleDiedError: a ZeRO group cannot go
-        on without one of its ranks."""
+    def wait(self, refs: list, what: str, upstream: list[Watched] | None = None) -> list:
+        """Every rank's answer, bounded by schedule.wait_timeout_s (naming the ranks that did not answer). With
+        `upstream` (an update's step: the rollout workers it waits on), the ranks and those actors are pinged while it
+        waits: one that dies or stops answering is named (waits.wait_watched). Not while the ranks start: a rank
+        answers no ping before its process is up. A rank that died is named in a RoleDiedError: a ZeRO group cannot
+        go on without one of its ranks."""
         names = [f"learner-{r}" for r in range(len(refs))]
         ranks = [Watched(name, actor.alive.remote, lambda: what) for name, actor in zip(names, self.actors)]
+        watched = [*upstream, *ranks] if upstream is not None else []
         try:
-            return wait_watched(refs, names, self.job.schedule.wait_timeout_s, what, [*upstream, *ranks], self.job.schedule.liveness_timeout_s)
+            return wait_watched(refs, names, self.job.schedule.wait_timeout_s, what, watched, self.job.schedule.liveness_timeout_s)
         except ray.exceptions.RayActorError as exc:
             dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == getattr(exc, "actor_id", None)]
             raise RoleDiedError(f"{dead[0] if dead else 'an actor'} died while {what}") from exc
