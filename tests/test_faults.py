@@ -96,10 +96,10 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
     assert_same_weights(run_to_end(resumed), uninterrupted)
 
 
-@pytest.mark.parametrize("frozen", ["rollout-0", "learner-1"])
+@pytest.mark.parametrize("frozen", ["learner-1"])  # a frozen lone rollout worker is named the same way (bench_stuck.py)
 def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_on_it(cluster, tiny_dirs, tmp_path, frozen):
-    """`kill -STOP`: the process lives but answers nothing. The learners wait on the frozen worker's groups (or the
-    other rank on the frozen one in a collective); the error names the frozen actor within the liveness bound."""
+    """`kill -STOP`: the process lives but answers nothing. The other rank waits on the frozen one in a collective;
+    the error names the frozen actor within the liveness bound, not the rank waiting on it."""
     job = fault_job(tiny_dirs["qwen3_5"], tmp_path, f"freeze-{frozen}", workers=1, extra="schedule: {liveness_timeout_s: 8}")
     driver = Driver(job)
     try:
@@ -122,7 +122,9 @@ def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_o
 
 
 def test_a_frozen_teacher_replica_is_replaced_by_serve_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path):
-    """Serve's health check is the replicas' liveness bound: the frozen replica is replaced, the learners ask again."""
+    """Serve's health check is the replicas' liveness bound: the frozen replica is replaced, and the requests it held
+    are served by the new one (Serve sends again a request its replica never accepted; a learner asks again for one
+    that was lost after)."""
     driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-freeze", extra="schedule: {liveness_timeout_s: 8}"))
     pid = None
     try:
@@ -130,7 +132,7 @@ def test_a_frozen_teacher_replica_is_replaced_by_serve_and_the_run_matches(unint
         pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
         os.kill(pid, signal.SIGSTOP)
         log = driver.run_step()
-        assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
+        assert log.step == 1 and driver.teacher.handle.pid.remote().result(timeout_s=60) != pid
     except BaseException:
         driver.shutdown()
         raise

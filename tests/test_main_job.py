@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -78,54 +79,33 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     assert missing.returncode == 2 and "steps.jsonl does not exist" in missing.stderr
 
 
-def test_sigterm_stops_after_the_update_in_progress_with_a_checkpoint(tmp_path):
-    """What Kubernetes and `ray job stop` send: a safe stop (rc 0), the last update checkpointed, Ray gone."""
+def test_one_run_per_folder_a_resume_right_after_a_sigkill_and_a_safe_sigterm(tmp_path):
+    """While a run holds its folder a second run into it is refused by name (exit 2, before Ray starts). Once its
+    driver is SIGKILLed, an immediate `--resume` takes the lock over, stops the dead run's local Ray cluster (whose
+    dashboard agent would hold the metrics port for a minute) and continues from the checkpoint. SIGTERM (what
+    Kubernetes and `ray job stop` send) then stops it safely: rc 0, the last update checkpointed, Ray gone."""
     import signal
     import time
 
-    text = (REPO / "jobs/train_tiny.yaml").read_text().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}")
-    (tmp_path / "job.yaml").write_text(text)
-    raylets = lambda: set(subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split())  # noqa: E731
-    before = raylets()
-    process = subprocess.Popen([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml")], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "LT_OPD_CACHE": str(tmp_path / "cache")})
-    output = []
-    for line in process.stdout:
-        output.append(line)
-        if "step    2/12" in line:
-            process.send_signal(signal.SIGTERM)
-            break
-    output += process.stdout.readlines()
-    assert process.wait(timeout=300) == 0, "".join(output)[-3000:]
-    stopped = next(line for line in output if "stopped by SIGTERM" in line)
-    step = int(stopped.split("after update ")[1].split(":")[0])
-    assert 2 <= step < 12 and f"checkpoint {tmp_path / 'run' / f'step-{step}'};" in stopped
-    assert (tmp_path / "run" / "latest").read_text() == f"step-{step}"
-    assert len((tmp_path / "run" / "steps.jsonl").read_text().splitlines()) == step
-    deadline = time.time() + 30
-    while raylets() - before and time.time() < deadline:
-        time.sleep(1)
-    assert not raylets() - before, "the run left its Ray processes behind"
-
-
-def test_one_run_per_folder_and_a_resume_right_after_a_sigkilled_driver(tmp_path):
-    """While a run holds its folder a second run into it is refused by name (exit 2, before Ray starts); once its
-    driver is SIGKILLed, an immediate `--resume` takes the lock over, stops the dead run's local Ray cluster (whose
-    dashboard agent would hold the metrics port for a minute) and continues from the checkpoint."""
-    import signal
-
     text = (REPO / "jobs/train_tiny.yaml").read_text().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}").replace("every_steps: 4", "every_steps: 1")
     (tmp_path / "job.yaml").write_text(text)
-    env = {"LT_OPD_CACHE": str(tmp_path / "cache")}
-    first = subprocess.Popen([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml")], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
-    output = []
-    try:
-        for line in first.stdout:
+    env = {**os.environ, "LT_OPD_CACHE": str(tmp_path / "cache")}
+    raylets = lambda: set(subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split())  # noqa: E731
+    before = raylets()
+
+    def train_until(step: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+        process = subprocess.Popen([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml"), *flags], cwd=REPO, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, env=env)
+        output = []
+        for line in process.stdout:
             output.append(line)
-            if "step    2/12" in line:
+            if f"step {step:4d}/12" in line:
                 break
-        second = run([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml"), "--resume", "--steps", "1"], env=env)
+        return process, output
+
+    first, output = train_until(2)
+    try:
+        second = run([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml"), "--resume"], env=env)
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"error: {tmp_path / 'run'} is in use by another run (lt-opd train tiny, pid {first.pid} on " in second.stderr
         assert "Traceback" not in second.stderr
@@ -133,9 +113,23 @@ def test_one_run_per_folder_and_a_resume_right_after_a_sigkilled_driver(tmp_path
         first.wait(timeout=30)
     finally:
         first.kill()
-    resumed = run([str(BIN / "lt-opd"), "train", str(tmp_path / "job.yaml"), "--resume", "--steps", "1"], env=env, timeout=600)
-    assert resumed.returncode == 0, "".join(output)[-2000:] + resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout and len(step_lines(resumed.stdout)) == 1
+    resumed, output = train_until(4, "--resume")
+    try:
+        assert any("resuming from" in line for line in output), "".join(output)[-3000:]
+        resumed.send_signal(signal.SIGTERM)
+        output += resumed.stdout.readlines()
+        assert resumed.wait(timeout=300) == 0, "".join(output)[-3000:]
+    finally:
+        resumed.kill()
+    stopped = next(line for line in output if "stopped by SIGTERM" in line)
+    step = int(stopped.split("after update ")[1].split(":")[0])
+    assert 4 <= step < 12 and f"checkpoint {tmp_path / 'run' / f'step-{step}'};" in stopped
+    assert (tmp_path / "run" / "latest").read_text() == f"step-{step}"
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()] == list(range(step))
+    deadline = time.time() + 30
+    while raylets() - before and time.time() < deadline:
+        time.sleep(1)
+    assert not raylets() - before, "the runs left Ray processes behind"
 
 
 def test_reference_flag_runs_the_single_process_update(tmp_path):
