@@ -32,19 +32,22 @@ def test_a_live_holder_is_named_and_a_dead_one_is_taken_over(tmp_path):
 
 
 def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_path):
-    folder = tmp_path / "run"
-    import ray
+    """Recorded as (pid, start time): a process still running under that pid since that time is the dead run's and is
+    stopped; a pid now running another process (reused: its start time differs) is left alone."""
+    from lt_opd_ray.runtime.run_lock import _start_time
 
-    raylet = os.path.join(os.path.dirname(ray.__file__), "core", "src", "ray", "raylet", "raylet")  # as a real raylet's command line
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", raylet])
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "not-ours"])
+    folder = tmp_path / "run"
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
+        time.sleep(0.2)
         dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
-        record = {"host": socket.gethostname(), "pid": int(dead_pid), "started": "0", "ray_pids": [leftover.pid, bystander.pid]}
+        record = {"host": socket.gethostname(), "pid": int(dead_pid), "started": "0",
+                  "ray_processes": [[leftover.pid, _start_time(leftover.pid)], [bystander.pid, "1"]]}
         (tmp_path / ".run.lock").write_text(json.dumps(record))
         RunLock.acquire(folder, "resume").release()
-        assert leftover.wait(timeout=10) == -9  # it runs from the Ray package: SIGKILLed
-        assert bystander.poll() is None  # a recorded pid that is no Ray process now (reused): left alone
+        assert leftover.wait(timeout=10) == -9
+        assert bystander.poll() is None
     finally:
         for process in (leftover, bystander):
             process.kill()

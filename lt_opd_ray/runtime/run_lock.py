@@ -62,7 +62,7 @@ class RunLock:
         folder.parent.mkdir(parents=True, exist_ok=True)
         pid = os.getpid()
         record = {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid), "purpose": purpose,
-                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ray_pids": []}
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ray_processes": []}
         lock = cls(folder, record)
         for _ in range(3):  # a dead holder's lock is removed, then the create is tried again
             try:
@@ -101,28 +101,29 @@ class RunLock:
 
     @staticmethod
     def _stop_ray_of(held: dict) -> None:
-        """The dead driver's local Ray cluster (its pids, each checked to still run from the Ray package): SIGKILL, then
-        wait until they are gone, so its ports are free for this run."""
-        ray_package = _ray_package()
-        pids = [pid for pid in held.get("ray_pids", []) if ray_package and ray_package in _cmdline(pid)]
-        pids += _children(pids)  # the raylet's dashboard agent (the metrics port) and its workers
-        for pid in pids:
+        """The dead driver's local Ray cluster: each recorded process still running (the same pid and start time, so
+        a reused pid is left alone) is SIGKILLed, and waited for, so its ports are free for this run."""
+        alive = [pid for pid, started in held.get("ray_processes", []) if _start_time(pid) == started]
+        for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + 10.0
-        while any(_cmdline(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(_start_time(pid) is not None for pid in alive) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def record_ray(self) -> None:
-        """Add this process's local Ray cluster (GCS, raylet, dashboard agent, ...) to the lock, for a successor."""
+        """Add this process's local Ray cluster to the lock, for a successor: the node's processes (GCS, raylet,
+        monitors) and their children now (the dashboard agent, which holds the metrics port and outlives a killed
+        raylet by a minute), each with its start time."""
         import ray
 
         node = getattr(ray._private.worker, "_global_node", None)  # set only where this process started the cluster
         if node is None:
             return
-        self.record["ray_pids"] = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None]
+        pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None]
+        self.record["ray_processes"] = [[pid, started] for pid in pids + _children(pids) if (started := _start_time(pid)) is not None]
         staged = self.path.with_name(self.path.name + ".tmp")
         staged.write_text(json.dumps(self.record))
         os.replace(staged, self.path)
@@ -141,21 +142,6 @@ class RunLock:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _ray_package() -> str | None:
-    """The folder of the installed Ray package: every process of a Ray node runs a binary or script inside it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("ray")
-    return next(iter(spec.submodule_search_locations), None) if spec and spec.submodule_search_locations else None
 
 
 def _children(parents: list[int]) -> list[int]:
