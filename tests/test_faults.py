@@ -96,17 +96,13 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
     assert_same_weights(run_to_end(resumed), uninterrupted)
 
 
-@pytest.mark.parametrize("frozen", ["learner-1"])  # a frozen lone rollout worker is named the same way (bench_stuck.py)
-def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_on_it(cluster, tiny_dirs, tmp_path, frozen):
-    """`kill -STOP`: the process lives but answers nothing. The other rank waits on the frozen one in a collective;
-    the error names the frozen actor within the liveness bound, not the rank waiting on it."""
-    job = fault_job(tiny_dirs["qwen3_5"], tmp_path, f"freeze-{frozen}", workers=1, extra="schedule: {liveness_timeout_s: 8}")
-    driver = Driver(job)
+def test_a_frozen_learner_rank_is_named_not_the_rank_waiting_on_it(cluster, tiny_dirs, tmp_path):
+    """`kill -STOP`: the process lives but answers nothing; the other rank waits on it in a collective. The error
+    names the frozen rank within the liveness bound. (A lone rollout worker and a teacher replica: bench_stuck.py.)"""
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "freeze-learner", workers=1, extra="schedule: {liveness_timeout_s: 8}"))
     try:
         driver.run_step()
-        role, index = frozen.split("-")
-        actor = driver.rollouts.workers[int(index)] if role == "rollout" else driver.learners.actors[int(index)]
-        pid = ray.get(actor.pid.remote())
+        pid = ray.get(driver.learners.actors[1].pid.remote())
         os.kill(pid, signal.SIGSTOP)
         begin = time.monotonic()
         try:
@@ -115,31 +111,9 @@ def test_a_frozen_actor_is_named_with_what_it_was_doing_not_the_actors_waiting_o
         finally:
             os.kill(pid, signal.SIGCONT)
         assert time.monotonic() - begin < 8 + 30
-        doing = "sampling prompts 0-0, 1-1 of update 1" if role == "rollout" else "learner step of update 1"
-        assert str(info.value).startswith(f"{frozen} stopped answering while {doing}") and "; last answer " in str(info.value), info.value
+        assert str(info.value).startswith("learner-1 stopped answering while learner step of update 1; last answer "), info.value
     finally:
         driver.shutdown()
-
-
-def test_a_frozen_teacher_replica_is_replaced_by_serve_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path):
-    """Serve's health check is the replicas' liveness bound: the frozen replica is replaced, and the requests it held
-    are served by the new one (Serve sends again a request its replica never accepted; a learner asks again for one
-    that was lost after)."""
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-freeze", extra="schedule: {liveness_timeout_s: 8}"))
-    pid = None
-    try:
-        driver.run_step()
-        pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
-        os.kill(pid, signal.SIGSTOP)
-        log = driver.run_step()
-        assert log.step == 1 and driver.teacher.handle.pid.remote().result(timeout_s=60) != pid
-    except BaseException:
-        driver.shutdown()
-        raise
-    finally:
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)  # Serve has killed it by now, or the kill lands once it runs
-    assert_same_weights(run_to_end(driver), uninterrupted)
 
 
 def test_a_frozen_rollout_worker_is_stopped_its_groups_sampled_elsewhere_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys):
@@ -159,17 +133,6 @@ def test_a_frozen_rollout_worker_is_stopped_its_groups_sampled_elsewhere_and_the
         driver.shutdown()
         raise
     assert_same_weights(run_to_end(driver), uninterrupted)
-
-
-def test_a_lone_rollout_worker_killed_inside_an_update_is_named_not_a_learner(cluster, tiny_dirs, tmp_path):
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-kill", workers=1))
-    try:
-        driver.run_step()
-        os.kill(ray.get(driver.rollouts.workers[0].pid.remote()), signal.SIGKILL)
-        with pytest.raises(RoleDiedError, match=r"^rollout-0 died while (sampling prompts|in use)"):
-            driver.run_step()
-    finally:
-        driver.shutdown()
 
 
 def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, tmp_path, monkeypatch):
