@@ -287,9 +287,12 @@ class Driver:
         """Every rollout worker, watched while any of `flight`'s groups on it is still being sampled; one that dies or
         stops answering is done without where another worker lives (`sample_elsewhere`)."""
 
+        finished: set = set()  # summaries known sampled: each group is asked about until it is, not on every tick
+
         def doing(worker: int):
             def now() -> str | None:
-                unfinished = [g for g in flight.groups if g.worker == worker and not sampled(g)]
+                finished.update(g.summary for g in flight.groups if g.worker == worker and g.summary not in finished and sampled(g))
+                unfinished = [g for g in flight.groups if g.worker == worker and g.summary not in finished]
                 return (f"sampling prompts {', '.join(f'{g.start}-{g.stop - 1}' for g in unfinished)} of update {flight.update}"
                         if unfinished else None)
             return now
