@@ -6,8 +6,10 @@ the run completing where the actor is replaced.
 
 Each case starts the tiny job (jobs/train_tiny.yaml) through the driver on a local Ray cluster, runs one update,
 freezes one actor and runs the next update:
-- a rollout worker and a learner rank cannot be replaced inside an update: the update ends in a NoAnswerError
-  naming the frozen actor and what it was doing (the run then stops with the checkpoint `--resume` continues from);
+- the job's lone rollout worker is stopped and replaced inside the update (learner rank 0 sends the replacement the
+  weights while the step waits) and the update completes;
+- a learner rank cannot be replaced inside an update: the update ends in a NoAnswerError naming the frozen rank and
+  what it was doing (the run then stops with the checkpoint `--resume` continues from);
 - a teacher replica is replaced by Serve (its health check is the liveness bound) and the update completes.
 """
 
@@ -46,7 +48,8 @@ def freeze_case(actor_kind: str, liveness_s: float) -> tuple[float, str]:
         begin = time.monotonic()
         try:
             log = driver.run_step()
-            outcome = f"update {log.step + 1} completed (teacher restarts: {driver.metrics.restart_counts.get('teacher', 0)})"
+            restarts = ", ".join(f"{role} {n}" for role, n in sorted(driver.metrics.restart_counts.items())) or "none"
+            outcome = f"update {log.step + 1} completed (restarts: {restarts})"
         except (NoAnswerError, RoleDiedError) as exc:
             outcome = str(exc).splitlines()[0]
         return time.monotonic() - begin, outcome

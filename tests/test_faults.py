@@ -34,10 +34,13 @@ def fault_job(model_dir, folder, name, **overrides):
     return job_for(model_dir, folder, ranks=2, zero_stage=2, every=1, total=STEPS, name=name, **{"workers": 2, **overrides})
 
 
-def run_to_end(driver):
+def run_to_end(driver, after: dict | None = None):
+    """The learners' weights at the end; with `after`, also after each update (by step)."""
     try:
         while driver.step < STEPS:
             driver.run_step()
+            if after is not None:
+                after[driver.step] = driver.learners.full_state_dict()
         return driver.learners.full_state_dict()
     finally:
         driver.shutdown()
@@ -45,7 +48,10 @@ def run_to_end(driver):
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tiny_dirs, tmp_path_factory):
-    return run_to_end(Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("straight"), "straight")))
+    """An uninterrupted run's weights after each update, by step."""
+    after = {}
+    run_to_end(Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("straight"), "straight")), after)
+    return after
 
 
 def assert_same_weights(got, expected):
@@ -78,7 +84,7 @@ def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(
         driver.shutdown()
         raise
     assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
-    assert_same_weights(run_to_end(driver), uninterrupted)
+    assert_same_weights(run_to_end(driver), uninterrupted[STEPS])
 
 
 def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_matches(uninterrupted, tiny_dirs, tmp_path):
@@ -93,12 +99,12 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
     assert not serve.status().applications
     resumed = Driver(job, resume=True)
     assert resumed.step == 1
-    assert_same_weights(run_to_end(resumed), uninterrupted)
+    assert_same_weights(run_to_end(resumed), uninterrupted[STEPS])
 
 
 def test_a_frozen_learner_rank_is_named_not_the_rank_waiting_on_it(cluster, tiny_dirs, tmp_path):
     """`kill -STOP`: the process lives but answers nothing; the other rank waits on it in a collective. The error
-    names the frozen rank within the liveness bound. (A lone rollout worker and a teacher replica: bench_stuck.py.)"""
+    names the frozen rank within the liveness bound. (A teacher replica: bench_stuck.py.)"""
     driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "freeze-learner", workers=1, extra="schedule: {liveness_timeout_s: 8}"))
     try:
         driver.run_step()
@@ -116,23 +122,51 @@ def test_a_frozen_learner_rank_is_named_not_the_rank_waiting_on_it(cluster, tiny
         driver.shutdown()
 
 
-def test_a_frozen_rollout_worker_is_stopped_its_groups_sampled_elsewhere_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys):
-    """On-policy: the learners wait on rollout-1's groups when it freezes. After the liveness bound it is stopped, its
-    groups are sampled by rollout-0 (the same rollouts: seeded by update, sample and response) and go to their ranks
-    in place of the lost ones, and it is replaced after the update: nothing lost, nothing trained twice."""
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-freeze", extra="schedule: {liveness_timeout_s: 8}"))
+def test_rollout_workers_lost_inside_an_update_are_done_without_then_replaced_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys,
+                                                                                                  monkeypatch):
+    """On-policy, while the learners wait on update 1's groups: rollout-1 freezes (after the liveness bound it is
+    stopped and rollout-0 samples its group: the same rollouts, seeded by update, sample and response), then rollout-0
+    dies with it (no worker lives: both are replaced, given the learners' weights by learner-0 while the step waits,
+    and sample it), then rollout-0's replacement dies in turn (rollout-1 samples it). The update's weights equal an
+    uninterrupted run's: nothing lost, nothing trained twice. In update 2 every worker, and every replacement, dies:
+    after REPLACE_ATTEMPTS replacements inside the update (1 here, for time), one line naming the worker."""
+    import lt_opd_ray.runtime.driver as driver_module
+
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-loss", extra="schedule: {liveness_timeout_s: 8}"))
+    sample_again, victims, every_time = driver.sample_again, [], []
+
+    def then_kill(flight, lost, by):  # the fault: right after groups are handed on, workers die
+        again = sample_again(flight, lost, by)
+        for index in victims.pop(0) if victims else every_time:
+            try:
+                os.kill(ray.get(driver.rollouts.workers[index].pid.remote()), signal.SIGKILL)
+            except ray.exceptions.RayActorError:
+                pass  # dead already
+        return again
+
+    driver.sample_again = then_kill
     try:
         driver.run_step()
-        pid = ray.get(driver.rollouts.workers[1].pid.remote())
-        os.kill(pid, signal.SIGSTOP)
+        frozen = ray.get(driver.rollouts.workers[1].pid.remote())
+        victims += [[0], [0]]  # rollout-0 after it took rollout-1's group; its replacement after it got the group again
+        os.kill(frozen, signal.SIGSTOP)
         log = driver.run_step()
-        assert log.step == 1 and driver.metrics.restart_counts.get("rollout") == 1
-        assert "rollout-1 lost inside update 1: prompts 1-1 sampled again by rollout-0" in capsys.readouterr().out
-        assert ray.get(driver.rollouts.workers[1].pid.remote()) != pid
-    except BaseException:
+        out = capsys.readouterr().out
+        assert log.step == 1 and driver.metrics.restart_counts.get("rollout") == 3, driver.metrics.restart_counts
+        assert "rollout-1 lost inside update 1: prompts 1-1 sampled again by rollout-0" in out, out
+        assert "rollout-0, rollout-1 lost inside update 1 with no other worker: replaced, given weights v1 by learner-0" in out, out
+        assert "rollout-0 lost inside update 1: prompts 1-1 sampled again by rollout-1" in out, out
+        assert_same_weights(driver.learners.full_state_dict(), uninterrupted[2])
+        assert set(driver.rollouts.checksums()) == {(2, driver.learners.weights_checksum())}
+
+        monkeypatch.setattr(driver_module, "REPLACE_ATTEMPTS", 1)
+        every_time += [0, 1]
+        for worker in driver.rollouts.workers:
+            os.kill(ray.get(worker.pid.remote()), signal.SIGKILL)
+        with pytest.raises(RoleDiedError, match="rollout-[01] was lost 2 times inside update 2, each replacement in turn"):
+            driver.run_step()
+    finally:
         driver.shutdown()
-        raise
-    assert_same_weights(run_to_end(driver), uninterrupted)
 
 
 def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections import Counter
 import json
 import time
 import warnings
@@ -33,11 +34,11 @@ from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
 from .resources import InsufficientResourcesError, autoscaling_note, check_learner_memory, check_memory, check_resources
-from .rollout_pool import GroupRef, RolloutPool
+from .rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
 from .storage import RunStorage, StorageError
 from .sync_coordinator import WeightBroadcaster
 from .teacher import TeacherService
-from .waits import NoAnswerError, Watched
+from .waits import NoAnswerError, RoleDiedError, Watched
 
 # The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
 REPLICA_COUNT_MAX_AGE_S = 10.0
@@ -76,6 +77,7 @@ class InFlight:
     samples_ref: ray.ObjectRef
     groups: list[GroupRef]
     payloads: list[ray.ObjectRef]
+    replaced: Counter[int] = field(default_factory=Counter)  # per worker: replacements started inside this update
 
 
 def sampled(group: GroupRef) -> bool:
@@ -248,8 +250,9 @@ class Driver:
         return lost
 
     def replace_workers(self, indices: set[int]) -> None:
-        """New workers in place of those that died or were stopped; they join the sync group, and the broadcast
-        that follows gives them the weights."""
+        """New workers in place of those stopped inside the update (`indices`) and any other that died meanwhile;
+        they join the sync group, and the broadcast that follows gives them the weights."""
+        indices = indices | set(self.rollouts.dead_workers())
         for index in sorted(indices):
             self.rollouts.replace(index)
             self.metrics.record_restart("rollout")
@@ -285,7 +288,8 @@ class Driver:
 
     def samplers(self, flight: InFlight) -> list[Watched]:
         """Every rollout worker, watched while any of `flight`'s groups on it is still being sampled; one that dies or
-        stops answering is done without where another worker lives (`sample_elsewhere`)."""
+        stops answering is done without (`sample_elsewhere`). Pinged by index: a worker replaced inside the update is
+        watched in its place."""
 
         finished: set = set()  # summaries known sampled: each group is asked about until it is, not on every tick
 
@@ -297,32 +301,64 @@ class Driver:
                         if unfinished else None)
             return now
 
-        return [Watched(name, worker.ready.remote, doing(i), functools.partial(self.sample_elsewhere, flight, i))
-                for i, (name, worker) in enumerate(zip(self.rollouts.names, self.rollouts.workers))]
+        return [Watched(name, functools.partial(lambda i: self.rollouts.workers[i].ready.remote(), i), doing(i),
+                        functools.partial(self.sample_elsewhere, flight, i))
+                for i, name in enumerate(self.rollouts.names)]
 
     def sample_elsewhere(self, flight: InFlight, lost: int) -> bool:
-        """Worker `lost` died or stopped answering inside the update: it is stopped, its unfinished groups are
-        sampled again by the live workers (the same rollouts: sampling is seeded by update, sample and response, not
-        by worker) and scored, and each goes to its learner rank in place of the lost one; the worker is replaced
-        after the update. False where no other worker lives."""
+        """Worker `lost` died or stopped answering inside the update: it is stopped and its unfinished groups are
+        sampled again (the same rollouts: sampling is seeded by update, sample and response, not by worker) and
+        scored, each going to its learner rank in place of the lost one. By the live workers, the lost one replaced
+        after the update; where none lives, by replacements started now (`replace_inside`). False where neither can be."""
         survivors = [i for i in range(len(self.rollouts.workers)) if i != lost and i not in self.lost_workers]
         if not survivors:
-            return False
+            return self.replace_inside(flight, lost)
         ray.kill(self.rollouts.workers[lost], no_restart=True)  # a stuck one too: it must not answer late
         self.lost_workers.add(lost)
+        again = self.sample_again(flight, {lost}, survivors)
+        print(f"{self.rollouts.names[lost]} lost inside update {flight.update}: prompts {', '.join(again) or '(none left)'} sampled again by"
+              f" {', '.join(self.rollouts.names[i] for i in survivors)}; it is replaced after the update", flush=True)
+        return True
+
+    def replace_inside(self, flight: InFlight, lost: int) -> bool:
+        """No worker lives: every lost one is replaced now, given the learners' weights while their step waits (learner
+        rank 0 sends them from a second thread: it holds whole weights only under ZeRO 0-2, so False under ZeRO-3)
+        and samples the unfinished groups. A worker replaced more than REPLACE_ATTEMPTS times inside one update (a
+        prompt that kills its worker) ends the run in one line."""
+        if self.job.pools.learner.zero_stage == 3:
+            return False
+        gone = sorted(self.lost_workers | {lost})
+        for index in gone:
+            flight.replaced[index] += 1
+            if flight.replaced[index] > REPLACE_ATTEMPTS:
+                unfinished = [f"{g.start}-{g.stop - 1}" for g in flight.groups if g.worker == index and not sampled(g)]
+                raise RoleDiedError(f"{self.rollouts.names[index]} was lost {flight.replaced[index]} times inside update {flight.update}, each"
+                                    f" replacement in turn, while sampling prompts {', '.join(unfinished)}: one of them may stop its worker")
+            self.rollouts.replace(index)  # stops the lost one first
+            self.metrics.record_restart("rollout")
+        self.lost_workers.clear()
+        self.sync.connect()
+        self.sync.broadcast_inside_step(version=self.step)  # the weights the update's rollouts are sampled by
+        again = self.sample_again(flight, set(gone), gone)
+        print(f"{', '.join(self.rollouts.names[i] for i in gone)} lost inside update {flight.update} with no other worker: replaced,"
+              f" given weights v{self.step} by learner-0 while the learners wait, and prompts {', '.join(again) or '(none left)'} sampled"
+              f" again", flush=True)
+        return True
+
+    def sample_again(self, flight: InFlight, lost: set[int], by: list[int]) -> list[str]:
+        """The unfinished groups of the `lost` workers, submitted again round-robin over `by` and scored; each goes
+        to its learner rank as a substitute. Returns their prompt ranges."""
         again = []
         for i, old in enumerate(flight.groups):
-            if old.worker != lost or sampled(old):
+            if old.worker not in lost or sampled(old):
                 continue
             group = self.rollouts.submit_group(flight.samples_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, old.update,
-                                               survivors[len(again) % len(survivors)])
+                                               by[len(again) % len(by)])
             payload = self.teacher.async_score(flight.samples_ref, [group])[0]
             flight.groups[i], flight.payloads[i] = group, payload
             self.learners.actors[old.learner_rank].substitute.remote(old.update, old.start, [self.rollouts.names[group.worker], group.group, payload])
             again.append(f"{old.start}-{old.stop - 1}")
-        print(f"{self.rollouts.names[lost]} lost inside update {flight.update}: prompts {', '.join(again) or '(none left)'} sampled again by"
-              f" {', '.join(self.rollouts.names[i] for i in survivors)}; it is replaced after the update", flush=True)
-        return True
+        return again
 
     def group_workers(self, flight: InFlight) -> list[str]:
         return [self.rollouts.names[g.worker] for g in flight.groups]

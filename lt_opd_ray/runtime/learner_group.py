@@ -20,6 +20,9 @@ from .rollout_pool import CONTROL
 from .storage import RunStorage
 from .waits import RoleDiedError, Watched, wait_for, wait_one, wait_watched
 
+# The learner's own threads beside the step: "control" (liveness, substitutes, sync aborts) and "sync" (forming the
+# weight-sync group and sending the weights while a step waits on a replaced worker: `send_weights_inside_step`).
+LEARNER_GROUPS = CONTROL | {"sync": 1}
 FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
 TEACHER_RETRIES = 2  # a scoring request is sent again at most this often when its replica dies
 
@@ -79,6 +82,7 @@ class LearnerActor:
         self.sync_store = host_store(host, port, 0, self.job.pools.learner.sync_timeout_s)
         return host, port
 
+    @ray.method(concurrency_group="sync")
     def join_weight_sync(self, world: int, generation: int) -> int:
         from .rollout_pool import sync_device
         from .weight_sync import SyncGroup
@@ -134,6 +138,25 @@ class LearnerActor:
         if self.rank == 0:
             self.metrics.record_sync(seconds, nbytes)
         return WeightsSent(self.rank, nbytes, self.learner.wire_dtype, seconds)
+
+    @ray.method(concurrency_group="sync")
+    def send_weights_inside_step(self, version: int) -> WeightsSent:
+        """Rank 0, while the step waits for rollouts that no live worker can sample: the weights (`version`, the
+        step's own) to the workers that replace the lost ones. Only where the rank holds whole weights (ZeRO 0-2):
+        the step leaves them untouched until its optimizer call, which cannot come before those rollouts, so they
+        are read from this thread as they are. Under CUDA on a side stream: the step's thread may be blocked in
+        the ranks' lockstep all-reduce, and work queued behind it on the current stream would wait for the very
+        rollouts these weights are for."""
+        import contextlib
+
+        import torch
+
+        if self.rank != 0 or self.job.pools.learner.zero_stage == 3:
+            raise ValueError(f"learner-{self.rank} (ZeRO-{self.job.pools.learner.zero_stage}) cannot send the weights inside a step")
+        device = self.learner.engine.device
+        stream = torch.cuda.stream(torch.cuda.Stream(device)) if torch.device(device).type == "cuda" else contextlib.nullcontext()
+        with stream:
+            return self.broadcast_weights(version)
 
     @ray.method(concurrency_group="control")
     def abort_weight_sync(self) -> None:
@@ -217,7 +240,6 @@ class GroupReceiver:
                  substitutes: Substitutes):
         self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
         self.substitutes = substitutes
-        self.liveness_s = job.schedule.liveness_timeout_s
         self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
         self.staleness = self.payload_bytes = self.payload_tokens = self.retries = 0
         self.spans: list = []
@@ -228,14 +250,15 @@ class GroupReceiver:
         me = f"learner-{self.rank}"
         for worker, start, group_ref, payload_ref in self.work:
             what = f"{me} waiting for a rollout group of update {self.version}"
-            try:
-                group = wait_one(group_ref, worker, self.timeout_s, what)
-            except ray.exceptions.RayActorError:  # its worker died: the driver samples it again on another worker
-                refs = self.substitutes.take((self.version, start), 2 * self.liveness_s)
-                if refs is None:
-                    raise
-                worker, group_ref, payload_ref = refs
-                group = wait_one(group_ref, worker, self.timeout_s, what)
+            while True:
+                try:
+                    group = wait_one(group_ref, worker, self.timeout_s, what)
+                    break
+                except ray.exceptions.RayActorError:  # its worker died: the driver samples it again (another worker, a replacement)
+                    refs = self.substitutes.take((self.version, start), self.timeout_s)
+                    if refs is None:
+                        raise
+                    worker, group_ref, payload_ref = refs
             self.check(group)
             self.spans.append(group.span)
             yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, payload_ref, group_ref))
@@ -288,7 +311,7 @@ class LearnerGroup:
         bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {}), **pool.ray_resources()}
         self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
         wait_for([self.placement.ready()], ["placement group"], job.schedule.wait_timeout_s, "reserving the learners' resources")
-        actor_cls = ray.remote(concurrency_groups=CONTROL)(LearnerActor)
+        actor_cls = ray.remote(concurrency_groups=LEARNER_GROUPS)(LearnerActor)
         self.actors = [
             actor_cls.options(
                 num_cpus=pool.cpus,

@@ -145,6 +145,7 @@ class RolloutWorker:
 
         return self.weights_version, self.engine.weights_checksum(WIRE_DTYPES[dtype])
 
+    @ray.method(concurrency_group="control")
     def pid(self) -> int:
         import os
 

@@ -65,6 +65,13 @@ class WeightBroadcaster:
         self.connect()
         return self._result(version, *self._start(version))
 
+    def broadcast_inside_step(self, version: int) -> SyncResult:
+        """The weights `version` to every worker while the learners' step waits for rollouts only these workers can
+        now sample (all of them were lost inside the update and replaced): learner rank 0 sends from its own thread
+        (`send_weights_inside_step`, ZeRO 0-2). A failure here ends the update (no second recovery inside one)."""
+        send = [self.learners.actors[0].send_weights_inside_step.remote(version)]
+        return self._result(version, send, [worker.receive_weights.remote(version) for worker in self.pool.workers])
+
     def _start(self, version: int) -> tuple[list, list]:
         send = [actor.broadcast_weights.remote(version) for actor in self.learners.actors]
         receive = [worker.receive_weights.remote(version) for worker in self.pool.workers]

@@ -42,8 +42,8 @@ LIVENESS_TICK_S = 5.0  # how often a watched wait pings the actors it depends on
 class Watched:
     """An actor a wait depends on: `ping()` starts a call it answers from its control thread while its long call
     runs; `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged);
-    `recover()`, where the actor can be done without, stops it and hands its work elsewhere (True), or says it
-    cannot (False)."""
+    `recover()`, where the actor can be done without, stops it and hands its work elsewhere or to a replacement
+    (True), or says it cannot (False)."""
 
     name: str
     ping: Callable[[], object]  # () -> ObjectRef
@@ -75,7 +75,7 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                 raise RoleDiedError(f"{dead.name} died while {_doing(dead.doing() or 'in use', what)}") from failures[0]
             raise next((f for f in failures if isinstance(f, ray.exceptions.RayActorError)), failures[0])
         now = time.monotonic()
-        for w in list(watched):
+        for w in watched:
             if (doing := w.doing()) is None:
                 continue
             if ray.wait([pings[w.name]], timeout=0)[0]:
@@ -83,13 +83,13 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                     ray.get(pings[w.name])
                 except ray.exceptions.RayActorError as exc:
                     if w.recover is not None and w.recover():
-                        watched.remove(w)
+                        _recovered(watched, last, pings)
                         continue
                     raise RoleDiedError(f"{w.name} died while {_doing(doing, what)}") from exc
                 last[w.name], pings[w.name] = now, w.ping()
             elif now - last[w.name] > liveness_s:
                 if w.recover is not None and w.recover():
-                    watched.remove(w)
+                    _recovered(watched, last, pings)
                     continue
                 raise NoAnswerError(f"{w.name} stopped answering while {_doing(doing, what)}; last answer {now - last[w.name]:.0f} s ago"
                                     f" (schedule.liveness_timeout_s {liveness_s:g})")
@@ -99,14 +99,24 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
     return ray.get(refs)
 
 
+def _recovered(watched: list[Watched], last: dict, pings: dict) -> None:
+    """After a `recover()`: every watched actor is pinged afresh (a `ping` reaches whichever actor now does that
+    work: a replacement), and one whose work went elsewhere is skipped while its `doing()` says None."""
+    now = time.monotonic()
+    for w in watched:
+        last[w.name], pings[w.name] = now, w.ping()
+
+
 def _doing(doing: str, what: str) -> str:
     """What the actor was doing, and the wait that depended on it where that is another thing."""
     return doing if doing == what else f"{doing} ({what} waited on it)"
 
 
 def _first_dead(watched: list[Watched], pings: dict, timeout_s: float = LIVENESS_TICK_S) -> Watched | None:
-    """The first watched actor whose ping fails as a dead actor's does (each given up to `timeout_s`)."""
+    """The first watched actor still needed whose ping fails as a dead actor's does (each given up to `timeout_s`)."""
     for w in watched:
+        if w.doing() is None:
+            continue
         try:
             ray.get(pings[w.name], timeout=timeout_s)
         except ray.exceptions.RayActorError:
