@@ -319,6 +319,19 @@ def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: di
     return min(candidates, key=lambda p: (p.step[schedule], p.split))
 
 
+TEXT_TOKENS = 1024  # room for the system prompt, the question and the chat template around one image
+
+
+def context_length(job, config: dict) -> int:
+    """Longest sequence a job sends (a vLLM engine's max_model_len): one image at data.max_pixels, the text, the
+    response; within the model's positions."""
+    vision = config.get("vision_config", {})
+    token_pixels = (vision.get("patch_size", 16) * vision.get("spatial_merge_size", 2)) ** 2
+    wanted = job.data.max_pixels // token_pixels + TEXT_TOKENS + job.sampling.max_new_tokens
+    text = config.get("text_config", config)
+    return min(wanted, int(text.get("max_position_embeddings", wanted)))
+
+
 def engine_batch(job) -> int | None:
     """Sequences one rollout engine decodes at once, as the workers feed it: every group a vLLM worker holds (up to
     engine_groups, within max_num_seqs); None on transformers, whose worker samples all its groups as one static batch."""

@@ -159,3 +159,37 @@ def test_a_learner_that_cannot_hold_its_state_is_refused_before_start():
     with pytest.raises(InsufficientResourcesError, match=r"2 CPU learner rank\(s\) on one node hold 108.8 GB"):
         check_learner_memory(cpu, config, [{"Alive": True, "Resources": {"memory": 64e9}}])
     check_learner_memory(cpu, config, [{"Alive": True, "Resources": {"memory": 64e9}}] * 2)  # a rank per node fits
+
+
+def test_a_vllm_engine_that_cannot_hold_the_weights_and_one_longest_sequence_is_refused_before_start():
+    """The main job's vLLM rollout engine on Qwen3.5-4B (bf16): its weights plus one sequence of the job's longest
+    length (1003520 px / 32² = 980 image tokens + 1024 text + 1024 response), counted from the config by hand here:
+    refused when its GPU share is below that, started when above."""
+    from lt_opd_ray.config import load_job
+    from lt_opd_ray.efficiency import PRESETS
+    from lt_opd_ray.planner import context_length, parameter_count
+    from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_engine_memory
+
+    config = PRESETS["qwen3.5-4b"]
+    job = load_job(REPO / "jobs" / "train_qwen35.yaml")
+    assert context_length(job, config) == 1003520 // 32**2 + 1024 + 1024
+    text = config["text_config"]
+    full = sum(kind == "full_attention" for kind in text["layer_types"])
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv = full * 2 * 3028 * text["num_key_value_heads"] * head_dim * 2
+    linear = len(text["layer_types"]) - full
+    conv_channels = 2 * text["linear_num_key_heads"] * text["linear_key_head_dim"] + text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    state = linear * (conv_channels * text["linear_conv_kernel_dim"] * 2
+                      + text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * 4)
+    need = parameter_count(config) * 2 + kv + state
+    h100 = [{"Alive": True, "Resources": {"GPU": 8.0, "accelerator_type:H100": 1.0, "memory": 1e12}}]
+
+    def with_share(share: float):
+        rollout = job.pools.rollout.model_copy(update={"vllm": job.pools.rollout.vllm.model_copy(update={"gpu_memory_utilization": share})})
+        return job.model_copy(update={"pools": job.pools.model_copy(update={"rollout": rollout})})
+
+    check_engine_memory(job, config, h100)  # 0.85 of 80 GB
+    check_engine_memory(with_share(need / 80e9 * 1.01), config, h100)
+    with pytest.raises(InsufficientResourcesError, match=r"pools.rollout's vLLM engine needs .* one 3028-token sequence .* more than its"):
+        check_engine_memory(with_share(need / 80e9 * 0.99), config, h100)
+    check_engine_memory(with_share(0.01), config, [{"Alive": True, "Resources": {"GPU": 8.0, "memory": 1e12}}])  # unnamed GPUs: not checked

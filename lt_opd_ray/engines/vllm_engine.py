@@ -29,6 +29,7 @@ import torch
 from ..config import VLLMSettings
 from ..models.processor import IMAGE, PromptInputs
 from ..models.sampler import Completion, SamplingParams
+from ..planner import context_length
 from .vllm_loop import EngineLoop
 from .vllm_models import SelectionRequest
 
@@ -66,9 +67,6 @@ class ScoredResponse:
     top_ids: torch.Tensor  # [T, k] int32
     top_logp: torch.Tensor  # [T, k] fp32
     requested_logp: torch.Tensor  # [T, m] fp32
-
-
-TEXT_TOKENS = 1024  # room for the system prompt, the question and the chat template around one image
 
 
 class WeightMismatchError(ValueError):
@@ -395,7 +393,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
     engine = VLLMEngine(
         model_dir,
         dtype=job.model.dtype,
-        max_model_len=_context_length(job, config),
+        max_model_len=context_length(job, config),
         max_logprobs=job.objective.top_k + 1,  # top-k, and k + 1 requested ids per scored row
         seed=job.seed,
         min_pixels=job.data.min_pixels,
@@ -406,15 +404,6 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
     if role == "teacher":
         check_teacher_scoring(engine)
     return engine
-
-
-def _context_length(job, config: dict) -> int:
-    """Longest sequence a job sends: one image at data.max_pixels, the text, the response; within the model's positions."""
-    vision = config.get("vision_config", {})
-    token_pixels = (vision.get("patch_size", 16) * vision.get("spatial_merge_size", 2)) ** 2
-    wanted = job.data.max_pixels // token_pixels + TEXT_TOKENS + job.sampling.max_new_tokens
-    text = config.get("text_config", config)
-    return min(wanted, int(text.get("max_position_embeddings", wanted)))
 
 
 def flat_rows(flat, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

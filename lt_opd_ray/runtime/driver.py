@@ -33,7 +33,7 @@ from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, 
 from .checkpoint import CheckpointStore
 from .learner_group import LearnerGroup
 from .metrics import DriverMetrics
-from .resources import InsufficientResourcesError, autoscaling_note, check_learner_memory, check_memory, check_resources
+from .resources import InsufficientResourcesError, autoscaling_note, check_engine_memory, check_learner_memory, check_memory, check_resources
 from .rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
 from .storage import RunStorage, StorageError
 from .sync_coordinator import WeightBroadcaster
@@ -117,7 +117,9 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     if model_dir is not None:
         attempt(lambda: check_checkpoint_names(model_dir))
         attempt(lambda: check_token_merge(job, model_dir))
-        attempt(lambda: check_learner_memory(job, json.loads((Path(model_dir) / "config.json").read_text()), ray.nodes()))
+        model_config = json.loads((Path(model_dir) / "config.json").read_text())
+        attempt(lambda: check_learner_memory(job, model_config, ray.nodes()))
+        attempt(lambda: check_engine_memory(job, model_config, ray.nodes()))
     inputs, input_problems = read_job_inputs(job)
     problems += input_problems
     problems += [f"tracking.backends names {name!r} but {name} is not installed: pip install 'lt-opd-ray[tracking]'"

@@ -125,13 +125,48 @@ def learner_state_bytes(job: JobConfig, model_config: dict) -> float:
     return per_param * parameter_count(model_config)
 
 
+def largest_gpu_bytes(nodes: list[dict]) -> float | None:
+    """Memory of the largest GPU the live nodes name (`accelerator_type:*`, Ray's NVIDIA names); None when none is named."""
+    from ..planner import GPUS
+
+    types = {name.split(":", 1)[1] for node in nodes if node.get("Alive", True) for name in node.get("Resources", {})
+             if name.startswith("accelerator_type:")}
+    memory = [GPUS[ACCELERATOR_TYPES[t]].memory_gb * 1e9 for t in types if t in ACCELERATOR_TYPES]
+    return max(memory) if memory else None
+
+
+def check_engine_memory(job: JobConfig, model_config: dict, nodes: list[dict]) -> None:
+    """Refuse a job whose vLLM engines (on GPUs) cannot hold the model's weights and one sequence of the job's longest
+    length (`planner.context_length`, the engines' max_model_len) in their share of the GPU (gpu_memory_utilization),
+    which vLLM refuses only after loading. Activations and CUDA graphs are not counted: a refusal here is certain."""
+    from ..efficiency import cache_bytes
+    from ..planner import DTYPE_BYTES, context_length, parameter_count
+
+    gpu = largest_gpu_bytes(nodes)
+    try:
+        weights = parameter_count(model_config) * DTYPE_BYTES[job.model.dtype]
+        length = context_length(job, model_config)
+        kv, state = cache_bytes(model_config, length, DTYPE_BYTES[job.model.dtype])
+    except KeyError:  # a layout the planner does not know: not checked here
+        return
+    for role, pool in (("rollout", job.pools.rollout), ("teacher", job.pools.teacher)):
+        if pool.backend != "vllm" or pool.gpus == 0 or gpu is None:
+            continue
+        share = pool.vllm.gpu_memory_utilization * gpu
+        if weights + kv + state > share:
+            raise InsufficientResourcesError(
+                f"job {job.name!r}: pools.{role}'s vLLM engine needs {weights / 1e9:.1f} GB of weights and {(kv + state) / 1e9:.2f} GB of KV"
+                f" cache for one {length}-token sequence (data.max_pixels {job.data.max_pixels}, sampling.max_new_tokens"
+                f" {job.sampling.max_new_tokens}), more than its {share / 1e9:.1f} GB (pools.{role}.vllm.gpu_memory_utilization"
+                f" {pool.vllm.gpu_memory_utilization:g} of this cluster's largest GPU, {gpu / 1e9:.0f} GB): a larger share, fewer"
+                " pixels, or GPUs with more memory")
+
+
 def check_learner_memory(job: JobConfig, model_config: dict, nodes: list[dict]) -> None:
     """Refuse a job whose learner ranks cannot hold their state (activations not counted: a refusal here is certain
     to be right): on GPUs, one rank's state against the memory of the largest GPU the cluster's nodes name
     (`accelerator_type:*`; unnamed GPUs are not checked); on CPUs, against the largest node's memory, with every rank
     on that node where the cluster has one node. `nodes`: `ray.nodes()`."""
-    from ..planner import GPUS
-
     pool = job.pools.learner
     try:
         state = learner_state_bytes(job, model_config)
@@ -139,12 +174,11 @@ def check_learner_memory(job: JobConfig, model_config: dict, nodes: list[dict]) 
         return
     resources = [node.get("Resources", {}) for node in nodes if node.get("Alive", True)]
     if pool.gpus > 0:
-        types = {name.split(":", 1)[1] for r in resources for name in r if name.startswith("accelerator_type:")}
-        memory = [GPUS[ACCELERATOR_TYPES[t]].memory_gb * 1e9 for t in types if t in ACCELERATOR_TYPES]
-        if memory and state * pool.gpus > max(memory):  # a rank with gpus < 1 shares its GPU with others
+        gpu = largest_gpu_bytes(nodes)
+        if gpu is not None and state * pool.gpus > gpu:  # a rank with gpus < 1 shares its GPU with others
             raise InsufficientResourcesError(
                 f"job {job.name!r}: a learner rank's weights, gradients and optimizer state take {state / 1e9:.1f} GB under ZeRO-{pool.zero_stage}"
-                f" over {pool.ranks} rank(s), more than the {max(memory) / 1e9:.0f} GB of this cluster's largest GPU: more ranks, ZeRO-3,"
+                f" over {pool.ranks} rank(s), more than the {gpu / 1e9:.0f} GB of this cluster's largest GPU: more ranks, ZeRO-3,"
                 " or GPUs with more memory (`lt-opd plan` sizes them)")
         return
     memory = [r.get("memory", 0.0) for r in resources]
