@@ -301,8 +301,10 @@ class ScheduleConfig(_Strict):
     liveness_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S)
     """While the driver waits on an update, it pings the rollout workers still sampling it and the learner ranks
     every few seconds (answered from a second thread while they work); one that dies is named at once, one that has
-    not answered for this long (a frozen process, a lost node) is named as stopped, with what it was doing, and the
-    run ends with the checkpoint `--resume` continues from."""
+    not answered for this long (a frozen process, a lost node), or a learner rank that answers from one step of its
+    own work for this long (a hung kernel or collective), is named with what it was doing. A rollout worker is
+    stopped and its groups sampled again; for a learner rank the run ends with the checkpoint `--resume` continues
+    from. One learner micro-batch's forward or backward must take less than this."""
 
 
 class CheckpointConfig(_Strict):

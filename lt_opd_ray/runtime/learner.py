@@ -33,6 +33,7 @@ from ..loss import LossStats, StudentForward, loss_on_forward, reduced_length, s
 from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 from .checkpoint_files import weights_only_checkpoint_engine
 from .collectives import all_reduce_max, install_guard_if_asked
+from .waits import ProgressMark
 
 
 class StudentObjective(torch.nn.Module):
@@ -148,6 +149,7 @@ class Learner:
         if zero3:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
+        self.progress = ProgressMark()  # read by the liveness ping (LearnerActor.alive) while a step runs
 
     def train_step(self, samples, groups: Iterator[StreamedGroup], total_sequences: int, version: int) -> LearnerStepResult:
         """One optimizer step on this rank's groups, run as micro-batches while later groups still arrive.
@@ -159,9 +161,17 @@ class Learner:
         forward they agree whether any rank still has a micro-batch, before a backward whether any has one after it
         (the accumulation boundary), so a rank that is done runs zero-weighted fillers.
         """
+        mark = self.progress.mark
+        try:
+            return self._train_step(samples, groups, total_sequences, version, mark)
+        finally:
+            mark("idle", working=False)
+
+    def _train_step(self, samples, groups: Iterator[StreamedGroup], total_sequences: int, version: int, mark) -> LearnerStepResult:
         encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
         stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens)
         batches = iter(stream)
+        mark(f"u{version} waiting for rollouts", working=False)
         current = next(batches, None)
         if current is None:
             raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
@@ -169,18 +179,24 @@ class Learner:
         normaliser = total_sequences / self.world
         parts, spans, real, passes = [], [], 0, 0
         while True:
+            mark(f"u{version} lockstep with the other ranks", working=False)
             (any_current,) = all_reduce_max([current is not None])  # before the forward: ZeRO-3 gathers in it
             if not any_current:
                 break
             batch = current or filler
             label = f"u{version} {'mb' if current else 'filler'}{passes}"
             chosen = [stream.rollouts[i] for i in batch.sequences]
+            mark(f"{label} forward")
             with Stopwatch() as watch, compute_precision(self.job.model.dtype, self.engine.device):
                 computed = self.engine(stream.prompts, chosen)  # needs no teacher scores: runs while the teacher scores
             spans.append(watch.span("learner", f"learner-{self.rank}", f"{label} forward"))
+            mark(f"u{version} waiting for rollouts", working=False)
             following = next(batches, None) if current is not None else None  # the next groups' rollouts, not scores
+            mark(f"u{version} lockstep with the other ranks", working=False)
             (any_following,) = all_reduce_max([following is not None])  # the accumulation boundary
+            mark(f"{label} waiting for the teacher's scores", working=False)
             scores = stream.scores(batch.sequences)
+            mark(f"{label} loss and backward")
             with Stopwatch() as watch:
                 self.engine.set_gradient_accumulation_boundary(not any_following)
                 with compute_precision(self.job.model.dtype, self.engine.device):
@@ -194,6 +210,7 @@ class Learner:
             spans.append(watch.span("learner", f"learner-{self.rank}", label))
             passes += 1
             current = following
+        mark(f"u{version} optimizer step")
         with Stopwatch() as watch:
             self.engine.step()
         spans.append(watch.span("learner", f"learner-{self.rank}", f"u{version} optimizer"))

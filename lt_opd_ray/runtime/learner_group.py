@@ -18,7 +18,7 @@ from ..config import JobConfig
 from ..wire import ActorPlacement, LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
 from .rollout_pool import CONTROL
 from .storage import RunStorage
-from .waits import RoleDiedError, Watched, wait_for, wait_one, wait_watched
+from .waits import Progress, RoleDiedError, Watched, wait_for, wait_one, wait_watched
 
 # The learner's own threads beside the step: "control" (liveness, substitutes, sync aborts) and "sync" (forming the
 # weight-sync group and sending the weights while a step waits on a replaced worker: `send_weights_inside_step`).
@@ -60,9 +60,10 @@ class LearnerActor:
         self.substitutes.put((update, start), tuple(refs))
 
     @ray.method(concurrency_group="control")
-    def alive(self) -> float:
-        """The liveness ping: answered from the control thread while a step runs; a frozen process does not answer."""
-        return time.time()
+    def alive(self) -> Progress:
+        """The liveness ping, answered from the control thread while a step runs (a frozen process does not answer):
+        the step's progress, so one stuck inside a step (a hung kernel or collective) is seen too."""
+        return self.learner.progress.read() if self.learner is not None else Progress(0, False, "starting")
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()

@@ -38,10 +38,35 @@ def wait_one(ref, name: str, timeout_s: float, what: str):
 LIVENESS_TICK_S = 5.0  # how often a watched wait pings the actors it depends on
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What a ping answers where the actor reports progress: a count its work advances at each step, whether that step
+    is its own work (True) or a wait on another role or rank (False), and what the step is. An actor that answers
+    but stays at one working step longer than the liveness bound is stuck inside it (a hung kernel or collective)."""
+
+    count: int
+    working: bool
+    doing: str
+
+
+class ProgressMark:
+    """An actor's current Progress: `mark` from the thread doing the work, `read` from the control thread (one
+    reference swapped under the GIL: a read sees a whole record)."""
+
+    def __init__(self) -> None:
+        self._now = Progress(0, False, "idle")
+
+    def mark(self, doing: str, working: bool = True) -> None:
+        self._now = Progress(self._now.count + 1, working, doing)
+
+    def read(self) -> Progress:
+        return self._now
+
+
 @dataclass
 class Watched:
     """An actor a wait depends on: `ping()` starts a call it answers from its control thread while its long call
-    runs; `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged);
+    runs (with a Progress where the actor reports one, otherwise anything); `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged);
     `recover()`, where the actor can be done without, stops it and hands its work elsewhere or to a replacement
     (True), or says it cannot (False)."""
 
@@ -53,12 +78,14 @@ class Watched:
 
 def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watched: list[Watched], liveness_s: float) -> list:
     """`wait_for`, and while it waits every watched actor is pinged each LIVENESS_TICK_S: one that died is named in
-    a RoleDiedError, one that has not answered for `liveness_s` in a NoAnswerError, each with what it was doing,
-    instead of the actors waiting downstream of it being named when the bound runs out."""
+    a RoleDiedError, one that has not answered for `liveness_s`, or has answered from one working step (Progress) for
+    that long, in a NoAnswerError, each with what it was doing, instead of the actors waiting downstream of it being
+    named when the bound runs out."""
     now = time.monotonic()
     deadline = now + timeout_s
     watched = list(watched)
     last = {w.name: now for w in watched}
+    moved: dict[str, tuple[Progress, float]] = {}  # per actor reporting progress: its last Progress, seen since when
     pings = {w.name: w.ping() for w in watched}
     pending = list(dict.fromkeys(refs))
     while pending:
@@ -75,24 +102,34 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                 raise RoleDiedError(f"{dead.name} died while {_doing(dead.doing() or 'in use', what)}") from failures[0]
             raise next((f for f in failures if isinstance(f, ray.exceptions.RayActorError)), failures[0])
         now = time.monotonic()
+        stuck: list[str] = []  # answering, but at one working step for longer than the bound
         for w in watched:
             if (doing := w.doing()) is None:
                 continue
             if ray.wait([pings[w.name]], timeout=0)[0]:
                 try:
-                    ray.get(pings[w.name])
+                    answer = ray.get(pings[w.name])
                 except ray.exceptions.RayActorError as exc:
                     if w.recover is not None and w.recover():
                         _recovered(watched, last, pings)
                         continue
                     raise RoleDiedError(f"{w.name} died while {_doing(doing, what)}") from exc
                 last[w.name], pings[w.name] = now, w.ping()
+                if isinstance(answer, Progress):
+                    before, since = moved.get(w.name, (None, now))
+                    if before is None or answer.count != before.count or not answer.working:  # moved on, or waits on others
+                        moved[w.name] = (answer, now)
+                    elif now - since > liveness_s:
+                        stuck.append(f"{w.name} ({answer.doing})")
             elif now - last[w.name] > liveness_s:
                 if w.recover is not None and w.recover():
                     _recovered(watched, last, pings)
                     continue
                 raise NoAnswerError(f"{w.name} stopped answering while {_doing(doing, what)}; last answer {now - last[w.name]:.0f} s ago"
                                     f" (schedule.liveness_timeout_s {liveness_s:g})")
+        if stuck:
+            raise NoAnswerError(f"{', '.join(stuck)} answered but made no progress for over {liveness_s:g} s while {what}"
+                                " (schedule.liveness_timeout_s): stuck inside that step (a hung kernel or collective)")
         if pending and now >= deadline:
             late = sorted({name for ref, name in zip(refs, names) if ref in pending})
             raise NoAnswerError(f"{what}: no answer after {timeout_s:.0f} s from {', '.join(late)}")

@@ -1,0 +1,68 @@
+"""The watched wait on real Ray actors: an actor that answers its ping but stays inside one working step (a hung
+kernel: its working thread blocked in native code with the GIL released, as `time.sleep` is) is named with the step;
+one that waits on others, or moves through short steps for longer than the bound, is not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+import lt_opd_ray.runtime.waits as waits
+from lt_opd_ray.runtime.waits import NoAnswerError, ProgressMark, Watched, wait_watched
+from conftest import start_local_ray
+
+LIVENESS_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    start_local_ray(num_cpus=3)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=1, concurrency_groups={"control": 1})
+class Stepper:
+    def __init__(self):
+        self.progress = ProgressMark()
+
+    def work(self, steps: int, seconds_each: float, hang_at: int | None = None, working: bool = True) -> int:
+        for i in range(steps):
+            self.progress.mark(f"step {i}", working=working)
+            time.sleep(3600 if i == hang_at else seconds_each)
+        return steps
+
+    @ray.method(concurrency_group="control")
+    def ping(self):
+        return self.progress.read()
+
+
+def watched_run(calls: dict[str, tuple], timeout_s: float = 60.0) -> float:
+    """Start `work(*args)` on one Stepper per name and wait for all, watched; returns the seconds it took."""
+    actors = {name: Stepper.remote() for name in calls}
+    ray.get([actor.ping.remote() for actor in actors.values()])  # started: the bound is for answers, not for a process start
+    refs = [actors[name].work.remote(*args) for name, args in calls.items()]
+    watched = [Watched(name, actor.ping.remote, lambda: "working") for name, actor in actors.items()]
+    begin = time.monotonic()
+    try:
+        wait_watched(refs, list(calls), timeout_s, "the steps", watched, LIVENESS_S)
+        return time.monotonic() - begin
+    finally:
+        for actor in actors.values():
+            ray.kill(actor)
+
+
+def test_an_actor_stuck_inside_a_working_step_is_named_with_the_step_not_its_waiting_peer(cluster, monkeypatch):
+    monkeypatch.setattr(waits, "LIVENESS_TICK_S", 0.25)
+    begin = time.monotonic()
+    with pytest.raises(NoAnswerError) as info:
+        watched_run({"rank-0": (1, 3600.0, None, False), "rank-1": (5, 0.1, 2)})  # rank-0 waits on rank-1 the whole time
+    assert str(info.value).startswith("rank-1 (step 2) answered but made no progress for over 2 s while the steps"), info.value
+    assert time.monotonic() - begin < LIVENESS_S + 10
+
+
+def test_short_steps_for_longer_than_the_bound_are_progress(cluster, monkeypatch):
+    monkeypatch.setattr(waits, "LIVENESS_TICK_S", 0.25)
+    assert watched_run({"rank-0": (12, 0.5), "rank-1": (12, 0.5)}) > 2 * LIVENESS_S
