@@ -63,3 +63,41 @@ def test_another_hosts_lock_holds_while_it_beats_and_is_taken_over_once_stale(tm
     old = time.time() - STALE_S - 5
     os.utime(path, (old, old))
     RunLock.acquire(folder, "here").release()
+
+
+def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, monkeypatch):
+    """Two hosts stage one `file://` folder in their own staging folders (a local lock each): the lease beside the
+    folder in the store refuses the second while the first beats, is removed on release, is taken over once stale,
+    a killed driver's (this host, pid gone) at once, and of two written within RACE_S the one read back holds."""
+    import threading
+
+    import lt_opd_ray.runtime.run_lock as run_lock
+    from lt_opd_ray.runtime.run_lock import RemoteLease
+    from lt_opd_ray.runtime.storage import RunStorage
+
+    monkeypatch.setattr(run_lock, "RACE_S", 0.5)
+    (tmp_path / "store").mkdir()
+    uri, path = f"file://{tmp_path}/store/run", tmp_path / "store" / ".run.lock.json"
+    host = lambda name: RunStorage(uri, tmp_path / name)  # noqa: E731
+    first = RemoteLease.acquire(host("host-a"), "lt-opd train big")
+    with pytest.raises(RunLockedError, match=rf"store/run is in use by another run \(lt-opd train big, pid {os.getpid()} on "):
+        RemoteLease.acquire(host("host-b"), "second")
+    first.release()
+    assert not path.exists()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead), "token": "killed", "beat": time.time()}))
+    RemoteLease.acquire(host("host-a"), "resume after a kill").release()  # this host, its pid gone: beating or not
+
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "theirs", "beat": time.time() - STALE_S - 5}))
+    RemoteLease.acquire(host("host-b"), "after a stale holder").release()
+
+    def another_host_writes_meanwhile():
+        time.sleep(0.2)
+        path.write_text(json.dumps({"host": "elsewhere", "pid": 7, "purpose": "lt-opd train racer", "token": "theirs", "beat": time.time()}))
+
+    racer = threading.Thread(target=another_host_writes_meanwhile)
+    racer.start()
+    with pytest.raises(RunLockedError, match=r"\(lt-opd train racer, pid 7 on elsewhere"):
+        RemoteLease.acquire(host("host-b"), "loser")
+    racer.join()

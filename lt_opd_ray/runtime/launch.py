@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import JobConfig
 from .resources import check_local_machine, machine_cpus
-from .run_lock import RunLock
+from .run_lock import RemoteLease, RunLock
 from .storage import RUN_RECORD, RunStorage
 from .waits import NoAnswerError, RoleDiedError
 
@@ -116,7 +116,13 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
-    lock = RunLock.acquire(RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).local, f"lt-opd train {job.name}")
+    storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
+    lock = RunLock.acquire(storage.local, f"lt-opd train {job.name}")
+    try:
+        lease = RemoteLease.acquire(storage, f"lt-opd train {job.name}") if storage.remote else None  # other hosts, same URI
+    except BaseException:
+        lock.release()
+        raise
     try:
         claim_run_folder(job.checkpoint.dir, resume, force, job.checkpoint.staging_dir)
         begin = time.perf_counter()
@@ -127,6 +133,8 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
         finally:
             ray.shutdown()
     finally:
+        if lease is not None:
+            lease.release()
         lock.release()
 
 

@@ -7,6 +7,12 @@ driver refreshes the file's mtime every HEARTBEAT_S. A lock whose holder is gone
 the pid no longer runs that process, from any host when the heartbeat is older than STALE_S. A killed driver's local
 Ray cluster outlives it by a minute or more (its dashboard agent holding the metrics port), so the run that takes
 over its lock stops those processes first.
+
+A run folder at a URI (`s3://...`) is written from a staging folder on each host, so a lock there guards only one host:
+`RemoteLease` holds `.<name>.lock.json` beside the folder in the store itself, refreshed every HEARTBEAT_S and taken
+over once STALE_S old (at once on the holder's host when its process is gone). Object stores create nothing atomically: the lease is written, then read back after RACE_S,
+and the run whose lease is not the one read back stands down (stores with read-after-write consistency, as S3, GCS
+and Azure are, resolve two starts this way unless one's read and write are more than RACE_S apart).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # six missed heartbeats
+RACE_S = 2.0  # a lease written to a store is read back after this long
 
 
 class RunLockedError(RuntimeError):
@@ -141,6 +148,82 @@ class RunLock:
             if json.loads(self.path.read_text()).get("pid") == os.getpid():
                 self.path.unlink()
         except (OSError, ValueError):
+            pass
+
+
+class RemoteLease:
+    """One run per URI folder across hosts: `.<name>.lock.json` beside the folder in the store (see the module)."""
+
+    def __init__(self, storage, record: dict):
+        from pathlib import PurePosixPath
+
+        self.storage = storage
+        base = PurePosixPath(storage.base)
+        self.path = str(base.parent / f".{base.name}.lock.json")
+        self.where = f"{storage.location.rstrip('/')}"
+        self.record = {**record, "token": f"{record['host']}:{record['pid']}:{time.time_ns()}"}
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="run-lease-heartbeat", daemon=True)
+
+    @classmethod
+    def acquire(cls, storage, purpose: str) -> RemoteLease:
+        """Hold the URI folder of `storage` (a RunStorage) for this process; RunLockedError naming a live holder."""
+        pid = os.getpid()
+        lease = cls(storage, {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid), "purpose": purpose,
+                              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        held = lease._read()
+        if held is not None and lease._holder_lives(held):
+            raise lease._in_use(held)
+        lease._write()
+        time.sleep(RACE_S)
+        held = lease._read()
+        if held is None or held.get("token") != lease.record["token"]:
+            raise lease._in_use(held or {})
+        lease._beat.start()
+        return lease
+
+    @staticmethod
+    def _holder_lives(held: dict) -> bool:
+        """On this host: its process runs (a killed driver's lease is taken over at once); elsewhere: it beats."""
+        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+            return _alive(held["pid"], held.get("started"))
+        return time.time() - held.get("beat", 0.0) <= STALE_S
+
+    def _in_use(self, held: dict) -> RunLockedError:
+        return RunLockedError(
+            f"{self.where} is in use by another run ({held.get('purpose', 'lt-opd')}, pid {held.get('pid')} on {held.get('host')},"
+            f" since {held.get('since', '?')}): one run per folder; wait for it, stop it, or set checkpoint.dir to another folder"
+        )
+
+    def _read(self) -> dict | None:
+        try:
+            with self.storage.fs.open_input_stream(self.path) as stream:
+                return json.loads(stream.read().decode())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"beat": 0.0}  # unreadable: judged stale
+
+    def _write(self) -> None:
+        self.record["beat"] = time.time()
+        with self.storage.fs.open_output_stream(self.path) as stream:
+            stream.write(json.dumps(self.record).encode())
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._write()
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat.is_alive():
+            self._beat.join()  # no beat rewrites the lease after it is deleted
+        try:
+            if (self._read() or {}).get("token") == self.record["token"]:
+                self.storage.fs.delete_file(self.path)
+        except OSError:
             pass
 
 
