@@ -71,8 +71,19 @@ def question_problem(question: object) -> str | None:
     return None
 
 
-def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
-    """(line or row number, record) of a JSONL or parquet file; every record is a JSON object (its fields unchecked)."""
+SHOWN_PROBLEMS = 10  # a file's problems named in one error; the rest counted
+
+
+def listed(path: Path, problems: list[str]) -> str:
+    """One error naming a file's problems, the first SHOWN_PROBLEMS of them."""
+    more = f"; ... and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
+    return f"{path}: {'; '.join(problems[:SHOWN_PROBLEMS])}{more}"
+
+
+def read_records(path: str | Path) -> list[tuple[int, dict | None, str | None]]:
+    """(line or row number, record, None) for every JSON object of a JSONL or parquet file (its fields unchecked),
+    (number, None, problem) for every line that is not one; blank lines skipped. A file that cannot be read as
+    rows at all is an InputError."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file not found")
@@ -87,56 +98,76 @@ def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
         import pyarrow.parquet as pq
 
         try:
-            return [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+            return [(i + 1, row, None) for i, row in enumerate(pq.read_table(path).to_pylist())]
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0][:200]})") from None
-    records = []
+    entries = []
     with path.open("rb") as handle:
         for line_no, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise InputError(f"{path}: line {line_no}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8") from None
+                entries.append((line_no, None, f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"))
+                continue
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise InputError(f"{path}: line {line_no}: not valid JSON: {exc.msg}") from None
+                entries.append((line_no, None, f"not valid JSON: {exc.msg}"))
+                continue
             except RecursionError:
-                raise InputError(f"{path}: line {line_no}: JSON nested too deeply to be a row") from None
+                entries.append((line_no, None, "JSON nested too deeply to be a row"))
+                continue
             if not isinstance(record, dict):
-                raise InputError(f"{path}: line {line_no}: a row must be a JSON object, got {type(record).__name__}")
-            records.append((line_no, record))
-    return records
+                entries.append((line_no, None, f"a row must be a JSON object, got {type(record).__name__}"))
+                continue
+            entries.append((line_no, record, None))
+    return entries
+
+
+def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
+    """(line or row number, record) of a JSONL or parquet file whose every line is a JSON object; otherwise one
+    InputError naming the lines that are not."""
+    entries = read_records(path)
+    if problems := [f"line {number}: {problem}" for number, _, problem in entries if problem]:
+        raise InputError(listed(Path(path), problems))
+    return [(number, record) for number, record, _ in entries]
 
 
 def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
-    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question."""
+    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question. Every problem of the file
+    is named in one InputError."""
     path = Path(path)
-    records = read_rows_raw(path)
     where = "row" if path.suffix == ".parquet" else "line"
-    samples, seen = [], {}
-    for number, row in records:
-        missing = [f for f in REQUIRED_FIELDS if not row.get(f)]
-        if missing:
-            raise InputError(f"{path}: {where} {number}: missing field(s) {', '.join(missing)}")
-        if problem := question_problem(row["question"]):
-            raise InputError(f"{path}: {where} {number}: {problem}")
+    samples, numbers, seen, problems = [], [], {}, []
+    for number, row, problem in read_records(path):
+        if problem := problem or _row_problem(row, seen, where):
+            problems.append(f"{where} {number}: {problem}")
+            continue
         uid = str(row["sample_uid"])
-        if uid in seen:
-            raise InputError(f"{path}: {where} {number}: duplicate sample_uid {uid!r} (first at {where} {seen[uid]})")
         seen[uid] = number
         image = row["image"]
         if isinstance(image, str):
             image = Path(image_root) / image
         samples.append(Sample(uid=uid, image=image, question=str(row["question"]), answer=row.get("answer")))
-    missing = [(number, sample.image) for (number, _), sample in zip(records, samples) if isinstance(sample.image, Path) and not sample.image.is_file()]
+        numbers.append(number)
+    missing = [(number, sample.image) for number, sample in zip(numbers, samples) if isinstance(sample.image, Path) and not sample.image.is_file()]
     if missing:
         shown = "; ".join(f"{where} {number}: {image}" for number, image in missing[:3])
-        raise InputError(f"{path}: {len(missing)} of {len(samples)} image file(s) not found under image_root {image_root}"
-                         f" ({shown}{'; ...' if len(missing) > 3 else ''})")
+        problems.append(f"{len(missing)} of {len(samples)} image file(s) not found under image_root {image_root}"
+                        f" ({shown}{'; ...' if len(missing) > 3 else ''})")
+    if problems:
+        raise InputError(listed(path, problems))
     return samples
+
+
+def _row_problem(row: dict, seen: dict[str, int], where: str) -> str | None:
+    if missing := [f for f in REQUIRED_FIELDS if not row.get(f)]:
+        return f"missing field(s) {', '.join(missing)}"
+    if (uid := str(row["sample_uid"])) in seen:
+        return f"duplicate sample_uid {uid!r} (first at {where} {seen[uid]})"
+    return question_problem(row["question"])
 
 
 MAX_GENERATED_ROWS = 100_000  # synthetic and toy rows are drawn in memory at start: more is a typo, not a data set

@@ -51,6 +51,7 @@ class SourceRow:
     read_image: object  # () -> bytes, raising FileNotFoundError / ValueError with a reason
     sha256: str | None = None
     size_bytes: int | None = None
+    problem: str | None = None  # why the source's line is not a row at all (then nothing else is checked)
 
 
 # ------------------------------------------------------------------------------ sources
@@ -112,9 +113,12 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
 
 
 def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
-    from .data import read_rows_raw
+    from .data import read_records
 
-    for number, row in read_rows_raw(path):
+    for number, row, problem in read_records(path):
+        if problem is not None:
+            yield SourceRow(f"line {number}", None, None, _missing(problem), problem=problem)
+            continue
         image = row.get("image")
 
         def read(image=image) -> bytes:
@@ -153,6 +157,8 @@ def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
     from .data import question_problem
     from .models.processor import ImageError, decode_image
 
+    if row.problem is not None:
+        return None, [row.problem]
     problems = []
     if not row.question or not str(row.question).strip():
         problems.append("no question")

@@ -86,8 +86,8 @@ def test_data_rows_report_file_and_line(tmp_path):
         + json.dumps({"sample_uid": "a", "image": "c.png", "question": "r?"})
         + "\n{oops\n"
     )
-    with pytest.raises(InputError, match=r"rows.jsonl: line 4: not valid JSON"):
-        read_rows(rows)
+    with pytest.raises(InputError, match=r"rows.jsonl: line 3: duplicate sample_uid 'a' \(first at line 1\); line 4: not valid JSON"):
+        read_rows(rows)  # every problem of the file at once
     rows.write_text(rows.read_text().replace("{oops\n", ""))
     with pytest.raises(InputError, match=r"line 3: duplicate sample_uid 'a' \(first at line 1\)"):
         read_rows(rows)

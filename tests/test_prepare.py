@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tarfile
 
 import numpy as np
@@ -111,8 +112,13 @@ def test_a_datasets_folder_and_a_jsonl_file_are_sources_too(tmp_path):
         lines.append(json.dumps({"sample_uid": f"j{i}", "question": "q", "image": f"{i}.png", "sha256": hashlib.sha256(_png(i)).hexdigest()}))
     lines.append(json.dumps({"sample_uid": "j2", "question": "q", "image": "absent.png"}))
     (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(DataError, match="j2: image: .*absent.png not found"):
+    lines.insert(1, "[1, 2]")  # a line that is no row: named with the row problems after it, all at once
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as info:
         prepare(tmp_path / "rows.jsonl", tmp_path / "from_jsonl", images=tmp_path / "pics")
+    assert "2 problem(s), nothing written" in str(info.value), info.value
+    assert "line 2: a row must be a JSON object, got list" in str(info.value)
+    assert re.search("j2: image: .*absent.png not found", str(info.value))
     with pytest.raises(DataError, match="not a source this command reads"):
         prepare(tmp_path / "pics", tmp_path / "nope")
 
