@@ -336,12 +336,12 @@ def cmd_plan(args) -> int:
     import json
 
     from .config import JobConfigError, load_job
-    from .efficiency import PRESETS
+    from .efficiency import PRESETS, preset_named_by
     from .planner import (EFFICIENCY, EFFICIENCY_SOURCES, GPUS, SCHEDULES, best_split, job_split, learner_gb_per_gpu, plan, shapes_of,
                           update_work, zero_stage_for)
 
     try:
-        job = load_job(args.job)
+        job = load_job(args.job, args.set)
     except JobConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -350,8 +350,10 @@ def cmd_plan(args) -> int:
         config, source = PRESETS[args.preset], f"preset {args.preset}"
     elif config_path.exists():
         config, source = json.loads(config_path.read_text()), str(config_path)
+    elif preset := preset_named_by(job.model.path):
+        config, source = PRESETS[preset], f"preset {preset} (named by model.path; {config_path} not here)"
     else:
-        print(f"plan: {config_path} not found; pass --preset qwen3.5-4b to plan with the built-in Qwen3.5-4B layout", file=sys.stderr)
+        print(f"plan: {config_path} not found and model.path names no preset; pass --preset ({', '.join(PRESETS)})", file=sys.stderr)
         return 2
     efficiency = dict(EFFICIENCY)
     for item in args.efficiency:
@@ -506,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("job", help="job YAML")
     planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     planner.add_argument("--gpu", choices=["a100", "a100-40gb", "h100", "h200"], default="a100")
-    planner.add_argument("--preset", choices=["qwen3.5-4b"], default=None, help="the model's layout when its config.json is not at hand")
+    planner.add_argument("--preset", choices=["qwen3.5-4b"], default=None,
+                         help="the model's layout when its config.json is not at hand (default: the preset model.path names, if any)")
+    planner.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
     planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")
     planner.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
     planner.add_argument("--efficiency", nargs="*", default=[], metavar="NAME=VALUE", help="override an assumed efficiency (see lt_opd_ray/planner.py)")

@@ -209,3 +209,9 @@ QWEN35_4B = {
     },
 }
 PRESETS = {"qwen3.5-4b": QWEN35_4B}
+
+
+def preset_named_by(model_path: str) -> str | None:
+    """The preset a model folder or hub id names by its last part (models/Qwen3.5-4B, Qwen/Qwen3.5-4B: qwen3.5-4b)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    return name if name in PRESETS else None

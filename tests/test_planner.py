@@ -104,8 +104,10 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
     assert "55.9 GB of 40 GB, DOES NOT FIT" in small.stdout and "more learner ranks" in small.stdout  # p4d.24xlarge
     bad = subprocess.run([*cli, "--preset", "qwen3.5-4b", "--efficiency", "mfu=0.5"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--efficiency 'mfu=0.5': unknown name" in bad.stderr
-    missing = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)
-    assert missing.returncode == 2 and "pass --preset qwen3.5-4b" in missing.stderr
+    named = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)  # models/Qwen3.5-4B is not here: its preset is
+    assert named.returncode == 0 and "model preset qwen3.5-4b (named by model.path; models/Qwen3.5-4B/config.json not here)" in named.stdout
+    unnamed = subprocess.run([*cli, "--set", "model.path=models/other"], cwd=REPO, capture_output=True, text=True)
+    assert unnamed.returncode == 2 and "model.path names no preset; pass --preset (qwen3.5-4b)" in unnamed.stderr
 
 
 def test_static_batches_logit_passes_dtype_and_the_zero3_gather_before_a_sync():
