@@ -81,19 +81,27 @@ class FakeGpuCluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], overrides: list[str], steps: int) -> dict:
-    """In this (fresh) process: start `nodes` (GPUs, CPUs, custom resources), run the main job's driver with
-    `overrides` for `steps` updates; what the start-up printed, how long the pools took, where each actor went."""
-    import contextlib
-    import io
-
+def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], jobs: list[list[str]], steps: int) -> list[dict]:
+    """In this (fresh) process: start `nodes` (GPUs, CPUs, custom resources), then for each of `jobs` (overrides of the
+    main job) run its driver for `steps` updates; per job what the start-up printed, how long the pools took, where
+    each actor went, or the refusal."""
     cluster = FakeGpuCluster()
-    printed = io.StringIO()
     try:
         for gpus, cpus, resources in nodes:
             cluster.add_node(gpus, cpus, resources)
         cluster.connect()
-        job = load_job(REPO / "jobs" / "train_qwen35.yaml", [*SMALL, *overrides])
+        return [run_main_job([*SMALL, *overrides], steps) for overrides in jobs]
+    finally:
+        cluster.stop()
+
+
+def run_main_job(overrides: list[str], steps: int) -> dict:
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    try:
+        job = load_job(REPO / "jobs" / "train_qwen35.yaml", overrides)
         begin = time.perf_counter()
         with contextlib.redirect_stdout(printed):
             driver = Driver(job)
@@ -106,15 +114,23 @@ def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], overrides: list[s
             driver.shutdown()
     except PreflightError as exc:
         return {"refused": str(exc)}
-    finally:
-        cluster.stop()
 
 
-def fresh(nodes, overrides, steps=0) -> dict:
+def fresh(nodes, *jobs: list[str], steps=0) -> list[dict] | dict:
+    """`on_fake_cluster` in a fresh process: one job's result, or a list of several jobs' results in order."""
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(on_fake_cluster, (nodes, overrides, steps))
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "token"  # the child reads it when it imports ray, before it joins the nodes
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            results = pool.apply(on_fake_cluster, (nodes, list(jobs), steps))
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE")
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+    return results[0] if len(results) == 1 else results
 
 
 def gpu_ids(placements) -> list[str]:
@@ -154,9 +170,8 @@ def test_pinned_pools_on_two_8_gpu_nodes(tmp_path):
 
 @pytest.mark.slow
 def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(tmp_path):
-    refused = fresh([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"])["refused"]
-    assert "GPU: the pools need 8 (rollout 4, teacher 2, learner 2) but the cluster has 4, short by 4" in refused
     halved = ["pools.rollout.workers=2", "pools.teacher.replicas=1", "pools.teacher.max_replicas=1", "pools.learner.ranks=1"]
-    run = fresh([(4, 40, None)], [*halved, f"checkpoint.dir={tmp_path / 'run'}"])
+    refused, run = fresh([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"], [*halved, f"checkpoint.dir={tmp_path / 'run'}"])
+    assert "GPU: the pools need 8 (rollout 4, teacher 2, learner 2) but the cluster has 4, short by 4" in refused["refused"]
     print(f"\n4-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(run['placements'])}")
     assert gpu_ids(run["placements"]) == ["0", "1", "2", "3"]
