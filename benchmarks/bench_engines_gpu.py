@@ -72,16 +72,16 @@ def timed(run) -> tuple[float, object]:
 def main() -> None:
     from transformers import AutoModelForImageTextToText
 
-    from lt_opd_ray.data import synthetic_sample
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine
-    from lt_opd_ray.engines.vllm_roles import vllm_rollout, vllm_teacher_scores
+    from lt_opd_ray.core.selectors import build_selector
+    from lt_opd_ray.engines.transformers.rollout import rollout
+    from lt_opd_ray.engines.transformers.teacher import teacher_scores
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine
+    from lt_opd_ray.engines.vllm.roles import vllm_rollout, vllm_teacher_scores
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import compute_precision
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
     from lt_opd_ray.models.sampler import SamplingParams
-    from lt_opd_ray.selectors import build_selector
-    from lt_opd_ray.rollouts import rollout
-    from lt_opd_ray.scoring import teacher_scores
+    from lt_opd_ray.sources.synthetic import synthetic_sample
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=16)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import resource
 
 JOB = "jobs/train_qwen35_shape.yaml"
@@ -33,15 +32,16 @@ def rank_main(rank: int, world: int, port: int, partitioned: bool, out) -> None:
     import torch
 
     from lt_opd_ray.config import load_job
+    from lt_opd_ray.core.optim import build_optimizer
     from lt_opd_ray.models.loading import load_vlm
-    from lt_opd_ray.optim import build_optimizer
     from lt_opd_ray.runtime.learner import StudentObjective, deepspeed_config, init_process_group
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     torch.set_num_threads(1)
     job = load_job(JOB)
     init_process_group(rank, world, "127.0.0.1", port)
     config = deepspeed_config(job)
-    _, model = load_vlm(job.model.path, zero3_config=config if partitioned else None)
+    _, model = load_vlm(resolve_model_dir(job.model.path), zero3_config=config if partitioned else None)
     tensors = [getattr(p, "ds_tensor", p) for p in model.parameters()]  # a partitioned parameter's own part
     loaded = sum(t.numel() * t.element_size() for t in tensors) / 2**20
     after_load = anon_mb()
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     from lt_opd_ray.config import load_job
-    from lt_opd_ray.models.loading import resolve_model_dir
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     job = load_job(JOB)
     folder = resolve_model_dir(job.model.path)  # built once, before the ranks start

@@ -49,7 +49,7 @@ def measure(variant: str, dtype: str, hidden: int, sequences: int, tokens: int, 
     code = f"""
 import json, resource, time, torch
 import torch.nn.functional as F
-from lt_opd_ray.objective import _ChunkedGatherLogProbs, gather_log_probs
+from lt_opd_ray.core.objective import _ChunkedGatherLogProbs, gather_log_probs
 {BEFORE}
 torch.manual_seed(0)
 dtype = getattr(torch, {dtype!r})

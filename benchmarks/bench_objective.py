@@ -27,7 +27,7 @@ TOP_K = 100
 def measure(kind: str, positions: int, chunk: int) -> dict:
     code = f"""
 import json, resource, time, torch
-from lt_opd_ray.objective import gather_log_probs, lt_opd_token_losses, union_support
+from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, union_support
 torch.manual_seed(0)
 P, V, H, K = {positions}, {VOCAB}, {HIDDEN}, {TOP_K}
 hidden = torch.randn(P, H, requires_grad=True)

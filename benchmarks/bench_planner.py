@@ -1,6 +1,6 @@
 """The planner against a measured run, phase by phase, on this CPU box.
 
-The planner (`lt_opd_ray/planner.py`) is an analytic model: each phase's work (FLOPs, bytes, decode steps in the
+The planner (`lt_opd_ray/planning/planner.py`) is an analytic model: each phase's work (FLOPs, bytes, decode steps in the
 engine batches the code runs, passes over logits, collectives) over a device's rates. Here the device is this
 machine as the paper-shaped job's actors get it: an actor of `cpus: 0.5`, whose torch threads are what Ray gives it.
 Its rates come from microbenchmarks run in such an actor, which know nothing of the job but its shapes:
@@ -72,7 +72,7 @@ class Probe:
 
     def open_sync(self) -> tuple[str, int]:
         from lt_opd_ray.runtime.learner_group import free_port
-        from lt_opd_ray.runtime.weight_sync import host_store
+        from lt_opd_ray.weight_sync.group import host_store
 
         address = ray.util.get_node_ip_address(), free_port()
         self.store = host_store(*address, 0, 120)
@@ -81,9 +81,10 @@ class Probe:
     def join_sync(self, rank: int, host: str, port: int, model: str) -> int:
         """A sync group of two (rank 0 sends) over the job's model; returns its bytes."""
         from lt_opd_ray.models.loading import load_vlm
-        from lt_opd_ray.runtime.weight_sync import SyncGroup, join_store
+        from lt_opd_ray.sources.resolve import resolve_model_dir
+        from lt_opd_ray.weight_sync.group import SyncGroup, join_store
 
-        self.weights = load_vlm(model, device="cpu")[1]
+        self.weights = load_vlm(resolve_model_dir(model), device="cpu")[1]
         self.group = SyncGroup(self.store if rank == 0 else join_store(host, port, 120), rank, 2, 1, 120)
         return sum(p.numel() * p.element_size() for p in self.weights.parameters())
 
@@ -93,7 +94,7 @@ class Probe:
         return time.perf_counter() - begin
 
     def receive(self, version: int) -> float:
-        from lt_opd_ray.runtime.weight_sync import ModuleSink
+        from lt_opd_ray.weight_sync.group import ModuleSink
 
         begin = time.perf_counter()
         self.group.receive(ModuleSink(self.weights), version)
@@ -116,8 +117,8 @@ def measure_rates(job, config: dict) -> dict:
 
 
 def run_job(job, updates: int) -> dict:
+    from lt_opd_ray.core.wire import busy_seconds
     from lt_opd_ray.runtime.driver import Driver
-    from lt_opd_ray.wire import busy_seconds
 
     driver = Driver(job)
     try:
@@ -143,9 +144,8 @@ def run_job(job, updates: int) -> dict:
 
 def prompt_shape(job) -> tuple[int, tuple[int, int]]:
     """(text tokens of a prompt, its image's (height, width)) as the job's processor encodes its first sample."""
-    from lt_opd_ray.data import load_samples
-    from lt_opd_ray.models.loading import resolve_model_dir
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples, load_image
+    from lt_opd_ray.sources.resolve import load_samples, resolve_model_dir
 
     sample = load_samples(job.data.path, job.data.image_root, job.seed)[0]
     processor = VLMProcessor(resolve_model_dir(job.model.path), job.data.min_pixels, job.data.max_pixels)
@@ -155,7 +155,7 @@ def prompt_shape(job) -> tuple[int, tuple[int, int]]:
 
 
 def predict(job, config: dict, rates: dict, measured: dict) -> dict:
-    from lt_opd_ray.planner import GPU, plan, shapes_of
+    from lt_opd_ray.planning.planner import GPU, plan, shapes_of
 
     text_tokens, image = prompt_shape(job)
     shapes = shapes_of(job, text_tokens, image)
@@ -181,8 +181,8 @@ def main() -> None:
     parser.add_argument("--load", type=Path, default=None)
     parser.add_argument("--rates", action="store_true", help="with --load: measure the rates again")
     args = parser.parse_args()
-    from lt_opd_ray.models.loading import resolve_model_dir
     from lt_opd_ray.runtime.launch import init_ray
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     job = load_job(JOB, ["checkpoint.dir=runs/bench-planner", "checkpoint.every_steps=1000000", f"budget.total_steps={args.updates}"])
     config = json.loads((resolve_model_dir(job.model.path) / "config.json").read_text())

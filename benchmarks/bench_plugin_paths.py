@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lt_opd_ray.engines.vllm_engine import _sampled_and_top, engine_prompt
-from lt_opd_ray.engines.vllm_models import POSITION_CHANNELS, PruningModelMixin
+from lt_opd_ray.engines.vllm.engine import _sampled_and_top, engine_prompt
+from lt_opd_ray.engines.vllm.models import POSITION_CHANNELS, PruningModelMixin
 from lt_opd_ray.models.processor import IMAGE, PromptInputs
 
 IMAGE_ID, START_ID, TEXT = 7, 6, 84

@@ -3,7 +3,7 @@
 A rollout worker is handed its share of an update as groups (one prompt x n responses
 each). Before, it sampled them one after another, so vLLM decoded n sequences at a
 time; now every group it holds runs in one continuously batched engine
-(`engines/vllm_loop.py`, `pools.rollout.engine_groups`).
+(`engines/vllm/loop.py`, `pools.rollout.engine_groups`).
 
 Part 1 (engine): one VLLMEngine (vLLM's CPU build, tiny Qwen3.5 in bf16) gets G groups
 x n sequences, sampled one group at a time and then from G threads at once. Occupancy
@@ -41,12 +41,12 @@ def occupancy(records, total: int, max_num_seqs: int) -> float:
 
 
 def engine_part(groups: int, n: int, tokens: int) -> None:
-    from lt_opd_ray.data import synthetic_sample
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine, engine_prompt
-    from lt_opd_ray.engines.vllm_models import SelectionRequest
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
+    from lt_opd_ray.engines.vllm.models import SelectionRequest
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
     from lt_opd_ray.models.sampler import SamplingParams
     from lt_opd_ray.models.tiny import tiny_model_dir
+    from lt_opd_ray.sources.synthetic import synthetic_sample
 
     model_dir = tiny_model_dir("qwen3_5")
     engine = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=2048)

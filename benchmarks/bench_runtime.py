@@ -24,11 +24,11 @@ from lt_opd_ray.config import load_job
 
 
 def step_split(job_path: str, steps: int) -> None:
-    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.core.batch_order import batches
     from lt_opd_ray.reference import ReferenceTrainer
     from lt_opd_ray.runtime.driver import Driver
     from lt_opd_ray.runtime.launch import init_ray
-    from lt_opd_ray.train_loop import batches
+    from lt_opd_ray.sources.resolve import load_samples
 
     job = load_job(job_path)
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": "runs/bench", "every_steps": 10**6})})
@@ -81,7 +81,7 @@ def transformer_like(megabytes: int, fill) -> torch.nn.ParameterList:
 class Sender:
     def __init__(self, megabytes: int):
         from lt_opd_ray.runtime.learner_group import free_port
-        from lt_opd_ray.runtime.weight_sync import host_store
+        from lt_opd_ray.weight_sync.group import host_store
 
         torch.manual_seed(0)
         self.model = transformer_like(megabytes, torch.randn)
@@ -93,7 +93,7 @@ class Sender:
         return self.host, self.port
 
     def join(self, world: int, generation: int):
-        from lt_opd_ray.runtime.weight_sync import SyncGroup
+        from lt_opd_ray.weight_sync.group import SyncGroup
 
         self.group = SyncGroup(self.store, 0, world, generation, 120)
 
@@ -109,12 +109,12 @@ class Receiver:
         self.group = None
 
     def join(self, host, port, rank, world, generation):
-        from lt_opd_ray.runtime.weight_sync import SyncGroup, join_store
+        from lt_opd_ray.weight_sync.group import SyncGroup, join_store
 
         self.group = SyncGroup(join_store(host, port, 120), rank, world, generation, 120)
 
     def receive(self, version: int) -> float:
-        from lt_opd_ray.runtime.weight_sync import ModuleSink
+        from lt_opd_ray.weight_sync.group import ModuleSink
 
         begin = time.perf_counter()
         self.group.receive(ModuleSink(self.model), version)  # the bucket size comes in the sync's header

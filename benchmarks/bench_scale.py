@@ -39,10 +39,10 @@ def synthetic_share(model_dir: str, prompts: int, n: int, response_tokens: int, 
     """(prompts by index, rollouts, teacher scores) of one rank: sampled-looking ids, valid top-k log-probs."""
     import torch
 
-    from lt_opd_ray.curriculum import tokens_to_keep
-    from lt_opd_ray.data import load_samples
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.core.wire import Rollout, TeacherScore
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
-    from lt_opd_ray.wire import Rollout, TeacherScore
+    from lt_opd_ray.sources.resolve import load_samples
 
     job_data = "synthetic:4@896x832" if "vocab" in model_dir else "synthetic:4"
     processor = VLMProcessor(model_dir, max_pixels=1003520)
@@ -74,11 +74,12 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     from lt_opd_ray.config import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
+    from lt_opd_ray.models.loss import student_loss
     from lt_opd_ray.runtime.learner import MicroBatchStream, StreamedGroup
-    from lt_opd_ray.loss import student_loss
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     torch.set_num_threads(2)
-    model_dir, model = load_vlm(model_path, device="cpu")
+    model_dir, model = load_vlm(resolve_model_dir(model_path), device="cpu")
     vlm = QwenVLM(model.train())
     encoded, rollouts, scores = synthetic_share(str(model_dir), prompts, 8, response_tokens, top_k, 500, 32 if "vocab" in model_path else 2)
     objective = ObjectiveConfig(top_k=top_k, logsoftmax_chunk=chunk)
@@ -132,7 +133,7 @@ def memory_part(small: bool) -> None:
 def payload_part() -> None:
     import torch
 
-    from lt_opd_ray.wire import TeacherScore, pack_scores
+    from lt_opd_ray.core.wire import TeacherScore, pack_scores
 
     positions, k = 1024, 100
     logp = torch.log_softmax(torch.randn(positions, 248320 // 64), -1)  # any valid rows
@@ -146,13 +147,14 @@ def payload_part() -> None:
 
 # ---------------------------------------------------------------- weight sync
 def sync_part(small: bool) -> None:
-    from lt_opd_ray.engines.vllm_engine import EngineSink, VLLMEngine
+    from lt_opd_ray.engines.vllm.engine import EngineSink, VLLMEngine
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner_group import free_port
-    from lt_opd_ray.runtime.weight_sync import ModuleSink, SyncGroup, host_store, join_store
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+    from lt_opd_ray.weight_sync.group import ModuleSink, SyncGroup, host_store, join_store
 
     model_path = "tiny:qwen3_5" if small else "tiny:qwen3_5-vocab248320"
-    model_dir, learner = load_vlm(model_path, device="cpu")
+    model_dir, learner = load_vlm(resolve_model_dir(model_path), device="cpu")
     named = list(learner.named_parameters())
     engine = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=2048)
     bucket = 16 * 2**20
@@ -170,7 +172,7 @@ def sync_part(small: bool) -> None:
         sender.join()
         return sent["bytes"], seconds
 
-    copy = load_vlm(model_path, device="cpu")[1]  # the old rollout worker's transformers copy
+    copy = load_vlm(resolve_model_dir(model_path), device="cpu")[1]  # the old rollout worker's transformers copy
     copy_mb = sum(p.numel() * p.element_size() for p in copy.parameters()) / 2**20
 
     def before(group):

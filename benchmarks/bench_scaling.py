@@ -18,10 +18,10 @@ import time
 import ray
 
 from lt_opd_ray.config import load_job
-from lt_opd_ray.data import load_samples
 from lt_opd_ray.runtime.launch import WORKER_ENV
 from lt_opd_ray.runtime.rollout_pool import RolloutPool
 from lt_opd_ray.runtime.teacher import TeacherService
+from lt_opd_ray.sources.resolve import load_samples
 
 
 def with_pools(job, **pools):

@@ -24,7 +24,7 @@ from dataclasses import asdict
 import ray
 
 from lt_opd_ray.config import load_job
-from lt_opd_ray.timeline import window_busy
+from lt_opd_ray.tools.timeline import window_busy
 
 
 def with_schedule(job, name: str):

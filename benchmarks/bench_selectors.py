@@ -17,8 +17,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lt_opd_ray.selectors import SelectionInput, build_selector
-from lt_opd_ray.selectors.cdpruner import KERNEL_RIDGE, relevance
+from lt_opd_ray.core.selectors import SelectionInput, build_selector
+from lt_opd_ray.core.selectors.cdpruner import KERNEL_RIDGE, relevance
 
 
 def explicit_kernel_greedy(features: torch.Tensor, query: torch.Tensor, k: int) -> torch.Tensor:

@@ -64,10 +64,10 @@ def best_of(repeats: int, run) -> float:
 
 def inputs(model_dir: Path, responses: int, tokens: int, top_k: int):
     """One prompt, its reduced selection at 5%, and `responses` random rollouts with random teacher scores."""
-    from lt_opd_ray.curriculum import tokens_to_keep
-    from lt_opd_ray.data import synthetic_sample
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.core.wire import Rollout, TeacherScore
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
-    from lt_opd_ray.wire import Rollout, TeacherScore
+    from lt_opd_ray.sources.synthetic import synthetic_sample
 
     processor = VLMProcessor(model_dir)
     prompt = encode_samples(processor, [synthetic_sample(0)])[0]
@@ -87,10 +87,10 @@ def inputs(model_dir: Path, responses: int, tokens: int, top_k: int):
 
 def learner_arm(model_dir: Path, tokens: int, device: str) -> dict:
     from lt_opd_ray.config import ObjectiveConfig
-    from lt_opd_ray.loss import student_loss
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.kernels import missing_kernels
     from lt_opd_ray.models.loading import compute_precision, load_vlm
+    from lt_opd_ray.models.loss import student_loss
 
     _, model = load_vlm(str(model_dir), device=device)
     vlm = QwenVLM(model.train())
@@ -107,9 +107,9 @@ def learner_arm(model_dir: Path, tokens: int, device: str) -> dict:
 
 
 def teacher_arm(model_dir: Path, tokens: int, device: str) -> dict:
+    from lt_opd_ray.engines.transformers.teacher import teacher_scores
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import compute_precision, load_vlm
-    from lt_opd_ray.scoring import teacher_scores
 
     _, model = load_vlm(str(model_dir), device=device)
     vlm = QwenVLM(model.eval().requires_grad_(False))

@@ -21,14 +21,14 @@ import time
 import torch
 
 from lt_opd_ray.config import load_job
-from lt_opd_ray.data import load_samples
-from lt_opd_ray.evaluation import evaluate_answers
+from lt_opd_ray.core.optim import module_of
+from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.adapter import QwenVLM
+from lt_opd_ray.models.evaluation import evaluate_answers
 from lt_opd_ray.models.loading import load_vlm
 from lt_opd_ray.models.processor import VLMProcessor, encode_samples
-from lt_opd_ray.optim import module_of
-from lt_opd_ray.selectors import build_selector
-from lt_opd_ray.toy.tasks import toy_task
+from lt_opd_ray.sources.resolve import load_samples, resolve_model_dir
+from lt_opd_ray.sources.toy.tasks import toy_task
 
 ANSWER_TAG = "<answer>"
 
@@ -121,7 +121,7 @@ def main() -> None:
     torch.manual_seed(0)
     job = load_job(args.job)
     task = toy_task(job.model.path.removeprefix("toy:"))
-    model_dir, model = load_vlm(job.model.path, "cpu")
+    model_dir, model = load_vlm(resolve_model_dir(job.model.path), "cpu")
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
     if args.part == "confidence":
         confidence(job, vlm, processor, task, args.items)

@@ -1,6 +1,6 @@
 """lt-opd-ray: low-token on-policy self-distillation for vision-language models, on Ray."""
 
-from ._torchvision_ops import install_import_hook
+from lt_opd_ray._torchvision_ops import install_import_hook
 
 __version__ = "0.1.0"
 

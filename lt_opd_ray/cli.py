@@ -6,13 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-
 SET_HELP = "override a field of the job, e.g. --set optimizer.lr.language_model=2e-6 (repeatable; checked by the schema)"
 
 
 def cmd_validate(args) -> int:
-    from .config import JobConfigError, load_job
-    from .job_inputs import read_job_inputs
+    from lt_opd_ray.config import JobConfigError, load_job
+    from lt_opd_ray.runtime.job_inputs import read_job_inputs
 
     failed = 0
     for path in args.jobs:
@@ -41,7 +40,7 @@ def cmd_validate(args) -> int:
 
 def _load_job_or_report(path: str, overrides: list[str] = ()):
     """The validated job (`--set` overrides applied), or None after printing every problem of the YAML."""
-    from .config import JobConfigError, load_job
+    from lt_opd_ray.config import JobConfigError, load_job
 
     try:
         return load_job(path, overrides)
@@ -57,14 +56,14 @@ EXIT_DONE, EXIT_UNEXPECTED, EXIT_REFUSED, EXIT_RESUMABLE, EXIT_INTERRUPTED = 0, 
 def cmd_train(args) -> int:
     """Every run-ending error is one line on stderr: refused input (2), a role that died or stopped answering (3,
     with the checkpoint `--resume` continues from), anything else (1, its traceback kept in the run's error.log)."""
-    from .errors import InputError
-    from .runtime.checkpoint_files import CheckpointError
-    from .runtime.driver import PreflightError
-    from .runtime.launch import RunFolderError
-    from .runtime.resources import InsufficientResourcesError
-    from .runtime.run_lock import RunLockedError
-    from .runtime.storage import StorageError
-    from .runtime.waits import NoAnswerError, RoleDiedError
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.core.storage import StorageError
+    from lt_opd_ray.runtime.checkpoint_files import CheckpointError
+    from lt_opd_ray.runtime.driver import PreflightError
+    from lt_opd_ray.runtime.launch import RunFolderError
+    from lt_opd_ray.runtime.resources import InsufficientResourcesError
+    from lt_opd_ray.runtime.run_lock import RunLockedError
+    from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
 
     if (job := _load_job_or_report(args.job, args.set)) is None:
         return EXIT_REFUSED
@@ -72,7 +71,7 @@ def cmd_train(args) -> int:
         if args.reference:
             _train_reference(job, args.steps or job.budget.total_steps)
         else:
-            from .runtime.launch import train
+            from lt_opd_ray.runtime.launch import train
 
             train(job, steps=args.steps, resume=args.resume, address=args.address, force=args.force)
     except (InputError, CheckpointError, PreflightError, RunFolderError, RunLockedError, InsufficientResourcesError, StorageError,
@@ -100,7 +99,7 @@ def _keep_traceback(job) -> str:
     import time
     import traceback
 
-    from .runtime.storage import RunStorage
+    from lt_opd_ray.core.storage import RunStorage
 
     text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} lt-opd train {job.name}\n{traceback.format_exc()}\n"
     try:
@@ -123,9 +122,9 @@ def _train_reference(job, steps: int) -> None:
 
     import transformers
 
-    from .data import load_samples
-    from .reference import ReferenceTrainer
-    from .train_loop import batches
+    from lt_opd_ray.core.batch_order import batches
+    from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.sources.resolve import load_samples
 
     transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
     transformers.logging.disable_progress_bar()
@@ -147,7 +146,7 @@ def _train_reference(job, steps: int) -> None:
 def cmd_submit(args) -> int:
     if _load_job_or_report(args.job, args.set) is None:  # refuse a bad YAML here, not after the upload
         return 2
-    from .runtime.submit import submit
+    from lt_opd_ray.runtime.submit import submit
 
     train_args = [*(f"--set={override}" for override in args.set), *args.train_args]
     return submit(args.job, args.address, args.runtime_env, args.working_dir, train_args, wait=not args.no_wait)
@@ -156,7 +155,7 @@ def cmd_submit(args) -> int:
 def cmd_check_cluster(args) -> int:
     import yaml
 
-    from .cluster_check import check_cluster_file
+    from lt_opd_ray.tools.cluster_check import check_cluster_file
 
     if (job := _load_job_or_report(args.job)) is None:
         return 2
@@ -172,7 +171,7 @@ def cmd_check_cluster(args) -> int:
 
 
 def cmd_build_tiny(args) -> int:
-    from .models.tiny import build_tiny_model
+    from lt_opd_ray.models.tiny import build_tiny_model
 
     print(build_tiny_model(args.family, args.out, seed=args.seed))
     return 0
@@ -181,7 +180,7 @@ def cmd_build_tiny(args) -> int:
 def cmd_ablation(args) -> int:
     import transformers
 
-    from .toy.ablation import run_ablation
+    from lt_opd_ray.tools.ablation import run_ablation
 
     transformers.logging.set_verbosity_error()
     if _load_job_or_report(args.job) is None:
@@ -197,7 +196,8 @@ def cmd_ablation(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import CompressionConfig, ExportError, export_student
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.export import ExportError, export_student
 
     job = _load_job_or_report(args.job)
     if job is None:
@@ -216,7 +216,7 @@ def cmd_export(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from .engines.serve import serve_command
+    from lt_opd_ray.serving.serve import serve_command
 
     try:
         argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args)
@@ -229,8 +229,8 @@ def cmd_serve(args) -> int:
 def cmd_data(args) -> int:
     from tqdm import tqdm
 
-    from .errors import InputError
-    from .prepare import DataError, prepare
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.sources.prepare import DataError, prepare
 
     with tqdm(desc="rows", unit="row") as bar:
         def progress(done: int) -> None:
@@ -253,9 +253,9 @@ def cmd_data(args) -> int:
 def cmd_eval(args) -> int:
     import transformers
 
-    from .evals.benchmarks import BenchmarkError
-    from .evals.run import run_eval
-    from .errors import InputError
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.evals.benchmarks import BenchmarkError
+    from lt_opd_ray.evals.run import run_eval
 
     transformers.logging.set_verbosity_error()
     files = {}
@@ -278,7 +278,7 @@ def cmd_eval(args) -> int:
 def cmd_efficiency(args) -> int:
     import json
 
-    from .efficiency import PRESETS, merge_parameters, patch_grid, prefill_cost
+    from lt_opd_ray.planning.efficiency import PRESETS, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
         config = PRESETS[args.preset]
@@ -315,7 +315,7 @@ def cmd_efficiency(args) -> int:
 
 
 def cmd_timeline(args) -> int:
-    from .timeline import busy_lines, draw, read_steps
+    from lt_opd_ray.tools.timeline import busy_lines, draw, read_steps
 
     try:
         steps = read_steps(args.run, args.last)
@@ -335,10 +335,21 @@ PAPER_SECONDS_PER_UPDATE = 311  # the paper's reported training time per update 
 def cmd_plan(args) -> int:
     import json
 
-    from .config import JobConfigError, load_job
-    from .efficiency import PRESETS, preset_named_by
-    from .planner import (EFFICIENCY, EFFICIENCY_SOURCES, GPUS, SCHEDULES, best_split, job_split, learner_gb_per_gpu, plan, shapes_of,
-                          update_work, zero_stage_for)
+    from lt_opd_ray.config import JobConfigError, load_job
+    from lt_opd_ray.planning.efficiency import PRESETS, preset_named_by
+    from lt_opd_ray.planning.planner import (
+        EFFICIENCY,
+        EFFICIENCY_SOURCES,
+        GPUS,
+        SCHEDULES,
+        best_split,
+        job_split,
+        learner_gb_per_gpu,
+        plan,
+        shapes_of,
+        update_work,
+        zero_stage_for,
+    )
 
     try:
         job = load_job(args.job, args.set)
@@ -513,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
     planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")
     planner.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
-    planner.add_argument("--efficiency", nargs="*", default=[], metavar="NAME=VALUE", help="override an assumed efficiency (see lt_opd_ray/planner.py)")
+    planner.add_argument("--efficiency", nargs="*", default=[], metavar="NAME=VALUE", help="override an assumed efficiency (see lt_opd_ray/planning/planner.py)")
     planner.set_defaults(func=cmd_plan)
 
     timeline = sub.add_parser("timeline", help="draw a run's per-update timeline (steps.jsonl) as a Gantt chart PNG; pool busy fractions")

@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .runtime.storage import check_location
+from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.core.storage import check_location
 
-BPS = 10_000  # budgets are integer basis points: 500 bps = 5% of the visual tokens
 # Upper bounds on counts and sizes: far above any real job, low enough that a typo (an extra 000) is named by
 # `validate` instead of starting. What a machine or cluster can hold is checked at preflight (runtime/resources.py).
 MAX_ACTORS_PER_POOL = 4096  # rollout workers, teacher replicas, learner ranks
@@ -37,7 +37,7 @@ class _Strict(BaseModel):
 def check_data_spec(spec: str) -> str:
     """A generated form (`synthetic:<n>[@<W>x<H>]`, `toy-<task>[-test]:<n>`) checked for shape and task; a file or
     folder is read by `validate` and at preflight, with its own named errors."""
-    from .data import generated_rows  # stdlib only at import: validate stays free of torch
+    from lt_opd_ray.sources.resolve import generated_rows
 
     generated_rows(spec)
     return spec
@@ -50,7 +50,7 @@ class ModelConfig(_Strict):
     @field_validator("path")
     @classmethod
     def _known_tiny_family(cls, path: str) -> str:
-        from .models.tiny import FAMILIES  # stdlib only: validate stays free of torch
+        from lt_opd_ray.models.tiny import FAMILIES  # stdlib only: validate stays free of torch
 
         family, _, vocab = path.removeprefix("tiny:").partition("-vocab")
         if path.startswith("tiny:") and (family not in FAMILIES or (vocab and not vocab.isdigit())):
@@ -363,7 +363,7 @@ class MetricsConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
-    """Experiment tracking (lt_opd_ray/tracking.py); each backend's library is an optional extra:
+    """Experiment tracking (lt_opd_ray/runtime/tracking.py); each backend's library is an optional extra:
     `pip install 'lt-opd-ray[tracking]'`."""
 
     backends: list[Literal["tensorboard", "mlflow", "wandb"]] = []

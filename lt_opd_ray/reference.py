@@ -15,18 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import JobConfig
-from .curriculum import BudgetSchedule
-from .data import Sample
-from .models.adapter import QwenVLM
-from .models.loading import compute_precision, load_vlm
-from .models.processor import VLMProcessor, encode_samples
-from .models.sampler import SamplingParams
-from .optim import build_optimizer
-from .selectors import build_selector
-from .loss import LossStats, student_loss
-from .rollouts import rollout
-from .scoring import teacher_scores
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.curriculum import BudgetSchedule
+from lt_opd_ray.core.optim import build_optimizer
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.selectors import build_selector
+from lt_opd_ray.engines.rollout_engines import sampling_params
+from lt_opd_ray.engines.transformers.rollout import rollout
+from lt_opd_ray.engines.transformers.teacher import teacher_scores
+from lt_opd_ray.models.adapter import QwenVLM
+from lt_opd_ray.models.loading import compute_precision, load_vlm
+from lt_opd_ray.models.loss import LossStats, student_loss
+from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+from lt_opd_ray.sources.resolve import resolve_model_dir
 
 
 @dataclass
@@ -38,23 +39,12 @@ class StepReport:
     mean_response_tokens: float
 
 
-def sampling_params(job: JobConfig, tokenizer) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=job.sampling.max_new_tokens,
-        temperature=job.sampling.temperature,
-        top_p=job.sampling.top_p,
-        top_k_logprobs=job.objective.top_k,
-        stop=tuple(job.sampling.stop),
-        eos_token_ids=(tokenizer.eos_token_id,),
-    )
-
-
 class ReferenceTrainer:
     """Student, frozen teacher and optimizer in one process."""
 
     def __init__(self, job: JobConfig):
         self.job = job
-        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
+        model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
         torch.manual_seed(job.seed)
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.student = QwenVLM(model.train())

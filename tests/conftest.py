@@ -11,7 +11,7 @@ import torch
 FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl"]
 
 # Every collective of every test (learner groups, weight syncs, in this process, its Ray actors and the CLI runs it
-# starts) is held to its backend's device rule, as NCCL holds a GPU run (runtime/collectives.py).
+# starts) is held to its backend's device rule, as NCCL holds a GPU run (core/collectives.py).
 os.environ.setdefault("LT_OPD_CHECK_COLLECTIVES", "1")
 
 

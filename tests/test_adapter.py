@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import FAMILIES, random_image
 
+from lt_opd_ray.core.objective import gather_log_probs
+from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.processor import IMAGE, question_messages
 from lt_opd_ray.models.sampler import SamplingParams, sample
-from lt_opd_ray.objective import gather_log_probs
-from lt_opd_ray.selectors import build_selector
 
 QUESTIONS = ["How many circles are there?", "Which letter is written at the bottom right?", "Is there a red square?"]
 SIZES = [(128, 128), (96, 160), (160, 128)]

@@ -6,11 +6,12 @@ import pytest
 import torch
 from conftest import bomb_png, random_image
 
-from lt_opd_ray.data import load_samples, read_rows
+from lt_opd_ray.core.errors import InputError
+from lt_opd_ray.core.selectors import SelectionInput, build_selector
 from lt_opd_ray.models.adapter import QwenVLM, UnsupportedArchitectureError
-from lt_opd_ray.errors import InputError
 from lt_opd_ray.models.processor import question_messages
-from lt_opd_ray.selectors import SelectionInput, build_selector
+from lt_opd_ray.sources.resolve import load_samples
+from lt_opd_ray.sources.rows import read_rows
 
 
 def test_undecodable_image_names_the_sample_and_file(loaded, tmp_path):
@@ -144,7 +145,7 @@ def test_benchmark_file_that_is_not_utf8_is_named(tmp_path):
 
 
 def test_prepare_refuses_an_out_that_is_a_file_or_a_full_folder_before_any_work(tmp_path):
-    from lt_opd_ray.prepare import DataError, prepare
+    from lt_opd_ray.sources.prepare import DataError, prepare
 
     source = tmp_path / "rows.jsonl"
     source.write_text(json.dumps({"sample_uid": "a", "image": "x.png", "question": "Q?"}) + "\n")

@@ -8,8 +8,8 @@ import io
 import json
 
 import pytest
-
 from conftest import bomb_png, random_image
+
 from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
 
 

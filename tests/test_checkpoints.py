@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import job_for, start_local_ray
 
-from lt_opd_ray.export import ExportError, export_student
+from lt_opd_ray.core.storage import RunStorage
 from lt_opd_ray.runtime.checkpoint import CheckpointStore, PassedOver, Restored
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder, start_history
-from lt_opd_ray.runtime.storage import RunStorage
-from conftest import job_for, start_local_ray
+from lt_opd_ray.serving.export import ExportError, export_student
 
 STEPS = 3
 

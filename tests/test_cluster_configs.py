@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lt_opd_ray.cluster_check import check_cluster_file
 from lt_opd_ray.config import load_job
+from lt_opd_ray.tools.cluster_check import check_cluster_file
 
 REPO = Path(__file__).resolve().parents[1]
 # Ray cluster configs (the job runtime env and plain Kubernetes objects sit beside them)

@@ -1,4 +1,4 @@
-"""Every collective on its backend's device: the placement in runtime/collectives.py and the guard that checks it."""
+"""Every collective on its backend's device: the placement in core/collectives.py and the guard that checks it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import lt_opd_ray
-from lt_opd_ray.runtime import collectives
-from lt_opd_ray.runtime.collectives import CollectiveDeviceError, all_reduce_max, backend_device, install_guard
-from lt_opd_ray.runtime.weight_sync import SyncGroup, host_store
+from lt_opd_ray.core import collectives
+from lt_opd_ray.core.collectives import CollectiveDeviceError, all_reduce_max, backend_device, install_guard
+from lt_opd_ray.weight_sync.group import SyncGroup, host_store
 
 
 @pytest.fixture()

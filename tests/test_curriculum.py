@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lt_opd_ray.curriculum import BudgetSchedule, tokens_to_keep
+from lt_opd_ray.core.curriculum import BudgetSchedule, tokens_to_keep
 
 PAPER = BudgetSchedule()
 

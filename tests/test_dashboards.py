@@ -19,7 +19,6 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "dashboards"))
 import generate  # noqa: E402
-
 import ray
 
 JOB_NAME = "dash"
@@ -73,11 +72,12 @@ def prometheus_query(port: int, expr: str) -> list:
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory, tiny_dirs):
     """A tiny distributed run with its Ray node scraped every second by a real Prometheus."""
+    from conftest import job_for
+    from test_benchmarks import fixture
+
     from lt_opd_ray.runtime.driver import Driver
     from lt_opd_ray.runtime.launch import WORKER_ENV
     from lt_opd_ray.runtime.learner_group import free_port
-    from conftest import job_for
-    from test_benchmarks import fixture
 
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed: scripts/setup.sh installs Debian's package"

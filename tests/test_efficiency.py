@@ -13,10 +13,15 @@ import math
 
 import pytest
 import torch
+from conftest import FAMILIES, random_image
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import FAMILIES, random_image
-from lt_opd_ray.efficiency import QWEN35_4B, lm_projection_flops_per_token, prefill_cost, vision_projection_flops
+from lt_opd_ray.planning.efficiency import (
+    QWEN35_4B,
+    lm_projection_flops_per_token,
+    prefill_cost,
+    vision_projection_flops,
+)
 
 BUDGET_BPS, K_MIN = 2500, 2
 
@@ -45,9 +50,9 @@ def _tensors(states) -> list:
 def test_analytic_costs_equal_the_counted_flops_and_the_real_cache(family, tiny_dirs):
     from transformers import AutoModelForImageTextToText
 
+    from lt_opd_ray.core.selectors import build_selector
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
-    from lt_opd_ray.selectors import build_selector
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_dirs[family], dtype=torch.float32).eval()
     model.set_attn_implementation("eager")  # attention as matmuls, which FlopCounterMode counts

@@ -17,7 +17,6 @@ import urllib.request
 
 import pytest
 import torch
-
 from conftest import FAMILIES, bomb_png, job_for, random_image
 
 
@@ -35,7 +34,7 @@ def test_question_ids_recovered_from_a_prompt_are_the_query_mask(family, system_
 
 
 def test_compression_config_round_trips_and_a_broken_one_is_named(tmp_path):
-    from lt_opd_ray.export import COMPRESSION_FILE, CompressionConfig
+    from lt_opd_ray.core.compression import COMPRESSION_FILE, CompressionConfig
 
     assert CompressionConfig.read(tmp_path) is None
     CompressionConfig("cdpruner", 500, 2).write(tmp_path)
@@ -48,7 +47,8 @@ def test_compression_config_round_trips_and_a_broken_one_is_named(tmp_path):
 def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(tiny_dirs, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from lt_opd_ray.export import CompressionConfig, ExportError, export_student
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.export import ExportError, export_student
 
     job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
     out = tmp_path / "student"
@@ -131,7 +131,7 @@ class serving:
 def image_question(student, image, question: str, port: int, budget_bps: int, k_min: int) -> tuple[dict, list]:
     """One chat request about `image`; checks the prefill held k of the image's N visual tokens.
     Returns (the request's body, its message content)."""
-    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
 
     prompt = VLMProcessor(student).encode(question_messages(question), [image])
@@ -149,8 +149,8 @@ def image_question(student, image, question: str, port: int, budget_bps: int, k_
 
 def test_a_tied_qwen3_5_student_is_served_at_its_budget(tmp_path):
     """Qwen3.5-4B's shape: tied embeddings and the real tensor names, exported and served (bf16 on vLLM's CPU build)."""
-    from lt_opd_ray.export import export_student
     from lt_opd_ray.models.tiny import build_tiny_model
+    from lt_opd_ray.serving.export import export_student
 
     job = job_for(build_tiny_model("qwen3_5", tmp_path / "tied", seed=0, tied=True), tmp_path / "run")
     shutil.copytree(tmp_path / "tied", tmp_path / "run" / "final")  # what a finished run leaves
@@ -160,11 +160,10 @@ def test_a_tied_qwen3_5_student_is_served_at_its_budget(tmp_path):
 
 
 def test_served_student_answers_an_image_question_with_the_compressed_prefill(tiny_dirs, tmp_path):
-    from lt_opd_ray.curriculum import tokens_to_keep
-    from lt_opd_ray.export import CompressionConfig
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
-
-    from lt_opd_ray.export import export_student
+    from lt_opd_ray.serving.export import export_student
 
     job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
     job = job.model_copy(update={"budget": job.budget.model_copy(update={"target_bps": 2500})})

@@ -11,12 +11,12 @@ import time
 import pytest
 import ray
 import torch
+from conftest import job_for, start_local_ray
 from ray import serve
 
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
-from conftest import job_for, start_local_ray
 
 STEPS = 4  # budget.decay_end of job_for
 
@@ -200,7 +200,7 @@ def test_a_rollout_worker_killed_mid_broadcast_is_replaced_and_synced_and_the_le
     stayed in step and go on training."""
     import threading
 
-    from lt_opd_ray.models.loading import resolve_model_dir
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     job = job_for(resolve_model_dir("tiny:qwen3_5-vocab248320"), tmp_path, ranks=2, zero_stage=3, workers=2, name="sync-kill",
                   verify_weights=True)

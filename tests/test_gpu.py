@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import FAMILIES, random_image
 
+from lt_opd_ray.core.objective import gather_log_probs
+from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.processor import question_messages
 from lt_opd_ray.models.sampler import SamplingParams, sample
-from lt_opd_ray.objective import gather_log_probs
-from lt_opd_ray.selectors import build_selector
 
 pytestmark = pytest.mark.gpu
 
@@ -42,8 +42,8 @@ def test_cuda_reduced_sampler_matches_teacher_forced_and_cpu(tiny_dirs, family):
 
 def test_cuda_reference_update_in_bf16(tiny_dirs):
     from lt_opd_ray.config import parse_job
-    from lt_opd_ray.data import load_samples
     from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.sources.resolve import load_samples
 
     job = parse_job(
         f'model: {{path: "{tiny_dirs["qwen3_5"]}", dtype: bfloat16}}\n'
@@ -58,14 +58,14 @@ def test_cuda_reference_update_in_bf16(tiny_dirs):
 
 def test_nccl_takes_the_lockstep_flags_and_the_weight_sync_on_the_device(tmp_path):
     """World size 1 over NCCL: the learners' flags reduced where NCCL wants them, a sync group broadcasting a bucket
-    finished on the device, and an abort that frees the group (runtime/collectives.py, runtime/weight_sync.py)."""
+    finished on the device, and an abort that frees the group (core/collectives.py, weight_sync/group.py)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from lt_opd_ray.runtime.collectives import all_reduce_max, install_guard
+    from lt_opd_ray.core.collectives import all_reduce_max, install_guard
     from lt_opd_ray.runtime.rollout_pool import sync_device
-    from lt_opd_ray.runtime.weight_sync import SyncGroup, WeightSyncAborted, host_store
+    from lt_opd_ray.weight_sync.group import SyncGroup, WeightSyncAborted, host_store
 
     install_guard()
     torch.cuda.set_device(0)

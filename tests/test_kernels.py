@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from lt_opd_ray.core.wire import ActorPlacement
 from lt_opd_ray.models.kernels import INSTALL_HINT, missing_kernels, slow_kernels_warning
-from lt_opd_ray.wire import ActorPlacement
 
 
 def test_a_qwen3_5_model_on_a_gpu_without_the_packages_lacks_both():

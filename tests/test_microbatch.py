@@ -8,14 +8,14 @@ import random
 
 import pytest
 import torch
-
 from conftest import FAMILIES
-from lt_opd_ray.microbatch import MicroBatch, Sequence, pack
-from lt_opd_ray.objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs
-from lt_opd_ray.reference import ReferenceTrainer
-from lt_opd_ray.loss import reduced_length, student_loss, support
-from lt_opd_ray.scoring import teacher_scores
 from test_reference_update import tiny_job
+
+from lt_opd_ray.core.microbatch import MicroBatch, Sequence, pack
+from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs
+from lt_opd_ray.engines.transformers.teacher import teacher_scores
+from lt_opd_ray.models.loss import reduced_length, student_loss, support
+from lt_opd_ray.reference import ReferenceTrainer
 
 
 # ------------------------------------------------------------------ packing
@@ -62,8 +62,8 @@ def test_pack_refuses_a_non_positive_budget():
 @pytest.fixture(scope="module")
 def updates(tiny_dirs):
     """family -> (trainer, prompts, rollouts, scores): 2 prompts x 3 rollouts at 25%, scored by the teacher."""
-    from lt_opd_ray.data import load_samples
-    from lt_opd_ray.rollouts import rollout
+    from lt_opd_ray.engines.transformers.rollout import rollout
+    from lt_opd_ray.sources.resolve import load_samples
 
     samples = load_samples("synthetic:4")[:2]
     out = {}
@@ -167,8 +167,8 @@ def test_shared_prompt_teacher_scores_equal_one_forward_per_rollout(updates, fam
 def test_prompt_prefixes_run_ahead_give_the_teachers_scores_bit_for_bit(updates):
     """The teacher service's head start (`TeacherEngine.prefill`, while the rollouts are sampled): scores from
     prefixes run ahead equal scores computed in one call, each prefix is used once, and old updates' are let go."""
-    from lt_opd_ray.data import load_samples
     from lt_opd_ray.engines.teacher_engines import TransformersTeacherEngine
+    from lt_opd_ray.sources.resolve import load_samples
 
     trainer, _, rollouts, _ = updates["qwen3_5"]
     samples = dict(enumerate(load_samples("synthetic:4")[:2]))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lt_opd_ray.objective import (
+from lt_opd_ray.core.objective import (
     divergence,
     gather_log_probs,
     lt_opd_token_losses,

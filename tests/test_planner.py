@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 from lt_opd_ray.config import load_job
-from lt_opd_ray.efficiency import PRESETS, lm_flops, patch_grid, prefill_cost, vision_attention_flops, vision_projection_flops
-from lt_opd_ray.planner import EFFICIENCY, GPUS, best_split, plan, shapes_of, update_work
+from lt_opd_ray.planning.efficiency import (
+    PRESETS,
+    lm_flops,
+    patch_grid,
+    prefill_cost,
+    vision_attention_flops,
+    vision_projection_flops,
+)
+from lt_opd_ray.planning.planner import EFFICIENCY, GPUS, best_split, plan, shapes_of, update_work
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = PRESETS["qwen3.5-4b"]
@@ -59,7 +66,13 @@ def test_best_split_uses_every_gpu_and_refuses_a_learner_that_cannot_hold_its_st
 
 
 def test_the_learner_fit_counts_every_byte_and_two_ranks_of_4b_need_80_gb_gpus():
-    from lt_opd_ray.planner import LEARNER_BYTES_PER_PARAM, learner_gb_per_gpu, learner_fits, update_work, zero_stage_for
+    from lt_opd_ray.planning.planner import (
+        LEARNER_BYTES_PER_PARAM,
+        learner_fits,
+        learner_gb_per_gpu,
+        update_work,
+        zero_stage_for,
+    )
 
     work = update_work(CONFIG, paper_shapes(), EFFICIENCY)
     per_param = {stage: sum(w + p for w, p in held.values()) for stage, held in LEARNER_BYTES_PER_PARAM.items()}
@@ -75,7 +88,7 @@ def test_the_learner_fit_counts_every_byte_and_two_ranks_of_4b_need_80_gb_gpus()
 def test_engine_batches_teacher_backends_and_links_are_modelled_as_the_code_runs():
     from dataclasses import replace
 
-    from lt_opd_ray.planner import link_bytes_per_second, rollout_seconds
+    from lt_opd_ray.planning.planner import link_bytes_per_second, rollout_seconds
 
     shapes, gpu = paper_shapes(), GPUS["a100"]
     work = update_work(CONFIG, shapes, EFFICIENCY)
@@ -113,7 +126,7 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
 def test_static_batches_logit_passes_dtype_and_the_zero3_gather_before_a_sync():
     from dataclasses import replace
 
-    from lt_opd_ray.planner import LOGIT_PASSES, logit_seconds, rollout_seconds, sync_seconds
+    from lt_opd_ray.planning.planner import LOGIT_PASSES, logit_seconds, rollout_seconds, sync_seconds
 
     shapes, gpu = paper_shapes(), GPUS["a100"]
     text = CONFIG["text_config"]
@@ -145,8 +158,8 @@ def test_a_learner_that_cannot_hold_its_state_is_refused_before_start():
     """ZeRO-2 over 2 ranks holds bf16 weights and gradients whole (2 + 2 B/param) and half of the fp32 master weights,
     Adam's moments and fp32 gradients (16 / 2 B/param): 12 B/param, 54 GB for Qwen3.5-4B."""
     from lt_opd_ray.config import load_job
-    from lt_opd_ray.efficiency import PRESETS
-    from lt_opd_ray.planner import parameter_count
+    from lt_opd_ray.planning.efficiency import PRESETS
+    from lt_opd_ray.planning.planner import parameter_count
     from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_learner_memory, learner_state_bytes
 
     config = PRESETS["qwen3.5-4b"]
@@ -168,8 +181,8 @@ def test_a_vllm_engine_that_cannot_hold_the_weights_and_one_longest_sequence_is_
     length (1003520 px / 32² = 980 image tokens + 1024 text + 1024 response), counted from the config by hand here:
     refused when its GPU share is below that, started when above."""
     from lt_opd_ray.config import load_job
-    from lt_opd_ray.efficiency import PRESETS
-    from lt_opd_ray.planner import context_length, parameter_count
+    from lt_opd_ray.planning.efficiency import PRESETS
+    from lt_opd_ray.planning.planner import context_length, parameter_count
     from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_engine_memory
 
     config = PRESETS["qwen3.5-4b"]

@@ -10,9 +10,9 @@ import tarfile
 
 import numpy as np
 import pytest
-
 from conftest import bomb_png, random_image
-from lt_opd_ray.prepare import DataError, prepare, read_prepared
+
+from lt_opd_ray.sources.prepare import DataError, prepare, read_prepared
 
 
 def _png(seed: int) -> bytes:
@@ -55,8 +55,8 @@ def lt14k(folder, count=5, break_rows=()):
 
 
 def test_an_lt14k_folder_becomes_shards_whose_images_are_the_originals(tmp_path):
-    from lt_opd_ray.data import load_samples
     from lt_opd_ray.models.processor import load_image
+    from lt_opd_ray.sources.resolve import load_samples
 
     source = lt14k(tmp_path / "src")
     manifest = prepare(source, tmp_path / "out", shard_rows=2)
@@ -128,9 +128,10 @@ def test_training_reads_a_prepared_folder_in_a_resumable_order(tiny_dirs, tmp_pa
     import math
 
     from conftest import job_for
-    from lt_opd_ray.data import load_samples
+
+    from lt_opd_ray.core.batch_order import batches
     from lt_opd_ray.reference import ReferenceTrainer
-    from lt_opd_ray.train_loop import batches
+    from lt_opd_ray.sources.resolve import load_samples
 
     prepare(lt14k(tmp_path / "src", count=5), tmp_path / "data", shard_rows=2)
     job = job_for(tiny_dirs["qwen3_5"], tmp_path / "run")

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from lt_opd_ray.config import parse_job
-from lt_opd_ray.data import load_samples
-from lt_opd_ray.optim import module_of, param_groups
+from lt_opd_ray.core.optim import module_of, param_groups
+from lt_opd_ray.engines.transformers.rollout import rollout
+from lt_opd_ray.engines.transformers.teacher import teacher_scores
+from lt_opd_ray.models.loss import student_loss
 from lt_opd_ray.reference import ReferenceTrainer
-from lt_opd_ray.loss import student_loss
-from lt_opd_ray.rollouts import rollout
-from lt_opd_ray.scoring import teacher_scores
+from lt_opd_ray.sources.resolve import load_samples
+
 
 def tiny_job(model_dir, **overrides):
     text = f"""
@@ -151,7 +152,7 @@ def _teacher_sampled(tiny_dirs, batch, mode):
 
 @torch.no_grad()
 def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(tiny_dirs, samples):
-    from lt_opd_ray.data import stable_seed
+    from lt_opd_ray.core.seeding import stable_seed
     from lt_opd_ray.models.sampler import sample
 
     job, trainer, prompts, rollouts = _teacher_sampled(tiny_dirs, samples[:2], "fixed_prefix")
@@ -188,9 +189,9 @@ def test_sft_loss_is_the_cross_entropy_of_the_teachers_responses(tiny_dirs, samp
 @torch.no_grad()
 def test_seeded_selectors_take_the_63_bit_sample_seeds(loaded, samples):
     """Rollout and evaluation seeds are 63-bit stable_seed values; the random selector must accept them."""
-    from lt_opd_ray.data import stable_seed
+    from lt_opd_ray.core.seeding import stable_seed
+    from lt_opd_ray.core.selectors import build_selector
     from lt_opd_ray.models.processor import encode_samples
-    from lt_opd_ray.selectors import build_selector
 
     _, processor, vlm = loaded["qwen3_5"]
     prompt = encode_samples(processor, samples[:1])[0]

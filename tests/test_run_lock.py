@@ -72,8 +72,8 @@ def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, mon
     import threading
 
     import lt_opd_ray.runtime.run_lock as run_lock
+    from lt_opd_ray.core.storage import RunStorage
     from lt_opd_ray.runtime.run_lock import RemoteLease
-    from lt_opd_ray.runtime.storage import RunStorage
 
     monkeypatch.setattr(run_lock, "RACE_S", 0.5)
     (tmp_path / "store").mkdir()

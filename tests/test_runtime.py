@@ -9,18 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-
 import ray
+import torch
+from conftest import job_for  # noqa: E402
 
-from lt_opd_ray.data import load_samples  # noqa: E402
+from lt_opd_ray.core.batch_order import batches  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
 from lt_opd_ray.runtime.driver import Driver, PreflightError  # noqa: E402
 from lt_opd_ray.runtime.launch import WORKER_ENV  # noqa: E402
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
-from lt_opd_ray.train_loop import batches  # noqa: E402
-from conftest import job_for  # noqa: E402
+from lt_opd_ray.sources.resolve import load_samples
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -124,7 +122,7 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
     """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights and sends bf16,
     straight into the engine's parameters: the worker holds no transformers copy of the student. With the token
     merge, the engine gets the head (a base folder has none) and every sync writes it too."""
-    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.core.curriculum import tokens_to_keep
 
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, name=f"vllm-{merge}", dtype="bfloat16", backend="vllm", verify_weights=True,
                   extra=f"selector: {{merge: {merge}}}\n")
@@ -287,7 +285,7 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
     import time
 
     from lt_opd_ray.runtime.sync_coordinator import wait_all
-    from lt_opd_ray.runtime.weight_sync import WeightSyncError
+    from lt_opd_ray.weight_sync.group import WeightSyncError
 
     @ray.remote(num_cpus=0)
     def answer(delay):
@@ -305,11 +303,11 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
 def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, float, float, list[str]]:
     """One learner rank (world 1) trains on one group whose teacher scores are handed over only when asked for:
     (language-model forwards run before they were asked for, the rank's loss, the reference loss, span names)."""
-    from lt_opd_ray.loss import student_loss
-    from lt_opd_ray.rollouts import rollout
+    from lt_opd_ray.engines.transformers.rollout import rollout
+    from lt_opd_ray.engines.transformers.teacher import teacher_scores
+    from lt_opd_ray.models.loss import student_loss
     from lt_opd_ray.runtime.learner import Learner, StreamedGroup, init_process_group
     from lt_opd_ray.runtime.learner_group import free_port
-    from lt_opd_ray.scoring import teacher_scores
 
     job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"zero_stage": zero_stage})})})
     trainer = ReferenceTrainer(job)
@@ -343,10 +341,10 @@ def test_the_learner_runs_its_forward_before_it_waits_for_the_teachers_scores(cl
 
 
 def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(cluster, tiny_dirs, tmp_path):
+    from lt_opd_ray.core.wire import RolloutGroup, Span, unpack_scores
+    from lt_opd_ray.engines.transformers.rollout import rollout
     from lt_opd_ray.models.processor import question_messages
     from lt_opd_ray.runtime.teacher import TeacherModel
-    from lt_opd_ray.rollouts import rollout
-    from lt_opd_ray.wire import RolloutGroup, Span, unpack_scores
 
     job = job_for(tiny_dirs["qwen3_5"], tmp_path)
     samples = load_samples("synthetic:4")
@@ -367,9 +365,9 @@ def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(clu
 
 def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny_dirs, tmp_path):
     """Two updates' groups in flight at once (as with max_staleness 1), requested before any is sampled."""
+    from lt_opd_ray.core.wire import unpack_scores
     from lt_opd_ray.runtime.rollout_pool import RolloutPool
     from lt_opd_ray.runtime.teacher import TeacherService
-    from lt_opd_ray.wire import unpack_scores
 
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="twoupdates", workers=2)
     samples = load_samples("synthetic:4")
@@ -407,11 +405,10 @@ def test_teacher_sampled_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_p
 def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):
     import json
 
+    from test_benchmarks import fixture
     from transformers import AutoModelForImageTextToText
 
     from lt_opd_ray.runtime.launch import run
-
-    from test_benchmarks import fixture
 
     pope, _, _ = fixture("pope", tmp_path)
     extra = f'eval: {{data: "synthetic:4", every_steps: 2, selectors: [cdpruner, uniform], benchmarks: {{pope: "{pope}"}}}}\n'
@@ -434,7 +431,8 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     assert not (tmp_path / "final.incoming").exists()
 
     # lt-opd export: the finished student, and the ZeRO-partitioned checkpoint of step 4 gathered to fp32
-    from lt_opd_ray.export import CompressionConfig, export_student
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.export import export_student
 
     export_student(job, tmp_path / "served")
     assert CompressionConfig.read(tmp_path / "served") == CompressionConfig("cdpruner", 500, 2)
@@ -450,9 +448,9 @@ def test_a_tied_checkpoint_trains_under_zero3_resumes_syncs_into_vllm_and_export
     checkpoint's own names."""
     from safetensors import safe_open
 
-    from lt_opd_ray.export import export_student
     from lt_opd_ray.models.loading import check_checkpoint_names
     from lt_opd_ray.models.tiny import build_tiny_model
+    from lt_opd_ray.serving.export import export_student
 
     def names(folder):
         with safe_open(str(folder / "model.safetensors"), "pt") as handle:

@@ -14,13 +14,13 @@ import signal
 import pytest
 import ray
 import torch
-
-from lt_opd_ray.config import LearningRates
-from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.learner_group import GroupReceiver, Substitutes
-from lt_opd_ray.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError
 from conftest import job_for
 from test_runtime import cluster, driver_run, reference_run, relative_distance  # noqa: F401  (cluster: the module's Ray)
+
+from lt_opd_ray.config import LearningRates
+from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError
+from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.learner_group import GroupReceiver, Substitutes
 
 
 def lagged(job, staleness: int = 1, learning: bool = True, adam_eps: float | None = None):
@@ -143,7 +143,7 @@ def test_the_learner_refuses_rollouts_staler_than_the_bound(tiny_dirs, tmp_path,
 def test_busy_fractions_count_each_span_in_the_windows_it_overlaps():
     from dataclasses import asdict
 
-    from lt_opd_ray.timeline import window_busy
+    from lt_opd_ray.tools.timeline import window_busy
 
     def step(index, period, spans):
         return {"step": index, "phases": {"step": period}, "timeline": [asdict(Span(*s)) for s in spans]}
@@ -163,7 +163,7 @@ def test_an_actors_overlapping_spans_count_once_in_its_busy_time():
     against a brute-force count on a 1 ms grid."""
     import random
 
-    from lt_opd_ray.wire import busy_seconds
+    from lt_opd_ray.core.wire import busy_seconds
 
     rng = random.Random(0)
     spans = [Span("rollout", f"w{rng.randrange(3)}", "g", a, a + rng.uniform(0, 3)) for a in (rng.uniform(0, 10) for _ in range(40))]

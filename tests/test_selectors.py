@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lt_opd_ray.selectors import SelectionInput, build_selector
-from lt_opd_ray.selectors.cdpruner import CDPruner
+from lt_opd_ray.core.selectors import SelectionInput, build_selector
+from lt_opd_ray.core.selectors.cdpruner import CDPruner
 
 
 def naive_cdpruner(features: np.ndarray, query: np.ndarray, k: int) -> list[int]:
@@ -48,7 +48,7 @@ def test_cdpruner_equals_naive_log_determinant_greedy(seed):
 
 
 def test_cdpruner_treats_a_relevance_spread_within_float32_noise_as_pure_diversity():
-    from lt_opd_ray.selectors.cdpruner import greedy_dpp_map
+    from lt_opd_ray.core.selectors.cdpruner import greedy_dpp_map
 
     rng = np.random.default_rng(3)
     n, d, k = 24, 16, 6

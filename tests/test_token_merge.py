@@ -9,15 +9,16 @@ import math
 
 import pytest
 import torch
-
 from conftest import job_for, random_image
+
 from lt_opd_ray.config import JobConfigError, parse_job
+from lt_opd_ray.core.optim import param_groups
+from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.loading import load_vlm
 from lt_opd_ray.models.processor import VLMProcessor, question_messages
 from lt_opd_ray.models.token_merge import HIDDEN, LearnableMerge, assign_to_kept, merge_head, settings
-from lt_opd_ray.optim import param_groups
-from lt_opd_ray.selectors import build_selector
+from lt_opd_ray.sources.resolve import resolve_model_dir
 
 
 def brute_force_route(x: torch.Tensor, kept: list[int]) -> tuple[list[int], list[float]]:
@@ -167,9 +168,9 @@ def test_a_folder_in_the_release_layout_loads_with_its_trained_head(prompt_and_m
         pruned = plain.reduce(prompt, plain.visual_features(prompt), kept).inputs_embeds
     assert merged.shape == pruned.shape and not torch.allclose(merged, pruned)  # same tokens, the trained head moved them
     # served and trained as the release says: CDPruner at its final 5%, at least 32 tokens, the merge on
-    from lt_opd_ray.engines.serve import serve_command
-    from lt_opd_ray.export import CompressionConfig
+    from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.runtime.driver import check_token_merge
+    from lt_opd_ray.serving.serve import serve_command
 
     assert CompressionConfig.read(tmp_path / "release") == CompressionConfig("cdpruner", 500, 32, "learnable")
     for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja"):
@@ -192,7 +193,7 @@ def test_a_folder_in_the_release_layout_loads_with_its_trained_head(prompt_and_m
 def test_the_job_setting_its_learning_rate_and_backends():
     job = job_for("tiny:qwen3_5", "/tmp/unused", extra="selector: {merge: learnable}\n")
     assert job.selector.merge == "learnable" and job.optimizer.lr.token_merge == 1e-4
-    _, model = load_vlm("tiny:qwen3_5", "cpu", token_merge=True)
+    _, model = load_vlm(resolve_model_dir("tiny:qwen3_5"), "cpu", token_merge=True)
     groups = {g["name"]: g for g in param_groups(model, job.optimizer.lr)}
     assert groups["token_merge"]["lr"] == 1e-4 and len(groups["token_merge"]["params"]) == 3
     with pytest.raises(JobConfigError, match="merge"):
@@ -201,9 +202,9 @@ def test_the_job_setting_its_learning_rate_and_backends():
 
 def test_a_merging_student_saves_its_head_and_config_and_loads_back(tmp_path):
     """What `lt-opd export` and the learners' final/ write: the head under the release's names, config.json naming it."""
-    from lt_opd_ray.engines.serve import serve_command
+    from lt_opd_ray.serving.serve import serve_command
 
-    _, model = load_vlm("tiny:qwen3_5", "cpu", token_merge=True)
+    _, model = load_vlm(resolve_model_dir("tiny:qwen3_5"), "cpu", token_merge=True)
     torch.nn.init.normal_(merge_head(model).output.weight)  # as after training
     model.save_pretrained(tmp_path / "student")
     _, back = load_vlm(str(tmp_path / "student"), "cpu")
@@ -216,7 +217,7 @@ def test_a_merging_student_saves_its_head_and_config_and_loads_back(tmp_path):
 def test_the_analytic_merge_flops_and_parameters_count_what_the_module_runs():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lt_opd_ray.efficiency import PRESETS, merge_flops, merge_parameters
+    from lt_opd_ray.planning.efficiency import PRESETS, merge_flops, merge_parameters
 
     config = {"text_config": {"hidden_size": 48}}
     head = LearnableMerge(48)

@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from lt_opd_ray.config import BPS, load_job
-from lt_opd_ray.toy.ablation import arm_job, retain_rows
-from lt_opd_ray.toy import board, circles, sizes
-from lt_opd_ray.toy.tasks import TILE, toy_task
+from lt_opd_ray.config import load_job
+from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.sources.toy import board, circles, sizes
+from lt_opd_ray.sources.toy.base import TILE
+from lt_opd_ray.sources.toy.tasks import toy_task
+from lt_opd_ray.tools.ablation import arm_job, retain_rows
 
 BASE_JOB = "jobs/toy_circles.yaml"  # design 3, the study's
 
 
 def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
-    from lt_opd_ray.toy.board import COLOURS, GRID, MAJORITY, QUESTION, TILES_PER_IMAGE
+    from lt_opd_ray.sources.toy.board import COLOURS, GRID, MAJORITY, QUESTION, TILES_PER_IMAGE
 
     for index in range(20):
         sample, again = board.TASK.item(index, seed=0).sample, board.TASK.item(index, seed=0).sample
@@ -100,10 +102,10 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
 
 
 def test_the_shipped_circles_teacher_was_trained_by_its_recipe_on_this_task_code():
-    """Editing circles.py or its recipe without shipping a new teacher (`python -m lt_opd_ray.toy.teacher --ship
+    """Editing circles.py or its recipe without shipping a new teacher (`python -m lt_opd_ray.sources.toy.teacher --ship
     circles`) would silently train one on first use instead: this fails first."""
-    from lt_opd_ray.models.loading import resolve_model_dir
-    from lt_opd_ray.toy.teacher import RECIPES, SHIPPED, shipped_teacher
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+    from lt_opd_ray.sources.toy.teacher import RECIPES, SHIPPED, shipped_teacher
 
     assert shipped_teacher(RECIPES["circles"]) == SHIPPED / "circles" == resolve_model_dir("toy:circles")
     record = json.loads((SHIPPED / "circles" / "training.json").read_text())
@@ -116,8 +118,8 @@ def test_toy_rows_are_drawn_when_read_so_a_data_set_is_small_until_used():
     """2048 rows cost a few numbers each until an engine reads an image; what is read is what the task draws."""
     import pickle
 
-    from lt_opd_ray.data import load_samples
     from lt_opd_ray.models.processor import load_image
+    from lt_opd_ray.sources.resolve import load_samples
 
     rows = load_samples("toy-circles:2048")
     assert len(pickle.dumps(rows)) < 2048 * 400, "a row pickles as where to draw it from, not its 300 KB of pixels"
@@ -125,8 +127,8 @@ def test_toy_rows_are_drawn_when_read_so_a_data_set_is_small_until_used():
 
 
 def test_toy_data_specs_name_the_task_and_the_split():
-    from lt_opd_ray.data import load_samples
-    from lt_opd_ray.errors import InputError
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.sources.resolve import load_samples
 
     assert [s.uid for s in load_samples("toy-sizes-test:3")] == [f"sizes-test-0-{i}" for i in range(3)]
     assert load_samples("toy-board:2")[1].uid == "board-train-0-1"
@@ -169,7 +171,7 @@ def test_retain_rows_average_over_seeds():
 def test_a_study_cut_short_keeps_its_finished_runs_and_says_so(tmp_path):
     import time
 
-    from lt_opd_ray.toy.ablation import save_results
+    from lt_opd_ray.tools.ablation import save_results
 
     curve = [{"step": 1, "budget_bps": 500, "loss": 0.1, "divergence": 0.1, "eval": {"cdpruner": 0.5}}]
     results = {"base_job": "jobs/toy_sizes.yaml", "seeds": [0, 1], "steps": 1, "budget_bps": 500, "selectors": ["cdpruner"],
@@ -185,7 +187,7 @@ def test_a_study_cut_short_keeps_its_finished_runs_and_says_so(tmp_path):
 
 
 def test_the_ordering_report_weighs_each_step_against_its_standard_error():
-    from lt_opd_ray.toy.ablation import ordering_lines
+    from lt_opd_ray.tools.ablation import ordering_lines
 
     def row(arm, mean, se):
         return {"arm": arm, "evaluated_with": "cdpruner", "retain_mean": mean, "retain_se": se}
@@ -203,20 +205,20 @@ def test_the_ordering_report_weighs_each_step_against_its_standard_error():
 # ---------------------------------------------------------------- trained teacher (slow: trains it once)
 @pytest.fixture(scope="module")
 def teacher():
-    from lt_opd_ray.data import load_samples
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.models.processor import VLMProcessor
+    from lt_opd_ray.sources.resolve import load_samples, resolve_model_dir
 
     job = load_job(BASE_JOB)
-    model_dir, model = load_vlm(job.model.path, "cpu")  # trains the toy teacher on first use (cached)
+    model_dir, model = load_vlm(resolve_model_dir(job.model.path), "cpu")  # trains the toy teacher on first use (cached)
     return job, model.eval(), VLMProcessor(model_dir), QwenVLM(model), load_samples(job.eval.data)
 
 
 @pytest.mark.slow
 def test_teacher_is_right_at_full_tokens_and_pruning_hurts_but_leaves_much(teacher):
     """The regime the toy exists for (the paper's: at 5% an untrained student keeps 68.6%)."""
-    from lt_opd_ray.evaluation import evaluate_answers
+    from lt_opd_ray.models.evaluation import evaluate_answers
 
     job, _, processor, vlm, samples = teacher
     settings = dict(k_min=job.budget.k_min, max_new_tokens=job.eval.max_new_tokens)
@@ -230,7 +232,7 @@ def test_teacher_is_right_at_full_tokens_and_pruning_hurts_but_leaves_much(teach
 @pytest.mark.slow
 @torch.no_grad()
 def test_evaluation_at_full_tokens_agrees_with_transformers_generate(teacher):
-    from lt_opd_ray.evaluation import evaluate_answers, parse_answer
+    from lt_opd_ray.models.evaluation import evaluate_answers, parse_answer
     from lt_opd_ray.models.processor import question_messages
 
     _, model, processor, vlm, samples = teacher
@@ -253,7 +255,7 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     """Two arms, two updates each, through Ray + DeepSpeed + Serve: every finished run's curve, the table and the
     figure are written. Whether training recovers what pruning loses is the first run's test (test_main_job.py)
     and the study's (docs/ablation/README.md)."""
-    from lt_opd_ray.toy.ablation import run_ablation
+    from lt_opd_ray.tools.ablation import run_ablation
 
     base = tmp_path / "toy_circles.yaml"  # the study's job, evaluated on 64 held-out items instead of 512 (for time)
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64"))
@@ -267,7 +269,7 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
 
 
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
-    from lt_opd_ray.toy.ablation import plot_curves
+    from lt_opd_ray.tools.ablation import plot_curves
 
     def curve(offset):
         return [{"step": s, "loss": 0.1 / s + offset, "eval": {"cdpruner": 0.5 + offset} if s % 2 == 0 else {}} for s in range(1, 5)]

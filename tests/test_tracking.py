@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 from conftest import job_for
+
+from lt_opd_ray.core.storage import RunStorage
+from lt_opd_ray.core.wire import PhaseTimes
 from lt_opd_ray.runtime.driver import StepLog
-from lt_opd_ray.runtime.storage import RunStorage
-from lt_opd_ray.tracking import Trackers, step_metrics
-from lt_opd_ray.wire import PhaseTimes
+from lt_opd_ray.runtime.tracking import Trackers, step_metrics
 
 
 def logs():

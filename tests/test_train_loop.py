@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from lt_opd_ray.data import Sample
-from lt_opd_ray.train_loop import batches
+from lt_opd_ray.core.batch_order import batches
+from lt_opd_ray.core.samples import Sample
 
 SAMPLES = [Sample(uid=f"u{i}", image=None, question="q") for i in range(10)]
 

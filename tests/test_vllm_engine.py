@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from lt_opd_ray.data import synthetic_sample
 from lt_opd_ray.models.sampler import SamplingParams
+from lt_opd_ray.sources.synthetic import synthetic_sample
 
 pytest.importorskip("vllm")
 
@@ -28,7 +28,7 @@ LOGP_TOL = {"qwen3_vl": 1e-4, "qwen2_5_vl": 1e-3}
 
 @pytest.fixture(scope="module")
 def engines(tiny_dirs):
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine
 
     built = {}
 
@@ -42,7 +42,7 @@ def engines(tiny_dirs):
 
 
 def _prompts(tiny_dir, count=3):
-    from lt_opd_ray.engines.vllm_engine import engine_prompt
+    from lt_opd_ray.engines.vllm.engine import engine_prompt
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 
     samples = [synthetic_sample(i) for i in range(count)]
@@ -59,7 +59,7 @@ def _adapter(tiny_dir, dtype=torch.float32):
 
 
 def _selections(count):
-    from lt_opd_ray.engines.vllm_models import SelectionRequest
+    from lt_opd_ray.engines.vllm.models import SelectionRequest
 
     return [SelectionRequest(budget_bps=BUDGET_BPS, k_min=K_MIN, selector="cdpruner", seed=11 + i) for i in range(count)]
 
@@ -67,9 +67,9 @@ def _selections(count):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
 def test_pruned_rollout_equals_transformers_with_the_same_indices(family, tiny_dirs, engines):
-    from lt_opd_ray.curriculum import tokens_to_keep
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.core.selectors import build_selector
     from lt_opd_ray.models.sampler import sample
-    from lt_opd_ray.selectors import build_selector
 
     processor, prompts, engine_prompts = _prompts(tiny_dirs[family])
     selections = _selections(len(prompts))
@@ -117,8 +117,8 @@ def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs
 
 @pytest.mark.slow
 def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines):
-    from lt_opd_ray.scoring import teacher_scores
-    from lt_opd_ray.wire import Rollout
+    from lt_opd_ray.core.wire import Rollout
+    from lt_opd_ray.engines.transformers.teacher import teacher_scores
 
     family = "qwen3_vl"
     engine = engines(family)
@@ -142,7 +142,7 @@ def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines):
 
 @pytest.mark.slow
 def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines):
-    from lt_opd_ray.engines.vllm_engine import WeightMismatchError
+    from lt_opd_ray.engines.vllm.engine import WeightMismatchError
     from lt_opd_ray.models.sampler import sample
 
     family = "qwen3_vl"
@@ -208,7 +208,7 @@ def test_groups_called_from_several_threads_share_one_batch_and_each_gets_its_ow
     import threading
     import time
 
-    from lt_opd_ray.engines.vllm_loop import EngineBusyError
+    from lt_opd_ray.engines.vllm.loop import EngineBusyError
 
     family = "qwen3_vl"
     engine = engines(family)
@@ -256,7 +256,7 @@ def test_groups_called_from_several_threads_share_one_batch_and_each_gets_its_ow
 
 
 def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine
     from lt_opd_ray.models.adapter import UnsupportedArchitectureError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}))
@@ -265,7 +265,7 @@ def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
 
 
 def test_selection_settings_are_validated_before_the_engine():
-    from lt_opd_ray.engines.vllm_models import MAX_QUERY_IDS, SelectionRequest
+    from lt_opd_ray.engines.vllm.models import MAX_QUERY_IDS, SelectionRequest
 
     vocab = 1000
     refused = {
@@ -298,9 +298,9 @@ def test_an_image_beyond_max_pixels_is_resized_by_the_processor_rule_in_both_bac
     """
     from conftest import random_image
 
-    from lt_opd_ray.curriculum import tokens_to_keep
-    from lt_opd_ray.engines.vllm_engine import engine_prompt
-    from lt_opd_ray.engines.vllm_models import SelectionRequest
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.engines.vllm.engine import engine_prompt
+    from lt_opd_ray.engines.vllm.models import SelectionRequest
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
 
     family = "qwen3_vl"
@@ -322,8 +322,8 @@ def test_the_jobs_pixel_bounds_resize_alike_in_both_backends(tiny_dirs):
     """data.min_pixels / max_pixels reach the transformers processor and vLLM's alike (here a quarter of the folder's)."""
     from conftest import random_image
 
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine, engine_prompt
-    from lt_opd_ray.engines.vllm_models import SelectionRequest
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
+    from lt_opd_ray.engines.vllm.models import SelectionRequest
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
 
     family, bounds = "qwen2_5_vl", (4096, 16384)
@@ -343,7 +343,8 @@ def test_a_vllm_teacher_on_the_v1_runner_is_refused_at_a_real_vocabulary(tiny_di
 
     Last in this module: the engines it builds and drops reset vLLM's process-wide parallel state."""
     from conftest import job_for
-    from lt_opd_ray.engines.vllm_engine import check_teacher_scoring, engine_for_job
+
+    from lt_opd_ray.engines.vllm.engine import check_teacher_scoring, engine_for_job
     from lt_opd_ray.models.tiny import build_tiny_model
 
     real_vocab = build_tiny_model("qwen3_5", tmp_path / "real-vocab", vocab_size=248320)
@@ -376,7 +377,7 @@ def _merging_folder(tiny_dir, out):
 def test_with_a_merge_head_vllm_equals_transformers_and_its_weights_follow_updates(family, tiny_dirs, tmp_path):
     """The plugin runs the folder's merge head after selection: the same routes and, with them, the same greedy
     tokens and log-probs as the transformers adapter; a weight update reaches the head (zero head: plain selection)."""
-    from lt_opd_ray.engines.vllm_engine import VLLMEngine
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine
     from lt_opd_ray.models.sampler import sample
     from lt_opd_ray.models.token_merge import assign_to_kept, merge_parameter_shapes
 

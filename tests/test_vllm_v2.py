@@ -21,8 +21,8 @@ from vllm.v1.worker.gpu.model_states.default import DefaultModelState  # noqa: E
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState  # noqa: E402
 from vllm.v1.worker.gpu.model_states.mm_pruning import MultiModalPruner  # noqa: E402
 
-from lt_opd_ray.engines import vllm_models  # noqa: E402
-from lt_opd_ray.engines.vllm_models import POSITION_CHANNELS, PruningModelMixin  # noqa: E402
+from lt_opd_ray.engines.vllm import models as vllm_models  # noqa: E402
+from lt_opd_ray.engines.vllm.models import POSITION_CHANNELS, PruningModelMixin  # noqa: E402
 
 IMAGE, START = 7, 6  # image pad and vision-start token ids of the prompts below
 HIDDEN = 5

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import ray
+from conftest import start_local_ray
 
 import lt_opd_ray.runtime.waits as waits
 from lt_opd_ray.runtime.waits import NoAnswerError, ProgressMark, Watched, wait_watched
-from conftest import start_local_ray
 
 LIVENESS_S = 2.0
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from lt_opd_ray.core.wire import MalformedPayloadError, Rollout, TeacherScore, pack_scores, unpack_scores
 from lt_opd_ray.runtime.learner_group import free_port
-from lt_opd_ray.wire import MalformedPayloadError, pack_scores, unpack_scores
-from lt_opd_ray.runtime.weight_sync import (
+from lt_opd_ray.weight_sync.group import (
     Layout,
     ModuleSink,
     SyncGroup,
@@ -18,7 +18,6 @@ from lt_opd_ray.runtime.weight_sync import (
     join_store,
     weights_checksum,
 )
-from lt_opd_ray.wire import Rollout, TeacherScore
 
 
 def model(seed, width=40):

@@ -13,10 +13,25 @@ from typing import Protocol
 
 import torch
 
-from ..config import JobConfig
-from ..data import Sample, stable_seed
-from ..runtime.weight_sync import WeightSink
-from ..wire import Rollout
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.wire import Rollout
+from lt_opd_ray.weight_sync.group import WeightSink
+
+
+def sampling_params(job: JobConfig, tokenizer):
+    """The job's sampling settings for the model's sampler (both backends read the same `SamplingParams`)."""
+    from lt_opd_ray.models.sampler import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=job.sampling.max_new_tokens,
+        temperature=job.sampling.temperature,
+        top_p=job.sampling.top_p,
+        top_k_logprobs=job.objective.top_k,
+        stop=tuple(job.sampling.stop),
+        eos_token_ids=(tokenizer.eos_token_id,),
+    )
 
 
 class RolloutEngine(Protocol):
@@ -49,26 +64,26 @@ class TransformersRolloutEngine:
     runner = "transformers"
 
     def __init__(self, job: JobConfig):
-        from ..models.adapter import QwenVLM
-        from ..models.kernels import missing_kernels
-        from ..models.loading import load_vlm
-        from ..models.processor import VLMProcessor
-        from ..reference import sampling_params
-        from ..selectors import build_selector
+        from lt_opd_ray.core.selectors import build_selector
+        from lt_opd_ray.models.adapter import QwenVLM
+        from lt_opd_ray.models.kernels import missing_kernels
+        from lt_opd_ray.models.loading import load_vlm
+        from lt_opd_ray.models.processor import VLMProcessor
+        from lt_opd_ray.sources.resolve import resolve_model_dir
 
         self.job = job
-        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable")
+        model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)
-        self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(job.model.path)[1].eval().requires_grad_(False))
+        self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(resolve_model_dir(job.model.path))[1].eval().requires_grad_(False))
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
 
     def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
-        from ..models.loading import compute_precision
-        from ..models.processor import encode_samples
-        from ..rollouts import rollout
+        from lt_opd_ray.engines.transformers.rollout import rollout
+        from lt_opd_ray.models.loading import compute_precision
+        from lt_opd_ray.models.processor import encode_samples
 
         job = self.job
         prompts = encode_samples(self.processor, samples, job.data.system_prompt)
@@ -79,8 +94,8 @@ class TransformersRolloutEngine:
             )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
-        from ..evaluation import generate_responses
-        from ..models.loading import compute_precision
+        from lt_opd_ray.models.evaluation import generate_responses
+        from lt_opd_ray.models.loading import compute_precision
 
         with compute_precision(self.job.model.dtype, self.vlm.device):
             return generate_responses(
@@ -88,12 +103,12 @@ class TransformersRolloutEngine:
             )
 
     def sink(self) -> WeightSink:
-        from ..runtime.weight_sync import ModuleSink
+        from lt_opd_ray.weight_sync.group import ModuleSink
 
         return ModuleSink(self.vlm.model)
 
     def weights_checksum(self, dtype: torch.dtype) -> str:
-        from ..runtime.weight_sync import weights_checksum
+        from lt_opd_ray.weight_sync.group import weights_checksum
 
         return weights_checksum(self.vlm.model.named_parameters(), dtype)
 
@@ -109,8 +124,7 @@ class VLLMRolloutEngine:
     def __init__(self, job: JobConfig):
         import threading
 
-        from ..reference import sampling_params
-        from .vllm_engine import EngineSink, open_for_job
+        from lt_opd_ray.engines.vllm.engine import EngineSink, open_for_job
 
         self.job = job
         self.processor, self.engine = open_for_job(job, role="rollout")
@@ -119,14 +133,14 @@ class VLLMRolloutEngine:
         self._encoding = threading.Lock()  # a Rust tokenizer refuses concurrent calls ("Already borrowed")
 
     def _encode(self, samples: list[Sample], system_prompt: str | None):
-        from ..models.processor import encode_samples
+        from lt_opd_ray.models.processor import encode_samples
 
         with self._encoding:
             return encode_samples(self.processor, samples, system_prompt)
 
     def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
-        from ..models.processor import load_image
-        from .vllm_roles import vllm_rollout
+        from lt_opd_ray.engines.vllm.roles import vllm_rollout
+        from lt_opd_ray.models.processor import load_image
 
         job = self.job
         prompts = self._encode(samples, job.data.system_prompt)
@@ -136,10 +150,10 @@ class VLLMRolloutEngine:
         )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
-        from ..models.processor import load_image
-        from ..models.sampler import SamplingParams
-        from .vllm_engine import engine_prompt
-        from .vllm_models import SelectionRequest
+        from lt_opd_ray.engines.vllm.engine import engine_prompt
+        from lt_opd_ray.engines.vllm.models import SelectionRequest
+        from lt_opd_ray.models.processor import load_image
+        from lt_opd_ray.models.sampler import SamplingParams
 
         prompts = self._encode(samples, system_prompt)
         engine_prompts = [engine_prompt(p, [load_image(s.image, s.uid)]) for p, s in zip(prompts, samples)]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from ..config import JobConfig
-from ..data import Sample
-from ..wire import Rollout, TeacherScore
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.wire import Rollout, TeacherScore
 
 if TYPE_CHECKING:
-    from ..scoring import TeacherPrefix
+    from lt_opd_ray.engines.transformers.teacher import TeacherPrefix
 
 # Updates whose groups can be in flight at once (schedule.max_staleness <= 1): what a head start is kept for.
 UPDATES_IN_FLIGHT = 2
@@ -42,21 +42,22 @@ class TransformersTeacherEngine:
     runner = "transformers"
 
     def __init__(self, job: JobConfig):
-        from ..models.adapter import QwenVLM
-        from ..models.kernels import missing_kernels
-        from ..models.loading import load_vlm
-        from ..models.processor import VLMProcessor
+        from lt_opd_ray.models.adapter import QwenVLM
+        from lt_opd_ray.models.kernels import missing_kernels
+        from lt_opd_ray.models.loading import load_vlm
+        from lt_opd_ray.models.processor import VLMProcessor
+        from lt_opd_ray.sources.resolve import resolve_model_dir
 
         self.job = job
-        model_dir, model = load_vlm(job.model.path)
+        model_dir, model = load_vlm(resolve_model_dir(job.model.path))
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)
         self.prefixes: dict[tuple[int, int], TeacherPrefix] = {}  # (update, prompt index) -> prefix run ahead
 
     def prefill(self, update: int, samples: dict[int, Sample]) -> int:
-        from ..models.loading import compute_precision
-        from ..scoring import teacher_prefix
+        from lt_opd_ray.engines.transformers.teacher import teacher_prefix
+        from lt_opd_ray.models.loading import compute_precision
 
         # older prefixes belong to groups that were scored elsewhere (a retry on another replica) and are let go
         self.prefixes = {key: prefix for key, prefix in self.prefixes.items() if key[0] > update - UPDATES_IN_FLIGHT}
@@ -67,8 +68,8 @@ class TransformersTeacherEngine:
         return len(todo)
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout], update: int) -> list[TeacherScore]:
-        from ..models.loading import compute_precision
-        from ..scoring import teacher_scores
+        from lt_opd_ray.engines.transformers.teacher import teacher_scores
+        from lt_opd_ray.models.loading import compute_precision
 
         job = self.job
         used = sorted({r.prompt_index for r in rollouts})
@@ -81,7 +82,7 @@ class TransformersTeacherEngine:
             )
 
     def encode(self, samples: dict[int, Sample], indices: list[int]):
-        from ..models.processor import encode_samples
+        from lt_opd_ray.models.processor import encode_samples
 
         return encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)
 
@@ -92,7 +93,7 @@ class VLLMTeacherEngine:
     missing_kernels = ()  # vLLM brings its own kernels
 
     def __init__(self, job: JobConfig):
-        from .vllm_engine import open_for_job
+        from lt_opd_ray.engines.vllm.engine import open_for_job
 
         self.job = job
         self.processor, self.engine = open_for_job(job, role="teacher")
@@ -107,8 +108,8 @@ class VLLMTeacherEngine:
         return 0
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout], update: int) -> list[TeacherScore]:
-        from ..models.processor import encode_samples, load_image
-        from .vllm_roles import vllm_teacher_scores
+        from lt_opd_ray.engines.vllm.roles import vllm_teacher_scores
+        from lt_opd_ray.models.processor import encode_samples, load_image
 
         used = sorted({r.prompt_index for r in rollouts})
         encoded = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))

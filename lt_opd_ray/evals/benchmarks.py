@@ -33,8 +33,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data import MAX_QUESTION_CHARS, Sample
-from . import scoring
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.evals import scoring
+from lt_opd_ray.sources.rows import MAX_QUESTION_CHARS
 
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 SHORT_INSTRUCTION = "Answer the question using a single word or phrase."
@@ -105,7 +106,7 @@ class Benchmark(abc.ABC):
 # ----------------------------------------------------------------------------- helpers
 def _image(value, folder: Path, row_id, problems: _Problems):
     """bytes of a base64 image, or the path of an image file, that decodes; None (and a problem) otherwise."""
-    from ..models.processor import ImageError, decode_image
+    from lt_opd_ray.models.processor import ImageError, decode_image
 
     if not value:
         problems.add(row_id, "no image")

@@ -15,18 +15,19 @@ import os
 import shutil
 from pathlib import Path
 
-from ..config import BPS
-from .benchmarks import benchmark
-from .scoring import retain_ratio
+from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.evals.benchmarks import benchmark
+from lt_opd_ray.evals.scoring import retain_ratio
 
 
 def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selectors: list[str], out: str | Path,
              k_min: int = 1, max_new_tokens: int = 16, limit: int | None = None, log=print) -> dict:
-    from ..evaluation import generate_responses
-    from ..models.adapter import QwenVLM
-    from ..models.loading import load_vlm
-    from ..models.processor import VLMProcessor
-    from ..selectors import build_selector
+    from lt_opd_ray.core.selectors import build_selector
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.evaluation import generate_responses
+    from lt_opd_ray.models.loading import load_vlm
+    from lt_opd_ray.models.processor import VLMProcessor
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     for name in selectors:
         build_selector(name)  # unknown selectors fail before anything runs
@@ -34,7 +35,7 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
     for name, path in files.items():
         adapter = benchmark(name)
         suites[name] = (adapter, adapter.load(path)[:limit])
-    model_dir, model = load_vlm(model_path)
+    model_dir, model = load_vlm(resolve_model_dir(model_path))
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
 
     def score(adapter, items, budget_bps, selector):

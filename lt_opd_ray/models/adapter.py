@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..curriculum import tokens_to_keep
-from ..data import stable_seed
-from ..selectors import SelectionInput, Selector
-from .processor import IMAGE, PromptInputs
-from .token_merge import assign_to_kept, merge_head
+from lt_opd_ray.core.curriculum import tokens_to_keep
+from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.selectors import SelectionInput, Selector
+from lt_opd_ray.models.processor import IMAGE, PromptInputs
+from lt_opd_ray.models.token_merge import assign_to_kept, merge_head
 
 SUPPORTED_FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
 

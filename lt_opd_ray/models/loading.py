@@ -1,29 +1,19 @@
-"""Resolve a model path (a local HF folder, `tiny:<family>` or `toy:<task>`) and load the VLM in fp32 master weights."""
+"""Load a VLM from its Hugging Face folder in fp32 master weights (`sources.resolve` turns `tiny:` / `toy:` paths into folders)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def resolve_model_dir(path: str) -> Path:
-    if path.startswith("tiny:"):
-        from .tiny import tiny_model_dir
-
-        return tiny_model_dir(path.split(":", 1)[1])
-    if path.startswith("toy:"):
-        from ..toy.teacher import RECIPES, toy_teacher_dir
-
-        task = path.split(":", 1)[1]
-        if task not in RECIPES:
-            raise FileNotFoundError(f"model.path {path!r}: no toy task {task!r} (known: {', '.join(RECIPES)})")
-        return toy_teacher_dir(RECIPES[task])
-    model_dir = Path(path)
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"model.path {path!r}: no config.json there (expected a Hugging Face model folder)")
-    return model_dir
+def model_folder(path: str | Path) -> Path:
+    """`path` as a Hugging Face model folder, or a FileNotFoundError saying what is missing."""
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"model.path {str(path)!r}: no config.json there (expected a Hugging Face model folder)")
+    return folder
 
 
-def load_vlm(path: str, device: str | None = None, token_merge: bool = False, zero3_config: dict | None = None):
+def load_vlm(path: str | Path, device: str | None = None, token_merge: bool = False, zero3_config: dict | None = None):
     """(model_dir, model) with fp32 parameters on `device` (default: CUDA if present, else CPU).
 
     Compute precision is chosen by the caller (autocast), so master weights stay fp32. A folder whose
@@ -36,9 +26,9 @@ def load_vlm(path: str, device: str | None = None, token_merge: bool = False, ze
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from . import token_merge as merging
+    from lt_opd_ray.models import token_merge as merging
 
-    model_dir = resolve_model_dir(path)
+    model_dir = model_folder(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if zero3_config is not None:
         from transformers.integrations import HfDeepSpeedConfig

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
+from lt_opd_ray.core.errors import InputError
 
 TEXT, IMAGE = 0, 1  # mm_token_type_ids values, as the Qwen processors use them
 

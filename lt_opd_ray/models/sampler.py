@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapter import PaddedBatch, QwenVLM, ReducedPrompt
+from lt_opd_ray.models.adapter import PaddedBatch, QwenVLM, ReducedPrompt
 
 
 @dataclass(frozen=True)

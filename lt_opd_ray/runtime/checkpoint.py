@@ -32,11 +32,20 @@ from pathlib import Path
 import torch
 import yaml
 
-from ..config import JobConfig
-from ..wire import Rollout, RolloutGroup, Span
-from .checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, file_digests, load_weights_only, remote_damage, write_failure
-from .storage import RUN_RECORD, RunStorage
-from .waits import RoleDiedError
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
+from lt_opd_ray.core.wire import Rollout, RolloutGroup, Span
+from lt_opd_ray.runtime.checkpoint_files import (
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    damage,
+    file_digests,
+    load_weights_only,
+    remote_damage,
+    write_failure,
+)
+from lt_opd_ray.runtime.waits import RoleDiedError
 
 IN_FLIGHT = "in_flight.pt"
 DRIVER_STATE = "driver_state.json"

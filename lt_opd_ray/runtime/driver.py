@@ -14,31 +14,49 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections import Counter
 import json
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from ..config import BPS, JobConfig
-from ..curriculum import BudgetSchedule
-from ..data import Sample
-from ..job_inputs import read_job_inputs
-from ..models.loading import check_checkpoint_names, resolve_model_dir
-from ..train_loop import batches
-from ..wire import LearnerStepResult, PhaseTimes, RolloutGroup, RolloutSummary, ScoringRequest, Span, Stopwatch, SyncResult, busy_seconds
-from .checkpoint import CheckpointStore
-from .learner_group import LearnerGroup
-from .metrics import DriverMetrics
-from .resources import InsufficientResourcesError, autoscaling_note, check_engine_memory, check_learner_memory, check_memory, check_resources
-from .rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
-from .storage import RunStorage, StorageError
-from .sync_coordinator import WeightBroadcaster
-from .teacher import TeacherService
-from .waits import NoAnswerError, RoleDiedError, Watched
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.batch_order import batches
+from lt_opd_ray.core.curriculum import BPS, BudgetSchedule
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.storage import RunStorage, StorageError
+from lt_opd_ray.core.wire import (
+    LearnerStepResult,
+    PhaseTimes,
+    RolloutGroup,
+    RolloutSummary,
+    ScoringRequest,
+    Span,
+    Stopwatch,
+    SyncResult,
+    busy_seconds,
+)
+from lt_opd_ray.models.loading import check_checkpoint_names
+from lt_opd_ray.runtime.checkpoint import CheckpointStore
+from lt_opd_ray.runtime.job_inputs import read_job_inputs
+from lt_opd_ray.runtime.learner_group import LearnerGroup
+from lt_opd_ray.runtime.metrics import DriverMetrics
+from lt_opd_ray.runtime.resources import (
+    InsufficientResourcesError,
+    autoscaling_note,
+    check_engine_memory,
+    check_learner_memory,
+    check_memory,
+    check_resources,
+)
+from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
+from lt_opd_ray.runtime.sync_coordinator import WeightBroadcaster
+from lt_opd_ray.runtime.teacher import TeacherService
+from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, Watched
+from lt_opd_ray.sources.resolve import resolve_model_dir
 
 # The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
 REPLICA_COUNT_MAX_AGE_S = 10.0
@@ -131,7 +149,7 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
 
 def check_token_merge(job: JobConfig, model_dir) -> None:
     """A folder whose student merges tokens (ours or the release's) trains only with selector.merge learnable."""
-    from ..export import CompressionConfig
+    from lt_opd_ray.core.compression import CompressionConfig
 
     folder = CompressionConfig.read(model_dir)
     if folder is not None and folder.merge != "none" and job.selector.merge == "none":

@@ -7,11 +7,11 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import JobConfig
-from .resources import check_local_machine, machine_cpus
-from .run_lock import RemoteLease, RunLock
-from .storage import RUN_RECORD, RunStorage
-from .waits import NoAnswerError, RoleDiedError
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
+from lt_opd_ray.runtime.resources import check_local_machine, machine_cpus
+from lt_opd_ray.runtime.run_lock import RemoteLease, RunLock
+from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
 WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -111,8 +111,8 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     import ray
 
-    from ..job_inputs import read_job_inputs
-    from .driver import PreflightError
+    from lt_opd_ray.runtime.driver import PreflightError
+    from lt_opd_ray.runtime.job_inputs import read_job_inputs
 
     if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
@@ -199,9 +199,9 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
 
     from tqdm import tqdm
 
-    from ..models.kernels import slow_kernels_warning
-    from ..tracking import Trackers
-    from .driver import Driver
+    from lt_opd_ray.models.kernels import slow_kernels_warning
+    from lt_opd_ray.runtime.driver import Driver
+    from lt_opd_ray.runtime.tracking import Trackers
 
     stop = StopRequest()
     try:

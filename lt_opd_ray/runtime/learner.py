@@ -23,17 +23,18 @@ from datetime import timedelta
 
 import torch
 
-from ..config import JobConfig
-from ..microbatch import MicroBatch, Packer, Sequence
-from ..models.adapter import QwenVLM
-from ..models.loading import compute_precision, load_vlm
-from ..models.processor import PromptInputs, VLMProcessor, encode_samples
-from ..optim import build_optimizer
-from ..loss import LossStats, StudentForward, loss_on_forward, reduced_length, student_forward
-from ..wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
-from .checkpoint_files import weights_only_checkpoint_engine
-from .collectives import all_reduce_max, install_guard_if_asked
-from .waits import ProgressMark
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.collectives import all_reduce_max, install_guard_if_asked
+from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence
+from lt_opd_ray.core.optim import build_optimizer
+from lt_opd_ray.core.wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
+from lt_opd_ray.models.adapter import QwenVLM
+from lt_opd_ray.models.loading import compute_precision, load_vlm
+from lt_opd_ray.models.loss import LossStats, StudentForward, loss_on_forward, reduced_length, student_forward
+from lt_opd_ray.models.processor import PromptInputs, VLMProcessor, encode_samples
+from lt_opd_ray.runtime.checkpoint_files import weights_only_checkpoint_engine
+from lt_opd_ray.runtime.waits import ProgressMark
+from lt_opd_ray.sources.resolve import resolve_model_dir
 
 
 class StudentObjective(torch.nn.Module):
@@ -136,7 +137,7 @@ class Learner:
         config = deepspeed_config(job)
         zero3 = job.pools.learner.zero_stage == 3
         # ZeRO-3: the weights are created partitioned (never a whole fp32 copy per rank) and loaded shard by shard
-        model_dir, model = load_vlm(job.model.path, token_merge=job.selector.merge == "learnable", zero3_config=config if zero3 else None)
+        model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable", zero3_config=config if zero3 else None)
         if job.pools.learner.activation_checkpointing:
             # recompute each decoder / vision block in backward: activations of one block per layer stay alive
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -230,7 +231,7 @@ class Learner:
 
     def wire_layout(self):
         """Names and full shapes of every student parameter (a ZeRO-3 shard's own shape is empty: ds_shape)."""
-        from .weight_sync import Layout
+        from lt_opd_ray.weight_sync.group import Layout
 
         named = list(self.module.model.named_parameters())
         return Layout(tuple(n for n, _ in named), tuple(tuple(getattr(p, "ds_shape", p.shape)) for _, p in named), self.wire_dtype)

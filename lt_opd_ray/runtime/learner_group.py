@@ -14,11 +14,20 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import JobConfig
-from ..wire import ActorPlacement, LearnerStepResult, RolloutGroup, ScoringRequest, StaleRolloutError, WeightsSent, unpack_scores
-from .rollout_pool import CONTROL
-from .storage import RunStorage
-from .waits import Progress, RoleDiedError, Watched, wait_for, wait_one, wait_watched
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.storage import RunStorage
+from lt_opd_ray.core.wire import (
+    ActorPlacement,
+    LearnerStepResult,
+    RolloutGroup,
+    ScoringRequest,
+    StaleRolloutError,
+    WeightsSent,
+    unpack_scores,
+)
+from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.runtime.rollout_pool import CONTROL
+from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for, wait_one, wait_watched
 
 # The learner's own threads beside the step: "control" (liveness, substitutes, sync aborts) and "sync" (forming the
 # weight-sync group and sending the weights while a step waits on a replaced worker: `send_weights_inside_step`).
@@ -39,7 +48,7 @@ class LearnerActor:
     def __init__(self, job: JobConfig, rank: int, world: int):
         import transformers
 
-        from .metrics import LearnerMetrics
+        from lt_opd_ray.runtime.metrics import LearnerMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.rank, self.world = job, rank, world
@@ -70,14 +79,14 @@ class LearnerActor:
 
     def setup(self, master_addr: str, master_port: int) -> float:
         """Join the process group and build the DeepSpeed engine; returns when it was ready (wall clock)."""
-        from .learner import Learner, init_process_group
+        from lt_opd_ray.runtime.learner import Learner, init_process_group
 
         init_process_group(self.rank, self.world, master_addr, master_port)
         self.learner = Learner(self.job, self.rank, self.world)
         return time.time()
 
     def host_weight_sync(self) -> tuple[str, int]:
-        from .weight_sync import host_store
+        from lt_opd_ray.weight_sync.group import host_store
 
         host, port = ray.util.get_node_ip_address(), free_port()
         self.sync_store = host_store(host, port, 0, self.job.pools.learner.sync_timeout_s)
@@ -85,8 +94,8 @@ class LearnerActor:
 
     @ray.method(concurrency_group="sync")
     def join_weight_sync(self, world: int, generation: int) -> int:
-        from .rollout_pool import sync_device
-        from .weight_sync import SyncGroup
+        from lt_opd_ray.runtime.rollout_pool import sync_device
+        from lt_opd_ray.weight_sync.group import SyncGroup
 
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
@@ -110,7 +119,7 @@ class LearnerActor:
 
         If the send fails (a member died, the driver aborted the group), rank 0 stops sending but goes on
         gathering to the last bucket, so the learners' own group stays in step, then raises."""
-        from .weight_sync import WeightSyncError
+        from lt_opd_ray.weight_sync.group import WeightSyncError
 
         begin = time.perf_counter()
         bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
@@ -183,19 +192,19 @@ class LearnerActor:
         return ray.get_runtime_context().get_node_id()
 
     def placement(self) -> ActorPlacement:
-        from ..models.kernels import missing_kernels
+        from lt_opd_ray.models.kernels import missing_kernels
 
         model_type = self.learner.module.model.config.model_type
-        return ActorPlacement.here(f"learner-{self.rank}", f"DeepSpeed ZeRO-{self.job.pools.learner.zero_stage}", missing_kernels(model_type))
+        return placement_here(f"learner-{self.rank}", f"DeepSpeed ZeRO-{self.job.pools.learner.zero_stage}", missing_kernels(model_type))
 
     # One rank per node moves its node's checkpoint files between the local staging folder and a URI storage.
     def upload(self, location: str, staging: str | None, local: str, to: str, last: tuple[str, ...] = ()) -> dict[str, list]:
-        from .checkpoint import upload
+        from lt_opd_ray.runtime.checkpoint import upload
 
         return upload(RunStorage(location, staging), local, to, last)
 
     def download(self, location: str, staging: str | None, tag: str) -> None:
-        from .checkpoint import download
+        from lt_opd_ray.runtime.checkpoint import download
 
         download(RunStorage(location, staging), tag)
 
@@ -246,7 +255,7 @@ class GroupReceiver:
         self.spans: list = []
 
     def __iter__(self):
-        from .learner import StreamedGroup
+        from lt_opd_ray.runtime.learner import StreamedGroup
 
         me = f"learner-{self.rank}"
         for worker, start, group_ref, payload_ref in self.work:
@@ -278,7 +287,7 @@ class GroupReceiver:
         most TEACHER_RETRIES times."""
         from ray import serve
 
-        from .teacher import score_request
+        from lt_opd_ray.runtime.teacher import score_request
 
         for attempt in range(TEACHER_RETRIES + 1):
             try:
@@ -360,7 +369,7 @@ class LearnerGroup:
 
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         """Each rank's [start, stop) of an update's prompts."""
-        from ..microbatch import split_evenly
+        from lt_opd_ray.core.microbatch import split_evenly
 
         return split_evenly(prompts, len(self.actors))
 
@@ -380,7 +389,7 @@ class LearnerGroup:
 
     def weights_checksum(self, dtype: str = "float32") -> str:
         """A digest of the learners' weights in `dtype` (the wire dtype compares with the rollout workers')."""
-        from .weight_sync import WIRE_DTYPES, weights_checksum
+        from lt_opd_ray.weight_sync.group import WIRE_DTYPES, weights_checksum
 
         return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..config import JobConfig
-from ..wire import payload_bytes_per_position
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.wire import ActorPlacement, payload_bytes_per_position
 
 
 class InsufficientResourcesError(RuntimeError):
@@ -118,7 +118,7 @@ ACCELERATOR_TYPES = {"A100-80G": "a100", "A100": "a100", "A100-40G": "a100-40gb"
 def learner_state_bytes(job: JobConfig, model_config: dict) -> float:
     """What one learner rank holds whatever its batch: weights, gradients, fp32 master weights and Adam's moments,
     each whole or split over the ranks as the job's ZeRO stage keeps them (planner.LEARNER_BYTES_PER_PARAM)."""
-    from ..planner import LEARNER_BYTES_PER_PARAM, parameter_count
+    from lt_opd_ray.planning.planner import LEARNER_BYTES_PER_PARAM, parameter_count
 
     ranks = job.pools.learner.ranks
     per_param = sum(whole + part / ranks for whole, part in LEARNER_BYTES_PER_PARAM[job.pools.learner.zero_stage].values())
@@ -127,7 +127,7 @@ def learner_state_bytes(job: JobConfig, model_config: dict) -> float:
 
 def largest_gpu_bytes(nodes: list[dict]) -> float | None:
     """Memory of the largest GPU the live nodes name (`accelerator_type:*`, Ray's NVIDIA names); None when none is named."""
-    from ..planner import GPUS
+    from lt_opd_ray.planning.planner import GPUS
 
     types = {name.split(":", 1)[1] for node in nodes if node.get("Alive", True) for name in node.get("Resources", {})
              if name.startswith("accelerator_type:")}
@@ -139,8 +139,8 @@ def check_engine_memory(job: JobConfig, model_config: dict, nodes: list[dict]) -
     """Refuse a job whose vLLM engines (on GPUs) cannot hold the model's weights and one sequence of the job's longest
     length (`planner.context_length`, the engines' max_model_len) in their share of the GPU (gpu_memory_utilization),
     which vLLM refuses only after loading. Activations and CUDA graphs are not counted: a refusal here is certain."""
-    from ..efficiency import cache_bytes
-    from ..planner import DTYPE_BYTES, context_length, parameter_count
+    from lt_opd_ray.planning.efficiency import cache_bytes
+    from lt_opd_ray.planning.planner import DTYPE_BYTES, context_length, parameter_count
 
     gpu = largest_gpu_bytes(nodes)
     try:
@@ -188,3 +188,12 @@ def check_learner_memory(job: JobConfig, model_config: dict, nodes: list[dict]) 
             f"job {job.name!r}: {ranks_on_a_node} CPU learner rank(s) on one node hold {state * ranks_on_a_node / 1e9:.1f} GB of weights,"
             f" gradients and optimizer state under ZeRO-{pool.zero_stage}, more than the {max(memory) / 1e9:.1f} GB of memory Ray"
             " gives the node: more nodes, ZeRO-3 over more ranks, or a smaller model")
+
+
+def placement_here(actor: str, engine: str, missing_kernels: tuple[str, ...] = ()) -> ActorPlacement:
+    """The calling actor's placement: its node and the GPU ids Ray gave it."""
+    import ray
+
+    context = ray.get_runtime_context()
+    gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", ()))
+    return ActorPlacement(actor, context.get_node_id(), gpus, engine, missing_kernels)

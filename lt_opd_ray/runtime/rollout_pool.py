@@ -19,14 +19,21 @@ from dataclasses import dataclass
 
 import ray
 
-from ..config import JobConfig
-from ..wire import ActorPlacement, BenchmarkResult, EvalResult, RolloutGroup, RolloutSummary, Stopwatch, WeightsReceived
-from .waits import RoleDiedError, wait_for
-
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.wire import (
+    ActorPlacement,
+    BenchmarkResult,
+    EvalResult,
+    RolloutGroup,
+    Stopwatch,
+    WeightsReceived,
+)
+from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.runtime.waits import RoleDiedError, wait_for
 
 # A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
 # every other call runs one at a time, in order, in the default group, but the rollout groups of a vLLM worker:
-# they run on threads of their own ("sampling"), all feeding one engine (engines/vllm_loop.py).
+# they run on threads of their own ("sampling"), all feeding one engine (engines/vllm/loop.py).
 CONTROL = {"control": 1}
 REPLACE_ATTEMPTS = 3  # replacements of one worker started in a row before the run gives up on it
 
@@ -62,8 +69,8 @@ class RolloutWorker:
     def __init__(self, job: JobConfig, name: str):
         import transformers
 
-        from ..engines.rollout_engines import build_rollout_engine
-        from .metrics import RolloutMetrics
+        from lt_opd_ray.engines.rollout_engines import build_rollout_engine
+        from lt_opd_ray.runtime.metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
@@ -104,7 +111,7 @@ class RolloutWorker:
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> EvalResult:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""
-        from ..evaluation import score_answers
+        from lt_opd_ray.models.evaluation import score_answers
 
         responses = self.engine.respond(
             samples, budget_bps, selector, self.job.eval.max_new_tokens, self.job.data.system_prompt, stop=("</answer>",)
@@ -114,7 +121,7 @@ class RolloutWorker:
 
     def evaluate_benchmark(self, benchmarks: dict, name: str, budget_bps: int, selector: str) -> BenchmarkResult:
         """One benchmark's own score for the current student weights (greedy) at `budget_bps` with `selector`."""
-        from ..evals.benchmarks import benchmark
+        from lt_opd_ray.evals.benchmarks import benchmark
 
         items = benchmarks[name]
         responses = self.engine.respond([i.sample for i in items], budget_bps, selector, self.job.eval.max_new_tokens, None, stop=())
@@ -122,14 +129,14 @@ class RolloutWorker:
         return BenchmarkResult(name, selector, score, self.weights_version)
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, generation: int, timeout_s: float) -> str:
-        from .weight_sync import SyncGroup, join_store
+        from lt_opd_ray.weight_sync.group import SyncGroup, join_store
 
         self.sync = SyncGroup(join_store(host, port, timeout_s), rank, world, generation, timeout_s, device=sync_device())
         return self.name
 
     def receive_weights(self, version: int) -> WeightsReceived:
         """One weight update, written into the engine bucket by bucket as it arrives."""
-        from .weight_sync import WeightUpdateRefused
+        from lt_opd_ray.weight_sync.group import WeightUpdateRefused
 
         begin = time.perf_counter()
         previous, self.weights_version = self.weights_version, None  # torn until the update is complete
@@ -141,7 +148,7 @@ class RolloutWorker:
         return WeightsReceived(self.name, self.weights_version, time.perf_counter() - begin)
 
     def weights_checksum(self, dtype: str) -> tuple[int | None, str]:
-        from .weight_sync import WIRE_DTYPES
+        from lt_opd_ray.weight_sync.group import WIRE_DTYPES
 
         return self.weights_version, self.engine.weights_checksum(WIRE_DTYPES[dtype])
 
@@ -152,7 +159,7 @@ class RolloutWorker:
         return os.getpid()
 
     def placement(self) -> ActorPlacement:
-        return ActorPlacement.here(self.name, self.engine.runner, self.engine.missing_kernels)
+        return placement_here(self.name, self.engine.runner, self.engine.missing_kernels)
 
 
 def sync_device() -> str:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import ray
 
-from ..wire import SyncResult
-from .learner_group import LearnerGroup
-from .rollout_pool import RolloutPool
-from .waits import wait_for
-from .weight_sync import WeightSyncError
+from lt_opd_ray.core.wire import SyncResult
+from lt_opd_ray.runtime.learner_group import LearnerGroup
+from lt_opd_ray.runtime.rollout_pool import RolloutPool
+from lt_opd_ray.runtime.waits import wait_for
+from lt_opd_ray.weight_sync.group import WeightSyncError
 
 SETTLE_S = 60.0  # members freed by an abort answer within this; longer: they are stuck for another reason
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from ray import serve
 
-from ..config import JobConfig
-from ..wire import ActorPlacement, RolloutGroup, Span, Stopwatch, TeacherPayload, pack_scores
-from .rollout_pool import GroupRef
-from .waits import LIVENESS_TICK_S
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, Span, Stopwatch, TeacherPayload, pack_scores
+from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.runtime.rollout_pool import GroupRef
+from lt_opd_ray.runtime.waits import LIVENESS_TICK_S
 
 
 class TeacherModel:
@@ -27,8 +28,8 @@ class TeacherModel:
     def __init__(self, job: JobConfig, name: str = "teacher"):
         import transformers
 
-        from ..engines.teacher_engines import build_teacher_engine
-        from .metrics import TeacherMetrics
+        from lt_opd_ray.engines.teacher_engines import build_teacher_engine
+        from lt_opd_ray.runtime.metrics import TeacherMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
@@ -38,7 +39,7 @@ class TeacherModel:
 
     def prefill(self, samples, update: int, start: int, stop: int) -> None:
         """The head start on one group's prompts, before its rollouts exist (`TeacherEngine.prefill`)."""
-        from ..engines.teacher_engines import UPDATES_IN_FLIGHT
+        from lt_opd_ray.engines.teacher_engines import UPDATES_IN_FLIGHT
 
         with Stopwatch() as watch:
             ran = self.engine.prefill(update, {i: samples[i] for i in range(start, stop)})
@@ -98,7 +99,7 @@ class TeacherDeployment:
 
     async def placement(self) -> tuple[str, ActorPlacement]:
         """(this replica's Serve id, its placement)."""
-        return serve.get_replica_context().replica_id.unique_id, ActorPlacement.here(self.model.name, self.model.engine.runner, self.model.engine.missing_kernels)
+        return serve.get_replica_context().replica_id.unique_id, placement_here(self.model.name, self.model.engine.runner, self.model.engine.missing_kernels)
 
     async def score(self, request: tuple) -> TeacherPayload:
         # request: `score_request`. The head start runs before the group is awaited, while it is sampled; awaiting

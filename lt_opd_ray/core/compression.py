@@ -1,0 +1,57 @@
+"""The compression a served student applies to its images: selector, budget, k_min, merge (`lt_opd_compression.json`).
+
+Written by `lt-opd export` beside the weights; read by the vLLM plugin, `lt-opd serve` and the driver.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+COMPRESSION_FILE = "lt_opd_compression.json"
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    selector: str
+    budget_bps: int  # visual budget r in basis points (500 = 5%)
+    k_min: int
+    merge: str = "none"  # "learnable": the kept tokens take in their discarded neighbours (the head is in the weights)
+
+    @classmethod
+    def from_job(cls, job) -> CompressionConfig:
+        return cls(selector=job.selector.name, budget_bps=job.budget.target_bps, k_min=job.budget.k_min, merge=job.selector.merge)
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / COMPRESSION_FILE).write_text(json.dumps({"format": 1, **asdict(self)}, indent=2) + "\n")
+
+    @classmethod
+    def read(cls, folder: str | Path) -> CompressionConfig | None:
+        """The folder's compression config, or None when it has none (a stock model: every token). A folder in the
+        paper's release layout has none of ours: its `vision_token_compressor` (config.json) says the same."""
+        path = Path(folder) / COMPRESSION_FILE
+        if not path.exists():
+            return cls.from_release(Path(folder) / "config.json")
+        data = json.loads(path.read_text())
+        try:
+            return cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]), merge=str(data.get("merge", "none")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a compression config ({exc!r}); expected selector, budget_bps, k_min") from None
+
+
+    @classmethod
+    def from_release(cls, config_path: Path) -> CompressionConfig | None:
+        """The release's compressor settings as ours: CDPruner at its final retention, at least
+        `minimum_tokens_per_image` tokens per image, the learnable merge when enabled."""
+        if not config_path.exists():
+            return None
+        settings = json.loads(config_path.read_text()).get("vision_token_compressor")
+        if not settings or not settings.get("enabled"):
+            return None
+        if settings.get("method") != "cdpruner":
+            raise ValueError(f"{config_path}: vision_token_compressor.method {settings.get('method')!r}; this runtime implements cdpruner")
+        curriculum = settings.get("curriculum") or {}
+        bps = curriculum.get("final_retention_bps") if curriculum.get("enabled") else round(float(settings.get("retention_ratio", 0.05)) * 10000)
+        merge = "learnable" if (settings.get("learnable_merge") or {}).get("enabled") else "none"
+        return cls(selector="cdpruner", budget_bps=int(bps), k_min=int(settings.get("minimum_tokens_per_image", 1)), merge=merge)

@@ -1,0 +1,449 @@
+"""Visual-token pruning inside vLLM for Qwen3.5, Qwen3-VL and Qwen2.5-VL (a vLLM plugin).
+
+`register()` (entry point `vllm.general_plugins`) replaces vLLM's three Qwen VLM
+classes by subclasses that keep only the selected visual tokens, exactly as the
+transformers adapter does (docs/architecture.md §1):
+
+- the multimodal processor reads the request's selection settings
+  (`mm_processor_kwargs`, see `SelectionRequest`) and emits k = tokens_to_keep(N, r,
+  k_min) image placeholders per image instead of N;
+- `embed_multimodal` runs the vision tower and merger, embeds the question tokens,
+  lets the selector choose k of the N post-merger tokens (fp32, no gradients, the
+  same per-image seed as the adapter) and returns those rows, each carrying its
+  (t, h, w) offset inside the image's full merged grid in three extra channels;
+- M-RoPE: text tokens get the positions they have in the full-token prompt (an image
+  advances the text position by its full grid, never by k), image slots get their
+  final positions once the encoder has chosen them: vLLM's model runner calls
+  `recompute_mrope_positions` after the encoder (`register` turns that on for our
+  models), and that puts the image's base position plus each kept token's offset
+  in place;
+- with a learnable token merge in the folder's config (models/token_merge.py), each
+  kept row first takes in its discarded neighbours through the same head as the
+  transformers adapter's (loaded from the checkpoint, and rewritten by weight syncs);
+- the chosen indices (and merge routes) are recorded per (request nonce, image) for
+  the engine to collect (`pop_selections`).
+
+With r = 100% the models are vLLM's own (every token kept, same positions), which is
+what the teacher scorer uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lt_opd_ray.core.curriculum import BPS, tokens_to_keep
+from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.selectors import SELECTORS, SelectionInput, build_selector
+from lt_opd_ray.models.token_merge import assign_to_kept
+
+SELECTOR_NAMES = sorted(SELECTORS)  # a selector travels to the model as its index in this list
+PRUNED_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": "lt_opd_ray.engines.vllm.models:PrunedQwen3_5",
+    "Qwen3VLForConditionalGeneration": "lt_opd_ray.engines.vllm.models:PrunedQwen3VL",
+    "Qwen2_5_VLForConditionalGeneration": "lt_opd_ray.engines.vllm.models:PrunedQwen2_5_VL",
+}
+SELECTION_FIELD = "lt_opd_selection"  # per image int64: budget_bps, k_min, selector, seed, nonce, image index
+QUERY_FIELD = "lt_opd_query"  # per image int64: the question's token ids
+POSITION_CHANNELS = 3  # (t, h, w) offsets appended to each kept row
+MAX_GRID_SIDE = 256  # offsets travel in the embedding dtype; bf16 holds integers exactly up to 256
+MAX_RECORDED = 4096  # selections kept for collection (oldest dropped first)
+MAX_QUERY_IDS = 8192  # a request's query tokens (CDPruner's relevance averages their embeddings)
+MAX_K_MIN = 1 << 20
+INT64 = (-(1 << 63), (1 << 63) - 1)  # seed and nonce travel to the engine in an int64 tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionRequest:
+    """What a request asks of the pruning model, passed as `mm_processor_kwargs`.
+
+    budget_bps: visual budget r in basis points (10000 = every token); k_min: the
+    per-image floor; selector: a name from `lt_opd_ray.core.selectors`; seed: the prompt's
+    selection seed (image i uses stable_seed(seed, i), as the adapter does);
+    query_ids: the question's token ids (CDPruner's query); nonce: names the request
+    when its selections are collected.
+    """
+
+    budget_bps: int = BPS
+    k_min: int = 1
+    selector: str = "cdpruner"
+    seed: int = 0
+    query_ids: tuple[int, ...] = ()
+    nonce: int = 0
+
+    PREFIX = "lt_opd_"
+
+    @classmethod
+    def split(cls, kwargs: Mapping[str, object], vocab_size: int) -> tuple[SelectionRequest, dict[str, object]]:
+        """(our request, the kwargs meant for the Hugging Face processor). Every setting is checked here, in the
+        server's front end, so a bad request is answered 400 naming the field and never reaches the engine."""
+        ours = {k[len(cls.PREFIX) :]: v for k, v in kwargs.items() if k.startswith(cls.PREFIX)}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(ours) - fields)
+        if unknown:
+            raise ValueError(f"unknown selection setting(s) {[cls.PREFIX + k for k in unknown]}; known: {[cls.PREFIX + f for f in sorted(fields)]}")
+        for name, (low, high) in {"budget_bps": (1, BPS), "k_min": (1, MAX_K_MIN), "seed": INT64, "nonce": INT64}.items():
+            if name in ours:
+                _check_integer(cls.PREFIX + name, ours[name], low, high)
+        if "selector" in ours and ours["selector"] not in SELECTOR_NAMES:
+            raise ValueError(f"{cls.PREFIX}selector: unknown selector {str(ours['selector'])[:40]!r}; known: {SELECTOR_NAMES}")
+        if "query_ids" in ours:
+            ids = ours["query_ids"]
+            if not isinstance(ids, (list, tuple)) or len(ids) > MAX_QUERY_IDS:
+                raise ValueError(f"{cls.PREFIX}query_ids: expected a list of at most {MAX_QUERY_IDS} token ids, got {type(ids).__name__}"
+                                 + (f" of {len(ids)}" if isinstance(ids, (list, tuple)) else ""))
+            _check_token_ids(f"{cls.PREFIX}query_ids", ids, vocab_size)
+            ours["query_ids"] = tuple(ids)
+        return cls(**ours), cls.processor_kwargs(kwargs)
+
+    @classmethod
+    def processor_kwargs(cls, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """The kwargs meant for the Hugging Face processor (ours removed)."""
+        return {k: v for k, v in kwargs.items() if not k.startswith(cls.PREFIX)}
+
+    def as_kwargs(self) -> dict[str, object]:
+        return {self.PREFIX + f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            self.PREFIX + "query_ids": list(self.query_ids)
+        }
+
+
+def _check_integer(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {type(value).__name__} {str(value)[:40]!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: {value} is outside [{low}, {high}]")
+
+
+def _check_token_ids(name: str, ids: Sequence, vocab_size: int) -> None:
+    """Every entry a Python int in [0, vocab_size): checked by C-level passes (set, min, max); only a bad list is
+    walked, to name its first bad entry."""
+    if not set(map(type, ids)) <= {int}:  # bools, floats, strings, numpy scalars
+        bad = next(i for i, v in enumerate(ids) if type(v) is not int)
+        _check_integer(f"{name}[{bad}]", ids[bad], 0, vocab_size - 1)
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i, v in enumerate(ids) if not 0 <= v < vocab_size)
+        _check_integer(f"{name}[{bad}]", ids[bad], 0, vocab_size - 1)
+
+
+def _merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
+    t, h, w = (int(x) for x in grid_thw)
+    return t, h // merge, w // merge
+
+
+def grid_offsets(grid: tuple[int, int, int]) -> torch.Tensor:
+    """[N, 3] (t, h, w) offset of every merged token of one image, in row-major order."""
+    t, h, w = grid
+    return torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 3)
+
+
+# --------------------------------------------------------------------------- processor
+class PruningProcessorMixin:
+    """Emits k placeholders per image and attaches the selection settings to each image.
+
+    A request that leaves settings out gets them from the model folder's compression
+    config (`lt_opd_compression.json`, written by `lt-opd export`; none: every token)
+    and, without query ids, the question tokens of its own prompt.
+    """
+
+    def apply(self, inputs, *args, **kwargs):
+        completed = self._with_defaults(inputs.prompt, inputs.hf_processor_mm_kwargs)
+        return super().apply(dataclasses.replace(inputs, hf_processor_mm_kwargs=completed), *args, **kwargs)
+
+    @functools.cached_property
+    def _compression(self):
+        """The model folder's compression config, read once per processor (not per request)."""
+        from lt_opd_ray.core.compression import CompressionConfig
+
+        return CompressionConfig.read(self.info.ctx.model_config.model)
+
+    def _with_defaults(self, prompt_ids, kwargs: Mapping[str, object]) -> dict[str, object]:
+        from lt_opd_ray.models.processor import question_token_ids
+
+        completed = dict(kwargs)
+        compression = self._compression
+        if compression is not None:
+            for name in ("selector", "budget_bps", "k_min"):
+                completed.setdefault(SelectionRequest.PREFIX + name, getattr(compression, name))
+        if SelectionRequest.PREFIX + "query_ids" not in completed and isinstance(prompt_ids, list):
+            completed[SelectionRequest.PREFIX + "query_ids"] = question_token_ids(prompt_ids, self.info.get_tokenizer())
+        return completed
+
+    def _apply_hf_processor_main(self, mm_items, hf_kwargs):
+        request, rest = SelectionRequest.split(hf_kwargs, self.info.get_hf_config().get_text_config().vocab_size)
+        data = super()._apply_hf_processor_main(mm_items, rest)
+        grids = data.get("image_grid_thw")
+        if grids is not None and len(grids):
+            merge = self.info.get_hf_config().vision_config.spatial_merge_size
+            rows = []
+            for index, grid in enumerate(grids.tolist()):
+                t, h, w = _merged_grid(grid, merge)
+                if max(h, w) > MAX_GRID_SIDE:
+                    raise ValueError(
+                        f"image {index}: merged grid {h}x{w} exceeds {MAX_GRID_SIDE} tokens a side;"
+                        " lower the processor's max_pixels so it is resized"
+                    )
+                selector = SELECTOR_NAMES.index(request.selector)
+                rows.append([request.budget_bps, request.k_min, selector, stable_seed(request.seed, index), request.nonce, index])
+            data[SELECTION_FIELD] = torch.tensor(rows, dtype=torch.long)
+            query = torch.tensor(request.query_ids, dtype=torch.long)
+            data[QUERY_FIELD] = query.expand(len(rows), -1).clone()
+        return data
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        from vllm.multimodal.inputs import MultiModalFieldConfig
+
+        fields = dict(super()._get_mm_fields_config(hf_inputs, SelectionRequest.processor_kwargs(hf_processor_mm_kwargs)))
+        fields[SELECTION_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        fields[QUERY_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        return fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        updates = super()._get_prompt_updates(mm_items, SelectionRequest.processor_kwargs(hf_processor_mm_kwargs), out_mm_kwargs)
+        config = self.info.get_hf_config()
+        merge = config.vision_config.spatial_merge_size
+
+        def kept_placeholders(item_idx: int) -> list[int]:
+            item = out_mm_kwargs["image"][item_idx]
+            t, h, w = _merged_grid(item["image_grid_thw"].data.tolist(), merge)
+            budget_bps, k_min = (int(v) for v in item[SELECTION_FIELD].data[:2])
+            return [config.image_token_id] * tokens_to_keep(t * h * w, budget_bps, k_min)
+
+        return [dataclasses.replace(u, replacement=kept_placeholders) if u.modality == "image" else u for u in updates]
+
+
+# ------------------------------------------------------------------------------- model
+class PruningModelMixin:
+    """Selection inside `embed_multimodal`, full-prompt M-RoPE positions for what is kept."""
+
+    supports_multimodal_pruning = True  # the interface of recompute_mrope_positions
+
+    def _init_pruning(self) -> None:
+        from lt_opd_ray.models.token_merge import VisionTokenCompressor, configured
+
+        # vLLM's own EVS post-processing keys off this flag; our rows carry their positions themselves
+        self.is_multimodal_pruning_enabled = False
+        self._selections: OrderedDict[tuple[int, int], tuple[torch.Tensor, tuple | None]] = OrderedDict()
+        if configured(self.config):  # the folder's student merges tokens: the same head as the transformers adapter's
+            self.vision_token_compressor = VisionTokenCompressor(getattr(self.config, "text_config", self.config).hidden_size)
+
+    def load_weights(self, weights):
+        """vLLM's loading, plus the merge head: from the checkpoint's tensors (mapped by the class's weights mapper)
+        or, for a folder without them (a run starting from the base model), initialised from the first gate rows
+        as the transformers side does; the learners' first weight broadcast then brings theirs."""
+        loaded = super().load_weights(weights)
+        head = getattr(self, "vision_token_compressor", None)
+        if head is not None:
+            names = {f"vision_token_compressor.{name}" for name, _ in head.named_parameters()}
+            if not names <= loaded:
+                gate_up = self.get_language_model().model.layers[0].mlp.gate_up_proj.weight  # [gate; up]
+                head.learnable_summary.initialize_from_gate(gate_up[: gate_up.shape[0] // 2])
+                loaded |= names
+        return loaded
+
+    @property
+    def _merge(self) -> int:
+        return self.config.vision_config.spatial_merge_size
+
+    def _main_width(self) -> int:
+        """Columns of an image row that are the token's embedding (Qwen3-VL appends deepstack levels)."""
+        return getattr(self, "visual_dim", None) or self.config.vision_config.out_hidden_size
+
+    def embed_multimodal(self, **kwargs: object):
+        selection = kwargs.pop(SELECTION_FIELD, None)
+        query = kwargs.pop(QUERY_FIELD, None)
+        embeddings = super().embed_multimodal(**kwargs)
+        if embeddings is None:
+            return None
+        if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_embeds") is not None:
+            raise ValueError("visual-token pruning covers images only; this engine accepts no video")
+        if selection is None:
+            raise ValueError(f"image inputs without {SELECTION_FIELD}: the request did not pass through the pruning processor")
+        grids = kwargs["image_grid_thw"]
+        head = getattr(self, "vision_token_compressor", None)
+        kept = []
+        for i, rows in enumerate(embeddings):
+            budget_bps, k_min, selector, seed, nonce, image = (int(v) for v in selection[i])
+            grid = _merged_grid(grids[i].tolist(), self._merge)
+            n = grid[0] * grid[1] * grid[2]
+            k = tokens_to_keep(n, budget_bps, k_min)
+            if k == n:
+                indices = torch.arange(n)
+            else:
+                ids = query[i]
+                ids = ids[ids >= 0].to(rows.device)
+                q = self.get_language_model().embed_input_ids(ids).float().mean(0) if ids.numel() else None
+                item = SelectionInput(rows[:, : self._main_width()].float(), q, (grid[0] * grid[1], grid[2]), seed=seed)
+                indices = build_selector(SELECTOR_NAMES[selector]).select(item, k)
+            on_device, width = indices.to(rows.device), self._main_width()
+            route = None
+            if head is None:
+                picked = rows[on_device]
+            else:  # each kept token takes in its discarded neighbours (models/token_merge.py); deepstack columns are pruned
+                route = assign_to_kept(rows[:, :width], on_device)
+                picked = torch.cat([head.learnable_summary(rows[:, :width], on_device, route), rows[on_device, width:]], dim=-1)
+                route = tuple(t.cpu() for t in route)
+            self._record(nonce, image, indices, route)
+            offsets = grid_offsets(grid)[indices].to(device=rows.device, dtype=rows.dtype)
+            kept.append(torch.cat([picked, offsets], dim=-1))
+        return tuple(kept)
+
+    def _record(self, nonce: int, image: int, indices: torch.Tensor, route: tuple | None) -> None:
+        self._selections[(nonce, image)] = (indices.cpu(), route)
+        while len(self._selections) > MAX_RECORDED:
+            self._selections.popitem(last=False)
+
+    def pop_selections(self, nonces: Sequence[int]) -> dict[int, list[tuple[torch.Tensor, tuple | None]]]:
+        """The kept indices (and merge route, with a merge head) of each request nonce's images, in image order
+        (removed once read)."""
+        wanted = set(nonces)
+        found: dict[int, dict[int, tuple]] = {}
+        for key in [k for k in self._selections if k[0] in wanted]:
+            found.setdefault(key[0], {})[key[1]] = self._selections.pop(key)
+        return {nonce: [images[i] for i in sorted(images)] for nonce, images in found.items()}
+
+    # ------------------------------------------------------------------ positions
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
+        """Positions of the reduced prompt: text as in the full prompt, image slots at the image's base.
+
+        An image's slots are filled with their own offsets by `recompute_mrope_positions`
+        once the encoder has chosen them. The delta is exact already: every image run
+        is followed by <|vision_end|>, whose position exceeds the full image's.
+        """
+        positions = torch.empty(3, len(input_tokens), dtype=torch.long)
+        cursor, next_position = 0, 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            if feature.modality != "image":
+                raise ValueError(f"visual-token pruning covers images only, got {feature.modality!r}")
+            start, length = feature.mm_position.offset, feature.mm_position.length
+            text = start - cursor
+            positions[:, cursor:start] = torch.arange(next_position, next_position + text)
+            base = next_position + text
+            positions[:, start : start + length] = base  # final: base + offset, see recompute_mrope_positions
+            t, h, w = _merged_grid(feature.data["image_grid_thw"].data.tolist(), self._merge)
+            next_position = base + max(t, h, w)  # the full grid's extent, whatever k is
+            cursor = start + length
+        positions[:, cursor:] = torch.arange(next_position, next_position + len(input_tokens) - cursor)
+        return positions, int(positions.max()) + 1 - len(input_tokens)
+
+    def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
+        """Strip the offset channels and put base + offset at this chunk's image slots, on the positions' device.
+
+        Each image slot's base is one past the position of the token before its image run (<|vision_start|>):
+        a run's start is found for every slot at once (a running maximum over the run starts), no Python walk.
+        """
+        positions = mrope_positions.clone()
+        ids = torch.as_tensor(input_ids, device=positions.device)
+        is_image = ids == self.config.image_token_id
+        index = torch.arange(ids.numel(), device=positions.device)
+        starts_here = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])
+        run_start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(0).values
+        slots = index[is_image & (index >= num_computed_tokens)]
+        counts = [rows.shape[0] for rows in multimodal_embeddings]
+        if counts:
+            offsets = torch.cat([rows[:, -POSITION_CHANNELS:] for rows in multimodal_embeddings]).round().long().to(positions.device)
+            filled = slots[: sum(counts)]
+            base = positions[0, run_start[filled] - 1] + 1
+            positions[:, filled] = base + offsets.T
+        cleaned = [rows[:, :-POSITION_CHANNELS] for rows in multimodal_embeddings]
+        return cleaned, positions, int(positions.max()) + 1 - ids.numel()
+
+    @classmethod
+    def get_model_state_cls(cls):
+        """vLLM's V2 model runner (its default on CUDA) asks a model for its state class before choosing one: ours
+        is the class V2 would choose (the hybrid state for Qwen3.5's Gated DeltaNet layers, else the default)
+        with its multimodal pruner always on, so the kept rows' offset channels are consumed as on V1."""
+        from lt_opd_ray.engines.vllm.v2 import pruning_model_state
+
+        return pruning_model_state(cls)
+
+
+def _pruned(base_model):
+    """The pruning subclass of a vLLM Qwen VLM, registered with a pruning subclass of its processor."""
+    from vllm.model_executor.models.utils import WeightsMapper
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    factories = base_model._processor_factory  # set by vLLM's register_processor on the base class
+    base_processor = factories.processor
+    processor = type(f"Pruning{base_processor.__name__}", (PruningProcessorMixin, base_processor), {})
+
+    class Pruned(PruningModelMixin, base_model):
+        # the merge head's checkpoint names (the release's) onto the module `_init_pruning` adds; a regex, because
+        # vLLM applies those before the prefixes (Qwen2.5-VL maps every other `model.` into the language model)
+        hf_to_vllm_mapper = base_model.hf_to_vllm_mapper | WeightsMapper(
+            orig_to_new_regex={re.compile(r"^model\.vision_token_compressor\."): "vision_token_compressor."}
+        )
+
+        def __init__(self, *, vllm_config, prefix: str = "model"):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._init_pruning()
+
+    Pruned.__name__ = Pruned.__qualname__ = f"Pruned{base_model.__name__}"
+    return MULTIMODAL_REGISTRY.register_processor(
+        processor, info=factories.info, dummy_inputs=factories.dummy_inputs
+    )(Pruned)
+
+
+def _build_classes() -> dict[str, Any]:
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+    return {
+        "PrunedQwen3_5": _pruned(Qwen3_5ForConditionalGeneration),
+        "PrunedQwen3VL": _pruned(Qwen3VLForConditionalGeneration),
+        "PrunedQwen2_5_VL": _pruned(Qwen2_5_VLForConditionalGeneration),
+    }
+
+
+def __getattr__(name: str):
+    """The pruned classes are built on first use (importing vLLM's model files is slow)."""
+    if name in {"PrunedQwen3_5", "PrunedQwen3VL", "PrunedQwen2_5_VL"}:
+        classes = _build_classes()
+        globals().update(classes)
+        return classes[name]
+    raise AttributeError(name)
+
+
+def _turn_on_pruned_positions(runner_cls) -> None:
+    """After loading one of our models, a model runner calls `recompute_mrope_positions`.
+
+    vLLM turns that hook on only when video pruning is configured (GPU runner) or
+    never (its CPU runner's `load_model` skips the check); our models need it for
+    every image, so the runner's `load_model` is wrapped once per process.
+    """
+    original = runner_cls.load_model
+    if getattr(original, "lt_opd_wrapped", False):
+        return
+
+    def load_model(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if isinstance(self.get_model(), PruningModelMixin):
+            self.is_multimodal_pruning_enabled = True
+
+    load_model.lt_opd_wrapped = True
+    runner_cls.load_model = load_model
+
+
+def register() -> None:
+    """vLLM plugin entry point: our pruning classes serve the three Qwen VLM architectures; `lt-opd serve`'s media
+    connector (engines/vllm/media.py) is there to be chosen."""
+    from vllm import ModelRegistry
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lt_opd_ray.engines.vllm.media import register_media_connector
+
+    register_media_connector()
+    for architecture, target in PRUNED_ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, target)
+    _turn_on_pruned_positions(GPUModelRunner)
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:  # a CUDA build of vLLM
+        return
+    _turn_on_pruned_positions(CPUModelRunner)

@@ -1,0 +1,68 @@
+"""The rollout and teacher roles of an update (rollouts.rollout / scoring.teacher_scores) on the vLLM engine.
+
+Same inputs, same outputs, same seeding scheme: the selection of a prompt is seeded
+by (seed, step, uid) and response j by (seed, step, uid, j). The sampled tokens
+differ from the transformers backend's (vLLM draws from its own generator), the
+selections do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.wire import Rollout, TeacherScore
+from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
+from lt_opd_ray.engines.vllm.models import SelectionRequest
+from lt_opd_ray.models.processor import PromptInputs
+from lt_opd_ray.models.sampler import SamplingParams
+
+
+def vllm_rollout(
+    engine: VLLMEngine,
+    prompts: list[PromptInputs],
+    images: list[list],
+    uids: list[str],
+    selector: str,
+    budget_bps: int,
+    k_min: int,
+    params: SamplingParams,
+    n: int,
+    seed: int,
+    step: int,
+) -> list[Rollout]:
+    """n responses per prompt at `budget_bps`, pruned inside the engine."""
+    engine_prompts, selections, seeds, owners = [], [], [], []
+    for index, (prompt, prompt_images, uid) in enumerate(zip(prompts, images, uids)):
+        request = SelectionRequest(budget_bps=budget_bps, k_min=k_min, selector=selector, seed=stable_seed(seed, step, uid))
+        for j in range(n):
+            engine_prompts.append(engine_prompt(prompt, prompt_images))
+            selections.append(request)
+            seeds.append(stable_seed(seed, step, uid, j))
+            owners.append(index)
+    results = engine.generate(engine_prompts, selections, params, seeds)
+    return [
+        Rollout(
+            prompt_index=owner,
+            response_ids=completion.token_ids,
+            old_logp=completion.logprobs,
+            student_top_ids=completion.top_ids,
+            selected=kept.indices,
+            merge_routes=kept.merge_routes,
+            budget_bps=budget_bps,
+            finish_reason=completion.finish_reason,
+        )
+        for owner, (completion, kept) in zip(owners, results)
+    ]
+
+
+def vllm_teacher_scores(
+    engine: VLLMEngine, prompts: Mapping[int, PromptInputs], images: Mapping[int, list], rollouts: list[Rollout], top_k: int
+) -> list[TeacherScore]:
+    """The full-token teacher's top-k and its log-probs at the student's top-k ids and the sampled token."""
+    engine_prompts = [engine_prompt(prompts[r.prompt_index], images[r.prompt_index]) for r in rollouts]
+    requested = [torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1) for r in rollouts]
+    scored = engine.score(engine_prompts, [r.response_ids for r in rollouts], requested, top_k)
+    return [TeacherScore(top_ids=s.top_ids, top_logp=s.top_logp, requested_logp=s.requested_logp) for s in scored]

@@ -1,0 +1,142 @@
+"""The learner role of an update (docs/architecture.md §1, steps 3-5): the student's loss on replayed rollouts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, union_support
+from lt_opd_ray.core.wire import Rollout, TeacherScore
+from lt_opd_ray.models.adapter import QwenVLM
+from lt_opd_ray.models.processor import IMAGE, PromptInputs
+
+
+@dataclass
+class LossStats:
+    loss: float
+    divergence: float  # token-mean divergence
+    importance_weight: float  # token-mean truncated importance weight
+    top_k_overlap: float  # mean |student top-k ∩ teacher top-k| / k
+    tokens: int
+    sequences: int = 0
+    vision_forwards: int = 0  # vision tower + merger passes: one per prompt when its group fits one micro-batch
+
+    @staticmethod
+    def combine(parts: list[LossStats]) -> LossStats:
+        """Stats of consecutive micro-batches of one update: losses add (each is already normalised by the
+        update's sequence count), token means are re-weighted by tokens."""
+        tokens = sum(p.tokens for p in parts)
+        weighted = lambda key: sum(getattr(p, key) * p.tokens for p in parts) / max(tokens, 1)  # noqa: E731
+        return LossStats(
+            loss=sum(p.loss for p in parts),
+            divergence=weighted("divergence"),
+            importance_weight=weighted("importance_weight"),
+            top_k_overlap=weighted("top_k_overlap"),
+            tokens=tokens,
+            sequences=sum(p.sequences for p in parts),
+            vision_forwards=sum(p.vision_forwards for p in parts),
+        )
+
+
+def support(rollout_: Rollout, score: TeacherScore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U = student top-k ∪ teacher top-k ∪ {sampled}: ids [T, 2k+1], valid mask, teacher log-probs on U."""
+    k = rollout_.student_top_ids.shape[1]
+    ids, valid = union_support(rollout_.student_top_ids, score.top_ids.long(), rollout_.response_ids[:, None])
+    req = score.requested_logp.float()
+    teacher_logp = torch.cat([req[:, :k], score.top_logp.float(), req[:, k:]], dim=-1)
+    return ids, valid, teacher_logp
+
+
+def reduced_length(prompt: PromptInputs, selected: list[torch.Tensor]) -> int:
+    """Tokens of the reduced prompt: the full prompt less the image tokens that were not kept."""
+    image_tokens = int((prompt.mm_token_type_ids == IMAGE).sum())
+    return prompt.input_ids.numel() - image_tokens + sum(int(s.numel()) for s in selected)
+
+
+@dataclass(frozen=True)
+class StudentForward:
+    """The student's differentiable forward on replayed rollouts, before the output head: what the loss needs
+    besides the teacher's scores, so a learner can compute it while the teacher is still scoring."""
+
+    hidden: list[torch.Tensor]  # per rollout: [T, H] hidden states at the rows that predict its response tokens
+    vision_forwards: int  # vision tower + merger passes (one per prompt)
+
+
+def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list[PromptInputs], rollouts: list[Rollout]) -> StudentForward:
+    """The student's reduced prompts (each rollout's selection and merge routes replayed, never recomputed) and its
+    hidden states at the response rows. The vision tower runs once per prompt: the n rollouts of a prompt replay
+    their selections on the same features, and autograd sums their gradients."""
+    features = {}
+    reduced = []
+    for r in rollouts:
+        prompt = prompts[r.prompt_index]
+        if r.prompt_index not in features:
+            features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
+        reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
+    return StudentForward(student.response_hidden(reduced, [r.response_ids for r in rollouts]), len(features))
+
+
+def student_loss(
+    student: QwenVLM,
+    prompts: Mapping[int, PromptInputs] | list[PromptInputs],
+    rollouts: list[Rollout],
+    scores: list[TeacherScore],
+    objective,
+    normaliser: int | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Σ over these rollouts of each one's token-mean LT-OPD loss, / `normaliser` (differentiable).
+
+    With the default normaliser (the number of rollouts) this is the seq-mean-token-mean of
+    the batch. A micro-batch of an update passes the update's sequence count instead, so
+    the micro-batch losses add up to the update's seq-mean-token-mean, not to a mean of
+    micro-batch means.
+    """
+    return loss_on_forward(student, student_forward(student, prompts, rollouts), rollouts, scores, objective, normaliser)
+
+
+def loss_on_forward(
+    student: QwenVLM, forward: StudentForward, rollouts: list[Rollout], scores: list[TeacherScore], objective, normaliser: int | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """`student_loss` from the student's forward on `rollouts` (`student_forward`) and the teacher's scores."""
+    normaliser = normaliser or len(rollouts)
+    hidden = forward.hidden
+    device = hidden[0].device
+    supports = [[t.to(device) for t in support(r, s)] for r, s in zip(rollouts, scores)]
+    # one output-head pass over every response row of the micro-batch (one [V, H] gradient buffer, not one per sequence)
+    lengths = [h.shape[0] for h in hidden]
+    ids_all = torch.cat([ids for ids, _, _ in supports])
+    student_logp_all = gather_log_probs(torch.cat(hidden), student.lm_head.weight, ids_all, objective.logsoftmax_chunk)
+    sequence_losses, divs, weights, overlaps = [], [], [], []
+    for student_logp, r, (ids, valid, teacher_logp) in zip(student_logp_all.split(lengths), rollouts, supports):
+        token_loss, div, weight = lt_opd_token_losses(
+            student_logp,
+            teacher_logp,
+            valid,
+            sampled_column=ids.shape[1] - 1,
+            old_logp=r.old_logp.to(device),
+            kind=objective.divergence,
+            alpha=objective.alpha,
+            importance_clip=objective.importance_clip,
+        )
+        if objective.mode == "sft":
+            token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy on the teacher's sampled token
+        if token_loss.numel() == 0:
+            raise ValueError(f"a rollout of prompt {r.prompt_index} has no response tokens: nothing to average")
+        sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens
+        divs.append(div.detach())
+        weights.append(weight)
+        k = r.student_top_ids.shape[1]
+        overlaps.append((k - valid[:, k : 2 * k].sum(-1)).float() / k)  # teacher top-k ids already in student top-k
+    loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
+    stats = LossStats(
+        loss=float(loss.detach()),
+        divergence=float(torch.cat(divs).mean()),
+        importance_weight=float(torch.cat(weights).mean()),
+        top_k_overlap=float(torch.cat(overlaps).mean()),
+        tokens=int(sum(r.response_ids.numel() for r in rollouts)),
+        sequences=len(rollouts),
+        vision_forwards=forward.vision_forwards,
+    )
+    return loss, stats

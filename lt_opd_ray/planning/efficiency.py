@@ -1,0 +1,217 @@
+"""Analytic prefill FLOPs and cache bytes of a Qwen VLM at a visual budget.
+
+FLOPs are 2 per multiply-accumulate of every matrix product (projections, MLPs,
+attention scores and values, the Gated DeltaNet state products); norms,
+activations, RoPE and softmax are not counted. Attention is counted over the full
+L x L score matrix, as FLOP counters and the token-pruning literature do.
+
+- Language model: every layer's projections and MLP for each of the L prefill
+  tokens (text + kept visual tokens); full-attention layers add 4 L^2 H d;
+  Gated DeltaNet layers add their depthwise causal conv (2 K C per token) and the
+  recurrent state products (S k, the rank-1 state update, S^T q: 6 dk dv per value
+  head per token; chunked kernels do the same math blocked).
+- Vision tower (+ merger and Qwen3-VL's deepstack mergers): runs on all N tokens
+  before the selector, so it does not shrink with the budget.
+- Learnable token merge (selector.merge): the N x K cosines of the assignment and the head's products on
+  the N tokens and the K kept ones; its parameters: 64 (2D + 2).
+- Cache: only full-attention layers keep keys and values (2 L Hkv d per layer);
+  a Gated DeltaNet layer keeps a fixed-size conv state ((K-1) C; transformers
+  keeps K columns) and recurrent state (Hv dk dv, fp32 in Qwen3.5), whatever L is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lt_opd_ray.core.curriculum import tokens_to_keep
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    prefill_tokens: int  # language-model prefill length: text + kept visual tokens
+    visual_tokens: int  # kept visual tokens
+    lm_flops: int  # language model, without the output head
+    vision_flops: int  # vision tower + merger(s), on every visual token
+    kv_cache_bytes: int  # keys + values of the full-attention layers
+    linear_state_bytes: int  # Gated DeltaNet conv + recurrent states (independent of L)
+    merge_flops: int = 0  # learnable token merge, when on
+
+    @property
+    def total_flops(self) -> int:
+        return self.lm_flops + self.vision_flops + self.merge_flops
+
+
+def _text(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def layer_kinds(config: dict) -> list[str]:
+    text = _text(config)
+    return list(text.get("layer_types") or ["full_attention"] * text["num_hidden_layers"])
+
+
+def _head_dim(text: dict) -> int:
+    return text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+
+
+def _output_gate(config: dict) -> bool:
+    """Qwen3.5's full-attention layers gate their output (q_proj emits the gate); its configs may leave the flag out."""
+    text = _text(config)
+    flag = text.get("attn_output_gate")
+    return bool(flag) if flag is not None else str(config.get("model_type", "")).startswith("qwen3_5")
+
+
+def _gdn_channels(text: dict) -> int:
+    """Channels of the GDN conv: q and k (Hk dk each) and v (Hv dv)."""
+    return 2 * text["linear_num_key_heads"] * text["linear_key_head_dim"] + text["linear_num_value_heads"] * text["linear_value_head_dim"]
+
+
+def lm_projection_flops_per_token(config: dict) -> int:
+    """Every linear layer of the language model for one token (what nn.Linear hooks count), no output head."""
+    text = _text(config)
+    d_model, heads, kv_heads, d = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"], _head_dim(text)
+    mlp = 2 * 3 * d_model * text["intermediate_size"]  # gate, up, down (SwiGLU)
+    flops = 0
+    for kind in layer_kinds(config):
+        if kind == "full_attention":
+            gate = 2 if _output_gate(config) else 1  # Qwen3.5's q_proj also emits the attention output gate
+            flops += 2 * d_model * heads * d * gate + 2 * 2 * d_model * kv_heads * d + 2 * heads * d * d_model
+        else:
+            values = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+            flops += 2 * d_model * _gdn_channels(text)  # in_proj_qkv
+            flops += 2 * d_model * values  # in_proj_z (output gate)
+            flops += 2 * 2 * d_model * text["linear_num_value_heads"]  # in_proj_b, in_proj_a
+            flops += 2 * values * d_model  # out_proj
+        flops += mlp
+    return flops
+
+
+def lm_flops(config: dict, length: int) -> int:
+    text = _text(config)
+    flops = lm_projection_flops_per_token(config) * length
+    for kind in layer_kinds(config):
+        if kind == "full_attention":
+            flops += 2 * 2 * length * length * text["num_attention_heads"] * _head_dim(text)  # Q K^T and A V
+        else:
+            flops += 2 * text["linear_conv_kernel_dim"] * _gdn_channels(text) * length  # depthwise causal conv
+            flops += 6 * text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * length
+    return flops
+
+
+def cache_bytes(config: dict, length: int, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> tuple[int, int]:
+    """(keys + values of the full-attention layers, GDN conv + recurrent states) for `length` tokens."""
+    text = _text(config)
+    kv, state = 0, 0
+    for kind in layer_kinds(config):
+        if kind == "full_attention":
+            kv += 2 * length * text["num_key_value_heads"] * _head_dim(text) * dtype_bytes
+        else:
+            state += _gdn_channels(text) * text["linear_conv_kernel_dim"] * dtype_bytes  # transformers keeps K columns
+            state += text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"] * state_dtype_bytes
+    return kv, state
+
+
+def vision_projection_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
+    """Patch embedding, every block's linear layers and the merger(s) for one image (what module hooks count)."""
+    vision = config["vision_config"]
+    patches = grid_thw[0] * grid_thw[1] * grid_thw[2]
+    merge = vision["spatial_merge_size"]
+    width = vision["hidden_size"]
+    inner = vision.get("intermediate_size") or 4 * width
+    gated_mlp = config.get("model_type") == "qwen2_5_vl"  # SwiGLU blocks; Qwen3-VL / Qwen3.5 use fc1 -> fc2
+    pixels_per_patch = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    flops = 2 * pixels_per_patch * width * patches  # patch embedding (a Conv3d with stride = kernel)
+    block = 2 * width * 3 * width + 2 * width * width + 2 * (3 if gated_mlp else 2) * width * inner
+    flops += vision["depth"] * block * patches
+    merged = patches // merge**2
+    hidden = width * merge**2
+    out = vision.get("out_hidden_size") or _text(config)["hidden_size"]
+    mergers = 1 + len(vision.get("deepstack_visual_indexes") or [])
+    flops += mergers * merged * (2 * hidden * hidden + 2 * hidden * out)
+    return flops
+
+
+def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
+    """Q K^T and A V of every vision block for one image (Qwen2.5-VL's windowed blocks attend within windows)."""
+    vision = config["vision_config"]
+    t, h, w = grid_thw
+    width = vision["hidden_size"]
+    full = 4 * (t * h * w) ** 2 * width
+    if config.get("model_type") != "qwen2_5_vl":
+        return vision["depth"] * full
+    merge = vision["spatial_merge_size"]
+    side = vision["window_size"] // merge // vision["patch_size"]  # window side in merged tokens
+    mh, mw = h // merge, w // merge
+    windows = [
+        min(side, mh - r) * min(side, mw - c) * merge**2 for r in range(0, mh, side) for c in range(0, mw, side)
+    ]
+    windowed = t * sum(4 * n * n * width for n in windows)
+    full_blocks = len(vision.get("fullatt_block_indexes") or [])
+    return full_blocks * full + (vision["depth"] - full_blocks) * windowed
+
+
+MERGE_HIDDEN = 64  # the learnable token merge's head width (models/token_merge.py)
+
+
+def merge_parameters(config: dict) -> int:
+    dim = _text(config)["hidden_size"]
+    return MERGE_HIDDEN * 2 * dim + 2 * MERGE_HIDDEN  # input weight [64, 2D] and bias, output weight [1, 64]
+
+
+def merge_flops(config: dict, n: int, k: int) -> int:
+    """One image's learnable token merge: N x K cosines, the head on the N tokens and the K kept ones."""
+    if k == n:
+        return 0  # everything kept: nothing to merge
+    dim = _text(config)["hidden_size"]
+    return 2 * n * k * dim + 2 * (n + k) * dim * MERGE_HIDDEN + 2 * n * MERGE_HIDDEN
+
+
+def prefill_cost(config: dict, text_tokens: int, image_grids: list[tuple[int, int, int]], budget_bps: int, k_min: int,
+                 dtype_bytes: int = 2, state_dtype_bytes: int = 4, token_merge: bool = False) -> PrefillCost:
+    """Cost of one prompt: `text_tokens` text tokens and images of patch grids (t, h, w), at `budget_bps`."""
+    merge = config["vision_config"]["spatial_merge_size"]
+    visual = [t * h * w // merge**2 for t, h, w in image_grids]
+    kept_per_image = [tokens_to_keep(n, budget_bps, k_min) for n in visual]
+    kept = sum(kept_per_image)
+    length = text_tokens + kept
+    kv, state = cache_bytes(config, length, dtype_bytes, state_dtype_bytes)
+    vision = sum(vision_projection_flops(config, g) + vision_attention_flops(config, g) for g in image_grids)
+    merging = sum(merge_flops(config, n, k) for n, k in zip(visual, kept_per_image)) if token_merge else 0
+    return PrefillCost(length, kept, lm_flops(config, length), vision, kv, state, merging)
+
+
+def patch_grid(config: dict, height: int, width: int) -> tuple[int, int, int]:
+    """Patch grid (1, h, w) of an image whose sides are rounded to multiples of patch x merge (no min/max_pixels bounds)."""
+    vision = config["vision_config"]
+    unit = vision["patch_size"] * vision["spatial_merge_size"]
+    return 1, max(1, round(height / unit)) * vision["spatial_merge_size"], max(1, round(width / unit)) * vision["spatial_merge_size"]
+
+
+# Qwen3.5-4B, for `lt-opd efficiency --preset qwen3.5-4b` when its config.json is not at hand.
+# Text: the layout of a public Qwen3.5 4B-sized config (hidden 2560, 32 layers with a full-attention
+# layer every 4th, head_dim 256, MLP 9216, GDN 16 key / 32 value heads of 128, conv 4, vocabulary
+# 248,320). Assumed, not read from the release: 16 query heads and 4 KV heads (4 KV heads is what
+# the paper's KV-cache figure implies: 26.59 MB / 32 KiB per token = 811 tokens), and the vision
+# tower (24 blocks of width 1024, MLP 4096, patch 16, merge 2, the Qwen3-VL-4B class). Pass the real
+# folder (`lt-opd efficiency MODEL_DIR`) for exact figures.
+QWEN35_4B = {
+    "model_type": "qwen3_5",
+    "text_config": {
+        "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320,
+    },
+    "vision_config": {
+        "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "patch_size": 16,
+        "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "out_hidden_size": 2560,
+    },
+}
+PRESETS = {"qwen3.5-4b": QWEN35_4B}
+
+
+def preset_named_by(model_path: str) -> str | None:
+    """The preset a model folder or hub id names by its last part (models/Qwen3.5-4B, Qwen/Qwen3.5-4B: qwen3.5-4b)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    return name if name in PRESETS else None

@@ -1,0 +1,50 @@
+"""What a job reads before it starts (its training rows, its evaluation rows, its benchmark files), checked alike by
+`lt-opd validate` and by `train`'s preflight, so a file `train` would refuse is named by `validate` first. No torch,
+no Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lt_opd_ray.config import JobConfig
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.sources.resolve import generated_rows, load_samples
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    rows: int | None  # training rows; None where data.path does not read (a problem says why)
+    samples: list[Sample] | None  # the rows themselves; None where not drawn (validate) or unreadable
+    eval_samples: list[Sample] | None  # None: no eval.data, not drawn, or unreadable
+    benchmarks: dict[str, list]  # name -> items (evals.benchmarks.Item); a file that does not read is left out
+
+
+def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInputs, list[str]]:
+    """Every input of the job read as training reads it, and one line per problem (file, row and field named).
+    `draw_generated=False` (validate): synthetic and toy rows are counted from their spec, not drawn; they hold no
+    file that could be missing or damaged."""
+    from lt_opd_ray.evals.benchmarks import benchmark
+
+    problems: list[str] = []
+
+    def attempt(read):
+        try:
+            return read()
+        except ValueError as exc:  # InputError, BenchmarkError: each names its file
+            problems.append(str(exc))
+            return None
+
+    def rows_of(spec: str) -> list[Sample] | None:
+        if not draw_generated and generated_rows(spec) is not None:
+            return None
+        return load_samples(spec, job.data.image_root, job.seed)
+
+    samples = attempt(lambda: rows_of(job.data.path))
+    generated = generated_rows(job.data.path)  # its shape was checked by the schema
+    rows = len(samples) if samples is not None else generated.count if generated is not None else None
+    if rows is not None and job.sampling.prompts_per_step > rows:
+        problems.append(f"sampling.prompts_per_step ({job.sampling.prompts_per_step}) is more than the {rows} rows of"
+                        f" data.path {job.data.path!r}: an update's prompts are distinct rows")
+    eval_samples = attempt(lambda: rows_of(job.eval.data)) if job.eval.data else None
+    loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
+    return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems

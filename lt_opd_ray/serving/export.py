@@ -1,0 +1,114 @@
+"""The trained student as a servable folder: a standard Hugging Face checkpoint plus its compression config.
+
+`lt_opd_compression.json` (selector, budget_bps, k_min, merge) travels with the weights:
+our vLLM plugin applies it to every request that does not set its own selection,
+so `lt-opd serve DIR` (or `vllm serve DIR` with this package installed) answers at
+the student's budget. The folder is assembled beside its destination and renamed
+into place, so a failed export never leaves a half-written folder under that name
+and never replaces a good one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from lt_opd_ray.core.compression import CompressionConfig
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def export_student(job, out_dir: str | Path, step: int | None = None, force: bool = False) -> Path:
+    """Write the job's student to `out_dir`: from `<checkpoint.dir>/final`, or from checkpoint `step-<step>`."""
+    from lt_opd_ray.core.storage import RunStorage
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise ExportError(f"{out_dir} exists; choose another folder or pass --force to replace it")
+    storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
+    staging = out_dir.with_name(out_dir.name + ".incoming")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        if step is None:
+            if storage.read_text("final/config.json") is None:  # written last: a final/ without it is unfinished
+                raise ExportError(
+                    f"{storage.describe('final')}: no finished student (the run has not reached budget.total_steps);"
+                    f" export a checkpoint with --step (available: {_steps(storage) or 'none'})"
+                )
+            if storage.remote:
+                storage.get("final", into=staging)
+            else:
+                shutil.copytree(storage.local / "final", staging)
+        else:
+            _from_deepspeed_checkpoint(job, storage, step, staging)
+        CompressionConfig.from_job(job).write(staging)
+        _check_loadable(staging)
+    except OSError as exc:  # shutil.Error too: a full disk, a folder it may not write
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ExportError(f"writing {staging} failed ({_first_os_error(exc)}); nothing was left there") from exc
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(staging, out_dir)
+    return out_dir
+
+
+def _first_os_error(exc: OSError) -> str:
+    """What went wrong, in words: copytree gathers its per-file errors as (source, target, why) in a shutil.Error."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        source, _, why = exc.args[0][0]
+        return f"{why} (copying {source}; {len(exc.args[0])} file(s) failed)"
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+
+
+def _steps(storage) -> list[int]:
+    names = storage.names()
+    return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit() and storage.read_text(f"{n}/driver_state.json") is not None)
+
+
+def _from_deepspeed_checkpoint(job, storage, step: int, staging: Path) -> None:
+    """fp32 weights gathered from the ZeRO partitions of one complete checkpoint, saved over the base model."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from lt_opd_ray.models.loading import load_vlm
+    from lt_opd_ray.models.processor import VLMProcessor
+    from lt_opd_ray.runtime.checkpoint_files import damage
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    tag = f"step-{step}"
+    if storage.read_text(f"{tag}/driver_state.json") is None:
+        raise ExportError(f"{storage.describe(tag)}: no complete checkpoint (available steps: {_steps(storage) or 'none'})")
+    root = staging.with_name(staging.name + ".checkpoint") if storage.remote else storage.local
+    if storage.remote:
+        storage.get(tag, into=root / tag)
+    try:
+        if why := damage(root / tag):  # sizes, SHA-256 and weights-only pickles, before DeepSpeed's loader opens a file
+            raise ExportError(f"{storage.describe(tag)}: not exported, the checkpoint is damaged or untrusted: {why}")
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    finally:
+        if storage.remote:
+            shutil.rmtree(root, ignore_errors=True)
+    prefix = "model."  # the DeepSpeed module wraps the Hugging Face model as `.model`
+    weights = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
+    expected = set(model.state_dict())
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
+        raise ExportError(f"{storage.describe(tag)}: weights do not match {job.model.path} (missing {missing}, unexpected {extra})")
+    model.save_pretrained(staging, state_dict=weights)
+    processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+    processor.tokenizer.save_pretrained(staging)
+    processor.image_processor.save_pretrained(staging)
+
+
+def _check_loadable(folder: Path) -> None:
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - any failure means the folder is not a usable checkpoint
+        raise ExportError(f"{folder}: the exported folder does not load as a Hugging Face model: {exc}") from None

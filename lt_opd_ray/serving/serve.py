@@ -1,0 +1,58 @@
+"""`lt-opd serve`: vLLM's OpenAI-compatible server on an exported student, at its budget.
+
+The server is vLLM's own (`vllm.entrypoints.openai.api_server`); our plugin loads in
+its engine process through the `vllm.general_plugins` entry point and applies the
+folder's `lt_opd_compression.json` to every request, with the question tokens of
+the request's own prompt as CDPruner's query. It binds to 127.0.0.1 unless told
+otherwise. A request may set its own selection (`mm_processor_kwargs` with
+`lt_opd_budget_bps`, ...) only when the server is started with vLLM's
+`--trust-request-mm-kwargs` (`lt-opd serve DIR -- --trust-request-mm-kwargs`); each setting is
+checked in the front end (a bad one is a 400 naming it). Images are taken inline
+(data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
+                  max_model_len: int = 8192, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the server process for `model_dir`."""
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.engines.vllm.engine import check_architecture
+    from lt_opd_ray.engines.vllm.media import CONNECTOR_NAME
+
+    model_dir = Path(model_dir).resolve()
+    check_architecture(model_dir)
+    compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
+    config = json.loads((model_dir / "config.json").read_text())
+    on_gpu = torch.cuda.is_available()
+    if dtype is None:  # vLLM's CPU kernels run Qwen3.5 only in bf16
+        dtype = "bfloat16" if config.get("model_type") == "qwen3_5" and not on_gpu else "auto"
+    positions = int(config.get("text_config", config).get("max_position_embeddings", max_model_len))
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--host", host,
+        "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(min(max_model_len, positions)),
+        "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
+        *([] if on_gpu else ["--enforce-eager"]),
+        *(extra or []),
+    ]
+    env = dict(os.environ)
+    env.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)  # inline images only, unless --allowed-media-domains
+    if not on_gpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
+    budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"
+    budget += ", kept tokens merged with their discarded neighbours (learnable token merge)" if merging else ""
+    print(f"serving {model_dir} on http://{host}:{port}/v1 with {budget}", flush=True)
+    return argv, env

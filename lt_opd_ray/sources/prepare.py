@@ -1,0 +1,302 @@
+"""`lt-opd data`: a training set in the LT-14K layout -> verified parquet shards + manifest.
+
+Sources:
+- an LT-14K-style folder: `train.parquet` (sample_uid, question, [answer]),
+  `media.jsonl` (sample_uid, path, access bundled|url, archive, size_bytes, sha256)
+  and the `images/*.tar` archives it names;
+- a Hugging Face `datasets` folder (`save_to_disk`; columns sample_uid, question,
+  [answer], image);
+- a JSONL or parquet file (sample_uid, question, [answer], image path, [sha256])
+  with its images under `--images`.
+
+Every row is checked: a question, a unique sample_uid, an image that exists, has
+the recorded size and SHA-256 (where the source records them) and decodes. Rows
+go into `shard-NNNNN.parquet` files (sample_uid, question, answer, image bytes,
+sha256; row groups of 64 so the loader reads one group per image) written in
+`<out>.incoming/`; `manifest.json` is written last and the folder renamed to
+`<out>`, so an unfinished preparation never looks complete. An interrupted run
+continues from its finished shards (`progress.json` records them and the source
+they came from). Any bad row fails the run with a report naming every bad row,
+and nothing is written under `<out>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lt_opd_ray.core.errors import InputError
+from lt_opd_ray.sources.rows import PREPARED_MANIFEST as MANIFEST
+
+PROGRESS = "progress.json"
+ROW_GROUP = 64
+
+
+class DataError(ValueError):
+    """A source that cannot be prepared; the message lists every bad row."""
+
+
+@dataclass
+class SourceRow:
+    uid: str
+    question: str | None
+    answer: str | None
+    read_image: object  # () -> bytes, raising FileNotFoundError / ValueError with a reason
+    sha256: str | None = None
+    size_bytes: int | None = None
+    problem: str | None = None  # why the source's line is not a row at all (then nothing else is checked)
+
+
+# ------------------------------------------------------------------------------ sources
+def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
+    from lt_opd_ray.sources.rows import read_rows_raw
+
+    media = {str(entry.get("sample_uid")): entry for _, entry in read_rows_raw(folder / "media.jsonl")}
+    archives: dict[str, tarfile.TarFile] = {}
+
+    def reader(entry: dict):
+        def read() -> bytes:
+            if entry.get("access") == "url":
+                raise FileNotFoundError(f"media is a url ({entry.get('url')}); fetch it into a bundled archive first (no network here)")
+            archive = folder / str(entry.get("archive") or "")
+            if not archive.is_file():
+                raise FileNotFoundError(f"archive {entry.get('archive')!r} not found")
+            if str(archive) not in archives:
+                archives[str(archive)] = tarfile.open(archive)
+            try:
+                member = archives[str(archive)].extractfile(str(entry["path"]))
+            except KeyError:
+                member = None
+            if member is None:
+                raise FileNotFoundError(f"{entry.get('path')!r} is not in {entry.get('archive')}")
+            return member.read()
+
+        return read
+
+    for _, row in read_rows_raw(folder / "train.parquet"):
+        uid = str(row.get("sample_uid"))
+        entry = media.get(uid)
+        if entry is None:
+            yield SourceRow(uid, row.get("question"), row.get("answer"), _missing("no media.jsonl entry"))
+            continue
+        yield SourceRow(uid, row.get("question"), row.get("answer"), reader(entry), entry.get("sha256"), entry.get("size_bytes"))
+
+
+def _hf_rows(folder: Path) -> Iterator[SourceRow]:
+    import datasets
+
+    data = datasets.load_from_disk(str(folder))
+    if isinstance(data, datasets.DatasetDict):
+        data = data["train"]
+    for index, row in enumerate(data):
+        image = row.get("image")
+
+        def read(image=image) -> bytes:
+            if image is None:
+                raise FileNotFoundError("no image")
+            if isinstance(image, dict) and image.get("bytes"):
+                return image["bytes"]
+            if hasattr(image, "save"):
+                buffer = io.BytesIO()
+                image.save(buffer, format=image.format or "PNG")
+                return buffer.getvalue()
+            raise ValueError(f"image of type {type(image).__name__} holds no bytes")
+
+        yield SourceRow(str(row.get("sample_uid", index)), row.get("question"), row.get("answer"), read, row.get("sha256"))
+
+
+def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
+    from lt_opd_ray.sources.rows import read_records
+
+    for number, row, problem in read_records(path):
+        if problem is not None:
+            yield SourceRow(f"line {number}", None, None, _missing(problem), problem=problem)
+            continue
+        image = row.get("image")
+
+        def read(image=image) -> bytes:
+            if not image:
+                raise FileNotFoundError("no image")
+            file = images / str(image)
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} not found")
+            return file.read_bytes()
+
+        yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"), read, row.get("sha256"))
+
+
+def _missing(reason: str):
+    def read() -> bytes:
+        raise FileNotFoundError(reason)
+
+    return read
+
+
+def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]:
+    if source.is_dir() and (source / "train.parquet").exists() and (source / "media.jsonl").exists():
+        return _lt14k_rows(source)
+    if source.is_dir() and ((source / "dataset_info.json").exists() or (source / "dataset_dict.json").exists()):
+        return _hf_rows(source)
+    if source.is_file() and source.suffix in (".jsonl", ".parquet"):
+        return _file_rows(source, images or source.parent)
+    raise DataError(
+        f"{source}: not a source this command reads (an LT-14K folder with train.parquet + media.jsonl,"
+        " a datasets save_to_disk folder, or a .jsonl / .parquet file)"
+    )
+
+
+# ------------------------------------------------------------------------------ prepare
+def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
+    from lt_opd_ray.models.processor import ImageError, decode_image
+    from lt_opd_ray.sources.rows import question_problem
+
+    if row.problem is not None:
+        return None, [row.problem]
+    problems = []
+    if not row.question or not str(row.question).strip():
+        problems.append("no question")
+    elif problem := question_problem(row.question):
+        problems.append(problem)
+    if row.uid in seen:
+        problems.append("duplicate sample_uid")
+    try:
+        data = row.read_image()
+    except (FileNotFoundError, ValueError, OSError, tarfile.TarError) as exc:
+        return None, problems + [f"image: {exc}"]
+    if row.size_bytes is not None and len(data) != int(row.size_bytes):
+        problems.append(f"image has {len(data)} bytes, media.jsonl says {row.size_bytes}")
+    digest = hashlib.sha256(data).hexdigest()
+    if row.sha256 and digest != row.sha256:
+        problems.append(f"image SHA-256 {digest[:12]}... does not match the recorded {str(row.sha256)[:12]}...")
+    try:
+        decode_image(data).close()
+    except ImageError as exc:
+        problems.append(f"image {exc}")
+    return data, problems
+
+
+def _fingerprint(source: Path) -> str:
+    parts = [str(source.resolve())]
+    for path in sorted([source] if source.is_file() else source.rglob("*")):
+        if path.is_file():
+            stat = path.stat()
+            parts.append(f"{path.name}:{stat.st_size}:{int(stat.st_mtime)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def prepare(source: str | Path, out: str | Path, images: str | Path | None = None, shard_rows: int = 1000,
+            max_shards: int | None = None, progress=None) -> dict | None:
+    """Prepare `source` into `out`; returns the manifest, or None when `max_shards` stopped it early (run again)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source, out = Path(source), Path(out)
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out} is already a prepared data set; remove it or choose another folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # found now, not after the work
+        raise DataError(f"{out} is {'a file' if not out.is_dir() else 'a folder that is not empty'}; --out must be a new or empty folder")
+    staging = out.with_name(out.name + ".incoming")
+    fingerprint = _fingerprint(source)
+    state = {"source": str(source), "fingerprint": fingerprint, "shards": [], "uids": []}
+    if (staging / PROGRESS).exists():
+        previous = json.loads((staging / PROGRESS).read_text())
+        if previous.get("fingerprint") == fingerprint:
+            state = previous  # resume: keep the finished shards
+        else:
+            shutil.rmtree(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    done_rows = sum(s["rows"] for s in state["shards"])
+    seen, problems, batch, new_shards = set(state["uids"]), [], [], 0
+
+    def flush() -> None:
+        nonlocal batch, new_shards
+        name = f"shard-{len(state['shards']):05d}.parquet"
+        table = pa.table({k: [r[k] for r in batch] for k in ("sample_uid", "question", "answer", "image", "sha256")})
+        pq.write_table(table, staging / (name + ".tmp"), row_group_size=ROW_GROUP)
+        os.replace(staging / (name + ".tmp"), staging / name)
+        state["shards"].append({"file": name, "rows": len(batch), "sha256": hashlib.sha256((staging / name).read_bytes()).hexdigest()})
+        state["uids"] += [r["sample_uid"] for r in batch]
+        (staging / PROGRESS).write_text(json.dumps(state))
+        batch, new_shards = [], new_shards + 1
+
+    for index, row in enumerate(source_rows(source, Path(images) if images else None)):
+        if index < done_rows:
+            continue  # in a finished shard of an earlier run
+        data, row_problems = _check(row, seen)
+        seen.add(row.uid)
+        if row_problems:
+            problems += [f"{row.uid}: {p}" for p in row_problems]
+            continue
+        batch.append({"sample_uid": row.uid, "question": str(row.question), "answer": None if row.answer is None else str(row.answer),
+                      "image": data, "sha256": hashlib.sha256(data).hexdigest()})
+        if progress:
+            progress(index + 1)
+        if len(batch) == shard_rows and not problems:
+            flush()
+            if max_shards is not None and new_shards >= max_shards:
+                return None
+    if problems:
+        shutil.rmtree(staging, ignore_errors=True)
+        shown = "\n  ".join(problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        raise DataError(f"{source}: {len(problems)} problem(s), nothing written\n  {shown}{more}")
+    if batch:
+        flush()
+    manifest = {"format": 1, "source": str(source), "rows": len(state["uids"]), "shards": state["shards"]}
+    (staging / PROGRESS).unlink()
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    os.replace(staging, out)
+    return manifest
+
+
+# ------------------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class ShardImage:
+    """One image inside a prepared shard, read on use (its row group only)."""
+
+    shard: str
+    row: int
+
+    def read(self) -> bytes:
+        import pyarrow.parquet as pq
+
+        group, offset = divmod(self.row, ROW_GROUP)
+        return pq.ParquetFile(self.shard).read_row_group(group, columns=["image"]).column("image")[offset].as_py()
+
+
+def read_prepared(folder: str | Path):
+    """The samples of a prepared folder (images read lazily), in manifest order; shards are checked against it, and a
+    manifest or shard that does not read is an InputError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lt_opd_ray.core.samples import Sample
+
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        shards = [(str(shard["file"]), int(shard["rows"])) for shard in manifest["shards"]]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{folder / MANIFEST}: not a manifest `lt-opd data` wrote ({type(exc).__name__}: {str(exc)[:120]});"
+                         " prepare the folder again") from None
+    samples = []
+    for file, rows in shards:
+        path = folder / file
+        if not path.is_file():
+            raise InputError(f"{folder}: shard {file} named by the manifest is missing")
+        try:
+            table = pq.read_table(path, columns=["sample_uid", "question", "answer"])
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path}: not a readable shard ({str(exc).splitlines()[0][:160]}); prepare the folder again") from None
+        if table.num_rows != rows:
+            raise InputError(f"{path}: {table.num_rows} rows, the manifest says {rows}")
+        for row, (uid, question, answer) in enumerate(zip(*(table.column(c).to_pylist() for c in ("sample_uid", "question", "answer")))):
+            samples.append(Sample(uid=uid, image=ShardImage(str(path), row), question=question, answer=answer))
+    return samples

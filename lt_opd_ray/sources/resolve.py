@@ -1,0 +1,86 @@
+"""What a job's `data.*` and `model.path` strings name, resolved in one place (the schema checks them with it).
+
+Data: `synthetic:<n>[@<W>x<H>]`, `toy-<task>[-test]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
+parquet file. Models: `tiny:<family>[-vocab<N>]` (an embedded tiny random model, built once), `toy:<task>` (a toy
+task's teacher: shipped, or trained once), or a local Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lt_opd_ray.core.errors import InputError
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.sources.rows import PREPARED_MANIFEST, read_rows
+from lt_opd_ray.sources.synthetic import synthetic_sample
+
+MAX_GENERATED_ROWS = 100_000  # synthetic and toy rows are drawn in memory at start: more is a typo, not a data set
+
+
+@dataclass(frozen=True)
+class GeneratedRows:
+    """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>]` or `toy-<task>[-test]:<n>`."""
+
+    kind: str  # "synthetic" or "toy-<task>[-test]"
+    count: int
+    size: tuple[int, int] | None = None  # (width, height) of synthetic images; None: 128 x 128
+
+    @property
+    def toy_task(self) -> str | None:
+        return self.kind.removeprefix("toy-").removesuffix("-test") if self.kind.startswith("toy-") else None
+
+
+def generated_rows(spec: str) -> GeneratedRows | None:
+    """The generated form `spec` names, or None for a file or folder (read later, with its own named errors);
+    a malformed generated form is an InputError saying the expected shape."""
+    kind, _, rest = spec.partition(":")
+    if kind != "synthetic" and not kind.startswith("toy-"):
+        return None
+    count, _, size = rest.partition("@")
+    if not count.isdigit() or not 1 <= int(count) <= MAX_GENERATED_ROWS:
+        raise InputError(f"{spec!r}: expected {kind}:<count from 1 to {MAX_GENERATED_ROWS:,}>")
+    width, _, height = size.partition("x")
+    if size and (kind != "synthetic" or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
+        raise InputError(f"{spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
+    rows = GeneratedRows(kind, int(count), (int(width), int(height)) if size else None)
+    if rows.toy_task is not None:
+        from lt_opd_ray.sources.toy.tasks import toy_task
+
+        toy_task(rows.toy_task)  # a known task, or an InputError naming the known ones
+    return rows
+
+
+def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
+    """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size),
+    `toy-<task>:<n>` / `toy-<task>-test:<n>` (a toy task's training / held-out split, lt_opd_ray/toy),
+    a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
+    if (generated := generated_rows(spec)) is not None:
+        if generated.toy_task is not None:
+            from lt_opd_ray.sources.toy.tasks import toy_task
+
+            return toy_task(generated.toy_task).samples(generated.count, "test" if generated.kind.endswith("-test") else "train")
+        return [synthetic_sample(i, seed, generated.size or 128) for i in range(generated.count)]
+    if (Path(spec) / PREPARED_MANIFEST).exists():
+        from lt_opd_ray.sources.prepare import read_prepared
+
+        return read_prepared(spec)
+    return read_rows(spec, image_root)
+
+
+def resolve_model_dir(path: str) -> Path:
+    """The local folder `model.path` names, built or trained first where it is embedded (`tiny:`, `toy:`)."""
+    from lt_opd_ray.models.loading import model_folder
+
+    if path.startswith("tiny:"):
+        from lt_opd_ray.models.tiny import tiny_model_dir
+
+        return tiny_model_dir(path.split(":", 1)[1])
+    if path.startswith("toy:"):
+        from lt_opd_ray.sources.toy.teacher import RECIPES, toy_teacher_dir
+
+        task = path.split(":", 1)[1]
+        if task not in RECIPES:
+            raise FileNotFoundError(f"model.path {path!r}: no toy task {task!r} (known: {', '.join(RECIPES)})")
+        return toy_teacher_dir(RECIPES[task])
+    return model_folder(path)

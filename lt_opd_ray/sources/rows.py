@@ -1,0 +1,122 @@
+"""Training rows read from JSONL / parquet files: (sample_uid, image, question[, answer]), every problem of a file named at once."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from lt_opd_ray.core.errors import InputError
+from lt_opd_ray.core.samples import Sample
+
+DATA_SUFFIXES = (".jsonl", ".parquet")  # the row files `load_samples` reads
+PREPARED_MANIFEST = "manifest.json"  # what marks a folder `lt-opd data` prepared (written last)
+MAX_QUESTION_CHARS = 65_536  # a question is a sentence or a page, never a document: longer is refused per row
+REQUIRED_FIELDS = ("sample_uid", "image", "question")
+
+
+def question_problem(question: object) -> str | None:
+    if not isinstance(question, str):
+        return f"question must be text, got {type(question).__name__}"
+    if len(question) > MAX_QUESTION_CHARS:
+        return f"question has {len(question):,} characters, above the {MAX_QUESTION_CHARS:,} a row may have"
+    return None
+
+
+SHOWN_PROBLEMS = 10  # a file's problems named in one error; the rest counted
+
+
+def listed(path: Path, problems: list[str]) -> str:
+    """One error naming a file's problems, the first SHOWN_PROBLEMS of them."""
+    more = f"; ... and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
+    return f"{path}: {'; '.join(problems[:SHOWN_PROBLEMS])}{more}"
+
+
+def read_records(path: str | Path) -> list[tuple[int, dict | None, str | None]]:
+    """(line or row number, record, None) for every JSON object of a JSONL or parquet file (its fields unchecked),
+    (number, None, problem) for every line that is not one; blank lines skipped. A file that cannot be read as
+    rows at all is an InputError."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: data file not found")
+    if path.is_dir():
+        raise InputError(f"{path}: a folder without {PREPARED_MANIFEST}: give a JSONL or parquet file, or the folder `lt-opd data` wrote")
+    if path.suffix not in DATA_SUFFIXES:
+        raise InputError(f"{path}: a {path.suffix or 'suffix-less'} file; rows are read from {' or '.join(DATA_SUFFIXES)} files")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: data file not readable (permission denied)")
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return [(i + 1, row, None) for i, row in enumerate(pq.read_table(path).to_pylist())]
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0][:200]})") from None
+    entries = []
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                entries.append((line_no, None, f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"))
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                entries.append((line_no, None, f"not valid JSON: {exc.msg}"))
+                continue
+            except RecursionError:
+                entries.append((line_no, None, "JSON nested too deeply to be a row"))
+                continue
+            if not isinstance(record, dict):
+                entries.append((line_no, None, f"a row must be a JSON object, got {type(record).__name__}"))
+                continue
+            entries.append((line_no, record, None))
+    return entries
+
+
+def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
+    """(line or row number, record) of a JSONL or parquet file whose every line is a JSON object; otherwise one
+    InputError naming the lines that are not."""
+    entries = read_records(path)
+    if problems := [f"line {number}: {problem}" for number, _, problem in entries if problem]:
+        raise InputError(listed(Path(path), problems))
+    return [(number, record) for number, record, _ in entries]
+
+
+def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
+    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question. Every problem of the file
+    is named in one InputError."""
+    path = Path(path)
+    where = "row" if path.suffix == ".parquet" else "line"
+    samples, numbers, seen, problems = [], [], {}, []
+    for number, row, problem in read_records(path):
+        if problem := problem or _row_problem(row, seen, where):
+            problems.append(f"{where} {number}: {problem}")
+            continue
+        uid = str(row["sample_uid"])
+        seen[uid] = number
+        image = row["image"]
+        if isinstance(image, str):
+            image = Path(image_root) / image
+        samples.append(Sample(uid=uid, image=image, question=str(row["question"]), answer=row.get("answer")))
+        numbers.append(number)
+    missing = [(number, sample.image) for number, sample in zip(numbers, samples) if isinstance(sample.image, Path) and not sample.image.is_file()]
+    if missing:
+        shown = "; ".join(f"{where} {number}: {image}" for number, image in missing[:3])
+        problems.append(f"{len(missing)} of {len(samples)} image file(s) not found under image_root {image_root}"
+                        f" ({shown}{'; ...' if len(missing) > 3 else ''})")
+    if problems:
+        raise InputError(listed(path, problems))
+    return samples
+
+
+def _row_problem(row: dict, seen: dict[str, int], where: str) -> str | None:
+    if missing := [f for f in REQUIRED_FIELDS if not row.get(f)]:
+        return f"missing field(s) {', '.join(missing)}"
+    if (uid := str(row["sample_uid"])) in seen:
+        return f"duplicate sample_uid {uid!r} (first at {where} {seen[uid]})"
+    return question_problem(row["question"])

@@ -1,0 +1,37 @@
+"""The embedded default data set: coloured shapes on a grid, questions that name what to look at, short answers.
+
+It needs no files and is identical on every machine for a given seed.
+"""
+
+from __future__ import annotations
+
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.seeding import stable_seed
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (235, 210, 40)}
+SHAPES = ("square", "circle")
+
+
+def synthetic_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 128) -> Sample:
+    """One image (size: side, or (width, height)) with a shape in each quadrant; the question asks for the colour at one."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(stable_seed("synthetic", seed, index))
+    width, height = (size, size) if isinstance(size, int) else size
+    image = Image.new("RGB", (width, height), (245, 245, 245))
+    draw = ImageDraw.Draw(image)
+    quadrants = ["top left", "top right", "bottom left", "bottom right"]
+    answers = {}
+    half_w, half_h = width // 2, height // 2
+    for q, name in enumerate(quadrants):
+        colour = rng.choice(list(COLOURS))
+        shape = rng.choice(SHAPES)
+        x0, y0 = (q % 2) * half_w + half_w // 4, (q // 2) * half_h + half_h // 4
+        box = (x0, y0, x0 + half_w // 2, y0 + half_h // 2)
+        (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLOURS[colour])
+        answers[name] = colour
+    asked = rng.choice(quadrants)
+    question = f"What colour is the shape in the {asked} corner? Answer with one word."
+    return Sample(uid=f"synthetic-{seed}-{index}", image=image, question=question, answer=answers[asked])
