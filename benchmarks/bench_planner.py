@@ -94,7 +94,7 @@ class Probe:
         return time.perf_counter() - begin
 
     def receive(self, version: int) -> float:
-        from lt_opd_ray.weight_sync.group import ModuleSink
+        from lt_opd_ray.weight_sync.ends import ModuleSink
 
         begin = time.perf_counter()
         self.group.receive(ModuleSink(self.weights), version)

@@ -114,7 +114,7 @@ class Receiver:
         self.group = SyncGroup(join_store(host, port, 120), rank, world, generation, 120)
 
     def receive(self, version: int) -> float:
-        from lt_opd_ray.weight_sync.group import ModuleSink
+        from lt_opd_ray.weight_sync.ends import ModuleSink
 
         begin = time.perf_counter()
         self.group.receive(ModuleSink(self.model), version)  # the bucket size comes in the sync's header

@@ -151,7 +151,8 @@ def sync_part(small: bool) -> None:
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner_group import free_port
     from lt_opd_ray.sources.resolve import resolve_model_dir
-    from lt_opd_ray.weight_sync.group import ModuleSink, SyncGroup, host_store, join_store
+    from lt_opd_ray.weight_sync.ends import ModuleSink
+    from lt_opd_ray.weight_sync.group import SyncGroup, host_store, join_store
 
     model_path = "tiny:qwen3_5" if small else "tiny:qwen3_5-vocab248320"
     model_dir, learner = load_vlm(resolve_model_dir(model_path), device="cpu")

@@ -278,6 +278,7 @@ def cmd_eval(args) -> int:
 def cmd_efficiency(args) -> int:
     import json
 
+    from lt_opd_ray.core.compression import learnable_merge
     from lt_opd_ray.planning.efficiency import PRESETS, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
@@ -297,7 +298,7 @@ def cmd_efficiency(args) -> int:
         print(f"efficiency: --image {args.image!r} is not HEIGHTxWIDTH in pixels", file=sys.stderr)
         return 2
     grid = patch_grid(config, height, width)
-    merging = args.token_merge or bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
+    merging = args.token_merge or learnable_merge(config) is not None
     rows = [prefill_cost(config, args.text_tokens, [grid], bps, args.k_min, token_merge=merging) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
     full = rows[0]
     print(f"{args.preset or args.model}: {args.text_tokens} text tokens + one {height}x{width} image"

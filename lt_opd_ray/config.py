@@ -84,8 +84,6 @@ class DataConfig(_Strict):
 class SelectorConfig(_Strict):
     name: Literal["cdpruner", "divprune", "random", "uniform"] = "cdpruner"
     """Which visual tokens the student keeps: CDPruner (docs/architecture.md §1), DivPrune, seeded random, uniform grid."""
-    seed: int = 0
-    """Seed of the random selector (combined with each sample's id)."""
     merge: Literal["none", "learnable"] = "none"
     """`learnable`: each kept token also takes in its discarded cosine neighbours through a trained head (the paper's
     release, with cdpruner; models/token_merge.py); `none`: the discarded tokens are dropped."""
@@ -411,6 +409,11 @@ class JobConfig(_Strict):
     """Metrics export."""
     tracking: TrackingConfig = TrackingConfig()
     """Experiment tracking (TensorBoard, MLflow, W&B)."""
+
+    @property
+    def eval_budget_bps(self) -> int:
+        """The budget every evaluation of the student runs at: `eval.budget_bps`, else the curriculum's target."""
+        return self.eval.budget_bps or self.budget.target_bps
 
     @model_validator(mode="before")
     @classmethod

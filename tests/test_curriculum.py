@@ -2,9 +2,14 @@ import math
 
 import pytest
 
+from lt_opd_ray.config import BudgetConfig
 from lt_opd_ray.core.curriculum import BudgetSchedule, tokens_to_keep
 
-PAPER = BudgetSchedule()
+PAPER = BudgetSchedule.from_config(BudgetConfig())  # the job schema's defaults are the paper's
+
+
+def schedule(**changes) -> BudgetSchedule:
+    return BudgetSchedule(**{"start_bps": 2500, "target_bps": 500, "warm_steps": 14, "decay_end": 100, **changes})
 
 
 @pytest.mark.parametrize(
@@ -32,12 +37,12 @@ def test_schedule_is_monotone_non_increasing():
 
 
 def test_no_curriculum_ablation_is_target_from_step_zero():
-    flat = BudgetSchedule(start_bps=500, target_bps=500)
+    flat = schedule(start_bps=500, target_bps=500)
     assert {flat.budget_bps(c) for c in range(175)} == {500}
 
 
 def test_no_final_hold_ablation_decays_until_the_end():
-    no_hold = BudgetSchedule(decay_end=175, total_steps=175)
+    no_hold = schedule(decay_end=175)
     assert no_hold.budget_bps(100) > 500
     assert no_hold.budget_bps(175) == 500
 
@@ -73,11 +78,11 @@ def test_budget_outside_unit_interval_is_refused(bps):
     with pytest.raises(ValueError, match=r"outside \(0, 10000\]"):
         tokens_to_keep(64, bps, 4)
     with pytest.raises(ValueError, match="start_bps"):
-        BudgetSchedule(start_bps=bps, target_bps=min(500, max(bps, 1)))
+        schedule(start_bps=bps, target_bps=min(500, max(bps, 1)))
 
 
 def test_bad_schedule_parameters_are_refused():
     with pytest.raises(ValueError, match="exceeds start_bps"):
-        BudgetSchedule(start_bps=500, target_bps=2500)
+        schedule(start_bps=500, target_bps=2500)
     with pytest.raises(ValueError, match="k_min"):
         tokens_to_keep(64, 500, 0)

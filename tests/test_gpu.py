@@ -65,7 +65,8 @@ def test_nccl_takes_the_lockstep_flags_and_the_weight_sync_on_the_device(tmp_pat
 
     from lt_opd_ray.core.collectives import all_reduce_max, install_guard
     from lt_opd_ray.runtime.rollout_pool import sync_device
-    from lt_opd_ray.weight_sync.group import SyncGroup, WeightSyncAborted, host_store
+    from lt_opd_ray.weight_sync.ends import WeightSyncAborted
+    from lt_opd_ray.weight_sync.group import SyncGroup, host_store
 
     install_guard()
     torch.cuda.set_device(0)

@@ -285,7 +285,7 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
     import time
 
     from lt_opd_ray.runtime.sync_coordinator import wait_all
-    from lt_opd_ray.weight_sync.group import WeightSyncError
+    from lt_opd_ray.weight_sync.ends import WeightSyncError
 
     @ray.remote(num_cpus=0)
     def answer(delay):

@@ -8,16 +8,9 @@ import torch
 
 from lt_opd_ray.core.wire import MalformedPayloadError, Rollout, TeacherScore, pack_scores, unpack_scores
 from lt_opd_ray.runtime.learner_group import free_port
-from lt_opd_ray.weight_sync.group import (
-    Layout,
-    ModuleSink,
-    SyncGroup,
-    WeightUpdateRefused,
-    group_key,
-    host_store,
-    join_store,
-    weights_checksum,
-)
+from lt_opd_ray.weight_sync.ends import ModuleSink, WeightUpdateRefused
+from lt_opd_ray.weight_sync.group import SyncGroup, host_store, join_store
+from lt_opd_ray.weight_sync.layout import Layout, group_key, weights_checksum
 
 
 def model(seed, width=40):

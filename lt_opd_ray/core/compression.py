@@ -39,7 +39,6 @@ class CompressionConfig:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not a compression config ({exc!r}); expected selector, budget_bps, k_min") from None
 
-
     @classmethod
     def from_release(cls, config_path: Path) -> CompressionConfig | None:
         """The release's compressor settings as ours: CDPruner at its final retention, at least
@@ -53,5 +52,13 @@ class CompressionConfig:
             raise ValueError(f"{config_path}: vision_token_compressor.method {settings.get('method')!r}; this runtime implements cdpruner")
         curriculum = settings.get("curriculum") or {}
         bps = curriculum.get("final_retention_bps") if curriculum.get("enabled") else round(float(settings.get("retention_ratio", 0.05)) * 10000)
-        merge = "learnable" if (settings.get("learnable_merge") or {}).get("enabled") else "none"
+        merge = "learnable" if learnable_merge({"vision_token_compressor": settings}) is not None else "none"
         return cls(selector="cdpruner", budget_bps=int(bps), k_min=int(settings.get("minimum_tokens_per_image", 1)), merge=merge)
+
+
+def learnable_merge(config) -> dict | None:
+    """The learnable token merge a model config names (a config.json dict or a transformers config; ours and the
+    paper's release write the same `vision_token_compressor.learnable_merge` entry), or None when it names none."""
+    entry = config.get("vision_token_compressor") if isinstance(config, dict) else getattr(config, "vision_token_compressor", None)
+    merge = (entry.get("learnable_merge") or {}) if isinstance(entry, dict) else {}
+    return merge if merge.get("enabled") else None

@@ -18,19 +18,16 @@ def round_half_up(x: float) -> int:
 
 @dataclass(frozen=True)
 class BudgetSchedule:
-    """r(c) for c = optimizer steps completed before the update.
-
-    Paper values: start 2500, target 500, warm_steps 14, decay_end 100, total 175:
-    25% for c <= 13, cosine decay for 14 <= c <= 99, 5% from c = 100 on.
-    No-curriculum ablation: start_bps = target_bps. No final hold: decay_end = total_steps.
+    """r(c) for c = optimizer steps completed before the update, from the job's `budget` (config.BudgetConfig, whose
+    defaults are the paper's: start 2500, target 500, warm_steps 14, decay_end 100: 25% for c <= 13, cosine decay
+    for 14 <= c <= 99, 5% from c = 100 on). No-curriculum ablation: start_bps = target_bps. No final hold:
+    decay_end = the run's last update.
     """
 
-    start_bps: int = 2500
-    target_bps: int = 500
-    warm_steps: int = 14
-    decay_end: int = 100
-    total_steps: int = 175
-    k_min: int = 32
+    start_bps: int
+    target_bps: int
+    warm_steps: int
+    decay_end: int
 
     def __post_init__(self) -> None:
         for name in ("start_bps", "target_bps"):
@@ -41,8 +38,6 @@ class BudgetSchedule:
             raise ValueError(f"target_bps ({self.target_bps}) exceeds start_bps ({self.start_bps})")
         if not 0 <= self.warm_steps <= self.decay_end:
             raise ValueError(f"need 0 <= warm_steps ({self.warm_steps}) <= decay_end ({self.decay_end})")
-        if self.k_min < 1:
-            raise ValueError(f"k_min must be >= 1, got {self.k_min}")
 
     @classmethod
     def from_config(cls, budget) -> BudgetSchedule:
@@ -51,8 +46,6 @@ class BudgetSchedule:
             target_bps=budget.target_bps,
             warm_steps=budget.warm_steps,
             decay_end=budget.decay_end,
-            total_steps=budget.total_steps,
-            k_min=budget.k_min,
         )
 
     def budget_bps(self, step: int) -> int:
@@ -67,9 +60,6 @@ class BudgetSchedule:
         half_range = (self.start_bps - self.target_bps) / 2
         # r(c) = target + (start - target)/2 * (1 + cos(pi * (c - 13) / 87))
         return round_half_up(self.target_bps + half_range * (1 + math.cos(math.pi * (step - last_warm) / span)))
-
-    def tokens_to_keep(self, n_tokens: int, step: int) -> int:
-        return tokens_to_keep(n_tokens, self.budget_bps(step), self.k_min)
 
 
 def tokens_to_keep(n_tokens: int, budget_bps: int, k_min: int) -> int:

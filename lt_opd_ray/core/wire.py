@@ -72,6 +72,20 @@ class Rollout:
     finish_reason: str
     merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per image (assignment, prior): selector.merge learnable
 
+    @classmethod
+    def sampled(cls, prompt_index: int, completion, selected, merge_routes, budget_bps: int) -> Rollout:
+        """From either backend's completion (token_ids, logprobs, top_ids, finish_reason) and the prompt's selection."""
+        return cls(
+            prompt_index=prompt_index,
+            response_ids=completion.token_ids,
+            old_logp=completion.logprobs,
+            student_top_ids=completion.top_ids,
+            selected=selected,
+            merge_routes=merge_routes,
+            budget_bps=budget_bps,
+            finish_reason=completion.finish_reason,
+        )
+
 
 @dataclass
 class TeacherScore:
@@ -103,15 +117,13 @@ class RolloutGroup:
         return sum(r.response_ids.numel() for r in self.rollouts)
 
     def summary(self) -> RolloutSummary:
-        return RolloutSummary(self.worker, self.weights_version, self.tokens, self.span)
+        return RolloutSummary(self.tokens, self.span)
 
 
 @dataclass(frozen=True)
 class RolloutSummary:
     """What the driver reads of a RolloutGroup (returned beside it), without the bulk data."""
 
-    worker: str
-    weights_version: int | None
     tokens: int
     span: Span
 

@@ -15,9 +15,9 @@ import torch
 
 from lt_opd_ray.config import JobConfig
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.seeding import eval_selection_seed
 from lt_opd_ray.core.wire import Rollout
-from lt_opd_ray.weight_sync.group import WeightSink
+from lt_opd_ray.weight_sync.ends import WeightSink
 
 
 def sampling_params(job: JobConfig, tokenizer):
@@ -103,12 +103,12 @@ class TransformersRolloutEngine:
             )
 
     def sink(self) -> WeightSink:
-        from lt_opd_ray.weight_sync.group import ModuleSink
+        from lt_opd_ray.weight_sync.ends import ModuleSink
 
         return ModuleSink(self.vlm.model)
 
     def weights_checksum(self, dtype: torch.dtype) -> str:
-        from lt_opd_ray.weight_sync.group import weights_checksum
+        from lt_opd_ray.weight_sync.layout import weights_checksum
 
         return weights_checksum(self.vlm.model.named_parameters(), dtype)
 
@@ -160,7 +160,7 @@ class VLLMRolloutEngine:
         tokenizer = self.processor.tokenizer
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,))
         selections = [  # at 10000 bps the selector keeps every visual token
-            SelectionRequest(budget_bps=budget_bps, k_min=self.job.budget.k_min, selector=selector, seed=stable_seed("eval", s.uid))
+            SelectionRequest(budget_bps=budget_bps, k_min=self.job.budget.k_min, selector=selector, seed=eval_selection_seed(s.uid))
             for s in samples
         ]
         results = self.engine.generate(engine_prompts, selections, params, [0] * len(samples))

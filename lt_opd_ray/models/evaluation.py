@@ -14,7 +14,7 @@ import torch
 
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.seeding import eval_selection_seed
 from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import VLMProcessor, encode_samples
@@ -71,7 +71,7 @@ def generate_responses(
             if budget_bps >= BPS:
                 kept = vlm.keep_all(features)
             else:
-                kept = vlm.select(prompt, features, choose, budget_bps, k_min, seed=stable_seed("eval", s.uid))
+                kept = vlm.select(prompt, features, choose, budget_bps, k_min, seed=eval_selection_seed(s.uid))
             reduced.append(vlm.reduce(prompt, features, kept))
         completions = sample(vlm, reduced, params, [0] * len(reduced), tokenizer)
         responses += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lt_opd_ray.core.compression import learnable_merge
+
 HIDDEN = 64  # the release's head width
 TEMPERATURE = 1.0
 ASSIGN_CHUNK = 1024  # rows of the N x K cosine matrix computed at once
@@ -153,10 +155,9 @@ def settings(dim: int) -> dict:
 
 
 def configured(config) -> bool:
-    """Does a model config (ours or the release's) name a learnable token merge?"""
-    entry = getattr(config, "vision_token_compressor", None)
-    merge = (entry.get("learnable_merge") or {}) if isinstance(entry, dict) else {}
-    if not merge.get("enabled"):
+    """Does a model config (ours or the release's) name a learnable token merge? One whose settings differ from the
+    merge implemented here is refused by name."""
+    if (merge := learnable_merge(config)) is None:
         return False
     for key, expected in (("aggregation", AGGREGATION), ("hidden_size", HIDDEN), ("temperature", TEMPERATURE)):
         if merge.get(key, expected) != expected:

@@ -437,7 +437,7 @@ class Driver:
 
     def evaluate(self) -> tuple[dict[str, float], dict[str, float]]:
         """The current student (just synced to the rollout workers): accuracy per selector, benchmark scores."""
-        budget = self.job.eval.budget_bps or self.job.budget.target_bps
+        budget = self.job.eval_budget_bps
         accuracy, scores = {}, {}
         if self.eval_ref is not None:
             results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
@@ -452,7 +452,7 @@ class Driver:
     def evaluate_baseline(self) -> tuple[float, dict[str, float]]:
         """The student before any update: its accuracy on `eval.data` at full visual tokens (any selector keeps
         every token there) and per selector at the eval budget."""
-        budget = self.job.eval.budget_bps or self.job.budget.target_bps
+        budget = self.job.eval_budget_bps
         full = self.rollouts.evaluate(self.eval_ref, BPS, self.job.eval.selectors[:1])[0].accuracy
         at_budget = {r.selector: r.accuracy for r in self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)}
         self.metrics.record_eval(budget, at_budget)

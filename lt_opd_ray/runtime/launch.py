@@ -230,7 +230,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
         full = None
         if job.eval.at_start and job.eval.data and driver.step == 0:
             full, untrained = driver.evaluate_baseline()
-            tqdm.write(f"before training: full visual tokens acc {full:.3f}; at {(job.eval.budget_bps or job.budget.target_bps) / 100:g}%"
+            tqdm.write(f"before training: full visual tokens acc {full:.3f}; at {job.eval_budget_bps / 100:g}%"
                        + format_accuracy(untrained, full))
         with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
             while driver.step < last:

@@ -231,7 +231,7 @@ class Learner:
 
     def wire_layout(self):
         """Names and full shapes of every student parameter (a ZeRO-3 shard's own shape is empty: ds_shape)."""
-        from lt_opd_ray.weight_sync.group import Layout
+        from lt_opd_ray.weight_sync.layout import Layout
 
         named = list(self.module.model.named_parameters())
         return Layout(tuple(n for n, _ in named), tuple(tuple(getattr(p, "ds_shape", p.shape)) for _, p in named), self.wire_dtype)

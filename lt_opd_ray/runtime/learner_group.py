@@ -119,7 +119,7 @@ class LearnerActor:
 
         If the send fails (a member died, the driver aborted the group), rank 0 stops sending but goes on
         gathering to the last bucket, so the learners' own group stays in step, then raises."""
-        from lt_opd_ray.weight_sync.group import WeightSyncError
+        from lt_opd_ray.weight_sync.ends import WeightSyncError
 
         begin = time.perf_counter()
         bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
@@ -389,7 +389,7 @@ class LearnerGroup:
 
     def weights_checksum(self, dtype: str = "float32") -> str:
         """A digest of the learners' weights in `dtype` (the wire dtype compares with the rollout workers')."""
-        from lt_opd_ray.weight_sync.group import WIRE_DTYPES, weights_checksum
+        from lt_opd_ray.weight_sync.layout import WIRE_DTYPES, weights_checksum
 
         return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 

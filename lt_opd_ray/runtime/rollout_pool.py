@@ -136,7 +136,7 @@ class RolloutWorker:
 
     def receive_weights(self, version: int) -> WeightsReceived:
         """One weight update, written into the engine bucket by bucket as it arrives."""
-        from lt_opd_ray.weight_sync.group import WeightUpdateRefused
+        from lt_opd_ray.weight_sync.ends import WeightUpdateRefused
 
         begin = time.perf_counter()
         previous, self.weights_version = self.weights_version, None  # torn until the update is complete
@@ -148,7 +148,7 @@ class RolloutWorker:
         return WeightsReceived(self.name, self.weights_version, time.perf_counter() - begin)
 
     def weights_checksum(self, dtype: str) -> tuple[int | None, str]:
-        from lt_opd_ray.weight_sync.group import WIRE_DTYPES
+        from lt_opd_ray.weight_sync.layout import WIRE_DTYPES
 
         return self.weights_version, self.engine.weights_checksum(WIRE_DTYPES[dtype])
 

@@ -19,7 +19,7 @@ from lt_opd_ray.core.wire import SyncResult
 from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.rollout_pool import RolloutPool
 from lt_opd_ray.runtime.waits import wait_for
-from lt_opd_ray.weight_sync.group import WeightSyncError
+from lt_opd_ray.weight_sync.ends import WeightSyncError
 
 SETTLE_S = 60.0  # members freed by an abort answer within this; longer: they are stuck for another reason
 

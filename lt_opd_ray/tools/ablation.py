@@ -84,7 +84,7 @@ def evaluate_untrained(job: JobConfig) -> tuple[dict[str, float], int]:
     model_dir, model = load_vlm(resolve_model_dir(job.model.path), "cpu", token_merge=job.selector.merge == "learnable")
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
     samples = load_samples(job.eval.data, job.data.image_root, job.seed)
-    budget = job.eval.budget_bps or job.budget.target_bps
+    budget = job.eval_budget_bps
     kwargs = dict(k_min=job.budget.k_min, system_prompt=job.data.system_prompt, max_new_tokens=job.eval.max_new_tokens)
     result = {"full": evaluate_answers(vlm, processor, samples, BPS, **kwargs).accuracy}
     for selector in job.eval.selectors:
@@ -113,7 +113,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
     runs: list[dict] = []
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
-               "budget_bps": base.eval.budget_bps or base.budget.target_bps, "selectors": list(base.eval.selectors),
+               "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
                "trained_with": base.selector.name,
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False}
     init_ray(base)

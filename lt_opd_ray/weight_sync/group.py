@@ -1,20 +1,17 @@
-"""Weight broadcast from learner rank 0 to every rollout worker: a transport and a sink.
+"""Weight broadcast from learner rank 0 to every rollout worker: the transport.
 
 Transport: a process group of its own (gloo on CPU, NCCL on GPU, the same code) over a
 TCPStore hosted by learner rank 0, apart from the learners' default group; member 0
 sends, members 1..N receive. A replaced worker rejoins under a new `generation`
 (a fresh key prefix in the same store).
 
-One sync is a header (version, bucket size, length of the layout), the layout itself
-(every parameter's name and shape and the wire dtype, as JSON bytes) and then the
-weights as flat buckets in the wire dtype: the student's compute dtype, so a bf16 job
-sends half the bytes of its fp32 master weights. A bucket holds whole groups (one
-decoder layer, one vision block, ...; `group_key`), so an engine that fuses a
-layer's weights (vLLM's qkv_proj, gate_up_proj) receives each layer in one piece.
+One sync is a header (version, bucket size, length of the layout), the layout itself and then the weights as
+flat buckets in the wire dtype: the student's compute dtype, so a bf16 job sends half the bytes of its fp32
+master weights (`layout.py`).
 
 Sink: what a receiver writes into, one (name, tensor) at a time as buckets arrive, so
 neither side holds more than one bucket beyond the model: `ModuleSink` (a torch
-module's parameters) or the vLLM engine's own parameters (`engines.vllm_engine`).
+module's parameters) or the vLLM engine's own parameters (`engines/vllm/engine.py`; `ends.py`).
 A receiver checks the version and the layout against its sink before anything is
 written and refuses a mismatch whole (still draining the buckets, so the sender
 never hangs). A failure in the middle of the stream leaves the sink torn; the worker
@@ -23,144 +20,16 @@ then reports no valid version until the next complete sync.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from lt_opd_ray.core.collectives import install_guard_if_asked
-
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def group_key(name: str) -> str:
-    """The unit a bucket never splits: the path through the first numeric component
-    (`model.language_model.layers.3`), else the owning module (`model.visual.merger`)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1]) or name  # a parameter of the root module is a group of its own
-
-
-@dataclass(frozen=True)
-class Bucket:
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(int(torch.Size(s).numel()) for s in self.shapes)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one sync sends: parameter names and shapes in send order, and the wire dtype."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: str  # a key of WIRE_DTYPES
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return WIRE_DTYPES[self.dtype]
-
-    def buckets(self, bucket_bytes: int) -> list[Bucket]:
-        """Greedy packing in send order into buckets of at most bucket_bytes; a group is never split
-        (a group larger than a bucket gets a bucket of its own)."""
-        element = torch.tensor([], dtype=self.torch_dtype).element_size()
-        groups: list[list[int]] = []
-        for i, name in enumerate(self.names):
-            if groups and group_key(self.names[groups[-1][-1]]) == group_key(name):
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        buckets, current, size = [], [], 0
-        for group in groups:
-            nbytes = sum(int(torch.Size(self.shapes[i]).numel()) for i in group) * element
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current += group
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return [Bucket(tuple(self.names[i] for i in b), tuple(self.shapes[i] for i in b)) for b in buckets]
-
-    def encode(self) -> torch.Tensor:
-        text = json.dumps({"names": self.names, "shapes": self.shapes, "dtype": self.dtype})
-        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-
-    @staticmethod
-    def decode(data: torch.Tensor) -> Layout:
-        fields = json.loads(bytes(data.cpu().numpy()).decode())
-        return Layout(tuple(fields["names"]), tuple(tuple(s) for s in fields["shapes"]), fields["dtype"])
-
-    def mismatches(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
-        """What differs from a sink's names and shapes (empty: the layouts agree)."""
-        sent = dict(zip(self.names, self.shapes))
-        problems = [f"{n}: not a weight of this model" for n in self.names if n not in expected]
-        problems += [f"{n}: shape {sent[n]} != {expected[n]}" for n in self.names if n in expected and tuple(expected[n]) != sent[n]]
-        problems += [f"{n}: not sent" for n in expected if n not in sent]
-        return problems
-
-
-def add_to_digest(digest, name: str, tensor: torch.Tensor) -> None:
-    """Feed one named tensor's bytes (in its own dtype) to a hashlib digest."""
-    digest.update(name.encode())
-    digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def weights_checksum(named_tensors, dtype: torch.dtype | None = None) -> str:
-    """A digest of weights (names and bytes in `dtype`, default fp32): equal digests mean equal weights."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in named_tensors:
-        add_to_digest(digest, name, tensor.detach().to(dtype or torch.float32))
-    return digest.hexdigest()
-
-
-class WeightSyncError(RuntimeError):
-    pass
-
-
-class WeightUpdateRefused(WeightSyncError):
-    """A header that does not fit the receiver: refused before any weight was written."""
-
-
-class WeightSyncAborted(WeightSyncError):
-    """This member stopped waiting on the group (`SyncGroup.abort`); the group is unusable, a new generation follows."""
-
-
-class WeightSink(Protocol):
-    """Where received weights go."""
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight the sink expects: name -> shape."""
-
-    def write(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Consume the stream of (name, tensor in the wire dtype), writing each weight in place."""
-
-
-class ModuleSink:
-    """A torch module's parameters (the transformers rollout engine)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.params = dict(module.named_parameters())
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(p.shape) for n, p in self.params.items()}
-
-    def write(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in stream:
-                self.params[name].copy_(tensor)  # into the module's own dtype and device
-
+from lt_opd_ray.weight_sync.ends import WeightSink, WeightSyncAborted, WeightSyncError, WeightUpdateRefused
+from lt_opd_ray.weight_sync.layout import Bucket, Layout
 
 ABANDONED: list = []  # aborted groups with an operation still pending (see SyncGroup._broadcast)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.seeding import response_seeds, selection_seed
 from lt_opd_ray.core.selectors import Selector
 from lt_opd_ray.core.wire import Rollout
 from lt_opd_ray.models.adapter import QwenVLM, ReducedPrompt
@@ -41,34 +41,21 @@ def rollout(
     reduced, full, owners, seeds = [], [], [], []
     for index, (prompt, uid) in enumerate(zip(prompts, uids)):
         features = vlm.visual_features(prompt)
-        selected = vlm.select(prompt, features, selector, budget_bps, k_min, seed=stable_seed(seed, step, uid))
+        selected = vlm.select(prompt, features, selector, budget_bps, k_min, seed=selection_seed(seed, step, uid))
         prompt_reduced = vlm.reduce(prompt, features, selected)
         prompt_full = None
         if behaviour is not None:
             behaviour_features = behaviour.visual_features(prompt)
             prompt_full = behaviour.reduce(prompt, behaviour_features, behaviour.keep_all(behaviour_features))
-        for j in range(n):
-            reduced.append(prompt_reduced)
-            full.append(prompt_full)
-            owners.append(index)
-            seeds.append(stable_seed(seed, step, uid, j))
+        reduced += [prompt_reduced] * n
+        full += [prompt_full] * n
+        owners += [index] * n
+        seeds += response_seeds(seed, step, uid, n)
     if behaviour is None:
         completions = sample(vlm, reduced, params, seeds, tokenizer)
     else:
         completions = student_view(vlm, reduced, sample(behaviour, full, params, seeds, tokenizer), params.top_k_logprobs)
-    return [
-        Rollout(
-            prompt_index=owner,
-            response_ids=c.token_ids,
-            old_logp=c.logprobs,
-            student_top_ids=c.top_ids,
-            selected=red.selected,
-            merge_routes=red.merge_routes,
-            budget_bps=budget_bps,
-            finish_reason=c.finish_reason,
-        )
-        for owner, red, c in zip(owners, reduced, completions)
-    ]
+    return [Rollout.sampled(owner, c, red.selected, red.merge_routes, budget_bps) for owner, red, c in zip(owners, reduced, completions)]
 
 
 def student_view(vlm: QwenVLM, reduced: list[ReducedPrompt], completions: list[Completion], top_k: int) -> list[Completion]:

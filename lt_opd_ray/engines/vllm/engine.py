@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from lt_opd_ray.config import VLLMSettings
+from lt_opd_ray.core.compression import learnable_merge
 from lt_opd_ray.engines.vllm.loop import EngineLoop
 from lt_opd_ray.engines.vllm.models import SelectionRequest
 from lt_opd_ray.models.processor import IMAGE, PromptInputs
@@ -128,7 +129,7 @@ class VLLMEngine:
         check_architecture(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         dim = config.get("text_config", config)["hidden_size"]
-        merging = token_merge or bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
+        merging = token_merge or learnable_merge(config) is not None
         self.merge_shapes = merge_parameter_shapes(dim) if merging else {}
         self.tied_embeddings = bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
         configure_environment()
@@ -348,7 +349,7 @@ class EngineSink:
     def write(self, stream) -> None:
         import hashlib
 
-        from lt_opd_ray.weight_sync.group import add_to_digest
+        from lt_opd_ray.weight_sync.layout import add_to_digest
 
         self.last_digest = None
         hasher = hashlib.blake2b(digest_size=16) if self.digest else None

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lt_opd_ray.core.seeding import stable_seed
+from lt_opd_ray.core.seeding import response_seeds, selection_seed
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
 from lt_opd_ray.engines.vllm.models import SelectionRequest
@@ -36,26 +36,13 @@ def vllm_rollout(
     """n responses per prompt at `budget_bps`, pruned inside the engine."""
     engine_prompts, selections, seeds, owners = [], [], [], []
     for index, (prompt, prompt_images, uid) in enumerate(zip(prompts, images, uids)):
-        request = SelectionRequest(budget_bps=budget_bps, k_min=k_min, selector=selector, seed=stable_seed(seed, step, uid))
-        for j in range(n):
-            engine_prompts.append(engine_prompt(prompt, prompt_images))
-            selections.append(request)
-            seeds.append(stable_seed(seed, step, uid, j))
-            owners.append(index)
+        request = SelectionRequest(budget_bps=budget_bps, k_min=k_min, selector=selector, seed=selection_seed(seed, step, uid))
+        engine_prompts += [engine_prompt(prompt, prompt_images) for _ in range(n)]
+        selections += [request] * n
+        seeds += response_seeds(seed, step, uid, n)
+        owners += [index] * n
     results = engine.generate(engine_prompts, selections, params, seeds)
-    return [
-        Rollout(
-            prompt_index=owner,
-            response_ids=completion.token_ids,
-            old_logp=completion.logprobs,
-            student_top_ids=completion.top_ids,
-            selected=kept.indices,
-            merge_routes=kept.merge_routes,
-            budget_bps=budget_bps,
-            finish_reason=completion.finish_reason,
-        )
-        for owner, (completion, kept) in zip(owners, results)
-    ]
+    return [Rollout.sampled(owner, completion, kept.indices, kept.merge_routes, budget_bps) for owner, (completion, kept) in zip(owners, results)]
 
 
 def vllm_teacher_scores(
