@@ -1,7 +1,7 @@
 """Rollout and teacher throughput: the vLLM engines against the transformers backends, same prompts.
 
 A batch of the tiny job's shape (P prompts x n responses, 128 px images, CDPruner at
-25%) goes through `rollouts.rollout` / `scoring.teacher_scores` (transformers) and
+25%) goes through `engines/transformers/rollout.rollout` / `engines/transformers/teacher.teacher_scores` (transformers) and
 `vllm_rollout` / `vllm_teacher_scores` (vLLM with our pruning plugin). Figures are
 generated (rollout) or scored (teacher) response tokens per second, after one
 warm-up batch, best of --repeats; vLLM / transformers ratios side by side.

@@ -31,7 +31,7 @@ def rank_main(rank: int, world: int, port: int, partitioned: bool, out) -> None:
     import deepspeed
     import torch
 
-    from lt_opd_ray.config import load_job
+    from lt_opd_ray.config.loading import load_job
     from lt_opd_ray.core.optim import build_optimizer
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner import StudentObjective, deepspeed_config, init_process_group
@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
-    from lt_opd_ray.config import load_job
+    from lt_opd_ray.config.loading import load_job
     from lt_opd_ray.sources.resolve import resolve_model_dir
 
     job = load_job(JOB)

@@ -11,7 +11,7 @@ Its rates come from microbenchmarks run in such an actor, which know nothing of 
 - memory: one read + write streaming pass over 256 MB (`memory_bandwidth` = 1 of that);
 - logits: a log-softmax and a top-100 over 256 rows of the vocabulary (3 fp32 passes), as bytes per second over
   the memory stream (`logit_bandwidth`: on CPU the exponentials and the selection, not the bytes, bound these);
-- link: the weight sync's own transport (`runtime/weight_sync.SyncGroup`, the job's bucket size) of the job's model
+- link: the weight sync's own transport (`weight_sync/group.SyncGroup`, the job's bucket size) of the job's model
   between two actors (`link` = 1 of that), for the sync and the learners' ZeRO collectives alike.
 
 The "GPUs" of the split are the job's actors: rollout workers, teacher replicas, learner ranks.
@@ -37,7 +37,7 @@ from pathlib import Path
 import ray
 import torch
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 
 JOB = "jobs/train_qwen35_shape.yaml"
 

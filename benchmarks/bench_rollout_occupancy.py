@@ -28,7 +28,7 @@ import time
 
 import ray
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 
 
 def occupancy(records, total: int, max_num_seqs: int) -> float:
@@ -42,7 +42,7 @@ def occupancy(records, total: int, max_num_seqs: int) -> float:
 
 def engine_part(groups: int, n: int, tokens: int) -> None:
     from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
-    from lt_opd_ray.engines.vllm.models import SelectionRequest
+    from lt_opd_ray.engines.vllm.selection import SelectionRequest
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
     from lt_opd_ray.models.sampler import SamplingParams
     from lt_opd_ray.models.tiny import tiny_model_dir

@@ -20,7 +20,7 @@ import time
 import ray
 import torch
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 
 
 def step_split(job_path: str, steps: int) -> None:

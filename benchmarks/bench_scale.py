@@ -71,7 +71,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     import psutil
     import torch
 
-    from lt_opd_ray.config import ObjectiveConfig
+    from lt_opd_ray.config.schema import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.models.loss import student_loss
@@ -147,7 +147,8 @@ def payload_part() -> None:
 
 # ---------------------------------------------------------------- weight sync
 def sync_part(small: bool) -> None:
-    from lt_opd_ray.engines.vllm.engine import EngineSink, VLLMEngine
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine
+    from lt_opd_ray.engines.vllm.job import EngineSink
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner_group import free_port
     from lt_opd_ray.sources.resolve import resolve_model_dir
@@ -197,7 +198,7 @@ def sync_part(small: bool) -> None:
 def job_part(small: bool) -> None:
     import ray
 
-    from lt_opd_ray.config import load_job
+    from lt_opd_ray.config.loading import load_job
     from lt_opd_ray.runtime.driver import Driver
     from lt_opd_ray.runtime.launch import init_ray
 

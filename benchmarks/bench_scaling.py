@@ -17,7 +17,7 @@ import time
 
 import ray
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.runtime.launch import WORKER_ENV
 from lt_opd_ray.runtime.rollout_pool import RolloutPool
 from lt_opd_ray.runtime.teacher import TeacherService

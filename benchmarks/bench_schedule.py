@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import ray
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.tools.timeline import window_busy
 
 
@@ -82,7 +82,7 @@ def main() -> None:
     if not args.no_plan:
         for gpu in ("a100", "h200"):
             print(f"== planner (ESTIMATE): jobs/train_qwen35.yaml on 8x {gpu}")
-            out = subprocess.run([sys.executable, "-m", "lt_opd_ray.cli", "plan", "jobs/train_qwen35.yaml", "--gpus", "8", "--gpu", gpu,
+            out = subprocess.run([sys.executable, "-m", "lt_opd_ray.cli.main", "plan", "jobs/train_qwen35.yaml", "--gpus", "8", "--gpu", gpu,
                                   "--preset", "qwen3.5-4b"], capture_output=True, text=True, check=True)
             print(out.stdout.rstrip())
 

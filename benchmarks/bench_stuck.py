@@ -22,7 +22,7 @@ import time
 
 import ray
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 
 
 def freeze_case(actor_kind: str, liveness_s: float) -> tuple[float, str]:

@@ -6,7 +6,7 @@ and 896 x 896 images (784 visual tokens), one process per arm:
 1. the learner's micro-batch (`loss.student_loss` forward + backward, 8 rollouts of one prompt at 5%) with
    Qwen3.5's linear-attention kernels (`fla`, `causal_conv1d`, where importable) and with them hidden, so
    transformers runs its reference PyTorch loops;
-2. the teacher on transformers (`scoring.teacher_scores`): response positions per second with the prompt shared
+2. the teacher on transformers (`engines/transformers/teacher.teacher_scores`): response positions per second with the prompt shared
    by its 8 responses (one prefix, as the code runs) and with every response scored alone (its own prefix);
 3. the loss head's backward before / after: `benchmarks/bench_loss_head.py --device cuda`.
 
@@ -86,7 +86,7 @@ def inputs(model_dir: Path, responses: int, tokens: int, top_k: int):
 
 
 def learner_arm(model_dir: Path, tokens: int, device: str) -> dict:
-    from lt_opd_ray.config import ObjectiveConfig
+    from lt_opd_ray.config.schema import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.kernels import missing_kernels
     from lt_opd_ray.models.loading import compute_precision, load_vlm

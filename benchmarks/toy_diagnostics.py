@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.optim import module_of
 from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.adapter import QwenVLM

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BudgetSchedule
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.samples import Sample

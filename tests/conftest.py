@@ -81,7 +81,7 @@ def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, to
             dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False,
             activation_checkpointing=False):
     """A small distributed job on a tiny model: `prompts` (2) x 2 responses per update; `extra` is appended YAML."""
-    from lt_opd_ray.config import parse_job
+    from lt_opd_ray.config.loading import parse_job
 
     return parse_job(
         f"""

@@ -162,7 +162,7 @@ def test_prepare_refuses_an_out_that_is_a_file_or_a_full_folder_before_any_work(
 def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tmp_path, capsys):
     """What `train` would stop on later (a folder as data, a file of another kind, a prepared folder whose manifest is
     damaged, missing images, fewer rows than an update's prompts) and absurd sizes are named by `validate`."""
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     job = tmp_path / "job.yaml"
     job.write_text(open("jobs/train_tiny.yaml").read())
@@ -192,7 +192,7 @@ def test_train_refuses_before_ray_starts_with_one_line(tmp_path, capsys):
     """A folder as data and a job that needs more CPUs than this machine: one line each, exit 2, no Ray started."""
     import ray
 
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     job = tmp_path / "job.yaml"
     job.write_text(open("jobs/train_tiny.yaml").read().replace("dir: runs/tiny", f"dir: {tmp_path / 'run'}"))
@@ -209,7 +209,7 @@ def test_train_refuses_before_ray_starts_with_one_line(tmp_path, capsys):
 def test_an_unforeseen_error_is_one_line_and_its_traceback_is_kept_in_the_run_folder(tmp_path, capsys, monkeypatch):
     """The CLI's last resort (what is under test here is its handling, so the run itself is replaced by a failure)."""
     import lt_opd_ray.runtime.launch as launch
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     def fails(*args, **kwargs):
         raise ZeroDivisionError("a bug nobody foresaw\nsecond line")

@@ -94,7 +94,7 @@ def test_each_adapter_reads_its_format_and_scores_perfect_answers(name, tmp_path
 def test_the_job_schema_knows_every_benchmark():
     from typing import get_args
 
-    from lt_opd_ray.config import BenchmarkName
+    from lt_opd_ray.config.schema import BenchmarkName
 
     assert set(get_args(BenchmarkName)) == set(BENCHMARKS)
 
@@ -132,7 +132,7 @@ def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
 
 @pytest.mark.slow
 def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, capsys):
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     mmbench, _, _ = fixture("mmbench", tmp_path)
     pope, _, _ = fixture("pope", tmp_path)

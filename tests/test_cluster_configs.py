@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.tools.cluster_check import check_cluster_file
 
 REPO = Path(__file__).resolve().parents[1]

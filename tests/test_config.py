@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lt_opd_ray.config import JobConfigError, load_job, parse_job
+from lt_opd_ray.config.loading import JobConfigError, load_job, parse_job
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_JOBS = sorted((REPO / "jobs").glob("*.yaml"))  # every file there is a job: `lt-opd validate jobs/*.yaml` passes
@@ -143,7 +143,7 @@ def test_validate_cli_imports_no_heavy_library_and_reports(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(MINIMAL + "objective:\n  divergence: tvd\n")
     code = (
-        "import sys; from lt_opd_ray.cli import main; rc = main(['validate', %r, %r]);"
+        "import sys; from lt_opd_ray.cli.main import main; rc = main(['validate', %r, %r]);"
         "heavy = [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules];"
         "print('HEAVY', heavy); sys.exit(rc)"
     ) % (str(REPO / "jobs" / "train_tiny.yaml"), str(bad))
@@ -169,7 +169,7 @@ def test_set_overrides_are_applied_and_judged_by_the_schema(tmp_path):
 
 
 def test_validate_print_shows_the_resolved_job(tmp_path, capsys):
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     path = tmp_path / "job.yaml"
     path.write_text(MINIMAL)

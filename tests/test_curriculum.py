@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lt_opd_ray.config import BudgetConfig
+from lt_opd_ray.config.schema import BudgetConfig
 from lt_opd_ray.core.curriculum import BudgetSchedule, tokens_to_keep
 
 PAPER = BudgetSchedule.from_config(BudgetConfig())  # the job schema's defaults are the paper's

@@ -104,7 +104,7 @@ def test_qwen35_4b_preset_reproduces_the_papers_cache_and_prefill_reduction():
 
 
 def test_efficiency_command_prints_the_reduction_table(capsys):
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     assert main(["efficiency", "--preset", "qwen3.5-4b", "--budgets", "500"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -114,7 +114,7 @@ def test_efficiency_command_prints_the_reduction_table(capsys):
 
 
 def test_commands_without_their_input_are_refused_in_one_line(capsys):
-    from lt_opd_ray.cli import main
+    from lt_opd_ray.cli.main import main
 
     assert main(["efficiency"]) == 2
     assert "give a model folder or --preset (one of qwen3.5-4b)" in capsys.readouterr().err

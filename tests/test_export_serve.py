@@ -106,7 +106,7 @@ class serving:
     def __enter__(self) -> serving:
         self.port = _free_port()
         self.log = open(self.tmp_path / "server.log", "w")
-        self.server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli", "serve", str(self.student), "--port", str(self.port),
+        self.server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli.main", "serve", str(self.student), "--port", str(self.port),
                                         "--max-model-len", "1024", *self.extra, "--", "--trust-request-mm-kwargs"],
                                        stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.time() + 300

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from lt_opd_ray.config import load_job
-from lt_opd_ray.runtime.driver import Driver, PreflightError
+from lt_opd_ray.config.loading import load_job
+from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import WORKER_ENV, format_placements
 from lt_opd_ray.runtime.learner_group import free_port
+from lt_opd_ray.runtime.preflight import PreflightError
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).parent / "ray"

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_benchmarks import fixture
 
-from lt_opd_ray.config import JobConfig, JobConfigError, load_job, parse_job
+from lt_opd_ray.config.loading import JobConfigError, load_job, parse_job
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
 from lt_opd_ray.models.processor import ImageError, decode_image
@@ -162,7 +163,7 @@ def test_random_image_bytes_decode_or_are_refused_with_a_reason(blob, prefix):
 @given(settings_=st.dictionaries(st.sampled_from(["lt_opd_budget_bps", "lt_opd_k_min", "lt_opd_selector", "lt_opd_seed", "lt_opd_nonce",
                                                    "lt_opd_query_ids", "lt_opd_other", "max_pixels"]), json_values, max_size=4))
 def test_selection_settings_of_a_request_are_valid_or_refused_by_field(settings_):
-    from lt_opd_ray.engines.vllm.models import SELECTOR_NAMES, SelectionRequest
+    from lt_opd_ray.engines.vllm.selection import SELECTOR_NAMES, SelectionRequest
 
     vocab = 1000
     try:

@@ -41,7 +41,7 @@ def test_cuda_reduced_sampler_matches_teacher_forced_and_cpu(tiny_dirs, family):
 
 
 def test_cuda_reference_update_in_bf16(tiny_dirs):
-    from lt_opd_ray.config import parse_job
+    from lt_opd_ray.config.loading import parse_job
     from lt_opd_ray.reference import ReferenceTrainer
     from lt_opd_ray.sources.resolve import load_samples
 

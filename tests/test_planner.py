@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.planning.efficiency import (
     PRESETS,
     lm_flops,
@@ -106,7 +106,7 @@ def test_engine_batches_teacher_backends_and_links_are_modelled_as_the_code_runs
 
 
 def test_plan_command_prints_an_estimate_and_names_bad_input():
-    cli = [sys.executable, "-m", "lt_opd_ray.cli", "plan", "jobs/train_qwen35.yaml", "--gpus", "8"]
+    cli = [sys.executable, "-m", "lt_opd_ray.cli.main", "plan", "jobs/train_qwen35.yaml", "--gpus", "8"]
     out = subprocess.run([*cli, "--gpu", "h200", "--preset", "qwen3.5-4b"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ESTIMATE (analytic, not measured)") and "x the paper's 311 s/update" in out.stdout
@@ -157,7 +157,7 @@ def link_bytes(gpu):
 def test_a_learner_that_cannot_hold_its_state_is_refused_before_start():
     """ZeRO-2 over 2 ranks holds bf16 weights and gradients whole (2 + 2 B/param) and half of the fp32 master weights,
     Adam's moments and fp32 gradients (16 / 2 B/param): 12 B/param, 54 GB for Qwen3.5-4B."""
-    from lt_opd_ray.config import load_job
+    from lt_opd_ray.config.loading import load_job
     from lt_opd_ray.planning.efficiency import PRESETS
     from lt_opd_ray.planning.planner import parameter_count
     from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_learner_memory, learner_state_bytes
@@ -180,7 +180,7 @@ def test_a_vllm_engine_that_cannot_hold_the_weights_and_one_longest_sequence_is_
     """The main job's vLLM rollout engine on Qwen3.5-4B (bf16): its weights plus one sequence of the job's longest
     length (1003520 px / 32² = 980 image tokens + 1024 text + 1024 response), counted from the config by hand here:
     refused when its GPU share is below that, started when above."""
-    from lt_opd_ray.config import load_job
+    from lt_opd_ray.config.loading import load_job
     from lt_opd_ray.planning.efficiency import PRESETS
     from lt_opd_ray.planning.planner import context_length, parameter_count
     from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_engine_memory

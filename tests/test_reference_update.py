@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lt_opd_ray.config import parse_job
+from lt_opd_ray.config.loading import parse_job
 from lt_opd_ray.core.optim import module_of, param_groups
 from lt_opd_ray.engines.transformers.rollout import rollout
 from lt_opd_ray.engines.transformers.teacher import teacher_scores
@@ -96,7 +96,7 @@ def test_rollouts_replay_selected_indices_and_respect_the_budget(tiny_dirs, samp
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
 def test_param_groups_cover_the_three_modules(loaded, family):
-    from lt_opd_ray.config import LearningRates
+    from lt_opd_ray.config.schema import LearningRates
 
     model = loaded[family][0]
     groups = {g["name"]: g for g in param_groups(model, LearningRates(language_model=1.0, vision_encoder=2.0, merger=3.0))}

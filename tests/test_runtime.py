@@ -15,8 +15,9 @@ from conftest import job_for  # noqa: E402
 
 from lt_opd_ray.core.batch_order import batches  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
-from lt_opd_ray.runtime.driver import Driver, PreflightError  # noqa: E402
+from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import WORKER_ENV  # noqa: E402
+from lt_opd_ray.runtime.preflight import PreflightError
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
 from lt_opd_ray.sources.resolve import load_samples
 
@@ -223,7 +224,7 @@ def test_driver_killed_mid_run_resumes_to_the_same_weights_and_metrics(cluster, 
 
     job_file.write_text(yaml.safe_dump(crashed.model_dump(mode="json")))
     process = subprocess.Popen(
-        [sys.executable, "-m", "lt_opd_ray.cli", "train", str(job_file), "--address", cluster],
+        [sys.executable, "-m", "lt_opd_ray.cli.main", "train", str(job_file), "--address", cluster],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

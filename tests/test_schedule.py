@@ -17,7 +17,7 @@ import torch
 from conftest import job_for
 from test_runtime import cluster, driver_run, reference_run, relative_distance  # noqa: F401  (cluster: the module's Ray)
 
-from lt_opd_ray.config import LearningRates
+from lt_opd_ray.config.schema import LearningRates
 from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.learner_group import GroupReceiver, Substitutes

@@ -8,7 +8,7 @@ token-budgeted micro-batches. A few minutes on 2 cores.
 import pytest
 import ray
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import WORKER_ENV
 

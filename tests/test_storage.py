@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lt_opd_ray.config import JobConfigError, load_job
+from lt_opd_ray.config.loading import JobConfigError, load_job
 from lt_opd_ray.core.storage import RunStorage, StorageError
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, Manifest, remote_damage
 from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder

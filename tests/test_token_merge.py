@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import job_for, random_image
 
-from lt_opd_ray.config import JobConfigError, parse_job
+from lt_opd_ray.config.loading import JobConfigError, parse_job
 from lt_opd_ray.core.optim import param_groups
 from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.adapter import QwenVLM
@@ -169,7 +169,7 @@ def test_a_folder_in_the_release_layout_loads_with_its_trained_head(prompt_and_m
     assert merged.shape == pruned.shape and not torch.allclose(merged, pruned)  # same tokens, the trained head moved them
     # served and trained as the release says: CDPruner at its final 5%, at least 32 tokens, the merge on
     from lt_opd_ray.core.compression import CompressionConfig
-    from lt_opd_ray.runtime.driver import check_token_merge
+    from lt_opd_ray.runtime.preflight import check_token_merge
     from lt_opd_ray.serving.serve import serve_command
 
     assert CompressionConfig.read(tmp_path / "release") == CompressionConfig("cdpruner", 500, 32, "learnable")

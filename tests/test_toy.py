@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lt_opd_ray.config import load_job
+from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.sources.toy import board, circles, sizes
 from lt_opd_ray.sources.toy.base import TILE

@@ -3,7 +3,7 @@
 Rollouts: vLLM prunes inside the engine (our plugin); the transformers backend is
 then given the indices vLLM chose and must produce the same greedy tokens and
 log-probs. Teacher scoring: the same top-k and requested-id log-probs as
-`scoring.teacher_scores`. Weight updates: in place, and refused whole on a mismatch.
+`engines/transformers/teacher.teacher_scores`. Weight updates: in place, and refused whole on a mismatch.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _adapter(tiny_dir, dtype=torch.float32):
 
 
 def _selections(count):
-    from lt_opd_ray.engines.vllm.models import SelectionRequest
+    from lt_opd_ray.engines.vllm.selection import SelectionRequest
 
     return [SelectionRequest(budget_bps=BUDGET_BPS, k_min=K_MIN, selector="cdpruner", seed=11 + i) for i in range(count)]
 
@@ -265,7 +265,7 @@ def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
 
 
 def test_selection_settings_are_validated_before_the_engine():
-    from lt_opd_ray.engines.vllm.models import MAX_QUERY_IDS, SelectionRequest
+    from lt_opd_ray.engines.vllm.selection import MAX_QUERY_IDS, SelectionRequest
 
     vocab = 1000
     refused = {
@@ -300,7 +300,7 @@ def test_an_image_beyond_max_pixels_is_resized_by_the_processor_rule_in_both_bac
 
     from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.engines.vllm.engine import engine_prompt
-    from lt_opd_ray.engines.vllm.models import SelectionRequest
+    from lt_opd_ray.engines.vllm.selection import SelectionRequest
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
 
     family = "qwen3_vl"
@@ -323,7 +323,7 @@ def test_the_jobs_pixel_bounds_resize_alike_in_both_backends(tiny_dirs):
     from conftest import random_image
 
     from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
-    from lt_opd_ray.engines.vllm.models import SelectionRequest
+    from lt_opd_ray.engines.vllm.selection import SelectionRequest
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
 
     family, bounds = "qwen2_5_vl", (4096, 16384)
@@ -344,7 +344,8 @@ def test_a_vllm_teacher_on_the_v1_runner_is_refused_at_a_real_vocabulary(tiny_di
     Last in this module: the engines it builds and drops reset vLLM's process-wide parallel state."""
     from conftest import job_for
 
-    from lt_opd_ray.engines.vllm.engine import check_teacher_scoring, engine_for_job
+    from lt_opd_ray.engines.vllm.engine import check_teacher_scoring
+    from lt_opd_ray.engines.vllm.job import engine_for_job
     from lt_opd_ray.models.tiny import build_tiny_model
 
     real_vocab = build_tiny_model("qwen3_5", tmp_path / "real-vocab", vocab_size=248320)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.seeding import eval_selection_seed
 from lt_opd_ray.core.wire import Rollout
@@ -124,7 +124,7 @@ class VLLMRolloutEngine:
     def __init__(self, job: JobConfig):
         import threading
 
-        from lt_opd_ray.engines.vllm.engine import EngineSink, open_for_job
+        from lt_opd_ray.engines.vllm.job import EngineSink, open_for_job
 
         self.job = job
         self.processor, self.engine = open_for_job(job, role="rollout")
@@ -151,7 +151,7 @@ class VLLMRolloutEngine:
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
         from lt_opd_ray.engines.vllm.engine import engine_prompt
-        from lt_opd_ray.engines.vllm.models import SelectionRequest
+        from lt_opd_ray.engines.vllm.selection import SelectionRequest
         from lt_opd_ray.models.processor import load_image
         from lt_opd_ray.models.sampler import SamplingParams
 

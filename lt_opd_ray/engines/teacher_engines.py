@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 
@@ -37,7 +37,7 @@ class TeacherEngine(Protocol):
 class TransformersTeacherEngine:
     """The teacher as a transformers module: each prompt's full-token prefix runs once (`prefill`, while the
     rollouts are sampled, or else in `score`), its responses continue from the shared cache in token-budgeted
-    micro-batches (`scoring.teacher_scores`)."""
+    micro-batches (`engines/transformers/teacher.teacher_scores`)."""
 
     runner = "transformers"
 
@@ -93,7 +93,7 @@ class VLLMTeacherEngine:
     missing_kernels = ()  # vLLM brings its own kernels
 
     def __init__(self, job: JobConfig):
-        from lt_opd_ray.engines.vllm.engine import open_for_job
+        from lt_opd_ray.engines.vllm.job import open_for_job
 
         self.job = job
         self.processor, self.engine = open_for_job(job, role="teacher")

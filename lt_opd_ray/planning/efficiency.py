@@ -36,10 +36,6 @@ class PrefillCost:
     linear_state_bytes: int  # Gated DeltaNet conv + recurrent states (independent of L)
     merge_flops: int = 0  # learnable token merge, when on
 
-    @property
-    def total_flops(self) -> int:
-        return self.lm_flops + self.vision_flops + self.merge_flops
-
 
 def _text(config: dict) -> dict:
     return config.get("text_config", config)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
 from lt_opd_ray.core.wire import Rollout, RolloutGroup, Span
 from lt_opd_ray.runtime.checkpoint_files import (

@@ -13,21 +13,17 @@ travel through this process (but for a checkpoint's in-flight rollouts).
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.batch_order import batches
 from lt_opd_ray.core.curriculum import BPS, BudgetSchedule
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.core.storage import RunStorage, StorageError
 from lt_opd_ray.core.wire import (
     LearnerStepResult,
     PhaseTimes,
@@ -39,24 +35,14 @@ from lt_opd_ray.core.wire import (
     SyncResult,
     busy_seconds,
 )
-from lt_opd_ray.models.loading import check_checkpoint_names
 from lt_opd_ray.runtime.checkpoint import CheckpointStore
-from lt_opd_ray.runtime.job_inputs import read_job_inputs
 from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.metrics import DriverMetrics
-from lt_opd_ray.runtime.resources import (
-    InsufficientResourcesError,
-    autoscaling_note,
-    check_engine_memory,
-    check_learner_memory,
-    check_memory,
-    check_resources,
-)
+from lt_opd_ray.runtime.preflight import preflight
 from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
 from lt_opd_ray.runtime.sync_coordinator import WeightBroadcaster
 from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, Watched
-from lt_opd_ray.sources.resolve import resolve_model_dir
 
 # The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
 REPLICA_COUNT_MAX_AGE_S = 10.0
@@ -107,54 +93,6 @@ def sampled(group: GroupRef) -> bool:
         return True
     except ray.exceptions.RayError:
         return False
-
-
-class PreflightError(ValueError):
-    """Everything that stops a job from starting, found before any actor starts."""
-
-
-def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
-    """(training samples, benchmark items, eval samples) once the cluster's resources, the model folder and every
-    data and benchmark file have been checked; otherwise one PreflightError listing every problem."""
-    problems: list[str] = []
-
-    def attempt(check):
-        try:
-            return check()
-        except (InsufficientResourcesError, FileNotFoundError, ValueError, StorageError) as exc:  # InputError, BenchmarkError, ...
-            problems.append(str(exc))
-            return None
-
-    cluster = ray.cluster_resources()
-    attempt(lambda: check_resources(job, cluster))
-    attempt(lambda: check_memory(job, cluster))
-    if note := autoscaling_note(job, cluster):
-        print(note, flush=True)
-    attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
-    model_dir = attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
-    if model_dir is not None:
-        attempt(lambda: check_checkpoint_names(model_dir))
-        attempt(lambda: check_token_merge(job, model_dir))
-        model_config = json.loads((Path(model_dir) / "config.json").read_text())
-        attempt(lambda: check_learner_memory(job, model_config, ray.nodes()))
-        attempt(lambda: check_engine_memory(job, model_config, ray.nodes()))
-    inputs, input_problems = read_job_inputs(job)
-    problems += input_problems
-    problems += [f"tracking.backends names {name!r} but {name} is not installed: pip install 'lt-opd-ray[tracking]'"
-                 for name in job.tracking.backends if importlib.util.find_spec(name) is None]
-    if problems:
-        raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
-    return inputs.samples, inputs.benchmarks, inputs.eval_samples
-
-
-def check_token_merge(job: JobConfig, model_dir) -> None:
-    """A folder whose student merges tokens (ours or the release's) trains only with selector.merge learnable."""
-    from lt_opd_ray.core.compression import CompressionConfig
-
-    folder = CompressionConfig.read(model_dir)
-    if folder is not None and folder.merge != "none" and job.selector.merge == "none":
-        raise ValueError(f"model.path {job.model.path!r} holds a student with a learnable token merge: set selector.merge:"
-                         " learnable to go on training it (or start from a folder without one)")
 
 
 class Driver:

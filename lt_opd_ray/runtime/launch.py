@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
 from lt_opd_ray.runtime.resources import check_local_machine, machine_cpus
 from lt_opd_ray.runtime.run_lock import RemoteLease, RunLock
@@ -111,8 +111,8 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     import ray
 
-    from lt_opd_ray.runtime.driver import PreflightError
     from lt_opd_ray.runtime.job_inputs import read_job_inputs
+    from lt_opd_ray.runtime.preflight import PreflightError
 
     if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))

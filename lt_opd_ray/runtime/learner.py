@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.collectives import all_reduce_max, install_guard_if_asked
 from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence
 from lt_opd_ray.core.optim import build_optimizer

@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.storage import RunStorage
 from lt_opd_ray.core.wire import (
     ActorPlacement,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import ActorPlacement, payload_bytes_per_position
 
 

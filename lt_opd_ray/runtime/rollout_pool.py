@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import ray
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import (
     ActorPlacement,
     BenchmarkResult,

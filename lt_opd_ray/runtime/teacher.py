@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, Span, Stopwatch, TeacherPayload, pack_scores
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import GroupRef

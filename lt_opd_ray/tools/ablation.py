@@ -23,7 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from lt_opd_ray.config import JobConfig, load_job
+from lt_opd_ray.config.loading import load_job
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BPS
 
 ARMS: dict[str, dict] = {

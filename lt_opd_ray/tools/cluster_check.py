@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from lt_opd_ray.config import JobConfig
+from lt_opd_ray.config.schema import JobConfig
 
 POOLS = ("rollout", "teacher", "learner")
 POOL_RESOURCE_PREFIX = "lt_opd_"

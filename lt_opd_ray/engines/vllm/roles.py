@@ -15,7 +15,7 @@ import torch
 from lt_opd_ray.core.seeding import response_seeds, selection_seed
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
-from lt_opd_ray.engines.vllm.models import SelectionRequest
+from lt_opd_ray.engines.vllm.selection import SelectionRequest
 from lt_opd_ray.models.processor import PromptInputs
 from lt_opd_ray.models.sampler import SamplingParams
 

@@ -1,0 +1,241 @@
+"""Running jobs: `lt-opd validate`, `train`, `submit`, `check-cluster`, `ablation`, `build-tiny`. Heavy libraries are imported inside the commands that need them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from lt_opd_ray.cli.options import SET_HELP, load_job_or_report
+
+
+def cmd_validate(args) -> int:
+    from lt_opd_ray.config.loading import JobConfigError, load_job
+    from lt_opd_ray.runtime.job_inputs import read_job_inputs
+
+    failed = 0
+    for path in args.jobs:
+        try:
+            job = load_job(path, args.set)
+        except JobConfigError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        summary = f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name}"
+        if args.schema_only:
+            print(summary + "; schema only, inputs not read)")
+        else:
+            inputs, problems = read_job_inputs(job, draw_generated=False)  # the data and benchmark files, read as `train` reads them
+            if problems:
+                print(f"{path}: {len(problems)} problem(s) with the job's inputs\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
+                failed += 1
+                continue
+            print(summary + f", {inputs.rows} training rows)")
+        if args.print:
+            import yaml
+
+            print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="")
+    return 1 if failed else 0
+
+
+# Exit codes of `lt-opd train` (docs/operating.md, "Faults"): what a script or a scheduler can act on.
+EXIT_DONE, EXIT_UNEXPECTED, EXIT_REFUSED, EXIT_RESUMABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def cmd_train(args) -> int:
+    """Every run-ending error is one line on stderr: refused input (2), a role that died or stopped answering (3,
+    with the checkpoint `--resume` continues from), anything else (1, its traceback kept in the run's error.log)."""
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.core.storage import StorageError
+    from lt_opd_ray.runtime.checkpoint_files import CheckpointError
+    from lt_opd_ray.runtime.preflight import PreflightError
+    from lt_opd_ray.runtime.launch import RunFolderError
+    from lt_opd_ray.runtime.resources import InsufficientResourcesError
+    from lt_opd_ray.runtime.run_lock import RunLockedError
+    from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
+
+    if (job := load_job_or_report(args.job, args.set)) is None:
+        return EXIT_REFUSED
+    try:
+        if args.reference:
+            _train_reference(job, args.steps or job.budget.total_steps)
+        else:
+            from lt_opd_ray.runtime.launch import train
+
+            train(job, steps=args.steps, resume=args.resume, address=args.address, force=args.force)
+    except (InputError, CheckpointError, PreflightError, RunFolderError, RunLockedError, InsufficientResourcesError, StorageError,
+            FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (RoleDiedError, NoAnswerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RESUMABLE
+    except KeyboardInterrupt:  # Ctrl-C, or a second SIGTERM: stopped at once, the pools stopped on the way out
+        print("stopped at once (Ctrl-C or a second SIGTERM); `--resume` continues from the newest checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug or an environment we did not foresee: one line here, the traceback in the run folder
+        log = _keep_traceback(job)
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"error: {type(exc).__name__}: {first} (traceback in {log}; `--resume` continues from the newest checkpoint)", file=sys.stderr)
+        return EXIT_UNEXPECTED
+    return EXIT_DONE
+
+
+def _keep_traceback(job) -> str:
+    """The exception being handled, written with its traceback to <run folder>/error.log (or a temp file where the
+    run folder is not writable); returns where."""
+    import tempfile
+    import time
+    import traceback
+
+    from lt_opd_ray.core.storage import RunStorage
+
+    text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} lt-opd train {job.name}\n{traceback.format_exc()}\n"
+    try:
+        folder = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).local
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "error.log"
+        with path.open("a") as handle:
+            handle.write(text)
+    except OSError:
+        handle, name = tempfile.mkstemp(prefix="lt-opd-error-", suffix=".log")
+        with open(handle, "w") as out:
+            out.write(text)
+        path = name
+    return str(path)
+
+
+def _train_reference(job, steps: int) -> None:
+    """The single-process reference update, step by step (no Ray)."""
+    import time
+
+    import transformers
+
+    from lt_opd_ray.core.batch_order import batches
+    from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.sources.resolve import load_samples
+
+    transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
+    transformers.logging.disable_progress_bar()
+    samples = load_samples(job.data.path, job.data.image_root, job.seed)
+    trainer = ReferenceTrainer(job)
+    print(f"{job.name}: {len(samples)} samples, {steps} updates, single-process reference update")
+    for _, batch in zip(range(steps), batches(samples, job.sampling.prompts_per_step, job.data.shuffle_seed)):
+        start = time.perf_counter()
+        report = trainer.update(batch)
+        s = report.stats
+        print(
+            f"step {report.step + 1:4d}/{steps}  budget {report.budget_bps / 100:5.2f}%  loss {s.loss:.5f}"
+            f"  div {s.divergence:.5f}  is_w {s.importance_weight:.3f}  overlap {s.top_k_overlap:.3f}"
+            f"  tokens {s.tokens}  grad {report.grad_norm:.3f}  {time.perf_counter() - start:.1f}s",
+            flush=True,
+        )
+
+
+def cmd_submit(args) -> int:
+    if load_job_or_report(args.job, args.set) is None:  # refuse a bad YAML here, not after the upload
+        return 2
+    from lt_opd_ray.runtime.submit import submit
+
+    train_args = [*(f"--set={override}" for override in args.set), *args.train_args]
+    return submit(args.job, args.address, args.runtime_env, args.working_dir, train_args, wait=not args.no_wait)
+
+
+def cmd_check_cluster(args) -> int:
+    import yaml
+
+    from lt_opd_ray.tools.cluster_check import check_cluster_file
+
+    if (job := load_job_or_report(args.job)) is None:
+        return 2
+    failed = 0
+    for path in args.clusters:
+        with open(path) as handle:
+            problems = check_cluster_file(yaml.safe_load(handle), job, path)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        print(f"{path}: {'ok' if not problems else f'{len(problems)} problem(s)'} for {args.job}")
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
+def cmd_ablation(args) -> int:
+    import transformers
+
+    from lt_opd_ray.tools.ablation import run_ablation
+
+    transformers.logging.set_verbosity_error()
+    if load_job_or_report(args.job) is None:
+        return 2
+    try:
+        results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms)
+    except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
+        print(f"ablation: {exc}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "retain_table.md").read_text())
+    print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, curves.png in {results['seconds'] / 60:.1f} min")
+    return 0
+
+
+def cmd_build_tiny(args) -> int:
+    from lt_opd_ray.models.tiny import build_tiny_model
+
+    print(build_tiny_model(args.family, args.out, seed=args.seed))
+    return 0
+
+
+def register(sub) -> None:
+    """This module's subcommands on the `lt-opd` parser."""
+    validate = sub.add_parser("validate", help="check job YAML files against the schema, and read their data and benchmark files (no torch/Ray import)")
+    validate.add_argument("jobs", nargs="+", help="job YAML files")
+    validate.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
+    validate.add_argument("--print", action="store_true", help="print each job as resolved (defaults and --set applied)")
+    validate.add_argument("--schema-only", action="store_true",
+                          help="check the YAML against the schema only, without reading its data and benchmark files (validating a"
+                               " cluster job on a machine that does not hold them)")
+    validate.set_defaults(func=cmd_validate)
+
+    train = sub.add_parser("train", help="run a training job on Ray (a local cluster unless RAY_ADDRESS/--address is set)")
+    train.add_argument("job", help="job YAML file")
+    train.add_argument("--more-updates", "--steps", dest="steps", type=int, default=None, metavar="N",
+                       help="run N more updates from where the run starts (step 0, or the resumed checkpoint), then checkpoint"
+                            " and stop (default: on to budget.total_steps)")
+    train.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in checkpoint.dir")
+    train.add_argument("--force", action="store_true", help="start afresh in a checkpoint.dir that holds an earlier run (moved aside)")
+    train.add_argument("--address", default=None, help="Ray cluster address to join (default: RAY_ADDRESS, else start one)")
+    train.add_argument("--reference", action="store_true", help="run the single-process reference update instead (no Ray)")
+    train.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
+    train.set_defaults(func=cmd_train)
+
+    submit = sub.add_parser(
+        "submit",
+        help="submit `lt-opd train JOB` to a Ray cluster through Ray's job API",
+        epilog="Arguments after -- are passed to the remote lt-opd train, e.g. -- --steps 10 --resume",
+    )
+    submit.add_argument("job", help="job YAML file (inside the working directory)")
+    submit.add_argument("--address", default=None, help="Ray dashboard address (default: RAY_ADDRESS or http://127.0.0.1:8265)")
+    submit.add_argument("--runtime-env", default="cluster/runtime_env.yaml", help="runtime env YAML")
+    submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
+    submit.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the logs")
+    submit.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP + " (passed on to the remote train)")
+    submit.set_defaults(func=cmd_submit)
+
+    cluster = sub.add_parser("check-cluster", help="check cluster launcher / KubeRay YAMLs against a job's pools (offline)")
+    cluster.add_argument("job", help="job YAML file")
+    cluster.add_argument("clusters", nargs="+", help="cluster YAML files")
+    cluster.set_defaults(func=cmd_check_cluster)
+
+    ablation = sub.add_parser(
+        "ablation", help="the paper's ablations on a toy task through the distributed runtime: retain table + curves"
+    )
+    ablation.add_argument("job", nargs="?", default="jobs/toy_circles.yaml", help="base job YAML (default: jobs/toy_circles.yaml)")
+    ablation.add_argument("--out", default="runs/ablation", help="output folder")
+    ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
+    ablation.add_argument("--updates", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
+    ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also lt_opd_token_merge)")
+    ablation.set_defaults(func=cmd_ablation)
+
+    tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
+    tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
+    tiny.add_argument("out", help="output folder")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_build_tiny)

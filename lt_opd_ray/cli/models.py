@@ -1,0 +1,176 @@
+"""Models and data: `lt-opd data`, `eval`, `export`, `serve`, `efficiency`. Heavy libraries are imported inside the commands that need them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from lt_opd_ray.cli.options import load_job_or_report
+
+
+def cmd_data(args) -> int:
+    from tqdm import tqdm
+
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.sources.prepare import DataError, prepare
+
+    with tqdm(desc="rows", unit="row") as bar:
+        def progress(done: int) -> None:
+            bar.update(done - bar.n)
+
+        try:
+            manifest = prepare(args.source, args.out, args.images, args.shard_rows, args.max_shards, progress)
+        except (DataError, InputError) as exc:
+            bar.close()
+            print(f"data: {exc}", file=sys.stderr)
+            return 1
+    if manifest is None:
+        print(f"stopped after {args.max_shards} new shard(s); run the same command again to continue")
+        return 0
+    print(f"wrote {args.out}: {manifest['rows']} rows in {len(manifest['shards'])} shard(s) + manifest.json"
+          f" (use it as data.path: {args.out})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import transformers
+
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.evals.benchmarks import BenchmarkError
+    from lt_opd_ray.evals.run import run_eval
+
+    transformers.logging.set_verbosity_error()
+    files = {}
+    for spec in args.bench:
+        name, _, path = spec.partition("=")
+        if not path:
+            print(f"eval: --bench {spec!r} is not NAME=FILE", file=sys.stderr)
+            return 2
+        files[name] = path
+    try:
+        run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit)
+    except (BenchmarkError, InputError, ValueError) as exc:
+        print(f"eval failed: {exc}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "retain_table.md").read_text())
+    print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, retain.png")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.export import ExportError, export_student
+
+    job = load_job_or_report(args.job)
+    if job is None:
+        return 2
+    try:
+        out = export_student(job, args.out, step=args.step, force=args.force)
+    except ExportError as exc:
+        print(f"export failed: {exc}", file=sys.stderr)
+        return 1
+    compression = CompressionConfig.read(out)
+    print(f"wrote {out}: a Hugging Face folder + lt_opd_compression.json ({compression.selector},"
+          f" {compression.budget_bps / 100:g}%, k_min {compression.k_min})")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from lt_opd_ray.serving.serve import serve_command
+
+    try:
+        argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach it directly
+
+
+def cmd_efficiency(args) -> int:
+    import json
+
+    from lt_opd_ray.core.compression import learnable_merge
+    from lt_opd_ray.planning.efficiency import PRESETS, merge_parameters, patch_grid, prefill_cost
+
+    if args.preset:
+        config = PRESETS[args.preset]
+    elif args.model is None:
+        print(f"efficiency: give a model folder or --preset (one of {', '.join(PRESETS)})", file=sys.stderr)
+        return 2
+    else:
+        path = Path(args.model) / "config.json"
+        if not path.exists():
+            print(f"efficiency: {path} not found (give a model folder or --preset)", file=sys.stderr)
+            return 2
+        config = json.loads(path.read_text())
+    try:
+        height, width = (int(v) for v in args.image.lower().split("x"))
+    except ValueError:
+        print(f"efficiency: --image {args.image!r} is not HEIGHTxWIDTH in pixels", file=sys.stderr)
+        return 2
+    grid = patch_grid(config, height, width)
+    merging = args.token_merge or learnable_merge(config) is not None
+    rows = [prefill_cost(config, args.text_tokens, [grid], bps, args.k_min, token_merge=merging) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
+    full = rows[0]
+    print(f"{args.preset or args.model}: {args.text_tokens} text tokens + one {height}x{width} image"
+          f" ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
+    print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}"
+          + (f" {'merge GFLOPs':>14}" if merging else ""))
+    for bps, row in zip(sorted(set(args.budgets + [10000]), reverse=True), rows):
+        print(f"{bps / 100:>6g}% {row.prefill_tokens:>7} {row.lm_flops / 1e12:>10.3f} ({row.lm_flops / full.lm_flops - 1:>+6.1%})"
+              f" {row.vision_flops / 1e12:>14.3f} {row.kv_cache_bytes / 1e6:>6.2f} ({row.kv_cache_bytes / full.kv_cache_bytes - 1:>+6.1%})"
+              f" {row.linear_state_bytes / 1e6:>13.2f}" + (f" {row.merge_flops / 1e9:>14.3f}" if merging else ""))
+    if merging:
+        print(f"learnable token merge: {merge_parameters(config):,} parameters; its GFLOPs (last column) are"
+              f" {rows[-1].merge_flops / rows[-1].lm_flops:.3%} of the LM prefill at {min(args.budgets) / 100:g}%")
+    return 0
+
+
+def register(sub) -> None:
+    """This module's subcommands on the `lt-opd` parser."""
+    data = sub.add_parser("data", help="verify and shard a training set (LT-14K layout, datasets folder, JSONL/parquet)")
+    data.add_argument("source", help="LT-14K folder, datasets save_to_disk folder, or .jsonl/.parquet file")
+    data.add_argument("--out", required=True, help="output folder (manifest.json is written last)")
+    data.add_argument("--images", default=None, help="image folder of a JSONL/parquet source (default: its folder)")
+    data.add_argument("--shard-rows", type=int, default=1000)
+    data.add_argument("--max-shards", type=int, default=None, help="stop after N new shards (run again to continue)")
+    data.set_defaults(func=cmd_data)
+
+    evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
+    evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:<task>)")
+    evaluate.add_argument("--bench", action="append", required=True, metavar="NAME=FILE",
+                          help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench")
+    evaluate.add_argument("--budgets", type=int, nargs="+", default=[500, 1000, 2500], help="budgets in basis points")
+    evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"])
+    evaluate.add_argument("--k-min", type=int, default=1)
+    evaluate.add_argument("--max-new-tokens", type=int, default=16)
+    evaluate.add_argument("--limit", type=int, default=None, help="first N items of each benchmark")
+    evaluate.add_argument("--out", default="runs/eval", help="output folder")
+    evaluate.set_defaults(func=cmd_eval)
+
+    export = sub.add_parser("export", help="write the trained student as a Hugging Face folder + its compression config")
+    export.add_argument("job", help="the job YAML the student was trained with")
+    export.add_argument("--out", required=True, help="output folder (assembled beside it, renamed into place)")
+    export.add_argument("--step", type=int, default=None, help="export checkpoint step-N (default: <checkpoint.dir>/final)")
+    export.add_argument("--force", action="store_true", help="replace an existing output folder")
+    export.set_defaults(func=cmd_export)
+
+    serve = sub.add_parser("serve", help="serve an exported student at its budget (vLLM, OpenAI-compatible); -- passes vLLM options")
+    serve.add_argument("model", help="exported model folder")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
+    serve.add_argument("--max-model-len", type=int, default=8192)
+    serve.set_defaults(func=cmd_serve)
+
+    efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
+    efficiency.add_argument("model", nargs="?", default=None, help="model folder (its config.json)")
+    efficiency.add_argument("--preset", choices=["qwen3.5-4b"], default=None, help="a built-in config instead of a folder")
+    efficiency.add_argument("--text-tokens", type=int, default=84, help="text tokens of the prompt (default 84)")
+    efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
+    efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
+    efficiency.add_argument("--k-min", type=int, default=1)
+    efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
+    efficiency.set_defaults(func=cmd_efficiency)

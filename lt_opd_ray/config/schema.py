@@ -1,0 +1,299 @@
+"""Typed schema of a training job, loaded from YAML.
+
+Imports pydantic, PyYAML and the package's torch-free pieces (the budget unit, storage locations, the data-spec
+parser), so `lt-opd validate` answers without torch, Ray or vLLM (tests/test_config.py checks it). Every field
+carries its meaning as a docstring; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from lt_opd_ray.config.base import (
+    MAX_PIXELS,
+    MAX_PROMPTS_PER_STEP,
+    MAX_RESPONSES_PER_PROMPT,
+    MAX_SEQUENCE_TOKENS,
+    MAX_TOP_K,
+    MAX_UPDATES,
+    MAX_WAIT_S,
+    StrictModel,
+    check_data_spec,
+)
+from lt_opd_ray.config.pools import PoolsConfig
+from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.core.storage import check_location
+
+
+class ModelConfig(StrictModel):
+    path: str
+    """Hugging Face model directory (local). `tiny:<family>` builds an embedded tiny random model; `toy:<task>` trains a toy task's teacher once (lt_opd_ray/toy)."""
+
+    @field_validator("path")
+    @classmethod
+    def _known_tiny_family(cls, path: str) -> str:
+        from lt_opd_ray.models.tiny import FAMILIES  # stdlib only: validate stays free of torch
+
+        family, _, vocab = path.removeprefix("tiny:").partition("-vocab")
+        if path.startswith("tiny:") and (family not in FAMILIES or (vocab and not vocab.isdigit())):
+            raise ValueError(f"{path!r}: expected tiny:<family> or tiny:<family>-vocab<N>, family one of {', '.join(FAMILIES)}")
+        return path
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Compute dtype of student and teacher forwards (master weights stay fp32)."""
+
+
+class DataConfig(StrictModel):
+    path: Annotated[str, AfterValidator(check_data_spec)]
+    """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
+    image_root: str = "."
+    """Folder that relative image paths in the rows are resolved against."""
+    min_pixels: int = Field(3136, gt=0, le=MAX_PIXELS)
+    """Images smaller than this many pixels are upscaled (Qwen smart-resize rule)."""
+    max_pixels: int = Field(1_003_520, gt=0, le=MAX_PIXELS)
+    """Images larger than this many pixels are downscaled (Qwen smart-resize rule)."""
+    system_prompt: str | None = None
+    """Optional system message; never part of the selector's query."""
+    shuffle_seed: int = 0
+    """Seed of the epoch order of the rows."""
+
+    @model_validator(mode="after")
+    def _pixels_ordered(self) -> DataConfig:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) exceeds max_pixels ({self.max_pixels})")
+        return self
+
+
+class SelectorConfig(StrictModel):
+    name: Literal["cdpruner", "divprune", "random", "uniform"] = "cdpruner"
+    """Which visual tokens the student keeps: CDPruner (docs/architecture.md §1), DivPrune, seeded random, uniform grid."""
+    merge: Literal["none", "learnable"] = "none"
+    """`learnable`: each kept token also takes in its discarded cosine neighbours through a trained head (the paper's
+    release, with cdpruner; models/token_merge.py); `none`: the discarded tokens are dropped."""
+
+
+class BudgetConfig(StrictModel):
+    """The visual-budget curriculum of docs/architecture.md §1, in basis points of the N visual tokens."""
+
+    start_bps: int = Field(2500, gt=0, le=BPS)
+    """Budget of the warm-up updates (2500 = 25%)."""
+    target_bps: int = Field(500, gt=0, le=BPS)
+    """Budget reached at `decay_end` and held afterwards; evaluation runs at it unless `eval.budget_bps` says otherwise."""
+    warm_steps: int = Field(14, ge=0, le=MAX_UPDATES)
+    """Updates held at `start_bps` before the cosine decay."""
+    decay_end: int = Field(100, ge=0, le=MAX_UPDATES)
+    """First update index held at `target_bps`."""
+    total_steps: int = Field(175, gt=0, le=MAX_UPDATES)
+    """Number of optimizer updates in the run."""
+    k_min: int = Field(32, ge=1, le=MAX_SEQUENCE_TOKENS)
+    """Floor on kept tokens per image: k = min(N, max(k_min, ceil(N*r)))."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BudgetConfig:
+        if self.target_bps > self.start_bps:
+            raise ValueError(f"target_bps ({self.target_bps}) exceeds start_bps ({self.start_bps})")
+        if self.decay_end < self.warm_steps:
+            raise ValueError(f"decay_end ({self.decay_end}) is before the end of warm_steps ({self.warm_steps})")
+        return self
+
+
+class ObjectiveConfig(StrictModel):
+    mode: Literal["lt_opd", "fixed_prefix", "sft"] = "lt_opd"
+    """What the student learns from. `lt_opd`: its own rollouts at budget r, scored by the teacher
+    (docs/architecture.md §1). The ablations of the paper: `fixed_prefix` distils the teacher's distributions on
+    responses the full-token teacher sampled; `sft` trains cross-entropy on those responses. Both
+    make each rollout worker hold a frozen copy of the initial weights to sample with."""
+    divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"
+    """Per-position divergence on the top-k union plus a tail bin."""
+    alpha: float = Field(0.5, gt=0.0, lt=1.0)
+    """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
+    top_k: int = Field(100, ge=1, le=MAX_TOP_K)
+    """Size of the student and teacher top-k sets that form the support U."""
+    importance_clip: float = Field(2.0, gt=0.0)
+    """Truncation of the detached importance weight min(exp(logp - old_logp), clip)."""
+    logsoftmax_chunk: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
+    """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
+
+
+class SamplingConfig(StrictModel):
+    prompts_per_step: int = Field(80, ge=1, le=MAX_PROMPTS_PER_STEP)
+    """Prompts per rollout batch (one optimizer step per batch)."""
+    n: int = Field(8, ge=1, le=MAX_RESPONSES_PER_PROMPT)
+    """Responses sampled per prompt."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature of the rollout policy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus mass of the rollout policy."""
+    max_new_tokens: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
+    """Longest response."""
+    stop: list[str] = ["</answer>"]
+    """Strings that end a response (besides EOS); the stop string is kept in the response."""
+
+
+class LearningRates(StrictModel):
+    language_model: float = Field(1e-6, ge=0.0)
+    """Learning rate of the language model (and lm_head)."""
+    vision_encoder: float = Field(2e-7, ge=0.0)
+    """Learning rate of the vision tower blocks and patch embedding."""
+    merger: float = Field(1e-6, ge=0.0)
+    """Learning rate of the vision merger (and Qwen3-VL deepstack mergers)."""
+    token_merge: float = Field(1e-4, ge=0.0)
+    """Learning rate of the learnable token-merge head (selector.merge: learnable; the release trained it at 1e-4)."""
+
+
+class OptimizerConfig(StrictModel):
+    lr: LearningRates = LearningRates()
+    """Per-module learning rates."""
+    weight_decay: float = Field(0.01, ge=0.0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    warmup_steps: int = Field(14, ge=0, le=MAX_UPDATES)
+    """Linear learning-rate warm-up, then constant."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip."""
+
+
+class ScheduleConfig(StrictModel):
+    """How the pools overlap (docs/architecture.md §4)."""
+
+    max_staleness: Literal[0, 1] = 0
+    """0: every update trains on rollouts of the weights it starts from (on-policy). 1: the rollouts of update t+1
+    are sampled by the weights of update t while the learners train on update t (one-step off-policy; the clipped
+    importance weight corrects for the lag). The learners refuse a rollout staler than this. Deeper lags would
+    only queue weight broadcasts behind busy workers, so they are not offered."""
+    group_prompts: int = Field(1, ge=1, le=MAX_PROMPTS_PER_STEP)
+    """Prompts per rollout group, the unit that streams: a group goes to the teacher and on to its learner rank as
+    soon as it is sampled. Smaller: earlier hand-over; larger: bigger engine batches."""
+    wait_timeout_s: float = Field(1800.0, gt=0, le=MAX_WAIT_S)
+    """Longest wait on any actor (a rollout group, a teacher payload, a learner step, a checkpoint write); one that
+    does not answer in time fails the run, naming the role and actor."""
+    liveness_timeout_s: float = Field(120.0, gt=0, le=MAX_WAIT_S)
+    """While the driver waits on an update, it pings the rollout workers still sampling it and the learner ranks
+    every few seconds (answered from a second thread while they work); one that dies is named at once, one that has
+    not answered for this long (a frozen process, a lost node), or a learner rank that answers from one step of its
+    own work for this long (a hung kernel or collective), is named with what it was doing. A rollout worker is
+    stopped and its groups sampled again; for a learner rank the run ends with the checkpoint `--resume` continues
+    from. One learner micro-batch's forward or backward must take less than this."""
+
+
+class CheckpointConfig(StrictModel):
+    dir: Annotated[str, AfterValidator(check_location)] = "runs/lt-opd"
+    """Default runs/<job name>. Where the run's outputs go (checkpoints, steps.jsonl, final/, the resolved job): a folder (on a cluster, one
+    every node mounts) or a URI pyarrow opens: s3://bucket/path, gs://, hdfs://, abfs://, file://."""
+    staging_dir: str | None = None
+    """With `dir` a URI: the local folder (same path on every node) where outputs are written before they are
+    uploaded; None: a folder under the system's temp dir."""
+    every_steps: int = Field(25, ge=1, le=MAX_UPDATES)
+    """Checkpoint interval in optimizer steps."""
+    keep: int = Field(2, ge=1, le=MAX_UPDATES)
+    """Complete checkpoints kept on disk."""
+
+
+BenchmarkName = Literal["mmbench", "mmmu", "vstar", "hrbench", "pope", "gqa", "textvqa", "mme", "ocrbench"]
+
+
+class EvalConfig(StrictModel):
+    """Scores of the current student during training, on the rollout workers (greedy): answer accuracy on `data`
+    (exact match on <answer>) and each benchmark's own metric."""
+
+    data: Annotated[str, AfterValidator(check_data_spec)] | None = None
+    """Rows with reference answers (file, `synthetic:<n>`, `toy-<task>-test:<n>`); None: no evaluation."""
+    every_steps: int = Field(10, ge=1, le=MAX_UPDATES)
+    """Evaluate after every this many optimizer steps (and after the last)."""
+    budget_bps: int | None = Field(None, gt=0, le=BPS)
+    """Visual budget of the evaluation; None: budget.target_bps."""
+    selectors: list[Literal["cdpruner", "divprune", "random", "uniform"]] = ["cdpruner"]
+    """Selectors evaluated at that budget (the first is the headline metric)."""
+    at_start: bool = False
+    """Before the first update of a fresh run, also evaluate `data` at full visual tokens (the reference a retain
+    ratio divides by) and at the budget (the untrained student, the baseline training must beat); every later
+    evaluation then prints its retain ratio."""
+    max_new_tokens: int = Field(16, ge=1, le=MAX_SEQUENCE_TOKENS)
+    """Longest answer."""
+    benchmarks: dict[BenchmarkName, str] = {}
+    """Benchmark files scored with their own metric at the same budget and selectors (name -> file; see `lt-opd eval`)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.data is not None or bool(self.benchmarks)
+
+
+class MetricsConfig(StrictModel):
+    export_port: int = Field(8090, ge=1024, le=65535)
+    """Prometheus export port of the Ray node (outside Ray's worker port range 10002-19999)."""
+    log_every: int = Field(1, ge=1, le=MAX_UPDATES)
+    """Terminal log interval in steps."""
+
+    @model_validator(mode="after")
+    def _outside_worker_ports(self) -> MetricsConfig:
+        if 10002 <= self.export_port <= 19999:
+            raise ValueError(f"export_port {self.export_port} lies in Ray's worker port range 10002-19999")
+        return self
+
+
+class TrackingConfig(StrictModel):
+    """Experiment tracking (lt_opd_ray/runtime/tracking.py); each backend's library is an optional extra:
+    `pip install 'lt-opd-ray[tracking]'`."""
+
+    backends: list[Literal["tensorboard", "mlflow", "wandb"]] = []
+    """Where every update's metrics and the resolved job go; empty: nowhere but steps.jsonl and Prometheus."""
+    dir: str | None = None
+    """Local folder of the TensorBoard event files, MLflow's sqlite store and W&B's run files; None: <checkpoint.dir>/tracking."""
+    project: str = "lt-opd"
+    """MLflow experiment / W&B project; the run is named after the job."""
+    mlflow_uri: str | None = None
+    """MLflow tracking server or store URI; None: `sqlite:///<dir>/mlflow.db`."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B online needs WANDB_API_KEY; offline runs can be uploaded later with `wandb sync`."""
+
+
+class JobConfig(StrictModel):
+    """One LT-OPD training job."""
+
+    name: str = "lt-opd"
+    """Run name, used in metrics labels and checkpoint folders."""
+    seed: int = 0
+    """Global seed: sampling, selection and data order derive from it."""
+    model: ModelConfig
+    """The student/teacher checkpoint (both start from it)."""
+    data: DataConfig
+    """Training rows."""
+    selector: SelectorConfig = SelectorConfig()
+    """Visual-token selector of the student."""
+    budget: BudgetConfig = BudgetConfig()
+    """Visual-budget curriculum."""
+    objective: ObjectiveConfig = ObjectiveConfig()
+    """Distillation objective."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Rollout sampling."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW with per-module learning rates."""
+    pools: PoolsConfig = PoolsConfig()
+    """Actor pools and their resources."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Streaming and staleness: how the pools overlap."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation during training."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Metrics export."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment tracking (TensorBoard, MLflow, W&B)."""
+
+    @property
+    def eval_budget_bps(self) -> int:
+        """The budget every evaluation of the student runs at: `eval.budget_bps`, else the curriculum's target."""
+        return self.eval.budget_bps or self.budget.target_bps
+
+    @model_validator(mode="before")
+    @classmethod
+    def _run_folder_of_the_job(cls, data):
+        """checkpoint.dir defaults to runs/<job name>: jobs of other names never share a folder."""
+        if isinstance(data, dict) and isinstance(data.get("checkpoint", {}), dict) and data.get("checkpoint", {}).get("dir") is None:
+            data = {**data, "checkpoint": {**data.get("checkpoint", {}), "dir": f"runs/{data.get('name', 'lt-opd')}"}}
+        return data
