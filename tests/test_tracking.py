@@ -9,7 +9,7 @@ from conftest import job_for
 
 from lt_opd_ray.core.storage import RunStorage
 from lt_opd_ray.core.wire import PhaseTimes
-from lt_opd_ray.runtime.driver import StepLog
+from lt_opd_ray.runtime.step_log import StepLog
 from lt_opd_ray.runtime.tracking import Trackers, step_metrics
 
 

@@ -26,49 +26,25 @@ from lt_opd_ray.core.curriculum import BPS, BudgetSchedule
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.wire import (
     LearnerStepResult,
-    PhaseTimes,
     RolloutGroup,
     RolloutSummary,
     ScoringRequest,
     Span,
     Stopwatch,
     SyncResult,
-    busy_seconds,
 )
 from lt_opd_ray.runtime.checkpoint import CheckpointStore
 from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.metrics import DriverMetrics
 from lt_opd_ray.runtime.preflight import preflight
 from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
+from lt_opd_ray.runtime.step_log import StepLog, summarize
 from lt_opd_ray.runtime.sync_coordinator import WeightBroadcaster
 from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, Watched
 
 # The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
 REPLICA_COUNT_MAX_AGE_S = 10.0
-
-
-@dataclass
-class StepLog:
-    step: int
-    budget_bps: int
-    loss: float
-    divergence: float
-    importance_weight: float
-    top_k_overlap: float
-    tokens: int
-    grad_norm: float = 0.0  # global gradient norm before clipping
-    staleness: int = 0  # learner version - the oldest sampling version of this update's rollouts
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-    sync_bytes: int = 0
-    payload_bytes_per_token: float = 0.0
-    sequences: int = 0  # rollouts trained on, over all ranks
-    micro_batches: int = 0  # learner forward/backward passes with sequences, over all ranks
-    filler_micro_batches: int = 0  # zero-weighted passes that keep the ranks' backward counts equal
-    vision_forwards: int = 0  # learner vision-tower passes: one per prompt when its group fits a micro-batch
-    eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
-    eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
-    timeline: list[Span] = field(default_factory=list)  # every piece of this update's work (`lt-opd timeline` draws it)
 
 
 @dataclass
@@ -327,48 +303,11 @@ class Driver:
         spans: list[Span], accuracy: dict, scores: dict,
     ) -> StepLog:
         end = time.time()
-        rollout_spans = [s.span for s in summaries]
-        teacher_spans = list(dict.fromkeys(s for r in ranks for s in r.spans if s.role == "teacher"))  # each once
-        learner_spans = [s for r in ranks for s in r.spans if s.role == "learner"]
-        extent = lambda chosen: max(s.end for s in chosen) - min(s.start for s in chosen) if chosen else 0.0  # noqa: E731
-        of = lambda role: sum(s.seconds for s in spans if s.role == role)  # noqa: E731
-        period = end - self.last_end
-        self.last_end = end
+        period, self.last_end = end - self.last_end, end
         sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S), "learner": len(self.learners.actors)}
-        busy = {  # an actor's overlapping spans (groups sampled or scored in one batch) count once
-            "rollout": busy_seconds(rollout_spans) / (sizes["rollout"] * period),
-            "teacher": busy_seconds(teacher_spans) / (max(sizes["teacher"], 1) * period),
-            "learner": busy_seconds(learner_spans) / (sizes["learner"] * period),
-        }
-        phases = PhaseTimes(
-            rollout=extent(rollout_spans), teacher=extent(teacher_spans), learner=max(r.seconds for r in ranks),
-            sync=of("sync"), checkpoint=of("checkpoint"), eval=of("eval"), step=period, busy=busy,
-        )
-        staleness = max(r.staleness for r in ranks)
-        self.metrics.record(self.step, current.budget_bps, phases, samples=sum(r.sequences for r in ranks), pool_sizes=sizes, staleness=staleness)
-        total = lambda key: sum(getattr(r, key) for r in ranks)  # noqa: E731
-        by_tokens = lambda key: sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)  # noqa: E731
-        return StepLog(
-            step=current.update,
-            budget_bps=current.budget_bps,
-            loss=total("loss") / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
-            divergence=by_tokens("divergence"),
-            importance_weight=by_tokens("importance_weight"),
-            top_k_overlap=by_tokens("top_k_overlap"),
-            tokens=total("tokens"),
-            grad_norm=ranks[0].grad_norm,  # global: the same on every rank
-            staleness=staleness,
-            phases=phases,
-            sync_bytes=sync_bytes,
-            payload_bytes_per_token=total("payload_bytes") / max(total("payload_tokens"), 1),
-            sequences=total("sequences"),
-            micro_batches=total("micro_batches"),
-            filler_micro_batches=total("filler_micro_batches"),
-            vision_forwards=total("vision_forwards"),
-            eval_accuracy=accuracy,
-            eval_scores=scores,
-            timeline=sorted([*rollout_spans, *teacher_spans, *learner_spans, *spans], key=lambda s: s.start),
-        )
+        log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores)
+        self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness)
+        return log
 
     def _evaluates_now(self) -> bool:
         return self.job.eval.enabled and (self.step % self.job.eval.every_steps == 0 or self.step == self.job.budget.total_steps)

@@ -1,0 +1,85 @@
+"""One update as the driver reports it: the learner ranks' results, the phases' seconds from every span of the
+update's work, and the pools' busy fractions (what the CLI prints, `steps.jsonl` keeps and the trackers plot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lt_opd_ray.core.wire import LearnerStepResult, PhaseTimes, Span, busy_seconds
+
+
+@dataclass
+class StepLog:
+    step: int
+    budget_bps: int
+    loss: float
+    divergence: float
+    importance_weight: float
+    top_k_overlap: float
+    tokens: int
+    grad_norm: float = 0.0  # global gradient norm before clipping
+    staleness: int = 0  # learner version - the oldest sampling version of this update's rollouts
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+    sync_bytes: int = 0
+    payload_bytes_per_token: float = 0.0
+    sequences: int = 0  # rollouts trained on, over all ranks
+    micro_batches: int = 0  # learner forward/backward passes with sequences, over all ranks
+    filler_micro_batches: int = 0  # zero-weighted passes that keep the ranks' backward counts equal
+    vision_forwards: int = 0  # learner vision-tower passes: one per prompt when its group fits a micro-batch
+    eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
+    eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
+    timeline: list[Span] = field(default_factory=list)  # every piece of this update's work (`lt-opd timeline` draws it)
+
+
+def summarize(
+    update: int, budget_bps: int, ranks: list[LearnerStepResult], rollout_spans: list[Span], spans: list[Span],
+    sizes: dict[str, int], period: float, sync_bytes: int, accuracy: dict[str, float], scores: dict[str, float],
+) -> StepLog:
+    """The update's StepLog: `spans` are the driver's own (sync, checkpoint, eval), `sizes` each pool's actors and
+    `period` the seconds since the previous update ended."""
+    teacher_spans = list(dict.fromkeys(s for r in ranks for s in r.spans if s.role == "teacher"))  # each once
+    learner_spans = [s for r in ranks for s in r.spans if s.role == "learner"]
+
+    def extent(chosen: list[Span]) -> float:
+        return max(s.end for s in chosen) - min(s.start for s in chosen) if chosen else 0.0
+
+    def of(role: str) -> float:
+        return sum(s.seconds for s in spans if s.role == role)
+
+    busy = {  # an actor's overlapping spans (groups sampled or scored in one batch) count once
+        "rollout": busy_seconds(rollout_spans) / (sizes["rollout"] * period),
+        "teacher": busy_seconds(teacher_spans) / (max(sizes["teacher"], 1) * period),
+        "learner": busy_seconds(learner_spans) / (sizes["learner"] * period),
+    }
+    phases = PhaseTimes(
+        rollout=extent(rollout_spans), teacher=extent(teacher_spans), learner=max(r.seconds for r in ranks),
+        sync=of("sync"), checkpoint=of("checkpoint"), eval=of("eval"), step=period, busy=busy,
+    )
+
+    def total(key: str):
+        return sum(getattr(r, key) for r in ranks)
+
+    def by_tokens(key: str) -> float:
+        return sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)
+
+    return StepLog(
+        step=update,
+        budget_bps=budget_bps,
+        loss=total("loss") / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
+        divergence=by_tokens("divergence"),
+        importance_weight=by_tokens("importance_weight"),
+        top_k_overlap=by_tokens("top_k_overlap"),
+        tokens=total("tokens"),
+        grad_norm=ranks[0].grad_norm,  # global: the same on every rank
+        staleness=max(r.staleness for r in ranks),
+        phases=phases,
+        sync_bytes=sync_bytes,
+        payload_bytes_per_token=total("payload_bytes") / max(total("payload_tokens"), 1),
+        sequences=total("sequences"),
+        micro_batches=total("micro_batches"),
+        filler_micro_batches=total("filler_micro_batches"),
+        vision_forwards=total("vision_forwards"),
+        eval_accuracy=accuracy,
+        eval_scores=scores,
+        timeline=sorted([*rollout_spans, *teacher_spans, *learner_spans, *spans], key=lambda s: s.start),
+    )
