@@ -89,8 +89,10 @@ class Probe:
         return sum(p.numel() * p.element_size() for p in self.weights.parameters())
 
     def send(self, version: int, bucket_bytes: int) -> float:
+        from lt_opd_ray.weight_sync.ends import TensorSource
+
         begin = time.perf_counter()
-        self.group.send(list(self.weights.named_parameters()), version, bucket_bytes)
+        self.group.send(TensorSource(list(self.weights.named_parameters())), version, bucket_bytes)
         return time.perf_counter() - begin
 
     def receive(self, version: int) -> float:

@@ -98,8 +98,10 @@ class Sender:
         self.group = SyncGroup(self.store, 0, world, generation, 120)
 
     def send(self, version: int, bucket_bytes: int) -> float:
+        from lt_opd_ray.weight_sync.ends import TensorSource
+
         begin = time.perf_counter()
-        self.group.send(list(self.model.named_parameters()), version, bucket_bytes)
+        self.group.send(TensorSource(list(self.model.named_parameters())), version, bucket_bytes)
         return time.perf_counter() - begin
 
 

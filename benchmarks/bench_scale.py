@@ -152,7 +152,7 @@ def sync_part(small: bool) -> None:
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.runtime.learner_group import free_port
     from lt_opd_ray.sources.resolve import resolve_model_dir
-    from lt_opd_ray.weight_sync.ends import ModuleSink
+    from lt_opd_ray.weight_sync.ends import ModuleSink, TensorSource
     from lt_opd_ray.weight_sync.group import SyncGroup, host_store, join_store
 
     model_path = "tiny:qwen3_5" if small else "tiny:qwen3_5-vocab248320"
@@ -165,7 +165,7 @@ def sync_part(small: bool) -> None:
         port = free_port()
         store = host_store("127.0.0.1", port, 2, 120)
         sent = {}
-        sender = threading.Thread(target=lambda: sent.setdefault("bytes", SyncGroup(store, 0, 2, 0, 120).send(named, 1, bucket, dtype)))
+        sender = threading.Thread(target=lambda: sent.setdefault("bytes", SyncGroup(store, 0, 2, 0, 120).send(TensorSource(named, dtype), 1, bucket)))
         sender.start()
         group = SyncGroup(join_store("127.0.0.1", port, 120), 1, 2, 0, 120)
         begin = time.perf_counter()

@@ -8,7 +8,7 @@ import torch
 
 from lt_opd_ray.core.wire import MalformedPayloadError, Rollout, TeacherScore, pack_scores, unpack_scores
 from lt_opd_ray.runtime.learner_group import free_port
-from lt_opd_ray.weight_sync.ends import ModuleSink, WeightUpdateRefused
+from lt_opd_ray.weight_sync.ends import ModuleSink, TensorSource, WeightUpdateRefused
 from lt_opd_ray.weight_sync.group import SyncGroup, host_store, join_store
 from lt_opd_ray.weight_sync.layout import Layout, group_key, weights_checksum
 
@@ -48,7 +48,7 @@ def broadcast(sender, sink, version, expected, bucket_bytes=1024, dtype="float32
 
     thread = threading.Thread(target=receive)
     thread.start()
-    sent = SyncGroup(store, 0, 2, 0, 30).send(list(sender.named_parameters()), version, bucket_bytes, dtype)
+    sent = SyncGroup(store, 0, 2, 0, 30).send(TensorSource(list(sender.named_parameters()), dtype), version, bucket_bytes)
     thread.join(timeout=60)
     return sent, received, errors
 

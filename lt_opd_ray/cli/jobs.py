@@ -47,8 +47,8 @@ def cmd_train(args) -> int:
     from lt_opd_ray.core.errors import InputError
     from lt_opd_ray.core.storage import StorageError
     from lt_opd_ray.runtime.checkpoint_files import CheckpointError
-    from lt_opd_ray.runtime.preflight import PreflightError
     from lt_opd_ray.runtime.launch import RunFolderError
+    from lt_opd_ray.runtime.preflight import PreflightError
     from lt_opd_ray.runtime.resources import InsufficientResourcesError
     from lt_opd_ray.runtime.run_lock import RunLockedError
     from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError

@@ -35,8 +35,8 @@ def sampling_params(job: JobConfig, tokenizer):
 
 
 class RolloutEngine(Protocol):
-    def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
-        """n responses per sample at `budget_bps`, seeded by (job seed, step, uid, response index); prompt_index is local."""
+    def rollout(self, samples: list[Sample], budget_bps: int, update: int) -> list[Rollout]:
+        """n responses per sample at `budget_bps`, seeded by (job seed, update, uid, response index); prompt_index is local."""
 
     def respond(self, samples: list[Sample], budget_bps: int, selector: str, max_new_tokens: int,
                 system_prompt: str | None, stop: tuple[str, ...]) -> list[str]:
@@ -80,7 +80,7 @@ class TransformersRolloutEngine:
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
 
-    def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
+    def rollout(self, samples: list[Sample], budget_bps: int, update: int) -> list[Rollout]:
         from lt_opd_ray.engines.transformers.rollout import rollout
         from lt_opd_ray.models.loading import compute_precision
         from lt_opd_ray.models.processor import encode_samples
@@ -90,7 +90,7 @@ class TransformersRolloutEngine:
         with compute_precision(job.model.dtype, self.vlm.device):
             return rollout(
                 self.vlm, self.processor.tokenizer, prompts, [s.uid for s in samples], self.selector, budget_bps,
-                job.budget.k_min, self.params, job.sampling.n, job.seed, step, self.behaviour,
+                job.budget.k_min, self.params, job.sampling.n, job.seed, update, self.behaviour,
             )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
@@ -138,7 +138,7 @@ class VLLMRolloutEngine:
         with self._encoding:
             return encode_samples(self.processor, samples, system_prompt)
 
-    def rollout(self, samples: list[Sample], budget_bps: int, step: int) -> list[Rollout]:
+    def rollout(self, samples: list[Sample], budget_bps: int, update: int) -> list[Rollout]:
         from lt_opd_ray.engines.vllm.roles import vllm_rollout
         from lt_opd_ray.models.processor import load_image
 
@@ -146,7 +146,7 @@ class VLLMRolloutEngine:
         prompts = self._encode(samples, job.data.system_prompt)
         return vllm_rollout(
             self.engine, prompts, [[load_image(s.image, s.uid)] for s in samples], [s.uid for s in samples], job.selector.name,
-            budget_bps, job.budget.k_min, self.params, job.sampling.n, job.seed, step,
+            budget_bps, job.budget.k_min, self.params, job.sampling.n, job.seed, update,
         )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:

@@ -119,32 +119,13 @@ class LearnerActor:
 
         If the send fails (a member died, the driver aborted the group), rank 0 stops sending but goes on
         gathering to the last bucket, so the learners' own group stays in step, then raises."""
-        from lt_opd_ray.weight_sync.ends import WeightSyncError
-
         begin = time.perf_counter()
         bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
-        send, failure = None, []
-        if self.rank == 0:
-            layout = self.learner.wire_layout()
-            try:
-                self.sync.send_header(layout, version, bucket_bytes)
-            except RuntimeError as exc:  # gloo's and NCCL's errors, WeightSyncError
-                failure.append(exc)
-
-            def send(tensors) -> int:
-                if failure:
-                    return 0
-                try:
-                    return self.sync.send_bucket(tensors, layout.torch_dtype)
-                except RuntimeError as exc:
-                    failure.append(exc)
-                    return 0
-
-        nbytes = self.learner.stream_weights(send, bucket_bytes)
+        if self.rank == 0:  # the learner is the sync's source (weight_sync/ends.WeightSource)
+            nbytes = self.sync.send(self.learner, version, bucket_bytes)
+        else:
+            nbytes = self.learner.stream_weights(None, bucket_bytes)  # its part of each ZeRO-3 gather
         seconds = time.perf_counter() - begin
-        if failure:
-            raise WeightSyncError(f"weight broadcast v{version} stopped after {nbytes} bytes: {str(failure[0])[:300]}"
-                                  " (every learner rank finished its gathers; the sync group must be re-formed)")
         if self.rank == 0:
             self.metrics.record_sync(seconds, nbytes)
         return WeightsSent(self.rank, nbytes, self.learner.wire_dtype, seconds)

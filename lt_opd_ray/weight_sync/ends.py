@@ -37,6 +37,21 @@ class WeightSource(Protocol):
         """Hand each of `wire_layout().buckets(bucket_bytes)`'s full tensors to `send_bucket` in order; returns its bytes."""
 
 
+class TensorSource:
+    """Weights already at hand, as (name, tensor) pairs, sent in `dtype` (tests and benchmarks; the learner is the
+    other source)."""
+
+    def __init__(self, named_tensors: list[tuple[str, torch.Tensor]], dtype: str = "float32"):
+        self.tensors, self.dtype = dict(named_tensors), dtype
+        self.layout = Layout.of(named_tensors, dtype)
+
+    def wire_layout(self) -> Layout:
+        return self.layout
+
+    def stream_weights(self, send_bucket, bucket_bytes: int) -> int:
+        return sum(send_bucket([self.tensors[n] for n in bucket.names]) for bucket in self.layout.buckets(bucket_bytes))
+
+
 class WeightSink(Protocol):
     """Where received weights go."""
 

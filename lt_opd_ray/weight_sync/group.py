@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from lt_opd_ray.core.collectives import install_guard_if_asked
-from lt_opd_ray.weight_sync.ends import WeightSink, WeightSyncAborted, WeightSyncError, WeightUpdateRefused
+from lt_opd_ray.weight_sync.ends import (
+    WeightSink,
+    WeightSource,
+    WeightSyncAborted,
+    WeightSyncError,
+    WeightUpdateRefused,
+)
 from lt_opd_ray.weight_sync.layout import Bucket, Layout
 
 ABANDONED: list = []  # aborted groups with an operation still pending (see SyncGroup._broadcast)
@@ -95,12 +101,31 @@ class SyncGroup:
         self._broadcast(flat)
         return flat.numel() * flat.element_size()
 
-    def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, bucket_bytes: int, dtype: str = "float32") -> int:
-        """Header and every bucket of tensors already at hand; returns the weight bytes sent."""
-        layout = Layout(tuple(n for n, _ in named_tensors), tuple(tuple(t.shape) for _, t in named_tensors), dtype)
-        tensors = dict(named_tensors)
-        self.send_header(layout, version, bucket_bytes)
-        return sum(self.send_bucket([tensors[n] for n in b.names], layout.torch_dtype) for b in layout.buckets(bucket_bytes))
+    def send(self, source: WeightSource, version: int, bucket_bytes: int) -> int:
+        """One sync from `source`: the header, then each bucket it streams; returns the weight bytes sent.
+
+        If sending fails (a member died, the driver aborted the group), the source's stream is still consumed to
+        its last bucket (a ZeRO-3 learner gathers in each: a collective its peers run too), then WeightSyncError."""
+        layout, failure = source.wire_layout(), []
+        try:
+            self.send_header(layout, version, bucket_bytes)
+        except RuntimeError as exc:  # gloo's and NCCL's errors, WeightSyncError
+            failure.append(exc)
+
+        def send_bucket(tensors: list[torch.Tensor]) -> int:
+            if failure:
+                return 0
+            try:
+                return self.send_bucket(tensors, layout.torch_dtype)
+            except RuntimeError as exc:
+                failure.append(exc)
+                return 0
+
+        nbytes = source.stream_weights(send_bucket, bucket_bytes)
+        if failure:
+            raise WeightSyncError(f"weight broadcast v{version} stopped after {nbytes} bytes: {str(failure[0])[:300]}"
+                                  " (every learner rank finished its gathers; the sync group must be re-formed)")
+        return nbytes
 
     # ---------------------------------------------------------------- receiver
     def receive(self, sink: WeightSink, expected_version: int) -> int:

@@ -79,12 +79,18 @@ class Layout:
         fields = json.loads(bytes(data.cpu().numpy()).decode())
         return Layout(tuple(fields["names"]), tuple(tuple(s) for s in fields["shapes"]), fields["dtype"])
 
-    def mismatches(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
-        """What differs from a sink's names and shapes (empty: the layouts agree)."""
+    @classmethod
+    def of(cls, named_tensors, dtype: str) -> Layout:
+        """The layout of (name, tensor) pairs, sent in `dtype`."""
+        return cls(tuple(n for n, _ in named_tensors), tuple(tuple(t.shape) for _, t in named_tensors), dtype)
+
+    def mismatches(self, expected: dict[str, tuple[int, ...]], complete: bool = True) -> list[str]:
+        """What differs from a sink's names and shapes (empty: the layouts agree); `complete`: every expected weight
+        must be sent (a sync), else a subset may be (an in-place update of some weights)."""
         sent = dict(zip(self.names, self.shapes))
         problems = [f"{n}: not a weight of this model" for n in self.names if n not in expected]
         problems += [f"{n}: shape {sent[n]} != {expected[n]}" for n in self.names if n in expected and tuple(expected[n]) != sent[n]]
-        problems += [f"{n}: not sent" for n in expected if n not in sent]
+        problems += [f"{n}: not sent" for n in expected if n not in sent] if complete else []
         return problems
 
 

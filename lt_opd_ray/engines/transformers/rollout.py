@@ -29,10 +29,10 @@ def rollout(
     params: SamplingParams,
     n: int,
     seed: int,
-    step: int,
+    update: int,
     behaviour: QwenVLM | None = None,
 ) -> list[Rollout]:
-    """n responses per prompt at the current budget; selection and sampling are seeded by (seed, step, uid).
+    """n responses per prompt at the current budget; selection and sampling are seeded by (seed, update, uid).
 
     With `behaviour` (the frozen teacher; the fixed-prefix and SFT ablations) the
     responses are sampled by it at full tokens, and the student's log-probs and
@@ -41,7 +41,7 @@ def rollout(
     reduced, full, owners, seeds = [], [], [], []
     for index, (prompt, uid) in enumerate(zip(prompts, uids)):
         features = vlm.visual_features(prompt)
-        selected = vlm.select(prompt, features, selector, budget_bps, k_min, seed=selection_seed(seed, step, uid))
+        selected = vlm.select(prompt, features, selector, budget_bps, k_min, seed=selection_seed(seed, update, uid))
         prompt_reduced = vlm.reduce(prompt, features, selected)
         prompt_full = None
         if behaviour is not None:
@@ -50,7 +50,7 @@ def rollout(
         reduced += [prompt_reduced] * n
         full += [prompt_full] * n
         owners += [index] * n
-        seeds += response_seeds(seed, step, uid, n)
+        seeds += response_seeds(seed, update, uid, n)
     if behaviour is None:
         completions = sample(vlm, reduced, params, seeds, tokenizer)
     else:

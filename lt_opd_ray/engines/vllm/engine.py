@@ -32,6 +32,7 @@ from lt_opd_ray.engines.vllm.loop import EngineLoop
 from lt_opd_ray.engines.vllm.selection import SelectionRequest
 from lt_opd_ray.models.processor import IMAGE, PromptInputs
 from lt_opd_ray.models.sampler import Completion, SamplingParams
+from lt_opd_ray.weight_sync.layout import Layout
 
 
 def configure_environment() -> None:
@@ -318,13 +319,7 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Replace weights in place from tensors at hand; names and shapes are checked first, and a mismatch is refused whole."""
-        expected = self.weight_shapes()
-        problems = [f"{name}: not a weight of this model" for name, _ in named_tensors if name not in expected]
-        problems += [
-            f"{name}: shape {tuple(t.shape)} != {expected[name]}"
-            for name, t in named_tensors
-            if name in expected and tuple(t.shape) != expected[name]
-        ]
+        problems = Layout.of(named_tensors, "float32").mismatches(self.weight_shapes(), complete=False)  # as a sync checks
         if problems:
             raise WeightMismatchError(f"weight update refused, nothing changed ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
         self.write_weights(iter(named_tensors))

@@ -1,7 +1,7 @@
 """The rollout and teacher roles of an update (rollouts.rollout / scoring.teacher_scores) on the vLLM engine.
 
 Same inputs, same outputs, same seeding scheme: the selection of a prompt is seeded
-by (seed, step, uid) and response j by (seed, step, uid, j). The sampled tokens
+by (seed, update, uid) and response j by (seed, update, uid, j). The sampled tokens
 differ from the transformers backend's (vLLM draws from its own generator), the
 selections do not.
 """
@@ -31,15 +31,15 @@ def vllm_rollout(
     params: SamplingParams,
     n: int,
     seed: int,
-    step: int,
+    update: int,
 ) -> list[Rollout]:
     """n responses per prompt at `budget_bps`, pruned inside the engine."""
     engine_prompts, selections, seeds, owners = [], [], [], []
     for index, (prompt, prompt_images, uid) in enumerate(zip(prompts, images, uids)):
-        request = SelectionRequest(budget_bps=budget_bps, k_min=k_min, selector=selector, seed=selection_seed(seed, step, uid))
+        request = SelectionRequest(budget_bps=budget_bps, k_min=k_min, selector=selector, seed=selection_seed(seed, update, uid))
         engine_prompts += [engine_prompt(prompt, prompt_images) for _ in range(n)]
         selections += [request] * n
-        seeds += response_seeds(seed, step, uid, n)
+        seeds += response_seeds(seed, update, uid, n)
         owners += [index] * n
     results = engine.generate(engine_prompts, selections, params, seeds)
     return [Rollout.sampled(owner, completion, kept.indices, kept.merge_routes, budget_bps) for owner, (completion, kept) in zip(owners, results)]
