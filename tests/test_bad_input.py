@@ -136,7 +136,8 @@ def test_data_files_that_are_not_rows_are_named_by_line(tmp_path):
 
 
 def test_benchmark_file_that_is_not_utf8_is_named(tmp_path):
-    from lt_opd_ray.evals.benchmarks import BenchmarkError, benchmark
+    from lt_opd_ray.evals.benchmarks import benchmark
+    from lt_opd_ray.evals.reading import BenchmarkError
 
     path = tmp_path / "pope.jsonl"
     path.write_bytes('{"question_id": 1, "text": "caf\xe9"}\n'.encode("latin-1"))

@@ -10,7 +10,8 @@ import json
 import pytest
 from conftest import bomb_png, random_image
 
-from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
+from lt_opd_ray.evals.benchmarks import BENCHMARKS, benchmark
+from lt_opd_ray.evals.reading import BenchmarkError
 
 
 def _b64(seed: int) -> str:

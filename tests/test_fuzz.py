@@ -22,7 +22,8 @@ from test_benchmarks import fixture
 from lt_opd_ray.config.loading import JobConfigError, load_job, parse_job
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.errors import InputError
-from lt_opd_ray.evals.benchmarks import BENCHMARKS, BenchmarkError, benchmark
+from lt_opd_ray.evals.benchmarks import BENCHMARKS, benchmark
+from lt_opd_ray.evals.reading import BenchmarkError
 from lt_opd_ray.models.processor import ImageError, decode_image
 from lt_opd_ray.sources.prepare import DataError, prepare
 from lt_opd_ray.sources.rows import read_rows

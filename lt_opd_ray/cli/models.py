@@ -36,7 +36,7 @@ def cmd_eval(args) -> int:
     import transformers
 
     from lt_opd_ray.core.errors import InputError
-    from lt_opd_ray.evals.benchmarks import BenchmarkError
+    from lt_opd_ray.evals.reading import BenchmarkError
     from lt_opd_ray.evals.run import run_eval
 
     transformers.logging.set_verbosity_error()

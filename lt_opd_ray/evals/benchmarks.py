@@ -25,16 +25,23 @@ from __future__ import annotations
 
 import abc
 import ast
-import base64
-import binascii
 import csv
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.evals import scoring
+from lt_opd_ray.evals.reading import (
+    BenchmarkError,
+    Problems,
+    image_of,
+    read_json,
+    read_jsonl,
+    read_tsv,
+    required,
+    row_id_of,
+)
 from lt_opd_ray.sources.rows import MAX_QUESTION_CHARS
 
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -42,28 +49,10 @@ SHORT_INSTRUCTION = "Answer the question using a single word or phrase."
 YES_NO_INSTRUCTION = "Please answer yes or no."
 
 
-class BenchmarkError(ValueError):
-    """A benchmark file that cannot be evaluated; the message lists every bad row by id."""
-
-
 @dataclass
 class Item:
     sample: Sample  # uid, image (bytes or path), the full prompt text
     reference: dict = field(default_factory=dict)
-
-
-class _Problems:
-    def __init__(self, path: Path):
-        self.path, self.items = path, []
-
-    def add(self, row_id, message: str) -> None:
-        self.items.append(f"{row_id}: {message}")
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            shown = "\n  ".join(self.items[:20])
-            more = f"\n  ... and {len(self.items) - 20} more" if len(self.items) > 20 else ""
-            raise BenchmarkError(f"{self.path}: {len(self.items)} problem(s)\n  {shown}{more}")
 
 
 class Benchmark(abc.ABC):
@@ -76,7 +65,7 @@ class Benchmark(abc.ABC):
             raise BenchmarkError(f"{path}: benchmark file not found")
         if not path.is_file():
             raise BenchmarkError(f"{path}: a folder, not a benchmark file")
-        problems = _Problems(path)
+        problems = Problems(path)
         try:
             items = self._read(path, problems)
         except UnicodeDecodeError as exc:
@@ -96,97 +85,11 @@ class Benchmark(abc.ABC):
         return items
 
     @abc.abstractmethod
-    def _read(self, path: Path, problems: _Problems) -> list[Item]: ...
+    def _read(self, path: Path, problems: Problems) -> list[Item]: ...
 
     @abc.abstractmethod
     def score(self, items: list[Item], responses: list[str]) -> dict[str, float]:
         """Metrics, with the headline under "score"."""
-
-
-# ----------------------------------------------------------------------------- helpers
-def _image(value, folder: Path, row_id, problems: _Problems):
-    """bytes of a base64 image, or the path of an image file, that decodes; None (and a problem) otherwise."""
-    from lt_opd_ray.models.processor import ImageError, decode_image
-
-    if not value:
-        problems.add(row_id, "no image")
-        return None
-    text = str(value)
-    candidate = folder / text
-    if len(text) < 512 and candidate.exists():
-        image = candidate
-    else:
-        try:
-            image = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError):
-            problems.add(row_id, f"image {text[:60]!r} is neither a file under {folder} nor base64")
-            return None
-    try:
-        decode_image(image).close()  # decoded in full here, not first after the model has loaded
-    except ImageError as exc:
-        source = "the base64 data" if isinstance(image, bytes) else f"{image}"
-        problems.add(row_id, f"image ({source}) {exc}")
-        return None
-    return image
-
-
-def _row_id(row, key: str, default):
-    """A row's id for messages, also when the row is not an object (`_required` then names that)."""
-    return row.get(key, default) if isinstance(row, dict) else default
-
-
-LIST_FIELDS = ("options", "answers")  # text, or a list
-ID_FIELDS = ("id", "index", "question_id")  # text, or an integer
-
-
-def _required(row, names: tuple[str, ...], row_id, problems: _Problems) -> bool:
-    """The row is an object whose `names` are present and text (ids may be integers, options and answers lists)."""
-    if not isinstance(row, dict):
-        problems.add(row_id, f"a row must be an object, got {type(row).__name__}")
-        return False
-    bad = [n for n in names if row.get(n) in (None, "")]
-    for name in bad:
-        problems.add(row_id, f"no {name}")
-    for name in (n for n in names if n not in bad):
-        value = row[name]
-        allowed = (str, list) if name in LIST_FIELDS else (str, int) if name in ID_FIELDS else (str,)
-        if not isinstance(value, allowed) or isinstance(value, bool):
-            problems.add(row_id, f"{name} must be {' or '.join('a list' if t is list else 'text' if t is str else 'an integer' for t in allowed)},"
-                                 f" got {type(value).__name__}")
-            bad.append(name)
-    return not bad
-
-
-def _read_tsv(path: Path) -> list[dict]:
-    csv.field_size_limit(1 << 30)  # base64 images
-    with path.open(newline="") as handle:
-        return list(csv.DictReader(handle, delimiter="\t"))
-
-
-def _read_jsonl(path: Path, problems: _Problems) -> list[dict]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.add(f"line {number}", f"not JSON ({exc.msg})")
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            problems.add(f"line {number}", f"a row must be a JSON object, got {type(row).__name__}")
-    return rows
-
-
-def _read_json(path: Path, problems: _Problems):
-    """The parsed file, or None (and a problem) when it is not JSON."""
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        problems.add("file", f"not JSON ({exc.msg})")
-        return None
 
 
 def _mc_prompt(question: str, options: list[str], hint: str = "") -> str:
@@ -213,9 +116,9 @@ class MMBench(_MultipleChoice):
 
     def _read(self, path, problems):
         items = []
-        for row in _read_tsv(path):
+        for row in read_tsv(path):
             row_id = row.get("index") or "?"
-            if not _required(row, ("index", "question", "answer", "image"), row_id, problems):
+            if not required(row, ("index", "question", "answer", "image"), row_id, problems):
                 continue
             options = [row[letter] for letter in scoring.LETTERS if row.get(letter) not in (None, "", "nan")]
             if len(options) < 2:
@@ -224,7 +127,7 @@ class MMBench(_MultipleChoice):
             if row["answer"] not in scoring.LETTERS[: len(options)]:
                 problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
                 continue
-            image = _image(row["image"], path.parent, row_id, problems)
+            image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 prompt = _mc_prompt(row["question"], options, row.get("hint", ""))
                 items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"options": options, "answer": row["answer"]}))
@@ -240,9 +143,9 @@ class MMMU(_MultipleChoice):
 
     def _read(self, path, problems):
         items = []
-        for row in _read_jsonl(path, problems):
-            row_id = _row_id(row, "id", "?")
-            if not _required(row, ("id", "question", "options", "answer", "image"), row_id, problems):
+        for row in read_jsonl(path, problems):
+            row_id = row_id_of(row, "id", "?")
+            if not required(row, ("id", "question", "options", "answer", "image"), row_id, problems):
                 continue
             options = row["options"]
             if isinstance(options, str):  # MMMU releases store the list as its Python repr
@@ -257,7 +160,7 @@ class MMMU(_MultipleChoice):
             if row["answer"] not in scoring.LETTERS[: len(options)]:
                 problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
                 continue
-            image = _image(row["image"], path.parent, row_id, problems)
+            image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 question = str(row["question"]).replace("<image 1>", "the image")
                 items.append(Item(Sample(f"{self.name}-{row_id}", image, _mc_prompt(question, [str(o) for o in options])),
@@ -276,14 +179,14 @@ class POPE(Benchmark):
 
     def _read(self, path, problems):
         items = []
-        for row in _read_jsonl(path, problems):
-            row_id = _row_id(row, "question_id", "?")
-            if not _required(row, ("question_id", "image", "text", "label"), row_id, problems):
+        for row in read_jsonl(path, problems):
+            row_id = row_id_of(row, "question_id", "?")
+            if not required(row, ("question_id", "image", "text", "label"), row_id, problems):
                 continue
             if str(row["label"]).strip().lower() not in ("yes", "no"):
                 problems.add(row_id, f"label {row['label']!r} is not yes/no")
                 continue
-            image = _image(row["image"], path.parent, row_id, problems)
+            image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 prompt = f"{row['text'].strip()} {YES_NO_INSTRUCTION}"
                 items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"label": str(row["label"])}))
@@ -300,15 +203,15 @@ class GQA(Benchmark):
     headline = "exact match x 100"
 
     def _read(self, path, problems):
-        questions = _read_json(path, problems)
+        questions = read_json(path, problems)
         if not isinstance(questions, dict):
             problems.add("file", "expected a JSON object of questions keyed by question id")
             return []
         items = []
         for qid, row in questions.items():
-            if not _required(row, ("imageId", "question", "answer"), qid, problems):
+            if not required(row, ("imageId", "question", "answer"), qid, problems):
                 continue
-            image = _image(f"images/{row['imageId']}.jpg", path.parent, qid, problems)
+            image = image_of(f"images/{row['imageId']}.jpg", path.parent, qid, problems)
             if image is not None:
                 items.append(Item(Sample(f"{self.name}-{qid}", image, f"{row['question']}\n{SHORT_INSTRUCTION}"), {"answer": row["answer"]}))
         return items
@@ -323,17 +226,17 @@ class TextVQA(Benchmark):
     headline = "VQA accuracy x 100"
 
     def _read(self, path, problems):
-        data = _read_json(path, problems)
+        data = read_json(path, problems)
         if not isinstance(data, dict) or not isinstance(data.get("data"), list):
             problems.add("file", 'expected a TextVQA JSON object with a "data" list')
             return []
         rows = data["data"]
         items = []
         for row in rows:
-            row_id = _row_id(row, "question_id", "?")
-            if not _required(row, ("question_id", "question", "image_id", "answers"), row_id, problems):
+            row_id = row_id_of(row, "question_id", "?")
+            if not required(row, ("question_id", "question", "image_id", "answers"), row_id, problems):
                 continue
-            image = _image(f"images/{row['image_id']}.jpg", path.parent, row_id, problems)
+            image = image_of(f"images/{row['image_id']}.jpg", path.parent, row_id, problems)
             if image is not None:
                 prompt = f"{row['question']}\n{SHORT_INSTRUCTION}"
                 answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
@@ -352,9 +255,9 @@ class MME(Benchmark):
 
     def _read(self, path, problems):
         items = []
-        for row in _read_tsv(path):
+        for row in read_tsv(path):
             row_id = row.get("index") or "?"
-            if not _required(row, ("index", "image", "question", "answer", "category"), row_id, problems):
+            if not required(row, ("index", "image", "question", "answer", "category"), row_id, problems):
                 continue
             if row["answer"].strip().lower() not in ("yes", "no"):
                 problems.add(row_id, f"answer {row['answer']!r} is not Yes/No")
@@ -362,7 +265,7 @@ class MME(Benchmark):
             if row["category"] not in scoring.MME_PERCEPTION + scoring.MME_COGNITION:
                 problems.add(row_id, f"unknown category {row['category']!r}")
                 continue
-            image = _image(row["image"], path.parent, row_id, problems)
+            image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 question = row["question"].strip()
                 prompt = question if YES_NO_INSTRUCTION.lower() in question.lower() else f"{question} {YES_NO_INSTRUCTION}"
@@ -383,16 +286,16 @@ class OCRBench(Benchmark):
     headline = "correct answers (of the file's questions)"
 
     def _read(self, path, problems):
-        rows = _read_json(path, problems)
+        rows = read_json(path, problems)
         if not isinstance(rows, list):
             problems.add("file", "expected a JSON list of questions")
             return []
         items = []
         for number, row in enumerate(rows):
-            row_id = _row_id(row, "id", number)
-            if not _required(row, ("dataset_name", "image_path", "question", "answers"), row_id, problems):
+            row_id = row_id_of(row, "id", number)
+            if not required(row, ("dataset_name", "image_path", "question", "answers"), row_id, problems):
                 continue
-            image = _image(row["image_path"], path.parent, row_id, problems)
+            image = image_of(row["image_path"], path.parent, row_id, problems)
             answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
             if image is not None:
                 items.append(Item(Sample(f"{self.name}-{row_id}", image, row["question"]),

@@ -17,7 +17,7 @@ from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
 WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
 # A local run's learners and workers share one machine: gloo's data sockets (learner collectives, weight broadcast)
 # bind the loopback interface. On a cluster, set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the job's runtime
-# env to the private network's interface (README, "Network exposure").
+# env to the private network's interface (docs/operating.md, "Network exposure").
 LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform == "linux" else {}
 
 
