@@ -15,6 +15,7 @@ from conftest import job_for, start_local_ray
 from ray import serve
 
 from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
 
@@ -170,12 +171,10 @@ def test_rollout_workers_lost_inside_an_update_are_done_without_then_replaced_an
 
 
 def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, tmp_path, monkeypatch):
-    import lt_opd_ray.runtime.driver as driver_module
-
     def learners_that_fail(self):
         raise NoAnswerError("learner setup: no answer after 1800 s from learner-1")  # injected: the last pool to be ready
 
-    monkeypatch.setattr(driver_module.LearnerGroup, "wait_ready", learners_that_fail)
+    monkeypatch.setattr(LearnerGroup, "wait_ready", learners_that_fail)
     with pytest.raises(NoAnswerError, match="learner-1"):
         Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "half-started"))  # the rollout workers and the teacher were up, the learners started
     assert wait_until(all_released), ray.available_resources()

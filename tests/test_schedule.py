@@ -20,7 +20,7 @@ from test_runtime import cluster, driver_run, reference_run, relative_distance  
 from lt_opd_ray.config.schema import LearningRates
 from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError
 from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.learner_group import GroupReceiver, Substitutes
+from lt_opd_ray.runtime.group_receiver import GroupReceiver, Substitutes
 
 
 def lagged(job, staleness: int = 1, learning: bool = True, adam_eps: float | None = None):

@@ -92,7 +92,7 @@ class CheckpointStore:
         shutil.rmtree(staged, ignore_errors=True)
         staged.parent.mkdir(exist_ok=True)
         try:
-            learners.wait([actor.save.remote(str(staged.parent), tag) for actor in learners.actors], f"writing checkpoint {tag}")
+            learners.save_state(str(staged.parent), tag)
             if self.storage.remote:
                 self._upload(learners, tag, driver_state, in_flight)
             else:
@@ -216,7 +216,7 @@ class CheckpointStore:
         self.run_id = Manifest.read(folder).run_id
         state = json.loads((folder / DRIVER_STATE).read_text())
         kept = load_weights_only(folder / IN_FLIGHT) if (folder / IN_FLIGHT).exists() else []
-        learners.wait([actor.load.remote(str(self.root), tag) for actor in learners.actors], f"loading checkpoint {tag}")
+        learners.load_state(str(self.root), tag)
         if self.storage.remote:
             learners.on_each_node("discard", str(self.root / tag), what=f"removing the local copy of {tag}")
             shutil.rmtree(folder, ignore_errors=True)

@@ -7,7 +7,9 @@
     checkpoint, eval
 
 It passes ObjectRefs between the roles; rollouts and teacher payloads never
-travel through this process (but for a checkpoint's in-flight rollouts).
+travel through this process (but for a checkpoint's in-flight rollouts). The roles
+are what `roles` starts (runtime/roles.py: Ray's, or in tests in-process fakes);
+the driver calls them only through their protocols and the object store.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-import ray
+from ray.exceptions import RayActorError, RayError
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.batch_order import batches
@@ -34,13 +36,10 @@ from lt_opd_ray.core.wire import (
     SyncResult,
 )
 from lt_opd_ray.runtime.checkpoint import CheckpointStore
-from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.metrics import DriverMetrics
-from lt_opd_ray.runtime.preflight import preflight
-from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef, RolloutPool
+from lt_opd_ray.runtime.roles import RAY_ROLES, Roles
+from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef
 from lt_opd_ray.runtime.step_log import StepLog, summarize
-from lt_opd_ray.runtime.sync_coordinator import WeightBroadcaster
-from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, Watched
 
 # The teacher's replica count in each update's busy fractions may be this old (Serve is asked at most this often).
@@ -54,26 +53,16 @@ class InFlight:
     update: int
     budget_bps: int
     batch: list[Sample]
-    samples_ref: ray.ObjectRef
+    samples_ref: object  # ref to `batch`
     groups: list[GroupRef]
-    payloads: list[ray.ObjectRef]
+    payloads: list  # refs to each group's TeacherPayload
     replaced: Counter[int] = field(default_factory=Counter)  # per worker: replacements started inside this update
 
 
-def sampled(group: GroupRef) -> bool:
-    """The group's rollouts are in the object store (not: still sampling, or its worker died on it)."""
-    if not ray.wait([group.summary], timeout=0)[0]:
-        return False
-    try:
-        ray.get(group.summary)
-        return True
-    except ray.exceptions.RayError:
-        return False
-
-
 class Driver:
-    def __init__(self, job: JobConfig, resume: bool = False):
+    def __init__(self, job: JobConfig, resume: bool = False, roles: Roles = RAY_ROLES):
         self.job = job
+        self.objects = roles.objects
         self.schedule = BudgetSchedule.from_config(job.budget)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, in order
         self.pools_ready: dict[str, float] = {}  # seconds from the pools' common start until each was ready
@@ -83,7 +72,7 @@ class Driver:
             nonlocal clock
             self.startup[phase], clock = time.perf_counter() - clock, time.perf_counter()
 
-        self.samples, benchmarks, eval_samples = preflight(job)  # every problem at once, before any actor starts
+        self.samples, benchmarks, eval_samples = roles.preflight(job)  # every problem at once, before any actor starts
         self.checkpoints = CheckpointStore(job)
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
         lap("checks")
@@ -91,15 +80,15 @@ class Driver:
         self.lost_workers: set[int] = set()  # rollout workers stopped inside the update, replaced after it
         try:  # what the run starts, it removes, also when a later pool fails to start
             begin = time.time()  # the three pools start together: each loads its model while the others do
-            self.rollouts = RolloutPool(job)
-            self.learners = LearnerGroup(job)
-            self.teacher = TeacherService(job)  # returns when its replicas answer
+            self.rollouts = roles.rollout_pool(job)
+            self.learners = roles.learner_group(job)
+            self.teacher = roles.teacher(job)  # returns when its replicas answer
             self.pools_ready["teacher (Serve)"] = time.time() - begin
             self.pools_ready["rollout workers"] = self.rollouts.wait_ready() - begin  # as each pool's actors say
             self.pools_ready["learners (DeepSpeed)"] = self.learners.wait_ready() - begin
             self.placements = self.rollouts.placements() + self.teacher.placements() + self.learners.placements()
             lap("pools")
-            self.sync = WeightBroadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
+            self.sync = roles.broadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
             self.metrics = DriverMetrics(job.name)
             self.step, self.cursor, kept = 0, 0, []
             self.restored = self.checkpoints.restore(self.learners, tag, passed_over) if tag else None
@@ -114,8 +103,8 @@ class Driver:
         except BaseException:
             self.shutdown()
             raise
-        self.eval_ref = ray.put(eval_samples) if eval_samples else None
-        self.benchmarks_ref = ray.put(benchmarks) if benchmarks else None
+        self.eval_ref = self.objects.put(eval_samples) if eval_samples else None
+        self.benchmarks_ref = self.objects.put(benchmarks) if benchmarks else None
         self.last_end = time.time()
 
     # ------------------------------------------------------------------ the schedule
@@ -162,7 +151,7 @@ class Driver:
         """Queue update `update`'s rollout groups on the workers and their scoring on the teacher, all at once."""
         batch = next(self.data)
         budget = self.schedule.budget_bps(update)  # c = optimizer steps completed before this update
-        samples_ref = ray.put(batch)
+        samples_ref = self.objects.put(batch)
         ranges = self.learners.prompt_ranges(len(batch))
         groups = self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts)
         return InFlight(update, budget, batch, samples_ref, groups, self.teacher.async_score(samples_ref, groups))
@@ -171,15 +160,15 @@ class Driver:
         """Wait (bounded) until the next update's groups are sampled, so the workers are free for the weights.
         Returns the groups whose worker died before finishing them (their workers are then replaced)."""
         names = self.group_workers(pending)
-        _, late = ray.wait([g.summary for g in pending.groups], num_returns=len(pending.groups), timeout=self.job.schedule.wait_timeout_s)
+        _, late = self.objects.wait([g.summary for g in pending.groups], num_returns=len(pending.groups), timeout=self.job.schedule.wait_timeout_s)
         if late:
             late_names = sorted({names[i] for i, g in enumerate(pending.groups) if g.summary in late})
             raise NoAnswerError(f"rollout groups of update {pending.update}: no answer after {self.job.schedule.wait_timeout_s:.0f} s from {', '.join(late_names)}")
         lost = []
         for i, group in enumerate(pending.groups):
             try:
-                ray.get(group.summary)  # ready (waited for above): returns or raises at once
-            except ray.exceptions.RayActorError:
+                self.objects.get(group.summary)  # ready (waited for above): returns or raises at once
+            except RayActorError:
                 lost.append(i)
         return lost
 
@@ -212,9 +201,9 @@ class Driver:
         if self.job.schedule.max_staleness == 0:
             return None  # sampled one version behind: an on-policy job samples that update afresh
         batch = next(self.data)
-        samples_ref = ray.put(batch)
+        samples_ref = self.objects.put(batch)
         groups = [
-            GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, ray.put(g), ray.put(g.summary()))
+            GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, self.objects.put(g), self.objects.put(g.summary()))
             for g in kept
         ]
         payloads = self.teacher.async_score(samples_ref, groups)
@@ -229,25 +218,34 @@ class Driver:
 
         def doing(worker: int):
             def now() -> str | None:
-                finished.update(g.summary for g in flight.groups if g.worker == worker and g.summary not in finished and sampled(g))
+                finished.update(g.summary for g in flight.groups if g.worker == worker and g.summary not in finished and self.sampled(g))
                 unfinished = [g for g in flight.groups if g.worker == worker and g.summary not in finished]
                 return (f"sampling prompts {', '.join(f'{g.start}-{g.stop - 1}' for g in unfinished)} of update {flight.update}"
                         if unfinished else None)
             return now
 
-        return [Watched(name, functools.partial(lambda i: self.rollouts.workers[i].ready.remote(), i), doing(i),
-                        functools.partial(self.sample_elsewhere, flight, i))
+        return [Watched(name, functools.partial(self.rollouts.ping, i), doing(i), functools.partial(self.sample_elsewhere, flight, i))
                 for i, name in enumerate(self.rollouts.names)]
+
+    def sampled(self, group: GroupRef) -> bool:
+        """The group's rollouts are in the object store (not: still sampling, or its worker died on it)."""
+        if not self.objects.wait([group.summary], timeout=0)[0]:
+            return False
+        try:
+            self.objects.get(group.summary)
+            return True
+        except RayError:
+            return False
 
     def sample_elsewhere(self, flight: InFlight, lost: int) -> bool:
         """Worker `lost` died or stopped answering inside the update: it is stopped and its unfinished groups are
         sampled again (the same rollouts: sampling is seeded by update, sample and response, not by worker) and
         scored, each going to its learner rank in place of the lost one. By the live workers, the lost one replaced
         after the update; where none lives, by replacements started now (`replace_inside`). False where neither can be."""
-        survivors = [i for i in range(len(self.rollouts.workers)) if i != lost and i not in self.lost_workers]
+        survivors = [i for i in range(len(self.rollouts.names)) if i != lost and i not in self.lost_workers]
         if not survivors:
             return self.replace_inside(flight, lost)
-        ray.kill(self.rollouts.workers[lost], no_restart=True)  # a stuck one too: it must not answer late
+        self.rollouts.stop(lost)
         self.lost_workers.add(lost)
         again = self.sample_again(flight, {lost}, survivors)
         print(f"{self.rollouts.names[lost]} lost inside update {flight.update}: prompts {', '.join(again) or '(none left)'} sampled again by"
@@ -265,7 +263,7 @@ class Driver:
         for index in gone:
             flight.replaced[index] += 1
             if flight.replaced[index] > REPLACE_ATTEMPTS:
-                unfinished = [f"{g.start}-{g.stop - 1}" for g in flight.groups if g.worker == index and not sampled(g)]
+                unfinished = [f"{g.start}-{g.stop - 1}" for g in flight.groups if g.worker == index and not self.sampled(g)]
                 raise RoleDiedError(f"{self.rollouts.names[index]} was lost {flight.replaced[index]} times inside update {flight.update}, each"
                                     f" replacement in turn, while sampling prompts {', '.join(unfinished)}: one of them may stop its worker")
             self.rollouts.replace(index)  # stops the lost one first
@@ -284,13 +282,13 @@ class Driver:
         to its learner rank as a substitute. Returns their prompt ranges."""
         again = []
         for i, old in enumerate(flight.groups):
-            if old.worker not in lost or sampled(old):
+            if old.worker not in lost or self.sampled(old):
                 continue
             group = self.rollouts.submit_group(flight.samples_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, old.update,
                                                by[len(again) % len(by)])
             payload = self.teacher.async_score(flight.samples_ref, [group])[0]
             flight.groups[i], flight.payloads[i] = group, payload
-            self.learners.actors[old.learner_rank].substitute.remote(old.update, old.start, [self.rollouts.names[group.worker], group.group, payload])
+            self.learners.substitute(old.learner_rank, old.update, old.start, [self.rollouts.names[group.worker], group.group, payload])
             again.append(f"{old.start}-{old.stop - 1}")
         return again
 
@@ -304,7 +302,7 @@ class Driver:
     ) -> StepLog:
         end = time.time()
         period, self.last_end = end - self.last_end, end
-        sizes = {"rollout": len(self.rollouts.workers), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S), "learner": len(self.learners.actors)}
+        sizes = {"rollout": len(self.rollouts.names), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S), "learner": self.learners.ranks}
         log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores)
         self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness)
         return log
@@ -341,9 +339,7 @@ class Driver:
         storage = self.checkpoints.storage
         self.learners.save_pretrained(str(storage.local / "final"))
         if storage.remote:
-            rank0 = self.learners.actors[0]
-            self.learners.wait([rank0.upload.remote(storage.location, self.job.checkpoint.staging_dir, "final", "final", ("config.json",))],
-                               "uploading final/")
+            self.learners.upload(storage.location, self.job.checkpoint.staging_dir, "final", "final", ("config.json",))
         return storage.describe("final")
 
     def replace_dead_rollout_workers(self) -> list[str]:

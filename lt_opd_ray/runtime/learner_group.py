@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import shutil
 import socket
-import threading
 import time
 
 import ray
@@ -19,27 +17,33 @@ from lt_opd_ray.core.storage import RunStorage
 from lt_opd_ray.core.wire import (
     ActorPlacement,
     LearnerStepResult,
-    RolloutGroup,
     ScoringRequest,
-    StaleRolloutError,
     WeightsSent,
-    unpack_scores,
 )
+from lt_opd_ray.runtime.group_receiver import GroupReceiver, Substitutes
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import CONTROL
-from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for, wait_one, wait_watched
+from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for, wait_watched
 
 # The learner's own threads beside the step: "control" (liveness, substitutes, sync aborts) and "sync" (forming the
 # weight-sync group and sending the weights while a step waits on a replaced worker: `send_weights_inside_step`).
 LEARNER_GROUPS = CONTROL | {"sync": 1}
 FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
-TEACHER_RETRIES = 2  # a scoring request is sent again at most this often when its replica dies
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def rank_work(groups: list, payload_refs: list, worker_names: list[str], ranks: int) -> list[list[tuple]]:
+    """What each rank's step takes as `work`: (worker name, first prompt, group ref, payload ref) of its own groups
+    (`GroupRef.learner_rank`), in prompt order."""
+    work = [[] for _ in range(ranks)]
+    for group, payload in sorted(zip(groups, payload_refs), key=lambda pair: pair[0].start):
+        work[group.learner_rank].append((worker_names[group.worker], group.start, group.group, payload))
+    return work
 
 
 class LearnerActor:
@@ -200,101 +204,6 @@ class LearnerActor:
             dist.destroy_process_group()
 
 
-class Substitutes:
-    """Groups sampled again for a learner rank after their worker died, put by the driver (from the actor's control
-    thread) and taken by the step's GroupReceiver (which waits for one, bounded)."""
-
-    def __init__(self):
-        self._ready = threading.Condition()
-        self._refs: dict[tuple[int, int], tuple] = {}
-
-    def put(self, key: tuple[int, int], refs: tuple) -> None:
-        with self._ready:
-            self._refs[key] = refs
-            self._ready.notify_all()
-
-    def take(self, key: tuple[int, int], timeout_s: float) -> tuple | None:
-        with self._ready:
-            self._ready.wait_for(lambda: key in self._refs, timeout=timeout_s)
-            return self._refs.pop(key, None)
-
-
-class GroupReceiver:
-    """A learner rank's groups in prompt order, each one's rollouts and then its teacher scores waited for (bounded)
-    as they are needed.
-
-    Checks every group before it is trained on: it belongs to this update and rank, and its sampling weights are
-    at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
-    """
-
-    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest,
-                 substitutes: Substitutes):
-        self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
-        self.substitutes = substitutes
-        self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
-        self.staleness = self.payload_bytes = self.payload_tokens = self.retries = 0
-        self.spans: list = []
-
-    def __iter__(self):
-        from lt_opd_ray.runtime.learner import StreamedGroup
-
-        me = f"learner-{self.rank}"
-        for worker, start, group_ref, payload_ref in self.work:
-            what = f"{me} waiting for a rollout group of update {self.version}"
-            while True:
-                try:
-                    group = wait_one(group_ref, worker, self.timeout_s, what)
-                    break
-                except ray.exceptions.RayActorError:  # its worker died: the driver samples it again (another worker, a replacement)
-                    refs = self.substitutes.take((self.version, start), self.timeout_s)
-                    if refs is None:
-                        raise
-                    worker, group_ref, payload_ref = refs
-            self.check(group)
-            self.spans.append(group.span)
-            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, payload_ref, group_ref))
-
-    def scores(self, group: RolloutGroup, payload_ref, group_ref) -> list:
-        """The teacher's scores of `group`, waited for (bounded) and checked against its rollouts."""
-        payload = self.payload(payload_ref, group_ref, group, f"learner-{self.rank} waiting for the teacher's scores of {group.worker}'s group")
-        scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
-        self.payload_bytes += payload.nbytes
-        self.payload_tokens += int(payload.lengths.sum())
-        self.spans += payload.spans
-        return scores
-
-    def payload(self, payload_ref, group_ref, group: RolloutGroup, what: str):
-        """The teacher's answer; when the replica serving it died, the request again (Serve restarts replicas), at
-        most TEACHER_RETRIES times."""
-        from ray import serve
-
-        from lt_opd_ray.runtime.teacher import score_request
-
-        for attempt in range(TEACHER_RETRIES + 1):
-            try:
-                return wait_one(payload_ref, "teacher", self.timeout_s, what)
-            except ray.exceptions.RayActorError as exc:
-                if attempt == TEACHER_RETRIES:
-                    raise RuntimeError(f"{what}: the teacher replica died {attempt + 1} times on this request ({type(exc).__name__})") from exc
-                self.retries += 1
-                handle = serve.get_app_handle(self.scoring.app)
-                payload_ref = handle.score.remote(score_request(self.scoring.samples_ref, group_ref, group.update, group.start, group.stop))._to_object_ref_sync()
-
-    def check(self, group: RolloutGroup) -> None:
-        where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"
-        if group.update != self.version or group.learner_rank != self.rank:
-            raise ValueError(f"learner-{self.rank} at update {self.version} was sent the {where} for update {group.update}, rank {group.learner_rank}")
-        if group.weights_version is None:
-            raise StaleRolloutError(f"the {where} was sampled while its worker's weights were half written")
-        lag = self.version - group.weights_version
-        if not 0 <= lag <= self.max_staleness:
-            raise StaleRolloutError(
-                f"the {where} was sampled by weights v{group.weights_version}; learner-{self.rank} is at v{self.version}"
-                f" and schedule.max_staleness is {self.max_staleness}"
-            )
-        self.staleness = max(self.staleness, lag)
-
-
 class LearnerGroup:
     def __init__(self, job: JobConfig):
         pool = job.pools.learner
@@ -326,9 +235,7 @@ class LearnerGroup:
                          scoring: ScoringRequest) -> list:
         """Start one optimizer step (ObjectRef[LearnerStepResult] per rank; `wait` for them); each rank gets only its own
         prompts' samples, groups (`GroupRef.learner_rank`) and payloads, and trains on each group as it arrives."""
-        work = [[] for _ in self.actors]
-        for group, payload in sorted(zip(groups, payload_refs), key=lambda pair: pair[0].start):  # each rank in prompt order
-            work[group.learner_rank].append((worker_names[group.worker], group.start, group.group, payload))
+        work = rank_work(groups, payload_refs, worker_names, len(self.actors))
         own_samples = [ray.put({i: batch[i] for i in range(start, stop)}) for start, stop in self.prompt_ranges(len(batch))]
         total = len(batch) * self.job.sampling.n
         return [a.train_step.remote(own, mine, total, version, scoring) for a, own, mine in zip(self.actors, own_samples, work)]
@@ -347,6 +254,26 @@ class LearnerGroup:
         except ray.exceptions.RayActorError as exc:
             dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == getattr(exc, "actor_id", None)]
             raise RoleDiedError(f"{dead[0] if dead else 'an actor'} died while {what}") from exc
+
+    @property
+    def ranks(self) -> int:
+        return len(self.actors)
+
+    def substitute(self, rank: int, update: int, start: int, refs: list) -> None:
+        """Hand rank `rank` the group of `update` starting at prompt `start`, sampled again after its worker died
+        (`LearnerActor.substitute`: answered while the rank's step waits for it)."""
+        self.actors[rank].substitute.remote(update, start, refs)
+
+    def save_state(self, directory: str, tag: str) -> None:
+        """Every rank's engine state (weights, optimizer, scheduler) into checkpoint `tag` under `directory`."""
+        self.wait([a.save.remote(directory, tag) for a in self.actors], f"writing checkpoint {tag}")
+
+    def load_state(self, directory: str, tag: str) -> None:
+        self.wait([a.load.remote(directory, tag) for a in self.actors], f"loading checkpoint {tag}")
+
+    def upload(self, location: str, staging: str | None, local: str, to: str, last: tuple[str, ...] = ()) -> None:
+        """Rank 0 uploads its node's folder `local` to the storage's `to` (`LearnerActor.upload`)."""
+        self.wait([self.actors[0].upload.remote(location, staging, local, to, last)], f"uploading {to}/")
 
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         """Each rank's [start, stop) of an update's prompts."""

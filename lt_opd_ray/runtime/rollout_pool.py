@@ -62,6 +62,15 @@ def group_bounds(ranges: list[tuple[int, int]], group_prompts: int) -> list[tupl
     return [group for position in range(max(map(len, per_rank))) for groups in per_rank if position < len(groups) for group in [groups[position]]]
 
 
+def deal(bounds: list[tuple[int, int, int]], workers: int, call_per_group: bool) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """The generate calls of an update: (worker, its groups) with the groups dealt round-robin in `bounds`' order; a
+    call per group (vLLM: they share the engine's batch) or a call per worker (transformers: one static batch)."""
+    dealt: dict[int, list[tuple[int, int, int]]] = {}
+    for i, group in enumerate(bounds):
+        dealt.setdefault(i % workers, []).append(group)
+    return [(worker, [group]) for worker, groups in dealt.items() for group in groups] if call_per_group else list(dealt.items())
+
+
 class RolloutWorker:
     """Owns one rollout engine (`engines.rollout_engines`: transformers or vLLM) holding the current student,
     and answers generate / evaluate / weight-sync calls."""
@@ -193,11 +202,7 @@ class RolloutPool:
     def submit(self, samples_ref, budget_bps: int, update: int, learner_ranges: list[tuple[int, int]], group_prompts: int) -> list[GroupRef]:
         """Queue every group of an update over the workers; `learner_ranges`: each rank's [start, stop) of its prompts."""
         bounds = group_bounds(learner_ranges, group_prompts)
-        dealt: dict[int, list[tuple[int, int, int]]] = {}
-        for i, group in enumerate(bounds):
-            dealt.setdefault(i % len(self.workers), []).append(group)
-        # vLLM: a call per group (they share the engine's batch); transformers: a call per worker, one batch
-        calls = [(worker, [group]) for worker, groups in dealt.items() for group in groups] if self._sampling else list(dealt.items())
+        calls = deal(bounds, len(self.workers), call_per_group=bool(self._sampling))
         refs = {group: ref for worker, groups in calls for group, ref in zip(groups, self._generate(samples_ref, groups, budget_bps, update, worker))}
         return [refs[group] for group in bounds]
 
@@ -241,6 +246,14 @@ class RolloutPool:
     def checksums(self, dtype: str = "float32") -> list[tuple[int | None, str]]:
         """(weights version, digest of the weights in `dtype`) of every worker."""
         return self.wait([w.weights_checksum.remote(dtype) for w in self.workers], self.names, "weight checksums")
+
+    def ping(self, index: int) -> ray.ObjectRef:
+        """Worker `index`'s liveness ping (`RolloutWorker.ready`, answered while a long call runs)."""
+        return self.workers[index].ready.remote()
+
+    def stop(self, index: int) -> None:
+        """Stop worker `index` for good (a stuck one too: it must not answer late); `replace` starts its successor."""
+        ray.kill(self.workers[index], no_restart=True)
 
     def shutdown(self) -> None:
         for worker in self.workers:

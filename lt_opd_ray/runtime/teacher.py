@@ -119,7 +119,7 @@ def deployment_options(job: JobConfig) -> dict:
     pool = job.pools.teacher
     actor = {"num_cpus": pool.cpus, "num_gpus": pool.gpus, **({"resources": pool.ray_resources()} if pool.node_resource else {})}
     # Serve's health check is the replicas' liveness: one that does not answer it for schedule.liveness_timeout_s (a
-    # frozen process) is replaced, and a learner whose request it held asks again (learner_group.GroupReceiver)
+    # frozen process) is replaced, and a learner whose request it held asks again (group_receiver.GroupReceiver)
     liveness = {"health_check_period_s": LIVENESS_TICK_S, "health_check_timeout_s": job.schedule.liveness_timeout_s}
     options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_batch_size * 2, **liveness}
     if pool.max_replicas > pool.min_replicas:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import ray
 
+from lt_opd_ray.runtime.objects import RAY_OBJECTS, ObjectStore
+
 
 class NoAnswerError(TimeoutError):
     """An actor did not answer a call within its bound."""
@@ -17,22 +19,23 @@ class RoleDiedError(RuntimeError):
     """An actor the run cannot replace in place died; the message names it and what it was doing."""
 
 
-def wait_for(refs: list, names: list[str], timeout_s: float, what: str, error: type[Exception] = NoAnswerError) -> list:
-    """ray.get(refs) once all are ready; `names[i]` is the actor behind refs[i], named if it does not answer in
+def wait_for(refs: list, names: list[str], timeout_s: float, what: str, error: type[Exception] = NoAnswerError,
+             objects: ObjectStore = RAY_OBJECTS) -> list:
+    """get(refs) once all are ready; `names[i]` is the actor behind refs[i], named if it does not answer in
     `timeout_s`. A call that failed raises its error as soon as it is known, not after the others' bound."""
     deadline = time.monotonic() + timeout_s
     pending = list(dict.fromkeys(refs))
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        ready, pending = objects.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             late = sorted({name for ref, name in zip(refs, names) if ref in pending})
             raise error(f"{what}: no answer after {timeout_s:.0f} s from {', '.join(late)}")
-        ray.get(ready)
-    return ray.get(refs)
+        objects.get(ready)
+    return objects.get(refs)
 
 
-def wait_one(ref, name: str, timeout_s: float, what: str):
-    return wait_for([ref], [name], timeout_s, what)[0]
+def wait_one(ref, name: str, timeout_s: float, what: str, objects: ObjectStore = RAY_OBJECTS):
+    return wait_for([ref], [name], timeout_s, what, objects=objects)[0]
 
 
 LIVENESS_TICK_S = 5.0  # how often a watched wait pings the actors it depends on
@@ -76,7 +79,8 @@ class Watched:
     recover: Callable[[], bool] | None = None
 
 
-def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watched: list[Watched], liveness_s: float) -> list:
+def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watched: list[Watched], liveness_s: float,
+                 objects: ObjectStore = RAY_OBJECTS) -> list:
     """`wait_for`, and while it waits every watched actor is pinged each LIVENESS_TICK_S: one that died is named in
     a RoleDiedError, one that has not answered for `liveness_s`, or has answered from one working step (Progress) for
     that long, in a NoAnswerError, each with what it was doing, instead of the actors waiting downstream of it being
@@ -89,15 +93,15 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
     pings = {w.name: w.ping() for w in watched}
     pending = list(dict.fromkeys(refs))
     while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(LIVENESS_TICK_S, deadline - time.monotonic())))
+        ready, pending = objects.wait(pending, num_returns=len(pending), timeout=max(0.0, min(LIVENESS_TICK_S, deadline - time.monotonic())))
         failures = []
         for ref in ready:  # a call that failed raises at once
             try:
-                ray.get(ref)
+                objects.get(ref)
             except Exception as exc:  # noqa: BLE001 - judged below
                 failures.append(exc)
         if failures:  # a dead actor explains its victims' failures (a peer's "connection closed"): name the one that died
-            dead = _first_dead(watched, pings)
+            dead = _first_dead(watched, pings, objects)
             if dead is not None:
                 raise RoleDiedError(f"{dead.name} died while {_doing(dead.doing() or 'in use', what)}") from failures[0]
             raise next((f for f in failures if isinstance(f, ray.exceptions.RayActorError)), failures[0])
@@ -106,9 +110,9 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
         for w in watched:
             if (doing := w.doing()) is None:
                 continue
-            if ray.wait([pings[w.name]], timeout=0)[0]:
+            if objects.wait([pings[w.name]], timeout=0)[0]:
                 try:
-                    answer = ray.get(pings[w.name])
+                    answer = objects.get(pings[w.name])
                 except ray.exceptions.RayActorError as exc:
                     if w.recover is not None and w.recover():
                         _recovered(watched, last, pings)
@@ -133,7 +137,7 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
         if pending and now >= deadline:
             late = sorted({name for ref, name in zip(refs, names) if ref in pending})
             raise NoAnswerError(f"{what}: no answer after {timeout_s:.0f} s from {', '.join(late)}")
-    return ray.get(refs)
+    return objects.get(refs)
 
 
 def _recovered(watched: list[Watched], last: dict, pings: dict) -> None:
@@ -149,13 +153,13 @@ def _doing(doing: str, what: str) -> str:
     return doing if doing == what else f"{doing} ({what} waited on it)"
 
 
-def _first_dead(watched: list[Watched], pings: dict, timeout_s: float = LIVENESS_TICK_S) -> Watched | None:
+def _first_dead(watched: list[Watched], pings: dict, objects: ObjectStore, timeout_s: float = LIVENESS_TICK_S) -> Watched | None:
     """The first watched actor still needed whose ping fails as a dead actor's does (each given up to `timeout_s`)."""
     for w in watched:
         if w.doing() is None:
             continue
         try:
-            ray.get(pings[w.name], timeout=timeout_s)
+            objects.get(pings[w.name], timeout=timeout_s)
         except ray.exceptions.RayActorError:
             return w
         except ray.exceptions.GetTimeoutError:

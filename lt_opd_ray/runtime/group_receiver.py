@@ -1,0 +1,112 @@
+"""A learner rank's intake: its groups in prompt order, each waited for (bounded) as the step needs it, checked
+(its update, its rank, the staleness bound), a group whose worker died taken from the driver's substitute, and a
+teacher answer lost with its replica asked for again."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import ray
+
+from lt_opd_ray.config.schema import JobConfig
+from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, StaleRolloutError, unpack_scores
+from lt_opd_ray.runtime.objects import RAY_OBJECTS, ObjectStore
+from lt_opd_ray.runtime.waits import wait_one
+
+TEACHER_RETRIES = 2  # a scoring request is sent again at most this often when its replica dies
+
+
+class Substitutes:
+    """Groups sampled again for a learner rank after their worker died, put by the driver (from the actor's control
+    thread) and taken by the step's GroupReceiver (which waits for one, bounded)."""
+
+    def __init__(self):
+        self._ready = threading.Condition()
+        self._refs: dict[tuple[int, int], tuple] = {}
+
+    def put(self, key: tuple[int, int], refs: tuple) -> None:
+        with self._ready:
+            self._refs[key] = refs
+            self._ready.notify_all()
+
+    def take(self, key: tuple[int, int], timeout_s: float) -> tuple | None:
+        with self._ready:
+            self._ready.wait_for(lambda: key in self._refs, timeout=timeout_s)
+            return self._refs.pop(key, None)
+
+
+class GroupReceiver:
+    """A learner rank's groups in prompt order, each one's rollouts and then its teacher scores waited for (bounded)
+    as they are needed.
+
+    Checks every group before it is trained on: it belongs to this update and rank, and its sampling weights are
+    at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
+    """
+
+    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest,
+                 substitutes: Substitutes, objects: ObjectStore = RAY_OBJECTS):
+        self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
+        self.substitutes, self.objects = substitutes, objects
+        self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
+        self.staleness = self.payload_bytes = self.payload_tokens = self.retries = 0
+        self.spans: list = []
+
+    def __iter__(self):
+        from lt_opd_ray.runtime.learner import StreamedGroup
+
+        me = f"learner-{self.rank}"
+        for worker, start, group_ref, payload_ref in self.work:
+            what = f"{me} waiting for a rollout group of update {self.version}"
+            while True:
+                try:
+                    group = wait_one(group_ref, worker, self.timeout_s, what, self.objects)
+                    break
+                except ray.exceptions.RayActorError:  # its worker died: the driver samples it again (another worker, a replacement)
+                    refs = self.substitutes.take((self.version, start), self.timeout_s)
+                    if refs is None:
+                        raise
+                    worker, group_ref, payload_ref = refs
+            self.check(group)
+            self.spans.append(group.span)
+            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, payload_ref, group_ref))
+
+    def scores(self, group: RolloutGroup, payload_ref, group_ref) -> list:
+        """The teacher's scores of `group`, waited for (bounded) and checked against its rollouts."""
+        payload = self.payload(payload_ref, group_ref, group, f"learner-{self.rank} waiting for the teacher's scores of {group.worker}'s group")
+        scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
+        self.payload_bytes += payload.nbytes
+        self.payload_tokens += int(payload.lengths.sum())
+        self.spans += payload.spans
+        return scores
+
+    def payload(self, payload_ref, group_ref, group: RolloutGroup, what: str):
+        """The teacher's answer; when the replica serving it died, the request again (Serve restarts replicas), at
+        most TEACHER_RETRIES times."""
+        from ray import serve
+
+        from lt_opd_ray.runtime.teacher import score_request
+
+        for attempt in range(TEACHER_RETRIES + 1):
+            try:
+                return wait_one(payload_ref, "teacher", self.timeout_s, what, self.objects)
+            except ray.exceptions.RayActorError as exc:
+                if attempt == TEACHER_RETRIES:
+                    raise RuntimeError(f"{what}: the teacher replica died {attempt + 1} times on this request ({type(exc).__name__})") from exc
+                self.retries += 1
+                handle = serve.get_app_handle(self.scoring.app)
+                payload_ref = handle.score.remote(score_request(self.scoring.samples_ref, group_ref, group.update, group.start, group.stop))._to_object_ref_sync()
+
+    def check(self, group: RolloutGroup) -> None:
+        where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"
+        if group.update != self.version or group.learner_rank != self.rank:
+            raise ValueError(f"learner-{self.rank} at update {self.version} was sent the {where} for update {group.update}, rank {group.learner_rank}")
+        if group.weights_version is None:
+            raise StaleRolloutError(f"the {where} was sampled while its worker's weights were half written")
+        lag = self.version - group.weights_version
+        if not 0 <= lag <= self.max_staleness:
+            raise StaleRolloutError(
+                f"the {where} was sampled by weights v{group.weights_version}; learner-{self.rank} is at v{self.version}"
+                f" and schedule.max_staleness is {self.max_staleness}"
+            )
+        self.staleness = max(self.staleness, lag)
