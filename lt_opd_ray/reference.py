@@ -78,7 +78,8 @@ class ReferenceTrainer:
                 self.job.sampling.n,
                 self.job.seed,
                 c,
-                behaviour=None if self.job.objective.mode == "lt_opd" else self.teacher,
+                behaviour=self.teacher if self.job.objective.prefixes == "teacher" else None,
+                written=[s.response for s in samples] if self.job.objective.prefixes == "dataset" else None,
             )
             scores = teacher_scores(
                 self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,

@@ -126,6 +126,8 @@ def test_data_files_that_are_not_rows_are_named_by_line(tmp_path):
         "long.jsonl": (json.dumps({"sample_uid": "a", "image": "x.png", "question": "Q" * 70_000}).encode() + b"\n",
                        "line 1: question has 70,000 characters, above the 65,536"),
         "dict.jsonl": (json.dumps({"sample_uid": "a", "image": "x.png", "question": {"q": 1}}).encode() + b"\n", "line 1: question must be text, got dict"),
+        "response.jsonl": (json.dumps({"sample_uid": "a", "image": "x.png", "question": "Q?", "response": 7}).encode() + b"\n",
+                           "line 1: response must be text, got int"),
         "broken.parquet": (b"PAR1 not really parquet", "not a readable parquet file"),
     }
     for name, (data, expected) in cases.items():
@@ -187,6 +189,24 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         err = capsys.readouterr().err
         assert expected in err, (override, err)
     assert main(["validate", str(job), "--schema-only", "--set", f"data.path={tmp_path / 'folder'}"]) == 0
+
+
+def test_the_dataset_response_modes_are_refused_rows_without_responses_by_name(tmp_path, capsys):
+    """`sft` and `fixed_prefix` train on the rows' own responses: rows without one are named before anything starts."""
+    from lt_opd_ray.cli.main import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny.yaml").read())
+    rows = [{"sample_uid": u, "image": "a.png", "question": "Q?"} for u in "abcd"]
+    rows[0]["response"] = "It is red. <answer>red</answer>"
+    random_image(2).save(tmp_path / "a.png")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    settings = [f"data.path={tmp_path / 'rows.jsonl'}", f"data.image_root={tmp_path}", "sampling.n=1", "objective.mode=sft"]
+    assert main(["validate", str(job), *(f"--set={s}" for s in settings)]) == 1
+    err = capsys.readouterr().err
+    assert (f"objective.mode sft trains on the rows' own responses, but 3 of the 4 rows of data.path '{tmp_path / 'rows.jsonl'}'"
+            " carry none (b, c, d): give each row a `response`, or train on the teacher's (sequence_kd, teacher_prefix)") in err, err
+    assert main(["validate", str(job), *(f"--set={s}" for s in settings[:3]), "--set=objective.mode=teacher_prefix"]) == 0
 
 
 def test_train_refuses_before_ray_starts_with_one_line(tmp_path, capsys):

@@ -110,6 +110,10 @@ def test_a_datasets_folder_and_a_jsonl_file_are_sources_too(tmp_path):
     for i in range(2):
         (tmp_path / "pics" / f"{i}.png").write_bytes(_png(i))
         lines.append(json.dumps({"sample_uid": f"j{i}", "question": "q", "image": f"{i}.png", "sha256": hashlib.sha256(_png(i)).hexdigest()}))
+    (tmp_path / "rows.jsonl").write_text("\n".join([*lines[:1], json.dumps({**json.loads(lines[1]), "response": "It is j1."})]) + "\n")
+    prepare(tmp_path / "rows.jsonl", tmp_path / "with_responses", images=tmp_path / "pics")
+    assert [s.response for s in read_prepared(tmp_path / "with_responses")] == [None, "It is j1."]  # each row's own, kept
+    assert [s.response for s in read_prepared(tmp_path / "from_hf")] == [None, None, None]  # a source without the column
     lines.append(json.dumps({"sample_uid": "j2", "question": "q", "image": "absent.png"}))
     (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
     lines.insert(1, "[1, 2]")  # a line that is no row: named with the row problems after it, all at once

@@ -19,7 +19,7 @@ model: {{path: "{model_dir}", dtype: float32}}
 data: {{path: "synthetic:8", max_pixels: 65536}}
 budget: {{start_bps: 2500, target_bps: 1000, warm_steps: 1, decay_end: 3, total_steps: 4, k_min: 2}}
 objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}}}
-sampling: {{prompts_per_step: 2, n: 2, max_new_tokens: 6}}
+sampling: {{prompts_per_step: 2, n: {overrides.get("n", 2)}, max_new_tokens: {overrides.get("max_new_tokens", 6)}}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0}}
 """
     return parse_job(text)
@@ -155,7 +155,7 @@ def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(t
     from lt_opd_ray.core.seeding import stable_seed
     from lt_opd_ray.models.sampler import sample
 
-    job, trainer, prompts, rollouts = _teacher_sampled(tiny_dirs, samples[:2], "fixed_prefix")
+    job, trainer, prompts, rollouts = _teacher_sampled(tiny_dirs, samples[:2], "teacher_prefix")
     uids = [s.uid for s in samples[:2]]
     full = []
     for p in prompts:
@@ -171,8 +171,11 @@ def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(t
         assert not torch.allclose(r.old_logp, t.logprobs, atol=1e-3)  # the student's view, not the teacher's
 
 
-def test_sft_loss_is_the_cross_entropy_of_the_teachers_responses(tiny_dirs, samples):
-    job, trainer, prompts, rollouts = _teacher_sampled(tiny_dirs, samples[:2], "sft")
+@pytest.mark.parametrize("mode", ["sequence_kd", "sft"])
+def test_the_sft_modes_loss_is_the_cross_entropy_of_their_responses(tiny_dirs, samples, mode):
+    """sequence_kd: of the teacher's samples; sft: of the rows' own responses."""
+    responses = _teacher_sampled if mode == "sequence_kd" else _written
+    job, trainer, prompts, rollouts = responses(tiny_dirs, samples[:2], mode)
     with torch.no_grad():
         scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16)
     loss, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
@@ -200,3 +203,55 @@ def test_seeded_selectors_take_the_63_bit_sample_seeds(loaded, samples):
     picks = [vlm.select(prompt, features, build_selector("random"), 2500, 2, seed=seed)[0] for _ in range(2)]
     assert torch.equal(picks[0], picks[1])
     assert not torch.equal(picks[0], vlm.select(prompt, features, build_selector("random"), 2500, 2, seed=seed + 1)[0])
+
+
+@torch.no_grad()
+def _written(tiny_dirs, batch, mode):
+    """(job, trainer with a perturbed student, prompts, rollouts of the rows' own responses, one per prompt)."""
+    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=1, max_new_tokens=16)
+    trainer = ReferenceTrainer(job)
+    _perturbed_student(trainer)
+    prompts = trainer.encode(batch)
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
+                       10_000, 2, trainer.params, 1, job.seed, 0, written=[s.response for s in batch])
+    return job, trainer, prompts, rollouts
+
+
+@torch.no_grad()
+def test_written_rollouts_are_the_rows_responses_seen_by_the_student(tiny_dirs, samples):
+    job, trainer, prompts, rollouts = _written(tiny_dirs, samples[:2], "fixed_prefix")
+    tokenizer = trainer.processor.tokenizer
+    for r, s in zip(rollouts, samples[:2], strict=True):
+        assert s.response.endswith("</answer>")  # a stop string: the tokens end there, as a sampled response would
+        assert r.response_ids.tolist() == tokenizer(s.response, add_special_tokens=False)["input_ids"]
+        assert r.finish_reason == "stop"
+        student = _hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids)
+        assert (r.old_logp.double() - student.gather(-1, r.response_ids[:, None]).squeeze(-1)).abs().max() <= 1e-5
+        assert torch.equal(r.student_top_ids, torch.topk(student, 8, dim=-1).indices)
+
+
+def test_a_response_without_a_stop_string_ends_with_eos_and_one_too_long_is_refused_by_row(tiny_dirs, samples):
+    import dataclasses
+
+    from lt_opd_ray.engines.transformers.rollout import read_written
+
+    job = tiny_job(tiny_dirs["qwen3_5"], mode="sft", n=1, max_new_tokens=16)
+    trainer = ReferenceTrainer(job)
+    tokenizer, params = trainer.processor.tokenizer, trainer.params
+    ids, finish = read_written(tokenizer, "Plain words", "row-a", params)
+    assert ids.tolist() == [*tokenizer("Plain words", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id] and finish == "eos"
+    with pytest.raises(ValueError, match=r"row row-b: the response is \d+ tokens, above sampling.max_new_tokens \(16\)"):
+        read_written(tokenizer, "word " * 40, "row-b", params)
+    with pytest.raises(ValueError, match="row row-c carries no response to train on"):
+        read_written(tokenizer, None, "row-c", params)
+    long = [dataclasses.replace(s, response="word " * 40) for s in samples[:2]]
+    with pytest.raises(ValueError, match=f"row {long[0].uid}: the response is"):
+        trainer.update(long)
+
+
+def test_the_dataset_modes_are_refused_more_than_one_response_per_row(tiny_dirs):
+    from lt_opd_ray.config.loading import JobConfigError
+
+    with pytest.raises(JobConfigError, match="objective.mode fixed_prefix trains on the one response each row carries: set sampling.n to 1"):
+        tiny_job(tiny_dirs["qwen3_5"], mode="fixed_prefix", n=2)
+    assert tiny_job(tiny_dirs["qwen3_5"], mode="teacher_prefix", n=2).objective.prefixes == "teacher"

@@ -137,12 +137,31 @@ def test_toy_data_specs_name_the_task_and_the_split():
     assert toy_task("sizes").image_size == sizes.GRID * TILE
 
 
+def test_toy_rows_carry_a_written_response_that_answers_and_fits_the_tasks_response_tokens():
+    """What the paper's baselines train on: correct, within a response's token bound, and (where the bound leaves room)
+    in other words than the teacher's."""
+    from lt_opd_ray.models.evaluation import parse_answer
+    from lt_opd_ray.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()  # the toy teachers' tokenizer
+    for name in ("board", "sizes", "circles"):
+        task = toy_task(name)
+        for item in task.items(64):
+            written = item.sample.response
+            assert parse_answer(written) == item.sample.answer, (name, written)
+            assert len(tokenizer(written, add_special_tokens=False)["input_ids"]) <= task.response_tokens, (name, written)
+            assert (written == item.response) == (name == "board"), (name, written, item.response)
+
+
 def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
     base = load_job(BASE_JOB)
     lt_opd = arm_job(base, "lt_opd", 1, tmp_path)
     assert lt_opd.objective == base.objective and lt_opd.budget == base.budget and lt_opd.seed == 1
-    assert arm_job(base, "sft", 0, tmp_path).objective.mode == "sft"
-    assert arm_job(base, "fixed_prefix", 0, tmp_path).objective.mode == "fixed_prefix"
+    for arm, prefixes, n in (("sft", "dataset", 1), ("fixed_prefix", "dataset", 1), ("sequence_kd", "teacher", base.sampling.n),
+                             ("teacher_prefix", "teacher", base.sampling.n)):
+        job = arm_job(base, arm, 0, tmp_path)
+        assert (job.objective.mode, job.objective.prefixes, job.sampling.n) == (arm, prefixes, n)
+    assert arm_job(base, "sft", 0, tmp_path).objective.cross_entropy and not arm_job(base, "fixed_prefix", 0, tmp_path).objective.cross_entropy
     assert arm_job(base, "lt_opd_reverse_kl", 0, tmp_path).objective.divergence == "reverse_kl"
     assert arm_job(base, "lt_opd_token_merge", 0, tmp_path).selector.merge == "learnable"
     flat = arm_job(base, "lt_opd_no_curriculum", 0, tmp_path).budget
@@ -196,7 +215,7 @@ def test_the_ordering_report_weighs_each_step_against_its_standard_error():
             row("lt_opd_no_curriculum", 0.70, 0.01), row("lt_opd", 0.69, 0.01)]
     lines = ordering_lines(rows + [dict(row("sft", 0.9, 0.0), evaluated_with="divprune")], "cdpruner")
     assert [line.rsplit(": ", 1)[1] for line in lines] == ["holds", "does not hold", "holds", "holds"]
-    assert lines[0] == "- untrained < SFT on teacher answers: difference +0.100 ± 0.036 (SE): holds"
+    assert lines[0] == "- untrained < SFT on the data's responses: difference +0.100 ± 0.036 (SE): holds"
     assert lines[3].startswith("- LT-OPD, no curriculum <= LT-OPD: difference -0.010")
     assert len(ordering_lines([r for r in rows if r["arm"] != "sft"], "cdpruner")) == 3  # a missing arm is skipped
     assert ordering_lines([rows[0], rows[4]], "cdpruner")[0].startswith("- untrained < LT-OPD: difference +0.290")
@@ -277,5 +296,5 @@ def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
     runs = [{"arm": arm, "seed": seed, "curve": curve(0.01 * seed)} for arm in ("sft", "lt_opd") for seed in (0, 1)]
     results = {"selectors": ["cdpruner"], "teacher": {"full": 0.8, "cdpruner": 0.4}, "runs": runs, "budget_bps": 500, "seeds": [0, 1]}
     titles = plot_curves(results, tmp_path / "curves.png")
-    assert titles == ["held-out retain ratio (2 seeds: mean, min-max band)", "SFT on teacher answers", "LT-OPD"]
+    assert titles == ["held-out retain ratio (2 seeds: mean, min-max band)", "SFT on the data's responses", "LT-OPD"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000

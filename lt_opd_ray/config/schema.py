@@ -98,12 +98,19 @@ class BudgetConfig(StrictModel):
         return self
 
 
+# Who writes the responses each objective mode trains on (`ObjectiveConfig.prefixes`).
+PREFIXES = {"lt_opd": "student", "sft": "dataset", "fixed_prefix": "dataset", "sequence_kd": "teacher", "teacher_prefix": "teacher"}
+
+
 class ObjectiveConfig(StrictModel):
-    mode: Literal["lt_opd", "fixed_prefix", "sft"] = "lt_opd"
+    mode: Literal["lt_opd", "sft", "fixed_prefix", "sequence_kd", "teacher_prefix"] = "lt_opd"
     """What the student learns from. `lt_opd`: its own rollouts at budget r, scored by the teacher
-    (docs/architecture.md §1). The ablations of the paper: `fixed_prefix` distils the teacher's distributions on
-    responses the full-token teacher sampled; `sft` trains cross-entropy on those responses. Both
-    make each rollout worker hold a frozen copy of the initial weights to sample with."""
+    (docs/architecture.md §1). The paper's baselines train on the responses that come with the data (each row's
+    `response`; a job whose rows lack one is refused, and `sampling.n` must be 1): `sft`, cross-entropy on them;
+    `fixed_prefix`, the teacher's distributions on them (with the curriculum). Two more, on responses the frozen
+    full-token teacher samples (each rollout worker then holds a frozen copy of the initial weights):
+    `sequence_kd`, cross-entropy on them (sequence-level distillation); `teacher_prefix`, the teacher's
+    distributions on them."""
     divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"
     """Per-position divergence on the top-k union plus a tail bin."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
@@ -114,6 +121,16 @@ class ObjectiveConfig(StrictModel):
     """Truncation of the detached importance weight min(exp(logp - old_logp), clip)."""
     logsoftmax_chunk: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
+
+    @property
+    def prefixes(self) -> Literal["student", "dataset", "teacher"]:
+        """Who writes the responses trained on: the student's rollouts, the rows' own responses, or the teacher's samples."""
+        return PREFIXES[self.mode]
+
+    @property
+    def cross_entropy(self) -> bool:
+        """The loss is the cross-entropy of the responses' tokens (SFT), not a divergence from the teacher's distributions."""
+        return self.mode in ("sft", "sequence_kd")
 
 
 class SamplingConfig(StrictModel):
@@ -289,6 +306,13 @@ class JobConfig(StrictModel):
     def eval_budget_bps(self) -> int:
         """The budget every evaluation of the student runs at: `eval.budget_bps`, else the curriculum's target."""
         return self.eval.budget_bps or self.budget.target_bps
+
+    @model_validator(mode="after")
+    def _one_response_per_row(self) -> JobConfig:
+        if self.objective.prefixes == "dataset" and self.sampling.n != 1:
+            raise ValueError(f"objective.mode {self.objective.mode} trains on the one response each row carries: set sampling.n to 1"
+                             f" (it is {self.sampling.n})")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -13,4 +13,5 @@ class Sample:
     uid: str
     image: Any  # a path, bytes or a PIL image
     question: str
-    answer: str | None = None
+    answer: str | None = None  # what an evaluation checks (exact match on <answer>...</answer>)
+    response: str | None = None  # a whole response written for the row (its annotators, another model): sft / fixed_prefix train on it

@@ -57,8 +57,8 @@ class RolloutEngine(Protocol):
 class TransformersRolloutEngine:
     """The student as a transformers module (fp32 master layout, computing under the job's precision).
 
-    In the fixed-prefix and SFT ablations it also holds a frozen copy of the initial
-    weights (the teacher) that samples the responses at full tokens.
+    Where the teacher writes the responses (objective.mode sequence_kd, teacher_prefix) it also holds a frozen copy
+    of the initial weights (the teacher) that samples them at full tokens.
     """
 
     runner = "transformers"
@@ -76,7 +76,8 @@ class TransformersRolloutEngine:
         self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)
-        self.behaviour = None if job.objective.mode == "lt_opd" else QwenVLM(load_vlm(resolve_model_dir(job.model.path))[1].eval().requires_grad_(False))
+        teacher_writes = job.objective.prefixes == "teacher"
+        self.behaviour = QwenVLM(load_vlm(resolve_model_dir(job.model.path))[1].eval().requires_grad_(False)) if teacher_writes else None
         self.selector = build_selector(job.selector.name)
         self.params = sampling_params(job, self.processor.tokenizer)
 
@@ -91,6 +92,7 @@ class TransformersRolloutEngine:
             return rollout(
                 self.vlm, self.processor.tokenizer, prompts, [s.uid for s in samples], self.selector, budget_bps,
                 job.budget.k_min, self.params, job.sampling.n, job.seed, update, self.behaviour,
+                [s.response for s in samples] if job.objective.prefixes == "dataset" else None,
             )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:

@@ -120,8 +120,8 @@ def loss_on_forward(
             alpha=objective.alpha,
             importance_clip=objective.importance_clip,
         )
-        if objective.mode == "sft":
-            token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy on the teacher's sampled token
+        if objective.cross_entropy:
+            token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy of the response's own token (sft, sequence_kd)
         if token_loss.numel() == 0:
             raise ValueError(f"a rollout of prompt {r.prompt_index} has no response tokens: nothing to average")
         sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens

@@ -38,6 +38,19 @@ class Completion:
     finish_reason: str = field(default="length")  # eos | stop | length
 
 
+def written_response(tokenizer, text: str, params: SamplingParams) -> tuple[torch.Tensor, str]:
+    """A response someone wrote (a row's `response`) as the token ids and finish reason a sampled one would have: it
+    ends at a stop string where its text does, otherwise the end-of-sequence token is appended. One longer than
+    max_new_tokens is a ValueError: sampling would cut it, but training on a cut response teaches the cut."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    finish = "stop" if any(text.rstrip().endswith(s) for s in params.stop) else "eos"
+    if finish == "eos":
+        ids = [*ids, params.eos_token_ids[0]]
+    if len(ids) > params.max_new_tokens:
+        raise ValueError(f"the response is {len(ids)} tokens, above sampling.max_new_tokens ({params.max_new_tokens})")
+    return torch.tensor(ids, dtype=torch.long), finish
+
+
 def _choose(log_probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from one row's log-probs [V] under temperature and nucleus (top-p) sampling."""
     if params.greedy:

@@ -45,6 +45,10 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
     if rows is not None and job.sampling.prompts_per_step > rows:
         problems.append(f"sampling.prompts_per_step ({job.sampling.prompts_per_step}) is more than the {rows} rows of"
                         f" data.path {job.data.path!r}: an update's prompts are distinct rows")
+    if samples is not None and job.objective.prefixes == "dataset" and (lacking := [s.uid for s in samples if not s.response]):
+        problems.append(f"objective.mode {job.objective.mode} trains on the rows' own responses, but {len(lacking)} of the {len(samples)}"
+                        f" rows of data.path {job.data.path!r} carry none ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}):"
+                        " give each row a `response`, or train on the teacher's (sequence_kd, teacher_prefix)")
     eval_samples = attempt(lambda: rows_of(job.eval.data)) if job.eval.data else None
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems

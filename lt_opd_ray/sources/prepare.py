@@ -1,18 +1,18 @@
 """`lt-opd data`: a training set in the LT-14K layout -> verified parquet shards + manifest.
 
 Sources:
-- an LT-14K-style folder: `train.parquet` (sample_uid, question, [answer]),
+- an LT-14K-style folder: `train.parquet` (sample_uid, question, [answer], [response]),
   `media.jsonl` (sample_uid, path, access bundled|url, archive, size_bytes, sha256)
   and the `images/*.tar` archives it names;
 - a Hugging Face `datasets` folder (`save_to_disk`; columns sample_uid, question,
-  [answer], image);
-- a JSONL or parquet file (sample_uid, question, [answer], image path, [sha256])
-  with its images under `--images`.
+  [answer], [response], image);
+- a JSONL or parquet file (sample_uid, question, [answer], [response], image path,
+  [sha256]) with its images under `--images`.
 
 Every row is checked: a question, a unique sample_uid, an image that exists, has
 the recorded size and SHA-256 (where the source records them) and decodes. Rows
-go into `shard-NNNNN.parquet` files (sample_uid, question, answer, image bytes,
-sha256; row groups of 64 so the loader reads one group per image) written in
+go into `shard-NNNNN.parquet` files (sample_uid, question, answer, response, image
+bytes, sha256; row groups of 64 so the loader reads one group per image) written in
 `<out>.incoming/`; `manifest.json` is written last and the folder renamed to
 `<out>`, so an unfinished preparation never looks complete. An interrupted run
 continues from its finished shards (`progress.json` records them and the source
@@ -37,6 +37,7 @@ from lt_opd_ray.sources.rows import PREPARED_MANIFEST as MANIFEST
 
 PROGRESS = "progress.json"
 ROW_GROUP = 64
+TEXT_COLUMNS = ("sample_uid", "question", "answer", "response")  # a shard's columns beside the image and its sha256
 
 
 class DataError(ValueError):
@@ -52,6 +53,7 @@ class SourceRow:
     sha256: str | None = None
     size_bytes: int | None = None
     problem: str | None = None  # why the source's line is not a row at all (then nothing else is checked)
+    response: str | None = None  # the whole response written for the row, where the source has one
 
 
 # ------------------------------------------------------------------------------ sources
@@ -84,9 +86,10 @@ def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
         uid = str(row.get("sample_uid"))
         entry = media.get(uid)
         if entry is None:
-            yield SourceRow(uid, row.get("question"), row.get("answer"), _missing("no media.jsonl entry"))
+            yield SourceRow(uid, row.get("question"), row.get("answer"), _missing("no media.jsonl entry"), response=row.get("response"))
             continue
-        yield SourceRow(uid, row.get("question"), row.get("answer"), reader(entry), entry.get("sha256"), entry.get("size_bytes"))
+        yield SourceRow(uid, row.get("question"), row.get("answer"), reader(entry), entry.get("sha256"), entry.get("size_bytes"),
+                        response=row.get("response"))
 
 
 def _hf_rows(folder: Path) -> Iterator[SourceRow]:
@@ -109,7 +112,8 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
                 return buffer.getvalue()
             raise ValueError(f"image of type {type(image).__name__} holds no bytes")
 
-        yield SourceRow(str(row.get("sample_uid", index)), row.get("question"), row.get("answer"), read, row.get("sha256"))
+        yield SourceRow(str(row.get("sample_uid", index)), row.get("question"), row.get("answer"), read, row.get("sha256"),
+                        response=row.get("response"))
 
 
 def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
@@ -129,7 +133,8 @@ def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
                 raise FileNotFoundError(f"{file} not found")
             return file.read_bytes()
 
-        yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"), read, row.get("sha256"))
+        yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"), read, row.get("sha256"),
+                        response=row.get("response"))
 
 
 def _missing(reason: str):
@@ -155,7 +160,7 @@ def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]
 # ------------------------------------------------------------------------------ prepare
 def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
     from lt_opd_ray.models.processor import ImageError, decode_image
-    from lt_opd_ray.sources.rows import question_problem
+    from lt_opd_ray.sources.rows import question_problem, response_problem
 
     if row.problem is not None:
         return None, [row.problem]
@@ -163,6 +168,8 @@ def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
     if not row.question or not str(row.question).strip():
         problems.append("no question")
     elif problem := question_problem(row.question):
+        problems.append(problem)
+    if problem := response_problem(row.response):
         problems.append(problem)
     if row.uid in seen:
         problems.append("duplicate sample_uid")
@@ -218,7 +225,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
     def flush() -> None:
         nonlocal batch, new_shards
         name = f"shard-{len(state['shards']):05d}.parquet"
-        table = pa.table({k: [r[k] for r in batch] for k in ("sample_uid", "question", "answer", "image", "sha256")})
+        table = pa.table({k: [r[k] for r in batch] for k in (*TEXT_COLUMNS, "image", "sha256")})
         pq.write_table(table, staging / (name + ".tmp"), row_group_size=ROW_GROUP)
         os.replace(staging / (name + ".tmp"), staging / name)
         state["shards"].append({"file": name, "rows": len(batch), "sha256": hashlib.sha256((staging / name).read_bytes()).hexdigest()})
@@ -235,7 +242,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
             problems += [f"{row.uid}: {p}" for p in row_problems]
             continue
         batch.append({"sample_uid": row.uid, "question": str(row.question), "answer": None if row.answer is None else str(row.answer),
-                      "image": data, "sha256": hashlib.sha256(data).hexdigest()})
+                      "response": row.response, "image": data, "sha256": hashlib.sha256(data).hexdigest()})
         if progress:
             progress(index + 1)
         if len(batch) == shard_rows and not problems:
@@ -292,11 +299,13 @@ def read_prepared(folder: str | Path):
         if not path.is_file():
             raise InputError(f"{folder}: shard {file} named by the manifest is missing")
         try:
-            table = pq.read_table(path, columns=["sample_uid", "question", "answer"])
+            present = set(pq.read_schema(path).names)  # a shard written before `response` existed has no such column
+            table = pq.read_table(path, columns=[c for c in TEXT_COLUMNS if c in present])
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable shard ({str(exc).splitlines()[0][:160]}); prepare the folder again") from None
         if table.num_rows != rows:
             raise InputError(f"{path}: {table.num_rows} rows, the manifest says {rows}")
-        for row, (uid, question, answer) in enumerate(zip(*(table.column(c).to_pylist() for c in ("sample_uid", "question", "answer")))):
-            samples.append(Sample(uid=uid, image=ShardImage(str(path), row), question=question, answer=answer))
+        columns = [table.column(c).to_pylist() if c in table.column_names else [None] * rows for c in TEXT_COLUMNS]
+        for row, (uid, question, answer, response) in enumerate(zip(*columns)):
+            samples.append(Sample(uid=uid, image=ShardImage(str(path), row), question=question, answer=answer, response=response))
     return samples

@@ -1,4 +1,5 @@
-"""Training rows read from JSONL / parquet files: (sample_uid, image, question[, answer]), every problem of a file named at once."""
+"""Training rows read from JSONL / parquet files: (sample_uid, image, question[, answer][, response]), every problem of a file
+named at once."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ def question_problem(question: object) -> str | None:
         return f"question must be text, got {type(question).__name__}"
     if len(question) > MAX_QUESTION_CHARS:
         return f"question has {len(question):,} characters, above the {MAX_QUESTION_CHARS:,} a row may have"
+    return None
+
+
+def response_problem(response: object) -> str | None:
+    """A row's optional `response` (the whole answer written for it) is text when given."""
+    if response is not None and not isinstance(response, str):
+        return f"response must be text, got {type(response).__name__}"
+    if isinstance(response, str) and len(response) > MAX_QUESTION_CHARS:
+        return f"response has {len(response):,} characters, above the {MAX_QUESTION_CHARS:,} a row may have"
     return None
 
 
@@ -102,7 +112,7 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
         image = row["image"]
         if isinstance(image, str):
             image = Path(image_root) / image
-        samples.append(Sample(uid=uid, image=image, question=str(row["question"]), answer=row.get("answer")))
+        samples.append(Sample(uid=uid, image=image, question=str(row["question"]), answer=row.get("answer"), response=row.get("response")))
         numbers.append(number)
     missing = [(number, sample.image) for number, sample in zip(numbers, samples) if isinstance(sample.image, Path) and not sample.image.is_file()]
     if missing:
@@ -119,4 +129,4 @@ def _row_problem(row: dict, seen: dict[str, int], where: str) -> str | None:
         return f"missing field(s) {', '.join(missing)}"
     if (uid := str(row["sample_uid"])) in seen:
         return f"duplicate sample_uid {uid!r} (first at {where} {seen[uid]})"
-    return question_problem(row["question"])
+    return question_problem(row["question"]) or response_problem(row.get("response"))

@@ -1,4 +1,5 @@
-"""The embedded default data set: coloured shapes on a grid, questions that name what to look at, short answers.
+"""The embedded default data set: coloured shapes on a grid, questions that name what to look at, short answers, and
+a response written for each row (what `objective.mode` sft and fixed_prefix train on).
 
 It needs no files and is identical on every machine for a given seed.
 """
@@ -23,7 +24,7 @@ def synthetic_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 12
     image = Image.new("RGB", (width, height), (245, 245, 245))
     draw = ImageDraw.Draw(image)
     quadrants = ["top left", "top right", "bottom left", "bottom right"]
-    answers = {}
+    answers, shapes = {}, {}
     half_w, half_h = width // 2, height // 2
     for q, name in enumerate(quadrants):
         colour = rng.choice(list(COLOURS))
@@ -31,7 +32,8 @@ def synthetic_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 12
         x0, y0 = (q % 2) * half_w + half_w // 4, (q // 2) * half_h + half_h // 4
         box = (x0, y0, x0 + half_w // 2, y0 + half_h // 2)
         (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLOURS[colour])
-        answers[name] = colour
+        answers[name], shapes[name] = colour, shape
     asked = rng.choice(quadrants)
     question = f"What colour is the shape in the {asked} corner? Answer with one word."
-    return Sample(uid=f"synthetic-{seed}-{index}", image=image, question=question, answer=answers[asked])
+    response = f"A {answers[asked]} {shapes[asked]}. <answer>{answers[asked]}</answer>"
+    return Sample(uid=f"synthetic-{seed}-{index}", image=image, question=question, answer=answers[asked], response=response)

@@ -2,8 +2,11 @@
 
 Arms (all at the job's target budget, same teacher, same data):
   untrained       the teacher itself with the selector, no training
-  sft             cross-entropy on responses the full-token teacher sampled
-  fixed_prefix    distillation on teacher-sampled prefixes, with the curriculum
+  sft             the paper's SFT: cross-entropy on the rows' own responses (one per row, so sampling.n 1)
+  fixed_prefix    the paper's fixed-prefix JSD: the teacher's distributions on the rows' own responses, with the
+                  curriculum (sampling.n 1)
+  sequence_kd     cross-entropy on responses the full-token teacher sampled (sequence-level distillation)
+  teacher_prefix  the teacher's distributions on responses it sampled, with the curriculum
   lt_opd_no_curriculum   LT-OPD at the target budget from the first update
   lt_opd          LT-OPD (docs/architecture.md §1)
   lt_opd_reverse_kl      LT-OPD with reverse KL instead of JSD
@@ -28,8 +31,10 @@ from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BPS
 
 ARMS: dict[str, dict] = {
-    "sft": {"objective": {"mode": "sft"}},
-    "fixed_prefix": {"objective": {"mode": "fixed_prefix"}},
+    "sft": {"objective": {"mode": "sft"}, "sampling": {"n": 1}},
+    "fixed_prefix": {"objective": {"mode": "fixed_prefix"}, "sampling": {"n": 1}},
+    "sequence_kd": {"objective": {"mode": "sequence_kd"}},
+    "teacher_prefix": {"objective": {"mode": "teacher_prefix"}},
     "lt_opd_no_curriculum": {"budget": {"warm_steps": 0, "decay_end": 0}},  # start_bps set to target below
     "lt_opd": {},
     "lt_opd_reverse_kl": {"objective": {"divergence": "reverse_kl"}},
@@ -38,8 +43,10 @@ ARMS: dict[str, dict] = {
 STUDY_ARMS = ("sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd", "lt_opd_reverse_kl")  # the paper's ablation table
 LABELS = {
     "untrained": "untrained",
-    "sft": "SFT on teacher answers",
-    "fixed_prefix": "fixed-prefix distillation",
+    "sft": "SFT on the data's responses",
+    "fixed_prefix": "fixed-prefix JSD on the data's responses",
+    "sequence_kd": "SFT on teacher samples (sequence KD)",
+    "teacher_prefix": "distillation on teacher samples",
     "lt_opd_no_curriculum": "LT-OPD, no curriculum",
     "lt_opd": "LT-OPD",
     "lt_opd_reverse_kl": "LT-OPD, reverse KL",
@@ -220,7 +227,8 @@ def write_report(results: dict, out_dir: Path) -> None:
     plot_curves(results, out_dir / "curves.png")
 
 
-OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL"}
+OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "sequence_kd": "cross-entropy", "teacher_prefix": "JSD",
+              "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL"}
 
 
 def plot_curves(results: dict, path: Path) -> list[str]:

@@ -14,7 +14,7 @@ from lt_opd_ray.core.selectors import Selector
 from lt_opd_ray.core.wire import Rollout
 from lt_opd_ray.models.adapter import QwenVLM, ReducedPrompt
 from lt_opd_ray.models.processor import PromptInputs
-from lt_opd_ray.models.sampler import Completion, SamplingParams, sample
+from lt_opd_ray.models.sampler import Completion, SamplingParams, sample, written_response
 
 
 @torch.no_grad()
@@ -31,11 +31,13 @@ def rollout(
     seed: int,
     update: int,
     behaviour: QwenVLM | None = None,
+    written: list[str] | None = None,
 ) -> list[Rollout]:
     """n responses per prompt at the current budget; selection and sampling are seeded by (seed, update, uid).
 
-    With `behaviour` (the frozen teacher; the fixed-prefix and SFT ablations) the
-    responses are sampled by it at full tokens, and the student's log-probs and
+    The responses are the student's own, sampled on its reduced prompt; or, with `behaviour` (the frozen
+    teacher: sequence_kd, teacher_prefix), sampled by it at full tokens; or, with `written` (one per prompt: the
+    rows' responses, sft and fixed_prefix), taken as they are. In the last two, the student's log-probs and
     top-k at budget r are read off its teacher-forced forward on them.
     """
     reduced, full, owners, seeds = [], [], [], []
@@ -51,25 +53,39 @@ def rollout(
         full += [prompt_full] * n
         owners += [index] * n
         seeds += response_seeds(seed, update, uid, n)
-    if behaviour is None:
-        completions = sample(vlm, reduced, params, seeds, tokenizer)
+    if written is not None:
+        completions = student_view(vlm, reduced, [read_written(tokenizer, written[o], uids[o], params) for o in owners], params.top_k_logprobs)
+    elif behaviour is not None:
+        sampled = sample(behaviour, full, params, seeds, tokenizer)
+        completions = student_view(vlm, reduced, [(c.token_ids, c.finish_reason) for c in sampled], params.top_k_logprobs)
     else:
-        completions = student_view(vlm, reduced, sample(behaviour, full, params, seeds, tokenizer), params.top_k_logprobs)
+        completions = sample(vlm, reduced, params, seeds, tokenizer)
     return [Rollout.sampled(owner, c, red.selected, red.merge_routes, budget_bps) for owner, red, c in zip(owners, reduced, completions)]
 
 
-def student_view(vlm: QwenVLM, reduced: list[ReducedPrompt], completions: list[Completion], top_k: int) -> list[Completion]:
-    """The same responses with the student's log-prob of each token and its top-k ids, on its reduced prompts."""
-    hidden = vlm.response_hidden(reduced, [c.token_ids for c in completions])
+def read_written(tokenizer, text: str | None, uid: str, params: SamplingParams) -> tuple[torch.Tensor, str]:
+    """Row `uid`'s own response as tokens (models/sampler.written_response); a problem names the row."""
+    if not text:
+        raise ValueError(f"row {uid} carries no response to train on")
+    try:
+        return written_response(tokenizer, text, params)
+    except ValueError as exc:
+        raise ValueError(f"row {uid}: {exc}: raise it or shorten the response") from None
+
+
+def student_view(vlm: QwenVLM, reduced: list[ReducedPrompt], responses: list[tuple[torch.Tensor, str]], top_k: int) -> list[Completion]:
+    """Responses (token ids, finish reason) as the student sees them on its reduced prompts: its log-prob of each
+    token and its top-k ids."""
+    hidden = vlm.response_hidden(reduced, [ids for ids, _ in responses])
     viewed = []
-    for h, c in zip(hidden, completions):
+    for h, (ids, finish_reason) in zip(hidden, responses):
         log_probs = torch.log_softmax(vlm.lm_head(h).float(), dim=-1).cpu()  # [T, V]
         viewed.append(
             Completion(
-                token_ids=c.token_ids,
-                logprobs=log_probs.gather(-1, c.token_ids[:, None]).squeeze(-1),
+                token_ids=ids,
+                logprobs=log_probs.gather(-1, ids[:, None]).squeeze(-1),
                 top_ids=torch.topk(log_probs, min(top_k, log_probs.shape[-1]), dim=-1).indices,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
             )
         )
     return viewed

@@ -61,8 +61,8 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
 
     if role == "rollout" and job.objective.mode != "lt_opd":
         raise ValueError(
-            f"objective.mode {job.objective.mode!r} samples with the frozen teacher on transformers:"
-            " set pools.rollout.backend: transformers"
+            f"objective.mode {job.objective.mode!r} trains on responses the student does not sample (the"
+            f" {job.objective.prefixes}'s), read on transformers: set pools.rollout.backend: transformers"
         )
     config = json.loads((Path(model_dir) / "config.json").read_text())
     family = config.get("model_type")

@@ -45,12 +45,13 @@ class ToyItem:
 @dataclass(frozen=True)
 class ToyTask:
     """A task's items are pure functions of (index, seed, split): `layout` draws every random choice of an item
-    (whatever has `.answer` and `.response`), `draw` its pixels from them, only when an image is read."""
+    (whatever has `.answer`, `.response`, what the teacher writes, and `.written`, the row's own response in other
+    words), `draw` its pixels from them, only when an image is read."""
 
     name: str
     image_size: int  # pixels per side: (image_size / TILE)^2 visual tokens at full resolution
     question: str
-    layout: Callable[[int, int, str], Any]  # (index, seed, split) -> the item's choices: .answer, .response
+    layout: Callable[[int, int, str], Any]  # (index, seed, split) -> the item's choices: .answer, .response, .written
     draw: Callable[[int, int, str], Any]  # (index, seed, split) -> its PIL image
     response_tokens: int  # at least the tokens of any reference response (the toy tokenizer's)
 
@@ -58,7 +59,8 @@ class ToyTask:
         """Item `index` of `split` under `seed`: question, answer and the teacher's response; its image a ToyImage."""
         chosen = self.layout(index, seed, split)
         image = ToyImage(self.draw, index, seed, split)
-        return ToyItem(Sample(uid=f"{self.name}-{split}-{seed}-{index}", image=image, question=self.question, answer=chosen.answer), chosen.response)
+        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", image=image, question=self.question, answer=chosen.answer, response=chosen.written)
+        return ToyItem(sample, chosen.response)
 
     def items(self, count: int, split: str = "train", seed: int = 0) -> list[ToyItem]:
         return [self.item(i, seed, split) for i in range(count)]

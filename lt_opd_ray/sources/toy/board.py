@@ -58,6 +58,12 @@ class Board:
     def response(self) -> str:
         return f"<answer>{self.answer}</answer>"
 
+    @property
+    def written(self) -> str:
+        """The row's response as a data set would hold it: the answer alone, as the teacher writes it (the task's ten
+        response tokens leave no room for other words)."""
+        return self.response
+
 
 def layout(index: int, seed: int, split: str = "train") -> Board:
     """Board `index` of `split` under `seed` without drawing it: TILES_PER_IMAGE tiles, one colour on MAJORITY of them

@@ -73,6 +73,11 @@ class Discs:
         reading_order = [colour for (x, y, _), colour in sorted(zip(self.discs, self.colours), key=lambda dc: (dc[0][1], dc[0][0]))]
         return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
 
+    @property
+    def written(self) -> str:
+        """The row's response as a data set's annotators would write it: correct, in words the teacher does not use."""
+        return f"The big one is {self.answer}. <answer>{self.answer}</answer>"
+
 
 def layout(index: int, seed: int, split: str = "train") -> Discs:
     """Item `index` of `split` under `seed`, without drawing it (every random draw of the item, in order)."""

@@ -66,6 +66,11 @@ class Squares:
         reading_order = [colour for (x, y, _), colour in sorted(zip(self.squares, self.colours), key=lambda sc: (sc[0][1], sc[0][0]))]
         return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
 
+    @property
+    def written(self) -> str:
+        """The row's response as a data set's annotators would write it: correct, in words the teacher does not use."""
+        return f"The big one is {self.answer}. <answer>{self.answer}</answer>"
+
 
 def layout(index: int, seed: int, split: str = "train") -> Squares:
     """Item `index` of `split` under `seed`, without drawing it (every random draw of the item, in order)."""
