@@ -12,10 +12,11 @@ import torch
 
 from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.curriculum import BPS
-from lt_opd_ray.sources.toy import board, circles, sizes
+from lt_opd_ray.sources.toy import board, circles, discs, sizes
 from lt_opd_ray.sources.toy.base import TILE
 from lt_opd_ray.sources.toy.tasks import toy_task
-from lt_opd_ray.tools.ablation import arm_job, retain_rows
+from lt_opd_ray.tools.ablation import arm_job
+from lt_opd_ray.tools.ablation_report import retain_rows
 
 BASE_JOB = "jobs/toy_circles.yaml"  # design 3, the study's
 
@@ -101,6 +102,41 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
     assert circles.TASK.item(0, 0, "train").sample.image.read().tobytes() != circles.TASK.item(0, 0, "test").sample.image.read().tobytes()
 
 
+def test_discs_items_answer_their_kind_of_question_as_the_pixels_do():
+    """Each kind's answer from the drawn pixels alone: the colour with the most (fewest) pixels, the one whose pixels
+    reach the highest row (the lowest column). Close items are close, clear ones clearly apart; the training rows
+    never ask "left", the held-out ones ask all four kinds in turn."""
+    from collections import Counter
+
+    for split, kinds in (("train", discs.TRAINING_KINDS), ("test", tuple(discs.KINDS))):
+        items = discs.TASK.items(48, split)
+        assert [discs.TASK.kind_of(i.sample) for i in items] == [kinds[i % len(kinds)] for i in range(48)]
+        closes = 0
+        for index, item in enumerate(items):
+            kind, layout = kinds[index % len(kinds)], discs.layout(index, 0, split)
+            pixels = np.asarray(item.sample.image.read()).astype(float)
+            rows, cols = np.indices(pixels.shape[:2])
+            on = ~(pixels == circles.BACKGROUND).all(-1)
+            colour_of = _nearest_colours(pixels[on])
+            area = Counter(colour_of.tolist())
+            first_row = {c: rows[on][colour_of == c].min() for c in area}
+            first_col = {c: cols[on][colour_of == c].min() for c in area}
+            by_pixels = {"biggest": max(area, key=area.get), "smallest": min(area, key=area.get),
+                         "top": min(first_row, key=first_row.get), "left": min(first_col, key=first_col.get)}[kind]
+            assert item.sample.answer == by_pixels and item.sample.question == discs.KINDS[kind][0], (split, index, kind)
+            assert item.sample.response == f"{discs.KINDS[kind][1]} {by_pixels}. <answer>{by_pixels}</answer>"
+            assert item.response.endswith(f"<answer>{by_pixels}</answer>") and item.response != item.sample.response
+            radii = sorted(r for _, _, r in layout.discs)
+            compared = {"biggest": radii[2] / radii[1], "smallest": radii[1] / radii[0]}.get(kind)
+            if compared is not None:
+                assert (compared <= discs.CLOSE_RADII[1] + 1e-9) == layout.close, (compared, layout.close)
+            else:
+                gap = discs._edges_gap(list(layout.discs), kind)
+                assert discs.CLOSE_EDGES[0] < gap < discs.CLOSE_EDGES[1] if layout.close else gap > discs.APART_EDGES
+            closes += layout.close
+        assert 8 <= closes <= 24  # about a third of 48
+
+
 def test_the_shipped_circles_teacher_was_trained_by_its_recipe_on_this_task_code():
     """Editing circles.py or its recipe without shipping a new teacher (`python -m lt_opd_ray.sources.toy.teacher --ship
     circles`) would silently train one on first use instead: this fails first."""
@@ -132,7 +168,7 @@ def test_toy_data_specs_name_the_task_and_the_split():
 
     assert [s.uid for s in load_samples("toy-sizes-test:3")] == [f"sizes-test-0-{i}" for i in range(3)]
     assert load_samples("toy-board:2")[1].uid == "board-train-0-1"
-    with pytest.raises(InputError, match="unknown toy task 'shapes'; known: board, sizes, circles"):
+    with pytest.raises(InputError, match="unknown toy task 'shapes'; known: board, sizes, circles, discs"):
         load_samples("toy-shapes:4")
     assert toy_task("sizes").image_size == sizes.GRID * TILE
 
@@ -144,7 +180,7 @@ def test_toy_rows_carry_a_written_response_that_answers_and_fits_the_tasks_respo
     from lt_opd_ray.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()  # the toy teachers' tokenizer
-    for name in ("board", "sizes", "circles"):
+    for name in ("board", "sizes", "circles", "discs"):
         task = toy_task(name)
         for item in task.items(64):
             written = item.sample.response
@@ -205,8 +241,39 @@ def test_a_study_cut_short_keeps_its_finished_runs_and_says_so(tmp_path):
     assert "PARTIAL" not in (tmp_path / "retain_table.md").read_text()
 
 
+def test_the_study_evaluates_by_kind_of_question_where_the_held_out_rows_ask_several():
+    from lt_opd_ray.tools.ablation import eval_sets
+
+    by_kind = eval_sets(load_job("jobs/toy_discs.yaml"))
+    assert {kind: len(rows) for kind, rows in by_kind.items()} == {kind: 128 for kind in discs.KINDS}
+    assert all(row.question == discs.KINDS[kind][0] for kind, rows in by_kind.items() for row in rows)
+    assert list(eval_sets(load_job(BASE_JOB))) == ["all"]  # circles asks one kind
+
+
+def test_retain_by_kind_averages_each_kinds_retain_as_the_paper_averages_benchmarks(tmp_path):
+    from lt_opd_ray.tools.ablation_report import kind_rows, write_report
+
+    def run(seed, a, b):
+        return {"arm": "lt_opd", "seed": seed, "final": {"cdpruner": 0.0}, "final_by_kind": {"a": {"cdpruner": a}, "b": {"cdpruner": b}},
+                "curve": [{"step": 1, "loss": 1.0, "eval": {"cdpruner": 0.5}}]}
+
+    results = {"base_job": "jobs/toy_discs.yaml", "seeds": [0, 1], "steps": 1, "budget_bps": 500, "selectors": ["cdpruner"],
+               "trained_with": "cdpruner", "teacher": {"full": 0.9, "cdpruner": 0.6}, "eval_items": 200, "seconds": 60.0,
+               "teacher_by_kind": {"a": {"full": 0.8, "cdpruner": 0.4}, "b": {"full": 1.0, "cdpruner": 0.8}}, "kind_items": {"a": 100, "b": 100},
+               "runs": [run(0, 0.6, 0.9), run(1, 0.64, 0.86)]}
+    untrained, trained = kind_rows(results)
+    assert untrained["by_kind"] == pytest.approx({"a": 0.5, "b": 0.8}) and untrained["retain_mean"] == pytest.approx(0.65)
+    assert untrained["retain_se"] == pytest.approx(((0.4 * 0.6 / 100 / 0.64 + 0.8 * 0.2 / 100) / 4) ** 0.5)
+    assert trained["by_kind"] == pytest.approx({"a": 0.775, "b": 0.88})  # (0.75 + 0.8) / 2, (0.9 + 0.86) / 2
+    assert trained["retain_mean"] == pytest.approx(0.8275) and trained["retain_se"] == pytest.approx(0.0025)  # seeds 0.825, 0.83
+    write_report(results, tmp_path)
+    table = (tmp_path / "retain_table.md").read_text()
+    assert "| LT-OPD | cdpruner | 0.775 | 0.880 | 0.827 ± 0.003 (0.004) |" in table and "ordering on the mean over kinds" in table
+    assert "- untrained < LT-OPD: difference +0.177 ± 0.037 (SE): holds" in table
+
+
 def test_the_ordering_report_weighs_each_step_against_its_standard_error():
-    from lt_opd_ray.tools.ablation import ordering_lines
+    from lt_opd_ray.tools.ablation_report import ordering_lines
 
     def row(arm, mean, se):
         return {"arm": arm, "evaluated_with": "cdpruner", "retain_mean": mean, "retain_se": se}
@@ -288,7 +355,7 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
 
 
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
-    from lt_opd_ray.tools.ablation import plot_curves
+    from lt_opd_ray.tools.ablation_report import plot_curves
 
     def curve(offset):
         return [{"step": s, "loss": 0.1 / s + offset, "eval": {"cdpruner": 0.5 + offset} if s % 2 == 0 else {}} for s in range(1, 5)]

@@ -45,22 +45,27 @@ class ToyItem:
 @dataclass(frozen=True)
 class ToyTask:
     """A task's items are pure functions of (index, seed, split): `layout` draws every random choice of an item
-    (whatever has `.answer`, `.response`, what the teacher writes, and `.written`, the row's own response in other
-    words), `draw` its pixels from them, only when an image is read."""
+    (whatever has `.question`, `.answer`, `.response`, what the teacher writes, and `.written`, the row's own
+    response in other words), `draw` its pixels from them, only when an image is read."""
 
     name: str
     image_size: int  # pixels per side: (image_size / TILE)^2 visual tokens at full resolution
-    question: str
-    layout: Callable[[int, int, str], Any]  # (index, seed, split) -> the item's choices: .answer, .response, .written
+    layout: Callable[[int, int, str], Any]  # (index, seed, split) -> the item's choices: .question, .answer, .response, .written
     draw: Callable[[int, int, str], Any]  # (index, seed, split) -> its PIL image
     response_tokens: int  # at least the tokens of any reference response (the toy tokenizer's)
+    teacher_split: str = "train"  # the split the full-token teacher is trained on
 
     def item(self, index: int, seed: int = 0, split: str = "train") -> ToyItem:
         """Item `index` of `split` under `seed`: question, answer and the teacher's response; its image a ToyImage."""
         chosen = self.layout(index, seed, split)
         image = ToyImage(self.draw, index, seed, split)
-        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", image=image, question=self.question, answer=chosen.answer, response=chosen.written)
+        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", image=image, question=chosen.question, answer=chosen.answer, response=chosen.written)
         return ToyItem(sample, chosen.response)
+
+    def kind_of(self, sample: Sample) -> str | None:
+        """The kind of question a sample of this task asks, where the task asks several (`discs`), else None."""
+        image = sample.image
+        return getattr(self.layout(image.index, image.seed, image.split), "kind", None)
 
     def items(self, count: int, split: str = "train", seed: int = 0) -> list[ToyItem]:
         return [self.item(i, seed, split) for i in range(count)]

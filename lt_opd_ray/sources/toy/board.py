@@ -59,6 +59,10 @@ class Board:
         return f"<answer>{self.answer}</answer>"
 
     @property
+    def question(self) -> str:
+        return QUESTION
+
+    @property
     def written(self) -> str:
         """The row's response as a data set would hold it: the answer alone, as the teacher writes it (the task's ten
         response tokens leave no room for other words)."""
@@ -95,4 +99,4 @@ def draw(index: int, seed: int, split: str = "train"):
 QUESTION = "Which colour is on the most tiles?"
 
 
-TASK = ToyTask(name="board", image_size=IMAGE_SIZE, question=QUESTION, layout=layout, draw=draw, response_tokens=10)
+TASK = ToyTask(name="board", image_size=IMAGE_SIZE, layout=layout, draw=draw, response_tokens=10)

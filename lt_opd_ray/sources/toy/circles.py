@@ -74,6 +74,10 @@ class Discs:
         return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
 
     @property
+    def question(self) -> str:
+        return QUESTION
+
+    @property
     def written(self) -> str:
         """The row's response as a data set's annotators would write it: correct, in words the teacher does not use."""
         return f"The big one is {self.answer}. <answer>{self.answer}</answer>"
@@ -90,10 +94,14 @@ def layout(index: int, seed: int, split: str = "train") -> Discs:
 
 def draw(index: int, seed: int, split: str = "train"):
     """The item's image (PIL, IMAGE_SIZE square)."""
+    return paint(layout(index, seed, split))
+
+
+def paint(item: Discs):
+    """The board of `item`'s discs (PIL, IMAGE_SIZE square): each disc in its colour, each of its tiles shaded."""
     import numpy as np
     from PIL import Image
 
-    item = layout(index, seed, split)
     coordinate = (np.arange(IMAGE_SIZE) + 0.5) / TILE  # pixel centres in tile units
     pixels = np.empty((IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
     pixels[:] = BACKGROUND
@@ -110,4 +118,4 @@ def draw(index: int, seed: int, split: str = "train"):
     return Image.fromarray(pixels.astype(np.uint8))
 
 
-TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, question=QUESTION, layout=layout, draw=draw, response_tokens=24)
+TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, layout=layout, draw=draw, response_tokens=24)

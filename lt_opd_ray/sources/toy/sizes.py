@@ -67,6 +67,10 @@ class Squares:
         return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
 
     @property
+    def question(self) -> str:
+        return QUESTION
+
+    @property
     def written(self) -> str:
         """The row's response as a data set's annotators would write it: correct, in words the teacher does not use."""
         return f"The big one is {self.answer}. <answer>{self.answer}</answer>"
@@ -97,4 +101,4 @@ def draw(index: int, seed: int, split: str = "train"):
     return image
 
 
-TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, question=QUESTION, layout=layout, draw=draw, response_tokens=24)
+TASK = ToyTask(name="sizes", image_size=IMAGE_SIZE, layout=layout, draw=draw, response_tokens=24)

@@ -60,6 +60,8 @@ RECIPES = {
     "board": TeacherRecipe(task="board", train_vision=False, resolutions=(6,), train_items=1024, steps=1500),
     "sizes": TeacherRecipe(),
     "circles": TeacherRecipe(task="circles"),
+    # design 4: four kinds of question, a third of the items close calls; trained on all four at full tokens
+    "discs": TeacherRecipe(task="discs", train_items=3072, steps=1200),
 }
 
 
@@ -138,7 +140,7 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
     vlm = QwenVLM(model.train())
     for name, param in model.named_parameters():
         param.requires_grad_(recipe.train_vision or module_of(name) != "vision_encoder")
-    train = task.items(recipe.train_items, "train")
+    train = task.items(recipe.train_items, task.teacher_split)
     prompts = training_prompts(recipe, task, out_dir, train)
     tokenizer = VLMProcessor(out_dir).tokenizer
     targets = [torch.tensor(tokenizer(item.response, add_special_tokens=False)["input_ids"]) for item in train]

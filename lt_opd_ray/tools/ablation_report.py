@@ -1,0 +1,167 @@
+"""The toy ablation's report: retain per arm (and per kind of question, averaged over kinds as the paper averages
+its benchmarks), the paper's ordering weighed step by step against its standard error, and the curves."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+LABELS = {
+    "untrained": "untrained",
+    "sft": "SFT on the data's responses",
+    "fixed_prefix": "fixed-prefix JSD on the data's responses",
+    "sequence_kd": "SFT on teacher samples (sequence KD)",
+    "teacher_prefix": "distillation on teacher samples",
+    "lt_opd_no_curriculum": "LT-OPD, no curriculum",
+    "lt_opd": "LT-OPD",
+    "lt_opd_reverse_kl": "LT-OPD, reverse KL",
+    "lt_opd_token_merge": "LT-OPD + learnable token merge",
+}
+
+
+# the paper's ordering at 5% (68.6 < 70.4 < 77.6 < 81.5 <= 82.3)
+PAPER_ORDER = ("untrained", "sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd")
+
+
+def retain_rows(results: dict) -> list[dict]:
+    """One row per (arm, eval selector): retain's mean, std and standard error.
+
+    A trained arm's standard error is over seeds (std / sqrt(seeds)); the untrained
+    student has one evaluation, so its standard error is the binomial one over the
+    held-out items (when the results record how many).
+    """
+    full, items = results["teacher"]["full"], results.get("eval_items")
+    rows = []
+    for selector in results["selectors"]:
+        accuracy = results["teacher"][selector]
+        binomial = math.sqrt(accuracy * (1 - accuracy) / items) / full if items else 0.0
+        rows.append({"arm": "untrained", "trained_with": "-", "evaluated_with": selector,
+                     "retain_mean": accuracy / full, "retain_std": 0.0, "retain_se": binomial, "seeds": 0})
+    arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
+    for arm in arms:
+        for selector in results["selectors"]:
+            values = [r["final"][selector] / full for r in results["runs"] if r["arm"] == arm]
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            rows.append({"arm": arm, "trained_with": results["trained_with"], "evaluated_with": selector,
+                         "retain_mean": statistics.fmean(values), "retain_std": std,
+                         "retain_se": std / math.sqrt(len(values)), "seeds": len(values)})
+    return rows
+
+
+def kind_rows(results: dict) -> list[dict]:
+    """Where the held-out rows ask several kinds of question: one row per (arm, eval selector) with retain on each
+    kind (accuracy / the teacher's full-token accuracy on that kind) and its mean over the kinds, as the paper
+    averages its benchmarks. Mean, std and standard error over seeds of each run's mean over kinds; the untrained
+    student's standard error is the binomial one over each kind's items, carried through the mean."""
+    teacher, sizes = results["teacher_by_kind"], results["kind_items"]
+    kinds = list(teacher)
+
+    def retain(accuracy: dict[str, dict[str, float]], kind: str, selector: str) -> float:
+        return accuracy[kind][selector] / teacher[kind]["full"]
+
+    rows = []
+    for selector in results["selectors"]:
+        by_kind = {k: retain(teacher, k, selector) for k in kinds}
+        variance = sum(teacher[k][selector] * (1 - teacher[k][selector]) / sizes[k] / teacher[k]["full"] ** 2 for k in kinds) / len(kinds) ** 2
+        rows.append({"arm": "untrained", "evaluated_with": selector, "by_kind": by_kind, "retain_mean": statistics.fmean(by_kind.values()),
+                     "retain_std": 0.0, "retain_se": math.sqrt(variance), "seeds": 0})
+    for arm in dict.fromkeys(r["arm"] for r in results["runs"]):
+        runs = [r["final_by_kind"] for r in results["runs"] if r["arm"] == arm and "final_by_kind" in r]
+        for selector in results["selectors"] if runs else ():
+            per_seed = [statistics.fmean(retain(run, k, selector) for k in kinds) for run in runs]
+            std = statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0
+            rows.append({"arm": arm, "evaluated_with": selector, "by_kind": {k: statistics.fmean(retain(run, k, selector) for run in runs) for k in kinds},
+                         "retain_mean": statistics.fmean(per_seed), "retain_std": std, "retain_se": std / math.sqrt(len(runs)), "seeds": len(runs)})
+    return rows
+
+
+def ordering_lines(rows: list[dict], selector: str) -> list[str]:
+    """Each step of the paper's ordering on `selector`: the difference of means, its standard error, and whether it holds."""
+    by_arm = {r["arm"]: r for r in rows if r["evaluated_with"] == selector}
+    present = [arm for arm in PAPER_ORDER if arm in by_arm]
+    lines = []
+    for lower, upper in zip(present, present[1:]):
+        a, b = by_arm[lower], by_arm[upper]
+        difference, se = b["retain_mean"] - a["retain_mean"], math.hypot(a["retain_se"], b["retain_se"])
+        strict = (lower, upper) != ("lt_opd_no_curriculum", "lt_opd")  # the paper's last step is "<=" (81.5 vs 82.3)
+        verdict = "holds" if (difference > 2 * se if strict else difference > -2 * se) else "does not hold"
+        relation = "<" if strict else "<="
+        lines.append(f"- {LABELS[lower]} {relation} {LABELS[upper]}: difference {difference:+.3f} ± {se:.3f} (SE): {verdict}")
+    return lines
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    """retain_table.md / .csv and curves.png."""
+    rows = retain_rows(results)
+    budget = results["budget_bps"] / 100
+    items = results.get("eval_items")
+    lines = [
+        f"Toy task ({results['base_job']}), budget {budget:g}% of the visual tokens, teacher full-token accuracy"
+        f" {results['teacher']['full']:.3f}; retain = accuracy / full-token accuracy"
+        + (f" on {items} held-out items" if items else "")
+        + f", mean ± standard error over {len(results['seeds'])} seed(s) (std in brackets), {results['steps']} updates per run,"
+        f" wall time {results['seconds'] / 60:.1f} min." + ("" if results.get("complete", True) else " PARTIAL: the study was cut short."),
+        "",
+        "| arm | evaluated with | retain |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | {r['retain_mean']:.3f} ± {r['retain_se']:.3f} ({r['retain_std']:.3f}) |" for r in rows]
+    ordered = rows
+    if "teacher_by_kind" in results:
+        ordered, kinds = kind_rows(results), list(results["teacher_by_kind"])
+        lines += ["", "Retain by kind of question (each kind's accuracy / the teacher's full-token accuracy on it; the teacher: "
+                  + ", ".join(f"{k} {a['full']:.3f} on {results['kind_items'][k]} items" for k, a in results["teacher_by_kind"].items())
+                  + "), and its mean over the kinds, as the paper averages its benchmarks: mean ± SE over seeds (std in brackets).", "",
+                  f"| arm | evaluated with | {' | '.join(kinds)} | mean over kinds |", "|---|---|" + "---|" * (len(kinds) + 1)]
+        lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | " + " | ".join(f"{r['by_kind'][k]:.3f}" for k in kinds)
+                  + f" | {r['retain_mean']:.3f} ± {r['retain_se']:.3f} ({r['retain_std']:.3f}) |" for r in ordered]
+    lines += ["", f"The paper's ordering{' on the mean over kinds' if ordered is not rows else ''}, evaluated with {results['trained_with']}"
+              " (a step holds when the difference exceeds 2 SE; the last, `<=`, when it is not below -2 SE):", ""]
+    lines += ordering_lines(ordered, results["trained_with"])
+    (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
+    csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,retain_se,seeds"]
+    csv += [f"{r['arm']},{r['trained_with']},{r['evaluated_with']},{r['retain_mean']:.4f},{r['retain_std']:.4f},{r['retain_se']:.4f},{r['seeds']}" for r in rows]
+    (out_dir / "retain_table.csv").write_text("\n".join(csv) + "\n")
+    plot_curves(results, out_dir / "curves.png")
+
+
+OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "sequence_kd": "cross-entropy", "teacher_prefix": "JSD",
+              "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL"}
+
+
+def plot_curves(results: dict, path: Path) -> list[str]:
+    """Left: retain (headline selector) against update, mean over seeds with the seeds' min-max band; then one
+    panel per arm with its own training loss (objectives differ: never on one axis). Returns the panel titles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    selector, full = results["selectors"][0], results["teacher"]["full"]
+    arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
+    fig, axes = plt.subplots(1, 1 + len(arms), figsize=(5 * (1 + len(arms)), 4.2), squeeze=False)
+    left, panels = axes[0][0], axes[0][1:]
+    untrained = results["teacher"][selector] / full
+    for arm, loss_axis in zip(arms, panels):
+        curves = [r["curve"] for r in results["runs"] if r["arm"] == arm]
+        evaluated = [p["step"] for p in curves[0] if p["eval"]]
+        per_seed = [[next(p for p in c if p["step"] == s)["eval"][selector] / full for c in curves] for s in evaluated]
+        line, = left.plot([0, *evaluated], [untrained, *map(statistics.fmean, per_seed)], marker="o", label=LABELS[arm])
+        left.fill_between([0, *evaluated], [untrained, *map(min, per_seed)], [untrained, *map(max, per_seed)], color=line.get_color(), alpha=0.15)
+        steps = [p["step"] for p in curves[0]]
+        losses = [[c[i]["loss"] for c in curves] for i in range(len(steps))]
+        loss_axis.plot(steps, list(map(statistics.fmean, losses)), color=line.get_color())
+        loss_axis.fill_between(steps, list(map(min, losses)), list(map(max, losses)), color=line.get_color(), alpha=0.15)
+        loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
+    left.axhline(untrained, color="grey", linestyle=":", label="untrained")
+    left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})",
+             title=f"held-out retain ratio ({len(results['seeds'])} seeds: mean, min-max band)")
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below the axes, never over the curves
+    for axis in axes[0]:
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return [axis.get_title() for axis in axes[0]]
