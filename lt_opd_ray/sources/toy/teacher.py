@@ -61,7 +61,7 @@ RECIPES = {
     "sizes": TeacherRecipe(),
     "circles": TeacherRecipe(task="circles"),
     # design 4: four kinds of question, a third of the items close calls; trained on all four at full tokens
-    "discs": TeacherRecipe(task="discs", train_items=3072, steps=1200),
+    "discs": TeacherRecipe(task="discs", train_items=8192, steps=2400),
 }
 
 
@@ -105,16 +105,24 @@ def _at_resolution(sample, side: int):
     return replace(sample, image=image.resize((side * TILE, side * TILE), Image.BILINEAR))
 
 
-def training_prompts(recipe: TeacherRecipe, task: ToyTask, out_dir: Path, items) -> list:
-    """Each training item encoded at one of the recipe's resolutions (seeded draw)."""
-    import random
+class TrainingPrompts:
+    """Each training item encoded at one of the recipe's resolutions (one seeded draw per item, made up front),
+    encoded when a step asks for it: 8,192 items encoded at once would hold ~20 GB of pixels."""
 
-    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+    def __init__(self, recipe: TeacherRecipe, task: ToyTask, out_dir: Path, items):
+        import random
 
-    low, high = min(recipe.resolutions) * TILE, task.image_size
-    processor = VLMProcessor(out_dir, min_pixels=low * low, max_pixels=high * high)
-    draw = random.Random(recipe.seed)
-    return encode_samples(processor, [_at_resolution(item.sample, draw.choice(recipe.resolutions)) for item in items])
+        from lt_opd_ray.models.processor import VLMProcessor
+
+        low, high = min(recipe.resolutions) * TILE, task.image_size
+        self.processor = VLMProcessor(out_dir, min_pixels=low * low, max_pixels=high * high)
+        draw = random.Random(recipe.seed)
+        self.items, self.sides = items, [draw.choice(recipe.resolutions) for _ in items]
+
+    def __getitem__(self, index: int):
+        from lt_opd_ray.models.processor import encode_samples
+
+        return encode_samples(self.processor, [_at_resolution(self.items[index].sample, self.sides[index])])[0]
 
 
 def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
@@ -141,7 +149,7 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
     for name, param in model.named_parameters():
         param.requires_grad_(recipe.train_vision or module_of(name) != "vision_encoder")
     train = task.items(recipe.train_items, task.teacher_split)
-    prompts = training_prompts(recipe, task, out_dir, train)
+    prompts = TrainingPrompts(recipe, task, out_dir, train)
     tokenizer = VLMProcessor(out_dir).tokenizer
     targets = [torch.tensor(tokenizer(item.response, add_special_tokens=False)["input_ids"]) for item in train]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -157,8 +165,9 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
         batch = torch.randint(0, len(train), (recipe.items_per_step,), generator=order).tolist()
         full = []
         for i in batch:
-            features = vlm.visual_features(prompts[i])
-            full.append(vlm.reduce(prompts[i], features, vlm.keep_all(features)))
+            prompt = prompts[i]
+            features = vlm.visual_features(prompt)
+            full.append(vlm.reduce(prompt, features, vlm.keep_all(features)))
         hidden = vlm.response_hidden(full, [targets[i] for i in batch])
         loss = sum(torch.nn.functional.cross_entropy(vlm.lm_head(h), targets[i]) for h, i in zip(hidden, batch)) / len(batch)
         optimizer.zero_grad(set_to_none=True)
