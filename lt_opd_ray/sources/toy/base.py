@@ -21,6 +21,18 @@ COLOURS = {
 BACKGROUND = (128, 128, 128)  # mid-grey: zero after the processor's normalisation, so empty patches carry no signal
 
 
+def reading_order_response(places, colours, answer: str) -> str:
+    """What a toy teacher writes: the shapes' colours in reading order (by centre: row, then column), then the answer.
+    `places`: (centre x, centre y, size) per shape, in `colours`' order."""
+    order = [colour for (x, y, _), colour in sorted(zip(places, colours), key=lambda pc: (pc[0][1], pc[0][0]))]
+    return " ".join(order) + f" <answer>{answer}</answer>"
+
+
+def written_response(opening: str, answer: str) -> str:
+    """A row's own response, as a data set's annotators would word it: a sentence the teacher does not write."""
+    return f"{opening} {answer}. <answer>{answer}</answer>"
+
+
 @dataclass(frozen=True)
 class ToyImage:
     """A toy item's image, drawn when read: a toy data set is a few numbers per row until an engine needs the pixels

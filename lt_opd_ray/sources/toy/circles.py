@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 
 from lt_opd_ray.core.seeding import stable_seed
-from lt_opd_ray.sources.toy.base import BACKGROUND, COLOURS, TILE, ToyTask
+from lt_opd_ray.sources.toy.base import BACKGROUND, COLOURS, TILE, ToyTask, reading_order_response, written_response
 
 GRID = 10  # tiles per side: 10 x 32 px = 320 px
 IMAGE_SIZE = GRID * TILE
@@ -70,8 +70,7 @@ class Discs:
 
     @property
     def response(self) -> str:
-        reading_order = [colour for (x, y, _), colour in sorted(zip(self.discs, self.colours), key=lambda dc: (dc[0][1], dc[0][0]))]
-        return " ".join(reading_order) + f" <answer>{self.answer}</answer>"
+        return reading_order_response(self.discs, self.colours, self.answer)
 
     @property
     def question(self) -> str:
@@ -79,8 +78,7 @@ class Discs:
 
     @property
     def written(self) -> str:
-        """The row's response as a data set's annotators would write it: correct, in words the teacher does not use."""
-        return f"The big one is {self.answer}. <answer>{self.answer}</answer>"
+        return written_response("The big one is", self.answer)
 
 
 def layout(index: int, seed: int, split: str = "train") -> Discs:

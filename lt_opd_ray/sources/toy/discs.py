@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from lt_opd_ray.core.seeding import stable_seed
-from lt_opd_ray.sources.toy.base import COLOURS, ToyTask
+from lt_opd_ray.sources.toy.base import COLOURS, ToyTask, written_response
 from lt_opd_ray.sources.toy.circles import GAP, GRID, IMAGE_SIZE, SHADE, Discs, paint
 
 KINDS = {
@@ -72,7 +72,7 @@ class AskedDiscs(Discs):
 
     @property
     def written(self) -> str:
-        return f"{KINDS[self.kind][1]} {self.answer}. <answer>{self.answer}</answer>"
+        return written_response(KINDS[self.kind][1], self.answer)
 
 
 def _radii(rng: random.Random, kind: str, close: bool) -> list[float]:
