@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny real Qwen VLMs built in-test, offline, and small random images."""
+"""Shared fixtures: tiny real VLMs of every family built in-test, offline, and small random images."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl"]
+from lt_opd_ray.core.families import FAMILIES as DESCRIPTIONS
+
+FAMILIES = list(DESCRIPTIONS)  # every family the transformers path adapts
+VLLM_FAMILIES = [name for name, family in DESCRIPTIONS.items() if family.vllm_module]  # the ones the vLLM plugin prunes too
 
 # Every collective of every test (learner groups, weight syncs, in this process, its Ray actors and the CLI runs it
 # starts) is held to its backend's device rule, as NCCL holds a GPU run (core/collectives.py).

@@ -7,8 +7,9 @@ import torch
 from conftest import bomb_png, random_image
 
 from lt_opd_ray.core.errors import InputError
+from lt_opd_ray.core.families import UnsupportedArchitectureError
 from lt_opd_ray.core.selectors import SelectionInput, build_selector
-from lt_opd_ray.models.adapter import QwenVLM, UnsupportedArchitectureError
+from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import question_messages
 from lt_opd_ray.sources.resolve import load_samples
 from lt_opd_ray.sources.rows import read_rows
@@ -67,7 +68,7 @@ def test_architecture_without_pruning_support_is_named():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(UnsupportedArchitectureError, match="model_type 'qwen2' \\(Qwen2ForCausalLM\\) has no visual-token pruning support"):
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen2ForCausalLM: model_type 'qwen2' has no visual-token pruning support; supported: qwen3_5 \\(Qwen3.5\\)"):
         QwenVLM(model)
 
 

@@ -33,10 +33,10 @@ def _projection_flops(modules) -> tuple[dict, list]:
         if isinstance(module, torch.nn.Linear):
             rows = inputs[0].numel() // inputs[0].shape[-1]
             counted["flops"] += 2 * module.in_features * module.out_features * rows
-        else:  # Conv3d patch embedding
+        else:  # the Conv3d patch embedding; GLM-4V's Conv2d downsample
             counted["flops"] += 2 * output.numel() * module.in_channels * math.prod(module.kernel_size)
 
-    handles = [m.register_forward_hook(hook) for m in modules if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d))]
+    handles = [m.register_forward_hook(hook) for m in modules if isinstance(m, (torch.nn.Linear, torch.nn.Conv3d, torch.nn.Conv2d))]
     return counted, handles
 
 

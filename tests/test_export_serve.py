@@ -17,10 +17,10 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import FAMILIES, bomb_png, job_for, random_image
+from conftest import VLLM_FAMILIES, bomb_png, job_for, random_image
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
 @pytest.mark.parametrize("system_prompt", [None, "You are a helpful assistant."])
 def test_question_ids_recovered_from_a_prompt_are_the_query_mask(family, system_prompt, loaded):
     from lt_opd_ray.models.processor import question_messages, question_token_ids

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from conftest import FAMILIES
 
 from lt_opd_ray.config.loading import parse_job
+from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.optim import module_of, param_groups
 from lt_opd_ray.engines.transformers.rollout import rollout
 from lt_opd_ray.engines.transformers.teacher import teacher_scores
@@ -53,7 +55,8 @@ def test_update_moves_every_student_module_and_never_the_teacher(tiny_dirs, samp
     assert report.stats.loss > 0 and report.stats.tokens > 0
     # first update: rollout policy == learner weights, so exp(logp - old_logp) == 1
     assert report.stats.importance_weight == pytest.approx(1.0, abs=1e-4)
-    moved = {module_of(k) for k, v in state(trainer.student.model).items() if not torch.equal(v, student_before[k])}
+    family = family_of(trainer.student.model.config.model_type)
+    moved = {module_of(k, family) for k, v in state(trainer.student.model).items() if not torch.equal(v, student_before[k])}
     assert moved == {"language_model", "vision_encoder", "merger"}
     for key, value in state(trainer.teacher.model).items():
         assert torch.equal(value, teacher_before[key]), key
@@ -94,7 +97,7 @@ def test_rollouts_replay_selected_indices_and_respect_the_budget(tiny_dirs, samp
     assert not all(torch.equal(rollouts[0].response_ids, r.response_ids) for r in rollouts[1:3])
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_param_groups_cover_the_three_modules(loaded, family):
     from lt_opd_ray.config.schema import LearningRates
 

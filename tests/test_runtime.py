@@ -1,4 +1,4 @@
-"""The distributed runtime on a real local Ray cluster: real DeepSpeed, real Serve, tiny real Qwen3.5."""
+"""The distributed runtime on a real local Ray cluster: real DeepSpeed, real Serve, tiny real Qwen3.5 (and GLM-4V)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,17 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
             assert log.filler_micro_batches == (2 if ranks == 2 else 0)  # rank 0 has 4 sequences, rank 1 has 2
         else:
             assert log.micro_batches == ranks and log.vision_forwards == prompts  # vision once per prompt
+
+
+def test_glm4v_trains_distributed_as_the_reference(cluster, tiny_dirs, tmp_path):
+    """A family other than Qwen's (GLM-4V: its own image tokens and processor, a conv-and-gated projector in the merger
+    learning rate) through the whole runtime on transformers engines: two ZeRO-3 ranks equal the single process."""
+    job = job_for(tiny_dirs["glm4v"], tmp_path, ranks=2, zero_stage=3, name="glm4v")
+    reports, ref_weights = reference_run(job, 2)
+    _, logs, weights = driver_run(job, 2)
+    assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
+    assert logs[1].loss == pytest.approx(reports[1].stats.loss, rel=1e-5)
+    assert relative_distance(weights, ref_weights) <= 1e-4
 
 
 @pytest.mark.slow

@@ -256,11 +256,20 @@ def test_groups_called_from_several_threads_share_one_batch_and_each_gets_its_ow
 
 
 def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
+    from lt_opd_ray.core.families import UnsupportedArchitectureError
     from lt_opd_ray.engines.vllm.engine import VLLMEngine
-    from lt_opd_ray.models.adapter import UnsupportedArchitectureError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}))
     with pytest.raises(UnsupportedArchitectureError, match="LlavaForConditionalGeneration"):
+        VLLMEngine(tmp_path)
+
+
+def test_a_family_without_a_vllm_subclass_is_sent_to_the_transformers_engines(tmp_path):
+    from lt_opd_ray.core.families import UnsupportedArchitectureError
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Glm4vForConditionalGeneration"], "model_type": "glm4v"}))
+    with pytest.raises(UnsupportedArchitectureError, match="GLM-4.1V / GLM-4.6V-Flash is pruned by the transformers engines only"):
         VLLMEngine(tmp_path)
 
 

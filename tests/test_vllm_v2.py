@@ -76,10 +76,10 @@ def test_the_vectorised_hook_equals_the_brute_force_walk(seed):
 
 
 def test_v2_resolves_our_state_classes_from_the_classes_it_would_pick():
-    hybrid, default = resolve_model_state_cls(None, vllm_models.PrunedQwen3_5), resolve_model_state_cls(None, vllm_models.PrunedQwen3VL)
+    hybrid, default = resolve_model_state_cls(None, vllm_models.PrunedQwen3_5ForConditionalGeneration), resolve_model_state_cls(None, vllm_models.PrunedQwen3VLForConditionalGeneration)
     assert issubclass(hybrid, MambaHybridModelState) and hybrid.__name__ == "PruningMambaHybridModelState"  # Gated DeltaNet layers
     assert issubclass(default, DefaultModelState) and not issubclass(default, MambaHybridModelState)
-    assert resolve_model_state_cls(None, vllm_models.PrunedQwen2_5_VL) is default  # one class per base, cached
+    assert resolve_model_state_cls(None, vllm_models.PrunedQwen2_5_VLForConditionalGeneration) is default  # one class per base, cached
 
 
 class PrefillPositions:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from lt_opd_ray.cli.options import SET_HELP, load_job_or_report
+from lt_opd_ray.core.families import FAMILIES
 
 
 def cmd_validate(args) -> int:
@@ -234,8 +235,8 @@ def register(sub) -> None:
     ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also sequence_kd teacher_prefix (on the teacher's samples), lt_opd_token_merge)")
     ablation.set_defaults(func=cmd_ablation)
 
-    tiny = sub.add_parser("build-tiny", help="write a tiny random Qwen VLM folder (offline)")
-    tiny.add_argument("family", choices=["qwen3_5", "qwen3_vl", "qwen2_5_vl"])
+    tiny = sub.add_parser("build-tiny", help="write a tiny random VLM folder of a supported family (offline)")
+    tiny.add_argument("family", choices=list(FAMILIES))
     tiny.add_argument("out", help="output folder")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_build_tiny)

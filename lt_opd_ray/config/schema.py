@@ -34,7 +34,7 @@ class ModelConfig(StrictModel):
     @field_validator("path")
     @classmethod
     def _known_tiny_family(cls, path: str) -> str:
-        from lt_opd_ray.models.tiny import FAMILIES  # stdlib only: validate stays free of torch
+        from lt_opd_ray.core.families import FAMILIES  # stdlib only: validate stays free of torch
 
         family, _, vocab = path.removeprefix("tiny:").partition("-vocab")
         if path.startswith("tiny:") and (family not in FAMILIES or (vocab and not vocab.isdigit())):

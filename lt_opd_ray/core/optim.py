@@ -1,17 +1,20 @@
-"""AdamW with per-module learning rates (language model / vision encoder / merger / token merge) and linear warm-up."""
+"""AdamW with per-module learning rates (language model / vision encoder / merger / token merge) and linear warm-up.
+
+The merger group is the family's projector (core/families.py): Qwen's patch mergers, GLM-4V's downsampling conv and
+gated projection."""
 
 from __future__ import annotations
 
 import torch
 
-MERGER_MARKERS = ("visual.merger", "visual.deepstack_merger_list")
+from lt_opd_ray.core.families import Family, family_of
 
 
-def module_of(parameter_name: str) -> str:
-    """Which learning-rate group a parameter belongs to."""
+def module_of(parameter_name: str, family: Family) -> str:
+    """Which learning-rate group a parameter of a `family` model belongs to."""
     if "vision_token_compressor." in parameter_name:
         return "token_merge"
-    if any(marker in parameter_name for marker in MERGER_MARKERS):
+    if any(marker in parameter_name for marker in family.projector):
         return "merger"
     if ".visual." in f".{parameter_name}":
         return "vision_encoder"
@@ -19,10 +22,11 @@ def module_of(parameter_name: str) -> str:
 
 
 def param_groups(model: torch.nn.Module, lr) -> list[dict]:
+    family = family_of(model.config.model_type, type(model).__name__)
     groups: dict[str, list] = {"language_model": [], "vision_encoder": [], "merger": [], "token_merge": []}
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
-            groups[module_of(name)].append(parameter)
+            groups[module_of(name, family)].append(parameter)
     return [{"params": params, "lr": getattr(lr, module), "name": module} for module, params in groups.items() if params]
 
 

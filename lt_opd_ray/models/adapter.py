@@ -1,4 +1,5 @@
-"""VLM adapter for Qwen3.5, Qwen3-VL and Qwen2.5-VL: visual tokens in, reduced sequence out.
+"""VLM adapter for every family in core/families.py (Qwen3.5, Qwen3-VL, Qwen2.5-VL, GLM-4V): visual tokens in,
+reduced sequence out.
 
 The student sees a *reduced* prompt (docs/architecture.md §1): image placeholder tokens that the
 selector did not keep are dropped; kept visual tokens keep their original M-RoPE
@@ -6,7 +7,8 @@ selector did not keep are dropped; kept visual tokens keep their original M-RoPE
 rebased). Positions are passed as 4 channels [seq_index, t, h, w], where seq_index
 is the plain index over the shorter (padded) sequence. Decoding continues at the
 full sequence's next M-RoPE position, exactly as it would with every token kept.
-For Qwen3-VL the deepstack features are pruned with the same indices.
+For Qwen3-VL the deepstack features are pruned with the same indices. What differs between the families
+(deepstack or not) is read from their description.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from lt_opd_ray.core.curriculum import tokens_to_keep
+from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import SelectionInput, Selector
 from lt_opd_ray.models.processor import IMAGE, PromptInputs
 from lt_opd_ray.models.token_merge import assign_to_kept, merge_head
-
-SUPPORTED_FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
 
 
 @dataclass
@@ -62,22 +63,13 @@ class PaddedBatch:
     deepstack: list[torch.Tensor] | None  # per layer, kept visual tokens in row-major batch order
 
 
-class UnsupportedArchitectureError(ValueError):
-    pass
-
-
 class QwenVLM:
-    """Wraps a transformers Qwen VLM (`*ForConditionalGeneration`) for reduced-token forwards."""
+    """Wraps a transformers VLM (`*ForConditionalGeneration` of a family in core/families.py) for reduced-token
+    forwards."""
 
     def __init__(self, model):
-        family = model.config.model_type
-        if family not in SUPPORTED_FAMILIES:
-            raise UnsupportedArchitectureError(
-                f"model_type {family!r} ({type(model).__name__}) has no visual-token pruning support;"
-                f" supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+        self.family = family_of(model.config.model_type, type(model).__name__)
         self.model = model
-        self.family = family
         self.merge = model.config.vision_config.spatial_merge_size
 
     @property
@@ -113,7 +105,7 @@ class QwenVLM:
         )
         embeds = list(out.pooler_output)
         deepstack = None
-        if self.family == "qwen3_vl":
+        if self.family.deepstack:
             # out.deepstack_features: per layer, a tuple of per-image tensors -> per image, per layer
             deepstack = [list(layer_parts) for layer_parts in zip(*out.deepstack_features)]
         grids = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in prompt.image_grid_thw.tolist()]
@@ -229,7 +221,7 @@ class QwenVLM:
     def run_language_model(self, batch: PaddedBatch, past_key_values=None, use_cache: bool = False):
         """Language model over a padded batch; returns (final hidden [B, L, H], cache)."""
         extra = {}
-        if self.family == "qwen3_vl" and batch.deepstack is not None:
+        if self.family.deepstack and batch.deepstack is not None:
             extra = {"visual_pos_masks": batch.visual_pos_masks, "deepstack_visual_embeds": batch.deepstack}
         out = self.language_model(
             inputs_embeds=batch.inputs_embeds,

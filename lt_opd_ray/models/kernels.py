@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import importlib
 
+from lt_opd_ray.core.families import FAMILIES
+
 # pip distribution -> (module, function) transformers looks up for Qwen3.5's linear attention
 LINEAR_ATTENTION_KERNELS = {
     "fla-core": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
     "causal-conv1d": ("causal_conv1d", "causal_conv1d_fn"),
 }
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5",)
 INSTALL_HINT = "pip install --no-build-isolation 'lt-opd-ray[gpu]'"
 
 
@@ -36,7 +37,7 @@ def missing_kernels(model_type: str | None, on_gpu: bool | None = None) -> tuple
         import torch
 
         on_gpu = torch.cuda.is_available()
-    if not on_gpu or model_type not in LINEAR_ATTENTION_FAMILIES:
+    if not on_gpu or model_type not in FAMILIES or not FAMILIES[model_type].linear_attention:
         return ()
     return tuple(package for package, (module, function) in LINEAR_ATTENTION_KERNELS.items() if not importable(module, function))
 

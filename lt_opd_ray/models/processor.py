@@ -1,11 +1,12 @@
 """Chat messages + images -> one prompt's token ids, image pixels and the query-token mask.
 
-Images go through the Qwen2-VL PIL image processor (no torchvision needed), resized
+Images go through the family's PIL image processor (core/families.py; no torchvision needed), resized
 so their area lies within [min_pixels, max_pixels] with sides in multiples of
 patch x merge (Qwen's smart resize; the bounds come from the job, else the model
 folder); the
 chat template comes from the model's tokenizer. Each `<|image_pad|>` of the
-rendered template is expanded to the image's N post-merger tokens. The query
+rendered template is expanded to the image's N post-merger tokens (the family's placeholder:
+`<|image_pad|>` for Qwen, `<|image|>` for GLM-4V). The query
 mask marks the tokens of the user's text parts only (question and options), not
 the system prompt or the chat-template scaffolding: CDPruner's query is their mean
 input embedding.
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from lt_opd_ray.core.errors import InputError
+from lt_opd_ray.core.families import family_of_config
 
 TEXT, IMAGE = 0, 1  # mm_token_type_ids values, as the Qwen processors use them
 
@@ -83,11 +85,16 @@ class VLMProcessor:
 
     def __init__(self, model_dir: str | Path, min_pixels: int | None = None, max_pixels: int | None = None):
         """min_pixels / max_pixels (a job's data section) override the model folder's resize bounds."""
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        import json
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        import transformers
+
+        config_path = Path(model_dir) / "config.json"
+        if not config_path.exists():
+            raise InputError(f"{config_path}: no model config (its model_type names the family whose image processor to use)")
+        self.family = family_of_config(json.loads(config_path.read_text()), str(config_path))
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.image_processor = getattr(transformers, self.family.image_processor).from_pretrained(model_dir)
         if min_pixels is not None or max_pixels is not None:
             size = self.image_processor.size
             self.image_processor.size = {
@@ -95,13 +102,14 @@ class VLMProcessor:
                 "longest_edge": max_pixels or size.longest_edge,
             }
         self.merge_size = self.image_processor.merge_size
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.image_token = self.family.image_token
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
-            raise InputError(f"{model_dir}: tokenizer has no <|image_pad|> token")
+            raise InputError(f"{model_dir}: tokenizer has no {self.image_token} token ({self.family.name}'s image placeholder)")
 
     def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample") -> PromptInputs:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        placeholders = rendered.count("<|image_pad|>")
+        placeholders = rendered.count(self.image_token)
         if placeholders == 0:
             raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
         if placeholders != len(images):

@@ -1,11 +1,12 @@
-"""Tiny random Qwen VLM checkpoints, built offline as ordinary Hugging Face folders.
+"""Tiny random VLM checkpoints of every family in core/families.py, built offline as ordinary Hugging Face folders.
 
 Each folder holds config.json + weights, a byte-level BPE tokenizer with the Qwen
-special tokens and a Qwen-style chat template, and the Qwen2-VL PIL image
-processor config. Tests and the embedded default job use these; no hub needed.
-Shapes are the smallest that keep each family's structure: Qwen3.5's 3 Gated-
-DeltaNet layers + 1 full-attention layer (linear head dims 128, as vLLM's CPU GDN
-kernel needs), Qwen3-VL's deepstack mergers, Qwen2.5-VL's windowed vision blocks.
+special tokens (and the family's own image tokens) and a Qwen-style chat template, and
+the family's PIL image processor config. Tests and the embedded default job use these;
+no hub needed. Shapes are the smallest that keep each family's structure: Qwen3.5's 3
+Gated-DeltaNet layers + 1 full-attention layer (linear head dims 128, as vLLM's CPU GDN
+kernel needs), Qwen3-VL's deepstack mergers, Qwen2.5-VL's windowed vision blocks,
+GLM-4V's interpolated position table, conv downsample and gated projector.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FAMILIES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
+from lt_opd_ray.core.families import FAMILIES
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -30,7 +31,7 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% if part['type'] == 'image' %}IMAGE"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
@@ -50,15 +51,23 @@ TOKENIZER_CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 384):
+def family_tokens(family: str) -> list[str]:
+    """The tiny tokenizer's special tokens: Qwen's, with the family's own image tokens where they differ (GLM-4V's
+    `<|begin_of_image|><|image|><|end_of_image|>`; the chat scaffolding stays Qwen's `<|im_start|>` turns)."""
+    image = FAMILIES[family]
+    return SPECIAL_TOKENS + [t for t in (image.image_start, image.image_token, image.image_end) if t not in SPECIAL_TOKENS]
+
+
+def build_tokenizer(vocab_size: int = 384, family: str = "qwen3_5"):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    special = family_tokens(family)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(special),
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -68,20 +77,22 @@ def build_tokenizer(vocab_size: int = 384):
         tokenizer_object=core,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=special[1:],
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
+    image = FAMILIES[family]
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", image.image_start + image.image_token + image.image_end)
     return tokenizer
 
 
-def _token_ids(tokenizer) -> dict[str, int]:
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
+def _token_ids(tokenizer, family: str) -> dict[str, int]:
+    image = FAMILIES[family]
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in family_tokens(family)}
     return {
-        "image_token_id": ids["<|image_pad|>"],
+        "image_token_id": ids[image.image_token],
         "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
+        "image_start_token_id": ids[image.image_start],
+        "image_end_token_id": ids[image.image_end],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
@@ -106,11 +117,13 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vo
     """
     from transformers import AutoConfig
 
-    ids = _token_ids(tokenizer)
+    if family not in TINY_SHAPES:
+        raise ValueError(f"unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+    ids = _token_ids(tokenizer, family)
     vocab = vocab_size or len(tokenizer)
     if vocab < len(tokenizer):
         raise ValueError(f"vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens")
-    heads = 4 if family in ("qwen3_5", "qwen3_vl") else hidden // head_dim  # Qwen2.5-VL: head_dim = hidden / heads
+    heads = 4 if family in ("qwen3_5", "qwen3_vl") else hidden // head_dim  # others: head_dim = hidden / heads
     text_common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -124,76 +137,72 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vo
         tie_word_embeddings=tied,
         initializer_range=0.1,  # wider than 0.02 so a random model's next-token choices vary
     )
-    vision_common = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
-    token_ids = {k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-    if family == "qwen3_5":
-        text = dict(
-            text_common,
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            head_dim=head_dim,
-            # rotary dim = head_dim * 0.5, its frequencies split over (t, h, w), interleaved as in Qwen3.5
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.5,
-                "mrope_section": _mrope_section(head_dim // 2),
-                "mrope_interleaved": True,
-            },
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
-        )
-        vision = dict(vision_common, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
-    elif family == "qwen3_vl":
-        text = dict(
-            text_common,
-            num_hidden_layers=2,
-            head_dim=head_dim,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": _mrope_section(head_dim),
-                "mrope_interleaved": True,
-            },
-        )
-        vision = dict(
-            vision_common,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
-        )
-    elif family == "qwen2_5_vl":
-        text = dict(
-            text_common,
-            num_hidden_layers=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(hidden // heads)},
-        )
-        vision = dict(
-            vision_common,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=56,
-            fullatt_block_indexes=[1],
-        )
-    else:
-        raise ValueError(f"unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+    vision_common = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+                         patch_size=FAMILIES[family].patch_size, spatial_merge_size=2, temporal_patch_size=2)
+    text, vision, start_end_keys = TINY_SHAPES[family](text_common, vision_common, head_dim)
+    token_ids = {"image_token_id": ids["image_token_id"], "video_token_id": ids["video_token_id"],
+                 start_end_keys[0]: ids["image_start_token_id"], start_end_keys[1]: ids["image_end_token_id"]}
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, **token_ids, tie_word_embeddings=tied)
     config.eos_token_id = ids["eos_token_id"]
     config.pad_token_id = ids["pad_token_id"]
     return config
 
 
+QWEN_START_END = ("vision_start_token_id", "vision_end_token_id")
+
+
+def _qwen3_5(text, vision, head_dim):
+    """3 Gated-DeltaNet layers + 1 full-attention layer; rotary dim = head_dim / 2, its frequencies split over (t, h, w)
+    and interleaved, as in Qwen3.5."""
+    text = dict(
+        text,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        head_dim=head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": _mrope_section(head_dim // 2), "mrope_interleaved": True},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+    )
+    return text, dict(vision, num_position_embeddings=64), QWEN_START_END
+
+
+def _qwen3_vl(text, vision, head_dim):
+    """Two decoder layers fed deepstack features from both vision blocks."""
+    text = dict(text, num_hidden_layers=2, head_dim=head_dim,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(head_dim), "mrope_interleaved": True})
+    return text, dict(vision, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]), QWEN_START_END
+
+
+def _qwen2_5_vl(text, vision, head_dim):
+    """Windowed vision blocks but the last (full attention)."""
+    heads = text["num_attention_heads"]
+    text = dict(text, num_hidden_layers=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(text["hidden_size"] // heads)})
+    return text, dict(vision, window_size=56, fullatt_block_indexes=[1]), QWEN_START_END
+
+
+def _glm4v(text, vision, head_dim):
+    """GLM-4V: half the head dimension rotary (as GLM-4.1V / 4.6V-Flash), a position-embedding table interpolated to
+    each image's grid (112 px: 8 x 8 patches), the strided-conv downsample and gated projector."""
+    heads = text["num_attention_heads"]
+    rotary = text["hidden_size"] // heads // 2
+    text = dict(text, num_hidden_layers=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": _mrope_section(rotary)})
+    return text, dict(vision, image_size=112), ("image_start_token_id", "image_end_token_id")
+
+
+TINY_SHAPES = {"qwen3_5": _qwen3_5, "qwen3_vl": _qwen3_vl, "qwen2_5_vl": _qwen2_5_vl, "glm4v": _glm4v}
+
+
 def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: int = 256 * 256) -> dict:
-    patch = 14 if family == "qwen2_5_vl" else 16
+    description = FAMILIES[family]
     return {
-        "image_processor_type": "Qwen2VLImageProcessorPil",
-        "patch_size": patch,
+        "image_processor_type": description.image_processor,
+        "patch_size": description.patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
@@ -214,7 +223,7 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: in
     from transformers import AutoModelForImageTextToText
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(family=family)
     config = tiny_config(family, tokenizer, hidden=hidden, vocab_size=vocab_size, tied=tied)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

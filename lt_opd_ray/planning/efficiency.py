@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lt_opd_ray.core.curriculum import tokens_to_keep
+from lt_opd_ray.core.families import family_of_config
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def _output_gate(config: dict) -> bool:
     """Qwen3.5's full-attention layers gate their output (q_proj emits the gate); its configs may leave the flag out."""
     text = _text(config)
     flag = text.get("attn_output_gate")
-    return bool(flag) if flag is not None else str(config.get("model_type", "")).startswith("qwen3_5")
+    return bool(flag) if flag is not None else family_of_config(config).attention_output_gate
 
 
 def _gdn_channels(text: dict) -> int:
@@ -108,20 +109,24 @@ def cache_bytes(config: dict, length: int, dtype_bytes: int = 2, state_dtype_byt
 
 
 def vision_projection_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
-    """Patch embedding, every block's linear layers and the merger(s) for one image (what module hooks count)."""
+    """Patch embedding, every block's linear layers and the projector for one image (what module hooks count); the
+    block MLP and the projector's layout are the family's (core/families.py)."""
+    family = family_of_config(config)
     vision = config["vision_config"]
     patches = grid_thw[0] * grid_thw[1] * grid_thw[2]
     merge = vision["spatial_merge_size"]
     width = vision["hidden_size"]
     inner = vision.get("intermediate_size") or 4 * width
-    gated_mlp = config.get("model_type") == "qwen2_5_vl"  # SwiGLU blocks; Qwen3-VL / Qwen3.5 use fc1 -> fc2
+    out = vision.get("out_hidden_size") or _text(config)["hidden_size"]
     pixels_per_patch = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
     flops = 2 * pixels_per_patch * width * patches  # patch embedding (a Conv3d with stride = kernel)
-    block = 2 * width * 3 * width + 2 * width * width + 2 * (3 if gated_mlp else 2) * width * inner
+    mlp = {"fc": 2 * 2 * width * inner, "swiglu": 2 * 3 * width * inner, "swiglu_out": 2 * 3 * width * out}[family.vision_mlp]
+    block = 2 * width * 3 * width + 2 * width * width + mlp  # qkv, output projection, MLP
     flops += vision["depth"] * block * patches
     merged = patches // merge**2
     hidden = width * merge**2
-    out = vision.get("out_hidden_size") or _text(config)["hidden_size"]
+    if family.merged_by == "conv_glu":  # strided Conv2d (merge x merge patches -> out), then proj out x out and a SwiGLU of width inner
+        return flops + merged * (2 * hidden * out + 2 * out * out + 2 * 3 * out * inner)
     mergers = 1 + len(vision.get("deepstack_visual_indexes") or [])
     flops += mergers * merged * (2 * hidden * hidden + 2 * hidden * out)
     return flops
@@ -133,7 +138,7 @@ def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
     t, h, w = grid_thw
     width = vision["hidden_size"]
     full = 4 * (t * h * w) ** 2 * width
-    if config.get("model_type") != "qwen2_5_vl":
+    if not family_of_config(config).windowed_vision:
         return vision["depth"] * full
     merge = vision["spatial_merge_size"]
     side = vision["window_size"] // merge // vision["patch_size"]  # window side in merged tokens

@@ -25,6 +25,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
                   max_model_len: int = 8192, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the server process for `model_dir`."""
     from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.core.families import family_of_config
     from lt_opd_ray.engines.vllm.engine import check_architecture
     from lt_opd_ray.engines.vllm.media import CONNECTOR_NAME
 
@@ -33,8 +34,8 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
     config = json.loads((model_dir / "config.json").read_text())
     on_gpu = torch.cuda.is_available()
-    if dtype is None:  # vLLM's CPU kernels run Qwen3.5 only in bf16
-        dtype = "bfloat16" if config.get("model_type") == "qwen3_5" and not on_gpu else "auto"
+    if dtype is None:  # vLLM's CPU kernels run Qwen3.5's Gated DeltaNet only in bf16
+        dtype = "bfloat16" if family_of_config(config, str(model_dir)).linear_attention and not on_gpu else "auto"
     positions = int(config.get("text_config", config).get("max_position_embeddings", max_model_len))
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -57,7 +57,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
     """The vLLM engine of a rollout worker (`role` rollout) or teacher replica, from the job."""
     import json
 
-    from lt_opd_ray.models.adapter import UnsupportedArchitectureError
+    from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
 
     if role == "rollout" and job.objective.mode != "lt_opd":
         raise ValueError(
@@ -65,10 +65,10 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
             f" {job.objective.prefixes}'s), read on transformers: set pools.rollout.backend: transformers"
         )
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    family = config.get("model_type")
-    if family == "qwen3_5" and job.model.dtype != "bfloat16" and not torch.cuda.is_available():
+    family = family_of_config(config, str(model_dir))
+    if family.linear_attention and job.model.dtype != "bfloat16" and not torch.cuda.is_available():
         raise UnsupportedArchitectureError(
-            f"pools.{role}.backend vllm with model.dtype {job.model.dtype}: vLLM's CPU kernels run Qwen3.5"
+            f"pools.{role}.backend vllm with model.dtype {job.model.dtype}: vLLM's CPU kernels run {family.name}"
             " (Gated DeltaNet) only in bfloat16; set model.dtype: bfloat16"
         )
     engine = VLLMEngine(

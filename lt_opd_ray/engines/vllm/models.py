@@ -1,7 +1,7 @@
-"""Visual-token pruning inside vLLM for Qwen3.5, Qwen3-VL and Qwen2.5-VL (a vLLM plugin).
+"""Visual-token pruning inside vLLM for the families of core/families.py that name a vLLM model file (a vLLM plugin).
 
-`register()` (entry point `vllm.general_plugins`) replaces vLLM's three Qwen VLM
-classes by subclasses that keep only the selected visual tokens, exactly as the
+`register()` (entry point `vllm.general_plugins`) replaces those families' vLLM
+classes (Qwen3.5, Qwen3-VL, Qwen2.5-VL) by subclasses that keep only the selected visual tokens, exactly as the
 transformers adapter does (docs/architecture.md §1):
 
 - the multimodal processor reads the request's selection settings
@@ -39,16 +39,14 @@ from typing import Any
 import torch
 
 from lt_opd_ray.core.curriculum import tokens_to_keep
+from lt_opd_ray.core.families import FAMILIES
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import SelectionInput, build_selector
 from lt_opd_ray.engines.vllm.selection import SELECTOR_NAMES, SelectionRequest
 from lt_opd_ray.models.token_merge import assign_to_kept
 
-PRUNED_ARCHITECTURES = {
-    "Qwen3_5ForConditionalGeneration": "lt_opd_ray.engines.vllm.models:PrunedQwen3_5",
-    "Qwen3VLForConditionalGeneration": "lt_opd_ray.engines.vllm.models:PrunedQwen3VL",
-    "Qwen2_5_VLForConditionalGeneration": "lt_opd_ray.engines.vllm.models:PrunedQwen2_5_VL",
-}
+VLLM_FAMILIES = [family for family in FAMILIES.values() if family.vllm_module]
+PRUNED_ARCHITECTURES = {f.architecture: f"lt_opd_ray.engines.vllm.models:Pruned{f.architecture}" for f in VLLM_FAMILIES}
 SELECTION_FIELD = "lt_opd_selection"  # per image int64: budget_bps, k_min, selector, seed, nonce, image index
 QUERY_FIELD = "lt_opd_query"  # per image int64: the question's token ids
 POSITION_CHANNELS = 3  # (t, h, w) offsets appended to each kept row
@@ -315,20 +313,18 @@ def _pruned(base_model):
 
 
 def _build_classes() -> dict[str, Any]:
-    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForConditionalGeneration
-    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    """`Pruned<architecture>` for each family vLLM implements, subclassing vLLM's own class of that architecture."""
+    import importlib
 
     return {
-        "PrunedQwen3_5": _pruned(Qwen3_5ForConditionalGeneration),
-        "PrunedQwen3VL": _pruned(Qwen3VLForConditionalGeneration),
-        "PrunedQwen2_5_VL": _pruned(Qwen2_5_VLForConditionalGeneration),
+        f"Pruned{f.architecture}": _pruned(getattr(importlib.import_module(f"vllm.model_executor.models.{f.vllm_module}"), f.architecture))
+        for f in VLLM_FAMILIES
     }
 
 
 def __getattr__(name: str):
     """The pruned classes are built on first use (importing vLLM's model files is slow)."""
-    if name in {"PrunedQwen3_5", "PrunedQwen3VL", "PrunedQwen2_5_VL"}:
+    if name in {f"Pruned{f.architecture}" for f in VLLM_FAMILIES}:
         classes = _build_classes()
         globals().update(classes)
         return classes[name]
@@ -356,7 +352,7 @@ def _turn_on_pruned_positions(runner_cls) -> None:
 
 
 def register() -> None:
-    """vLLM plugin entry point: our pruning classes serve the three Qwen VLM architectures; `lt-opd serve`'s media
+    """vLLM plugin entry point: our pruning classes serve the families' vLLM architectures; `lt-opd serve`'s media
     connector (engines/vllm/media.py) is there to be chosen."""
     from vllm import ModelRegistry
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

@@ -134,6 +134,7 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
     """
     import torch
 
+    from lt_opd_ray.core.families import family_of
     from lt_opd_ray.core.optim import module_of
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.evaluation import evaluate_answers
@@ -146,8 +147,9 @@ def train_teacher(recipe: TeacherRecipe, out_dir: Path, log=print) -> dict:
     build_untrained(recipe, out_dir)
     _, model = load_vlm(str(out_dir), "cpu")
     vlm = QwenVLM(model.train())
+    family = family_of(model.config.model_type)
     for name, param in model.named_parameters():
-        param.requires_grad_(recipe.train_vision or module_of(name) != "vision_encoder")
+        param.requires_grad_(recipe.train_vision or module_of(name, family) != "vision_encoder")
     train = task.items(recipe.train_items, task.teacher_split)
     prompts = TrainingPrompts(recipe, task, out_dir, train)
     tokenizer = VLMProcessor(out_dir).tokenizer

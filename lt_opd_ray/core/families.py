@@ -1,0 +1,86 @@
+"""The VLM families the recipe adapts, one description each: everything that differs between them.
+
+The adapter, the processor, the tiny-model builder, the learner's learning-rate groups, the efficiency calculator
+and the vLLM plugin read a family's description here instead of branching on `model_type` strings. Adding a
+family is one entry (and, where its layers are new, a tiny config in models/tiny.py and a vLLM subclass).
+
+Every family here is a decoder language model fed by a vision tower whose merged tokens carry 3-D M-RoPE positions
+(t, h, w) from the model's own `get_rope_index`; what a kept token's position is, and how decoding continues after
+a reduced prompt, is therefore the same for all of them (models/adapter.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's `model_type`
+    name: str  # as its users know it
+    architecture: str  # config.json's `architectures[0]`: the transformers class, and the vLLM class the plugin subclasses
+    vllm_module: str | None  # vLLM's model file defining `architecture`; None: no pruned vLLM class yet (transformers only)
+    image_token: str  # the placeholder its chat template writes once per image (expanded to the image's N tokens)
+    image_start: str  # the tokens its chat template puts around each image's placeholders
+    image_end: str
+    image_processor: str  # transformers' PIL image processor class of its checkpoints
+    patch_size: int  # its releases' vision patch side (tiny models use it too)
+    projector: tuple[str, ...]  # parameter-name markers of the modules that map vision features into the LM (the `merger` learning rate)
+    deepstack: bool = False  # Qwen3-VL: merged features of early vision blocks also enter the first decoder layers
+    linear_attention: bool = False  # Qwen3.5: Gated DeltaNet layers (GPU kernels: models/kernels.py; vLLM's CPU kernels run them in bf16 only)
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also emits the full-attention layers' output gate
+    windowed_vision: bool = False  # Qwen2.5-VL: vision blocks attend within windows except `fullatt_block_indexes`
+    vision_mlp: str = "fc"  # vision blocks' MLP: "fc" (fc1 -> fc2, intermediate_size), "swiglu" (gate/up/down, intermediate_size),
+    #                          "swiglu_out" (gate/up/down of width out_hidden_size: GLM-4V)
+    merged_by: str = "mlp"  # how 2x2 patches become one LM token: "mlp" (Qwen's PatchMerger over the concatenation),
+    #                          "conv_glu" (GLM-4V: a strided Conv2d, then a gated projection of width intermediate_size)
+
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family(
+            model_type="qwen3_5", name="Qwen3.5", architecture="Qwen3_5ForConditionalGeneration", vllm_module="qwen3_5",
+            image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
+            image_processor="Qwen2VLImageProcessorPil", patch_size=16, projector=("visual.merger",),
+            linear_attention=True, attention_output_gate=True,
+        ),
+        Family(
+            model_type="qwen3_vl", name="Qwen3-VL", architecture="Qwen3VLForConditionalGeneration", vllm_module="qwen3_vl",
+            image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
+            image_processor="Qwen2VLImageProcessorPil", patch_size=16,
+            projector=("visual.merger", "visual.deepstack_merger_list"), deepstack=True,
+        ),
+        Family(
+            model_type="qwen2_5_vl", name="Qwen2.5-VL", architecture="Qwen2_5_VLForConditionalGeneration", vllm_module="qwen2_5_vl",
+            image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
+            image_processor="Qwen2VLImageProcessorPil", patch_size=14, projector=("visual.merger",),
+            windowed_vision=True, vision_mlp="swiglu",
+        ),
+        Family(
+            model_type="glm4v", name="GLM-4.1V / GLM-4.6V-Flash", architecture="Glm4vForConditionalGeneration", vllm_module=None,
+            image_token="<|image|>", image_start="<|begin_of_image|>", image_end="<|end_of_image|>",
+            image_processor="Glm4vImageProcessorPil", patch_size=14, projector=("visual.downsample", "visual.merger"),
+            vision_mlp="swiglu_out", merged_by="conv_glu",
+        ),
+    )
+}
+
+
+def family_of(model_type: str | None, what: str = "the model") -> Family:
+    """The description of `model_type`; an UnsupportedArchitectureError naming the supported ones otherwise."""
+    if model_type not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"{what}: model_type {model_type!r} has no visual-token pruning support; supported:"
+            f" {', '.join(f'{f.model_type} ({f.name})' for f in FAMILIES.values())}"
+        )
+    return FAMILIES[model_type]
+
+
+def family_of_config(config: dict, what: str = "the model") -> Family:
+    """The family of a parsed config.json."""
+    return family_of(config.get("model_type"), what)
