@@ -47,6 +47,16 @@ def test_paper_recipe_carries_design_values():
     assert job.model.dtype == "bfloat16" and job.selector.name == "cdpruner"
 
 
+def test_the_9b_job_is_the_4b_recipe_on_another_split():
+    """The paper transfers its recipe unchanged; jobs/train_qwen35_9b.yaml differs from the 4B job only in the model,
+    its name and outputs, and the pools, whose learner the planner fits in 80 GB (tests/test_planner.py plans it)."""
+    small, large = (load_job(REPO / "jobs" / name).model_dump() for name in ("train_qwen35.yaml", "train_qwen35_9b.yaml"))
+    differing = {key for key in small if small[key] != large[key]}
+    assert differing == {"name", "model", "pools", "checkpoint"}
+    assert {k for k in small["model"] if small["model"][k] != large["model"][k]} == {"path"}
+    assert {k for k in small["checkpoint"] if small["checkpoint"][k] != large["checkpoint"][k]} == {"dir"}
+
+
 def problems_of(text):
     with pytest.raises(JobConfigError) as info:
         parse_job(text, source="job.yaml")

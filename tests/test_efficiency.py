@@ -16,12 +16,8 @@ import torch
 from conftest import FAMILIES, random_image
 from torch.utils.flop_counter import FlopCounterMode
 
-from lt_opd_ray.planning.efficiency import (
-    QWEN35_4B,
-    lm_projection_flops_per_token,
-    prefill_cost,
-    vision_projection_flops,
-)
+from lt_opd_ray.planning.efficiency import lm_projection_flops_per_token, prefill_cost, vision_projection_flops
+from lt_opd_ray.planning.presets import QWEN35_4B
 
 BUDGET_BPS, K_MIN = 2500, 2
 
@@ -117,6 +113,6 @@ def test_commands_without_their_input_are_refused_in_one_line(capsys):
     from lt_opd_ray.cli.main import main
 
     assert main(["efficiency"]) == 2
-    assert "give a model folder or --preset (one of qwen3.5-4b)" in capsys.readouterr().err
+    assert "give a model folder or --preset (one of qwen3.5-4b, qwen3.5-9b, glm-4.6v-flash)" in capsys.readouterr().err
     assert main(["ablation", "jobs/toy_circles.yaml", "--arms", "nope"]) == 2
     assert "unknown arm(s) nope; known:" in capsys.readouterr().err

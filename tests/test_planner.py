@@ -10,7 +10,6 @@ import pytest
 
 from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.planning.efficiency import (
-    PRESETS,
     lm_flops,
     patch_grid,
     prefill_cost,
@@ -18,6 +17,7 @@ from lt_opd_ray.planning.efficiency import (
     vision_projection_flops,
 )
 from lt_opd_ray.planning.planner import EFFICIENCY, GPUS, best_split, plan, shapes_of, update_work
+from lt_opd_ray.planning.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = PRESETS["qwen3.5-4b"]
@@ -120,7 +120,10 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
     named = subprocess.run(cli, cwd=REPO, capture_output=True, text=True)  # models/Qwen3.5-4B is not here: its preset is
     assert named.returncode == 0 and "model preset qwen3.5-4b (named by model.path; models/Qwen3.5-4B/config.json not here)" in named.stdout
     unnamed = subprocess.run([*cli, "--set", "model.path=models/other"], cwd=REPO, capture_output=True, text=True)
-    assert unnamed.returncode == 2 and "model.path names no preset; pass --preset (qwen3.5-4b)" in unnamed.stderr
+    assert unnamed.returncode == 2 and "model.path names no preset; pass --preset (qwen3.5-4b, qwen3.5-9b, glm-4.6v-flash)" in unnamed.stderr
+    nine = subprocess.run([*cli[:4], "jobs/train_qwen35_9b.yaml", "--gpus", "8", "--gpu", "a100"], cwd=REPO, capture_output=True, text=True)
+    assert "model preset qwen3.5-9b (named by model.path" in nine.stdout  # the 9B job's split fits 80 GB by its own plan
+    assert "learner memory per GPU (job's split, 4 ZeRO-3 ranks): 54.0 GB of 80 GB, fits (the job's stage)" in nine.stdout
 
 
 def test_static_batches_logit_passes_dtype_and_the_zero3_gather_before_a_sync():
@@ -158,8 +161,8 @@ def test_a_learner_that_cannot_hold_its_state_is_refused_before_start():
     """ZeRO-2 over 2 ranks holds bf16 weights and gradients whole (2 + 2 B/param) and half of the fp32 master weights,
     Adam's moments and fp32 gradients (16 / 2 B/param): 12 B/param, 54 GB for Qwen3.5-4B."""
     from lt_opd_ray.config.loading import load_job
-    from lt_opd_ray.planning.efficiency import PRESETS
     from lt_opd_ray.planning.planner import parameter_count
+    from lt_opd_ray.planning.presets import PRESETS
     from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_learner_memory, learner_state_bytes
 
     config = PRESETS["qwen3.5-4b"]
@@ -181,8 +184,8 @@ def test_a_vllm_engine_that_cannot_hold_the_weights_and_one_longest_sequence_is_
     length (1003520 px / 32² = 980 image tokens + 1024 text + 1024 response), counted from the config by hand here:
     refused when its GPU share is below that, started when above."""
     from lt_opd_ray.config.loading import load_job
-    from lt_opd_ray.planning.efficiency import PRESETS
     from lt_opd_ray.planning.planner import context_length, parameter_count
+    from lt_opd_ray.planning.presets import PRESETS
     from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_engine_memory
 
     config = PRESETS["qwen3.5-4b"]

@@ -217,7 +217,8 @@ def test_a_merging_student_saves_its_head_and_config_and_loads_back(tmp_path):
 def test_the_analytic_merge_flops_and_parameters_count_what_the_module_runs():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lt_opd_ray.planning.efficiency import PRESETS, merge_flops, merge_parameters
+    from lt_opd_ray.planning.efficiency import merge_flops, merge_parameters
+    from lt_opd_ray.planning.presets import PRESETS
 
     config = {"text_config": {"hidden_size": 48}}
     head = LearnableMerge(48)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from lt_opd_ray.cli.options import load_job_or_report
+from lt_opd_ray.planning.presets import PRESETS
 
 
 def cmd_data(args) -> int:
@@ -92,7 +93,7 @@ def cmd_efficiency(args) -> int:
     import json
 
     from lt_opd_ray.core.compression import learnable_merge
-    from lt_opd_ray.planning.efficiency import PRESETS, merge_parameters, patch_grid, prefill_cost
+    from lt_opd_ray.planning.efficiency import merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
         config = PRESETS[args.preset]
@@ -167,7 +168,7 @@ def register(sub) -> None:
 
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
     efficiency.add_argument("model", nargs="?", default=None, help="model folder (its config.json)")
-    efficiency.add_argument("--preset", choices=["qwen3.5-4b"], default=None, help="a built-in config instead of a folder")
+    efficiency.add_argument("--preset", choices=list(PRESETS), default=None, help="a built-in config instead of a folder")
     efficiency.add_argument("--text-tokens", type=int, default=84, help="text tokens of the prompt (default 84)")
     efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
     efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")

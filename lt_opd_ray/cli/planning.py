@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from lt_opd_ray.cli.options import SET_HELP
+from lt_opd_ray.planning.presets import PRESETS
 
 
 def cmd_timeline(args) -> int:
@@ -30,7 +31,6 @@ def cmd_plan(args) -> int:
     import json
 
     from lt_opd_ray.config.loading import JobConfigError, load_job
-    from lt_opd_ray.planning.efficiency import PRESETS, preset_named_by
     from lt_opd_ray.planning.planner import (
         EFFICIENCY,
         EFFICIENCY_SOURCES,
@@ -44,6 +44,7 @@ def cmd_plan(args) -> int:
         update_work,
         zero_stage_for,
     )
+    from lt_opd_ray.planning.presets import preset_named_by
 
     try:
         job = load_job(args.job, args.set)
@@ -123,7 +124,7 @@ def register(sub) -> None:
     planner.add_argument("job", help="job YAML")
     planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     planner.add_argument("--gpu", choices=["a100", "a100-40gb", "h100", "h200"], default="a100")
-    planner.add_argument("--preset", choices=["qwen3.5-4b"], default=None,
+    planner.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="the model's layout when its config.json is not at hand (default: the preset model.path names, if any)")
     planner.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
     planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")

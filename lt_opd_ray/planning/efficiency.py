@@ -186,33 +186,3 @@ def patch_grid(config: dict, height: int, width: int) -> tuple[int, int, int]:
     vision = config["vision_config"]
     unit = vision["patch_size"] * vision["spatial_merge_size"]
     return 1, max(1, round(height / unit)) * vision["spatial_merge_size"], max(1, round(width / unit)) * vision["spatial_merge_size"]
-
-
-# Qwen3.5-4B, for `lt-opd efficiency --preset qwen3.5-4b` when its config.json is not at hand.
-# Text: the layout of a public Qwen3.5 4B-sized config (hidden 2560, 32 layers with a full-attention
-# layer every 4th, head_dim 256, MLP 9216, GDN 16 key / 32 value heads of 128, conv 4, vocabulary
-# 248,320). Assumed, not read from the release: 16 query heads and 4 KV heads (4 KV heads is what
-# the paper's KV-cache figure implies: 26.59 MB / 32 KiB per token = 811 tokens), and the vision
-# tower (24 blocks of width 1024, MLP 4096, patch 16, merge 2, the Qwen3-VL-4B class). Pass the real
-# folder (`lt-opd efficiency MODEL_DIR`) for exact figures.
-QWEN35_4B = {
-    "model_type": "qwen3_5",
-    "text_config": {
-        "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
-        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "attn_output_gate": True,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320,
-    },
-    "vision_config": {
-        "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "patch_size": 16,
-        "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3, "out_hidden_size": 2560,
-    },
-}
-PRESETS = {"qwen3.5-4b": QWEN35_4B}
-
-
-def preset_named_by(model_path: str) -> str | None:
-    """The preset a model folder or hub id names by its last part (models/Qwen3.5-4B, Qwen/Qwen3.5-4B: qwen3.5-4b)."""
-    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
-    return name if name in PRESETS else None
