@@ -63,7 +63,7 @@ def main() -> None:
         model_dir = tiny_model_dir(family)
         processor = VLMProcessor(model_dir)
         prompts = encode_samples(processor, samples)
-        images = [[s.image] for s in samples]
+        images = [list(s.images) for s in samples]
         engine_dtype = "bfloat16" if family == "qwen3_5" else "float32"
         engine = VLLMEngine(model_dir, dtype=engine_dtype, max_model_len=1024, max_logprobs=TOP_K + 1)
         seconds, rollouts = best_of(args.repeats, lambda: vllm_rollout(

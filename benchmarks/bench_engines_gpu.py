@@ -98,7 +98,7 @@ def main() -> None:
         samples = [synthetic_sample(i, size=side) for i in range(args.prompts)]
         processor = VLMProcessor(model_dir)
         prompts = encode_samples(processor, samples)
-        images, uids = [[s.image] for s in samples], [s.uid for s in samples]
+        images, uids = [list(s.images) for s in samples], [s.uid for s in samples]
         params = SamplingParams(max_new_tokens=args.tokens, top_k_logprobs=args.top_k, stop=())
 
         engine = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=4096, max_logprobs=args.top_k + 1)

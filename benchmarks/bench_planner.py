@@ -152,7 +152,7 @@ def prompt_shape(job) -> tuple[int, tuple[int, int]]:
     sample = load_samples(job.data.path, job.data.image_root, job.seed)[0]
     processor = VLMProcessor(resolve_model_dir(job.model.path), job.data.min_pixels, job.data.max_pixels)
     prompt = encode_samples(processor, [sample], job.data.system_prompt)[0]
-    width, height = load_image(sample.image, sample.uid).size
+    width, height = load_image(sample.images[0], sample.uid).size
     return int((prompt.mm_token_type_ids == 0).sum()), (height, width)
 
 

@@ -54,7 +54,7 @@ def engine_part(groups: int, n: int, tokens: int) -> None:
     samples = [synthetic_sample(i) for i in range(groups)]
     prompts = encode_samples(VLMProcessor(model_dir), samples)
     params = SamplingParams(max_new_tokens=tokens, top_k_logprobs=16, stop=())
-    calls = [([engine_prompt(p, [s.image])] * n, [SelectionRequest(budget_bps=2500, k_min=2, seed=g)] * n, list(range(g * n, (g + 1) * n)))
+    calls = [([engine_prompt(p, list(s.images))] * n, [SelectionRequest(budget_bps=2500, k_min=2, seed=g)] * n, list(range(g * n, (g + 1) * n)))
              for g, (p, s) in enumerate(zip(prompts, samples))]
     engine.generate(*calls[0][:2], params, calls[0][2])  # warm-up
 

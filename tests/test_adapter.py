@@ -113,6 +113,50 @@ def test_reduced_positions_keep_original_mrope(loaded, family):
             assert torch.equal(layer_kept, layer_full[kept])
 
 
+def two_image_prompt(processor):
+    """One question about two images of different sizes, each after its own placeholder run."""
+    images = [random_image(7, 96, 128), random_image(8, 128, 160)]
+    return processor.encode(question_messages("Which image has a red square?", "You are a helpful assistant.", images=2), images, "two")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_two_images_all_kept_equal_the_model_forward(loaded, family):
+    model, processor, vlm = loaded[family]
+    prompt = two_image_prompt(processor)
+    assert prompt.num_images == 2
+    response = torch.tensor([40, 41, 42, 43])
+    features = vlm.visual_features(prompt)
+    reduced = vlm.reduce(prompt, features, vlm.keep_all(features))
+    ours = vlm.lm_head(vlm.response_hidden([reduced], [response])[0])
+    reference = model(**full_forward_inputs(prompt, response)).logits[0, -5:-1]
+    assert (ours - reference).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_two_images_pruned_each_at_the_budget_keep_their_own_positions(loaded, family):
+    """Each image keeps k = tokens_to_keep(N_i) of its own N_i tokens (the paper's per-image protocol), at the
+    positions those tokens have in the full two-image sequence; the second image's text after it is never rebased."""
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+
+    _, processor, vlm = loaded[family]
+    prompt = two_image_prompt(processor)
+    features = vlm.visual_features(prompt)
+    kept = vlm.select(prompt, features, build_selector("cdpruner"), 2500, 2)
+    assert [k.numel() for k in kept] == [tokens_to_keep(e.shape[0], 2500, 2) for e in features.embeds]
+    reduced = vlm.reduce(prompt, features, kept)
+    is_image = prompt.mm_token_type_ids == IMAGE
+    starts = [int(i) for i in torch.nonzero(is_image & ~torch.cat([torch.zeros(1, dtype=torch.bool), is_image[:-1]]))]
+    expected_keep = (~is_image).clone()
+    for start, indices in zip(starts, kept):
+        expected_keep[start + indices] = True
+    full = vlm.full_positions(prompt)
+    assert torch.equal(reduced.positions, full[:, expected_keep]) and reduced.next_position == int(full.max()) + 1
+    visual = torch.cat([features.embeds[i][kept[i]] for i in range(2)])
+    assert torch.equal(reduced.inputs_embeds[reduced.visual_mask], visual)  # image 0's kept tokens, then image 1's
+
+
 def test_query_mask_covers_only_the_question(loaded):
     _, processor, _ = loaded["qwen3_5"]
     prompt = processor.encode(question_messages("Is there a red square?", "You are a helpful assistant."), [random_image(0)])

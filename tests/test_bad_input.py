@@ -103,7 +103,7 @@ def test_jsonl_rows_resolve_images_against_the_root(tmp_path):
     random_image(0).save(tmp_path / "img.png")
     (tmp_path / "rows.jsonl").write_text(json.dumps({"sample_uid": "x", "image": "img.png", "question": "What?"}) + "\n")
     [sample] = read_rows(tmp_path / "rows.jsonl", image_root=tmp_path)
-    assert sample.image == tmp_path / "img.png" and sample.question == "What?"
+    assert sample.images == (tmp_path / "img.png",) and sample.question == "What?"
 
 
 def test_parquet_rows_are_read_and_checked(tmp_path):

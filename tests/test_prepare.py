@@ -65,7 +65,7 @@ def test_an_lt14k_folder_becomes_shards_whose_images_are_the_originals(tmp_path)
     samples = load_samples(str(tmp_path / "out"))
     assert [s.uid for s in samples] == [f"s{i}" for i in range(5)]
     for i, sample in enumerate(samples):
-        assert np.array_equal(np.asarray(load_image(sample.image)), np.asarray(random_image(i, 48, 64)))
+        assert np.array_equal(np.asarray(load_image(sample.images[0])), np.asarray(random_image(i, 48, 64)))
     with pytest.raises(DataError, match="already a prepared data set"):
         prepare(source, tmp_path / "out")
 

@@ -101,6 +101,17 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
             assert log.micro_batches == ranks and log.vision_forwards == prompts  # vision once per prompt
 
 
+def test_rows_of_two_images_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path):
+    """Each row shows two images, each pruned to the budget on its own; the learner replays both images' selections
+    (two index sets per prompt) and two ZeRO-2 ranks equal the single process."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=2, name="two-images", images=2)
+    reports, ref_weights = reference_run(job, 2)
+    _, logs, weights = driver_run(job, 2)
+    assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
+    assert logs[1].loss == pytest.approx(reports[1].stats.loss, rel=1e-5)
+    assert relative_distance(weights, ref_weights) <= 1e-4
+
+
 def test_glm4v_trains_distributed_as_the_reference(cluster, tiny_dirs, tmp_path):
     """A family other than Qwen's (GLM-4V: its own image tokens and processor, a conv-and-gated projector in the merger
     learning rate) through the whole runtime on transformers engines: two ZeRO-3 ranks equal the single process."""
@@ -361,7 +372,7 @@ def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(clu
     job = job_for(tiny_dirs["qwen3_5"], tmp_path)
     samples = load_samples("synthetic:4")
     trainer = ReferenceTrainer(job)
-    prompts = [trainer.processor.encode(question_messages(s.question), [s.image], s.uid) for s in samples]
+    prompts = [trainer.processor.encode(question_messages(s.question), list(s.images), s.uid) for s in samples]
     rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in samples], trainer.selector, 2500, 2, trainer.params, 2, 0, 0)
     span = Span("rollout", "w", "", 0.0, 0.0)
     groups = [RolloutGroup(0, 0, 2, 0, rollouts[:4], "w0", 0, span), RolloutGroup(0, 2, 4, 1, rollouts[4:], "w1", 0, span)]

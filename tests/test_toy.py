@@ -27,8 +27,8 @@ def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
     for index in range(20):
         sample, again = board.TASK.item(index, seed=0).sample, board.TASK.item(index, seed=0).sample
         assert sample.question == again.question == QUESTION and sample.answer == again.answer
-        assert np.array_equal(np.asarray(sample.image.read()), np.asarray(again.image.read()))
-        tiles = np.asarray(sample.image.read()).reshape(GRID, TILE, GRID, TILE, 3).transpose(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
+        assert np.array_equal(np.asarray(sample.images[0].read()), np.asarray(again.images[0].read()))
+        tiles = np.asarray(sample.images[0].read()).reshape(GRID, TILE, GRID, TILE, 3).transpose(0, 2, 1, 3, 4).reshape(GRID * GRID, -1, 3)
         counts = {name: 0 for name in COLOURS}
         for tile in tiles:
             present = [name for name, rgb in COLOURS.items() if (tile == rgb).all(-1).any()]
@@ -37,7 +37,7 @@ def test_boards_are_seeded_and_the_answer_is_the_colour_on_the_most_tiles():
                 counts[name] += 1
         assert sum(counts.values()) == TILES_PER_IMAGE
         assert counts[sample.answer] == MAJORITY and all(n < MAJORITY for c, n in counts.items() if c != sample.answer)
-    assert board.TASK.item(0, 0, "train").sample.image.read().tobytes() != board.TASK.item(0, 0, "test").sample.image.read().tobytes()
+    assert board.TASK.item(0, 0, "train").sample.images[0].read().tobytes() != board.TASK.item(0, 0, "test").sample.images[0].read().tobytes()
 
 
 def _nearest_colour(rgb: np.ndarray) -> str | None:
@@ -59,9 +59,9 @@ def _nearest_colours(rgb: np.ndarray) -> np.ndarray:
 def test_sizes_items_answer_the_biggest_square_after_listing_colours_in_reading_order():
     for index in range(30):
         item, again = sizes.TASK.item(index, seed=0), sizes.TASK.item(index, seed=0)
-        assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, image=item.sample.image))
-        assert np.array_equal(np.asarray(item.sample.image.read()), np.asarray(again.sample.image.read()))
-        pixels = np.asarray(item.sample.image.read()).astype(float)
+        assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, images=item.sample.images))
+        assert np.array_equal(np.asarray(item.sample.images[0].read()), np.asarray(again.sample.images[0].read()))
+        pixels = np.asarray(item.sample.images[0].read()).astype(float)
         tiles: dict[str, list[tuple[int, int]]] = {}
         for row in range(sizes.GRID):
             for col in range(sizes.GRID):
@@ -75,15 +75,15 @@ def test_sizes_items_answer_the_biggest_square_after_listing_colours_in_reading_
         reading_order = sorted(tiles, key=lambda c: min(tiles[c]))
         assert item.sample.answer == biggest and item.sample.question == sizes.QUESTION
         assert item.response == " ".join(reading_order) + f" <answer>{biggest}</answer>"
-    assert sizes.TASK.item(0, 0, "train").sample.image.read().tobytes() != sizes.TASK.item(0, 0, "test").sample.image.read().tobytes()
+    assert sizes.TASK.item(0, 0, "train").sample.images[0].read().tobytes() != sizes.TASK.item(0, 0, "test").sample.images[0].read().tobytes()
 
 
 def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_order():
     for index in range(30):
         item, again = circles.TASK.item(index, seed=0), circles.TASK.item(index, seed=0)
-        assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, image=item.sample.image))
-        pixels = np.asarray(item.sample.image.read()).astype(float)
-        assert np.array_equal(pixels, np.asarray(again.sample.image.read()))
+        assert item == dataclasses.replace(again, sample=dataclasses.replace(again.sample, images=item.sample.images))
+        pixels = np.asarray(item.sample.images[0].read()).astype(float)
+        assert np.array_equal(pixels, np.asarray(again.sample.images[0].read()))
         rows, cols = np.indices(pixels.shape[:2])
         on = ~(pixels == circles.BACKGROUND).all(-1)
         colour_of = _nearest_colours(pixels[on])
@@ -99,7 +99,7 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
         listed = item.response.removesuffix(f" <answer>{biggest}</answer>").split()
         centre_rows = [discs[c][1] for c in listed]
         assert sorted(listed) == sorted(discs) and all(a <= b + 1.0 for a, b in zip(centre_rows, centre_rows[1:]))  # reading order
-    assert circles.TASK.item(0, 0, "train").sample.image.read().tobytes() != circles.TASK.item(0, 0, "test").sample.image.read().tobytes()
+    assert circles.TASK.item(0, 0, "train").sample.images[0].read().tobytes() != circles.TASK.item(0, 0, "test").sample.images[0].read().tobytes()
 
 
 def test_discs_items_answer_their_kind_of_question_as_the_pixels_do():
@@ -114,7 +114,7 @@ def test_discs_items_answer_their_kind_of_question_as_the_pixels_do():
         closes = 0
         for index, item in enumerate(items):
             kind, layout = kinds[index % len(kinds)], discs.layout(index, 0, split)
-            pixels = np.asarray(item.sample.image.read()).astype(float)
+            pixels = np.asarray(item.sample.images[0].read()).astype(float)
             rows, cols = np.indices(pixels.shape[:2])
             on = ~(pixels == circles.BACKGROUND).all(-1)
             colour_of = _nearest_colours(pixels[on])
@@ -161,7 +161,7 @@ def test_toy_rows_are_drawn_when_read_so_a_data_set_is_small_until_used():
 
     rows = load_samples("toy-circles:2048")
     assert len(pickle.dumps(rows)) < 2048 * 400, "a row pickles as where to draw it from, not its 300 KB of pixels"
-    assert np.array_equal(np.asarray(load_image(rows[7].image)), np.asarray(circles.draw(7, 0, "train")))
+    assert np.array_equal(np.asarray(load_image(rows[7].images[0])), np.asarray(circles.draw(7, 0, "train")))
 
 
 def test_toy_data_specs_name_the_task_and_the_split():
@@ -327,7 +327,7 @@ def test_evaluation_at_full_tokens_agrees_with_transformers_generate(teacher):
     samples = samples[:24]
     ours = evaluate_answers(vlm, processor, samples, BPS)
     for sample, correct in zip(samples, ours.correct):
-        prompt = processor.encode(question_messages(sample.question), [sample.image], sample.uid)
+        prompt = processor.encode(question_messages(sample.question), list(sample.images), sample.uid)
         out = model.generate(
             input_ids=prompt.input_ids[None], mm_token_type_ids=prompt.mm_token_type_ids[None],
             pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,

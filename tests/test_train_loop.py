@@ -5,7 +5,7 @@ import pytest
 from lt_opd_ray.core.batch_order import batches
 from lt_opd_ray.core.samples import Sample
 
-SAMPLES = [Sample(uid=f"u{i}", image=None, question="q") for i in range(10)]
+SAMPLES = [Sample(uid=f"u{i}", images=(None,), question="q") for i in range(10)]
 
 
 def uids(batch):

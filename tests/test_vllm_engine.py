@@ -48,7 +48,7 @@ def _prompts(tiny_dir, count=3):
     samples = [synthetic_sample(i) for i in range(count)]
     processor = VLMProcessor(tiny_dir)
     prompts = encode_samples(processor, samples)
-    return processor, prompts, [engine_prompt(p, [s.image]) for p, s in zip(prompts, samples)]
+    return processor, prompts, [engine_prompt(p, list(s.images)) for p, s in zip(prompts, samples)]
 
 
 def _adapter(tiny_dir, dtype=torch.float32):

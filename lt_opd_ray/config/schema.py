@@ -46,13 +46,16 @@ class ModelConfig(StrictModel):
 
 class DataConfig(StrictModel):
     path: Annotated[str, AfterValidator(check_data_spec)]
-    """A parquet or JSONL file of rows (sample_uid, image, question), `synthetic:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
+    """A parquet or JSONL file of rows (sample_uid, image or images, question), `synthetic:<n>[*<images>]` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
     min_pixels: int = Field(3136, gt=0, le=MAX_PIXELS)
     """Images smaller than this many pixels are upscaled (Qwen smart-resize rule)."""
     max_pixels: int = Field(1_003_520, gt=0, le=MAX_PIXELS)
     """Images larger than this many pixels are downscaled (Qwen smart-resize rule)."""
+    max_images: int = Field(1, ge=1, le=64)
+    """The most images one row shows (rows with an `images` list): vLLM engines reserve room for this many per prompt,
+    and a row with more is refused before the job starts. Each image is pruned to the budget on its own."""
     system_prompt: str | None = None
     """Optional system message; never part of the selector's query."""
     shuffle_seed: int = 0

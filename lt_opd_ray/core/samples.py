@@ -11,7 +11,11 @@ class Sample:
     """One prompt: driver -> rollout workers and teacher (the update's samples), and every evaluation."""
 
     uid: str
-    image: Any  # a path, bytes or a PIL image
+    images: tuple[Any, ...]  # one or more, in the order the prompt shows them: each a path, bytes or a PIL image
     question: str
     answer: str | None = None  # what an evaluation checks (exact match on <answer>...</answer>)
     response: str | None = None  # a whole response written for the row (its annotators, another model): sft / fixed_prefix train on it
+
+    def __post_init__(self):
+        if not self.images:
+            raise ValueError(f"{self.uid}: a prompt row needs at least one image")

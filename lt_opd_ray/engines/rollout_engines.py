@@ -142,23 +142,23 @@ class VLLMRolloutEngine:
 
     def rollout(self, samples: list[Sample], budget_bps: int, update: int) -> list[Rollout]:
         from lt_opd_ray.engines.vllm.roles import vllm_rollout
-        from lt_opd_ray.models.processor import load_image
+        from lt_opd_ray.models.processor import sample_images
 
         job = self.job
         prompts = self._encode(samples, job.data.system_prompt)
         return vllm_rollout(
-            self.engine, prompts, [[load_image(s.image, s.uid)] for s in samples], [s.uid for s in samples], job.selector.name,
+            self.engine, prompts, [sample_images(s) for s in samples], [s.uid for s in samples], job.selector.name,
             budget_bps, job.budget.k_min, self.params, job.sampling.n, job.seed, update,
         )
 
     def respond(self, samples, budget_bps, selector, max_new_tokens, system_prompt, stop) -> list[str]:
         from lt_opd_ray.engines.vllm.engine import engine_prompt
         from lt_opd_ray.engines.vllm.selection import SelectionRequest
-        from lt_opd_ray.models.processor import load_image
+        from lt_opd_ray.models.processor import sample_images
         from lt_opd_ray.models.sampler import SamplingParams
 
         prompts = self._encode(samples, system_prompt)
-        engine_prompts = [engine_prompt(p, [load_image(s.image, s.uid)]) for p, s in zip(prompts, samples)]
+        engine_prompts = [engine_prompt(p, sample_images(s)) for p, s in zip(prompts, samples)]
         tokenizer = self.processor.tokenizer
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,))
         selections = [  # at 10000 bps the selector keeps every visual token

@@ -109,11 +109,11 @@ class VLLMTeacherEngine:
 
     def score(self, samples: dict[int, Sample], rollouts: list[Rollout], update: int) -> list[TeacherScore]:
         from lt_opd_ray.engines.vllm.roles import vllm_teacher_scores
-        from lt_opd_ray.models.processor import encode_samples, load_image
+        from lt_opd_ray.models.processor import encode_samples, sample_images
 
         used = sorted({r.prompt_index for r in rollouts})
         encoded = dict(zip(used, encode_samples(self.processor, [samples[i] for i in used], self.job.data.system_prompt)))
-        images = {i: [load_image(samples[i].image, samples[i].uid)] for i in used}
+        images = {i: sample_images(samples[i]) for i in used}
         return vllm_teacher_scores(self.engine, encoded, images, rollouts, self.job.objective.top_k)
 
 

@@ -130,7 +130,7 @@ class MMBench(_MultipleChoice):
             image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 prompt = _mc_prompt(row["question"], options, row.get("hint", ""))
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"options": options, "answer": row["answer"]}))
+                items.append(Item(Sample(f"{self.name}-{row_id}", (image,), prompt), {"options": options, "answer": row["answer"]}))
         return items
 
 
@@ -163,7 +163,7 @@ class MMMU(_MultipleChoice):
             image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 question = str(row["question"]).replace("<image 1>", "the image")
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, _mc_prompt(question, [str(o) for o in options])),
+                items.append(Item(Sample(f"{self.name}-{row_id}", (image,), _mc_prompt(question, [str(o) for o in options])),
                                   {"options": [str(o) for o in options], "answer": row["answer"]}))
         return items
 
@@ -189,7 +189,7 @@ class POPE(Benchmark):
             image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
                 prompt = f"{row['text'].strip()} {YES_NO_INSTRUCTION}"
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"label": str(row["label"])}))
+                items.append(Item(Sample(f"{self.name}-{row_id}", (image,), prompt), {"label": str(row["label"])}))
         return items
 
     def score(self, items, responses):
@@ -213,7 +213,7 @@ class GQA(Benchmark):
                 continue
             image = image_of(f"images/{row['imageId']}.jpg", path.parent, qid, problems)
             if image is not None:
-                items.append(Item(Sample(f"{self.name}-{qid}", image, f"{row['question']}\n{SHORT_INSTRUCTION}"), {"answer": row["answer"]}))
+                items.append(Item(Sample(f"{self.name}-{qid}", (image,), f"{row['question']}\n{SHORT_INSTRUCTION}"), {"answer": row["answer"]}))
         return items
 
     def score(self, items, responses):
@@ -240,7 +240,7 @@ class TextVQA(Benchmark):
             if image is not None:
                 prompt = f"{row['question']}\n{SHORT_INSTRUCTION}"
                 answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt), {"answers": [str(a) for a in answers]}))
+                items.append(Item(Sample(f"{self.name}-{row_id}", (image,), prompt), {"answers": [str(a) for a in answers]}))
         return items
 
     def score(self, items, responses):
@@ -270,7 +270,7 @@ class MME(Benchmark):
                 question = row["question"].strip()
                 prompt = question if YES_NO_INSTRUCTION.lower() in question.lower() else f"{question} {YES_NO_INSTRUCTION}"
                 key = row.get("image_path") or hashlib.sha256(str(row["image"]).encode()).hexdigest()
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, prompt),
+                items.append(Item(Sample(f"{self.name}-{row_id}", (image,), prompt),
                                   {"subtask": row["category"], "image": key, "answer": row["answer"]}))
         return items
 
@@ -298,7 +298,7 @@ class OCRBench(Benchmark):
             image = image_of(row["image_path"], path.parent, row_id, problems)
             answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
             if image is not None:
-                items.append(Item(Sample(f"{self.name}-{row_id}", image, row["question"]),
+                items.append(Item(Sample(f"{self.name}-{row_id}", (image,), row["question"]),
                                   {"answers": [str(a) for a in answers], "dataset": row["dataset_name"]}))
         return items
 

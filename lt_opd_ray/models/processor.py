@@ -186,13 +186,18 @@ def question_token_ids(ids: list[int], tokenizer) -> list[int]:
     return [t for t in turn if t not in special]
 
 
-def question_messages(question: str, system_prompt: str | None = None) -> list[dict]:
-    """The single-image chat layout of LT-14K rows: [system], user = image + question."""
+def question_messages(question: str, system_prompt: str | None = None, images: int = 1) -> list[dict]:
+    """The chat layout of LT-14K rows: [system], user = the row's images in order, then the question."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})
+    messages.append({"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": question}]})
     return messages
 
 
+def sample_images(sample) -> list:
+    """A row's images decoded, in order; one that does not decode is an InputError naming the row and its position."""
+    return [load_image(image, f"{sample.uid}: image {position}") for position, image in enumerate(sample.images)]
+
+
 def encode_samples(processor: VLMProcessor, samples, system_prompt: str | None = None) -> list[PromptInputs]:
-    """Training rows (uid, image, question) -> full-token prompts, one image each."""
-    return [processor.encode(question_messages(s.question, system_prompt), [s.image], s.uid) for s in samples]
+    """Training rows (uid, images, question) -> full-token prompts."""
+    return [processor.encode(question_messages(s.question, system_prompt, len(s.images)), list(s.images), s.uid) for s in samples]

@@ -332,11 +332,11 @@ TEXT_TOKENS = 1024  # room for the system prompt, the question and the chat temp
 
 
 def context_length(job, config: dict) -> int:
-    """Longest sequence a job sends (a vLLM engine's max_model_len): one image at data.max_pixels, the text, the
-    response; within the model's positions."""
+    """Longest sequence a job sends (a vLLM engine's max_model_len): data.max_images images at data.max_pixels, the
+    text, the response; within the model's positions."""
     vision = config.get("vision_config", {})
     token_pixels = (vision.get("patch_size", 16) * vision.get("spatial_merge_size", 2)) ** 2
-    wanted = job.data.max_pixels // token_pixels + TEXT_TOKENS + job.sampling.max_new_tokens
+    wanted = job.data.max_images * (job.data.max_pixels // token_pixels) + TEXT_TOKENS + job.sampling.max_new_tokens
     text = config.get("text_config", config)
     return min(wanted, int(text.get("max_position_embeddings", wanted)))
 

@@ -50,5 +50,13 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
                         f" rows of data.path {job.data.path!r} carry none ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}):"
                         " give each row a `response`, or train on the teacher's (sequence_kd, teacher_prefix)")
     eval_samples = attempt(lambda: rows_of(job.eval.data)) if job.eval.data else None
+    if samples is None and generated is not None and generated.images > job.data.max_images:  # not drawn (validate)
+        problems.append(f"data.path {job.data.path!r} shows {generated.images} images per row, more than data.max_images"
+                        f" ({job.data.max_images}): raise data.max_images")
+    for spec, rows_read in ((job.data.path, samples), (job.eval.data, eval_samples)):
+        if rows_read is not None and (crowded := [s.uid for s in rows_read if len(s.images) > job.data.max_images]):
+            most = max(len(s.images) for s in rows_read)
+            problems.append(f"{len(crowded)} rows of {spec!r} show more than data.max_images ({job.data.max_images}) images"
+                            f" ({', '.join(crowded[:3])}{', ...' if len(crowded) > 3 else ''}; the most is {most}): raise data.max_images")
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems

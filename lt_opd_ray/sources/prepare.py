@@ -5,14 +5,15 @@ Sources:
   `media.jsonl` (sample_uid, path, access bundled|url, archive, size_bytes, sha256)
   and the `images/*.tar` archives it names;
 - a Hugging Face `datasets` folder (`save_to_disk`; columns sample_uid, question,
-  [answer], [response], image);
-- a JSONL or parquet file (sample_uid, question, [answer], [response], image path,
-  [sha256]) with its images under `--images`.
+  [answer], [response], image or images);
+- a JSONL or parquet file (sample_uid, question, [answer], [response], image path
+  or images list of paths, [sha256]) with its images under `--images`.
 
-Every row is checked: a question, a unique sample_uid, an image that exists, has
-the recorded size and SHA-256 (where the source records them) and decodes. Rows
-go into `shard-NNNNN.parquet` files (sample_uid, question, answer, response, image
-bytes, sha256; row groups of 64 so the loader reads one group per image) written in
+Every row is checked: a question, a unique sample_uid, images that exist, have
+the recorded size and SHA-256 (where the source records them) and decode (a bad one
+named by its row and position). Rows go into `shard-NNNNN.parquet` files
+(sample_uid, question, answer, response, images: a list of image bytes, sha256: one
+per image; row groups of 64 so the loader reads one group per image) written in
 `<out>.incoming/`; `manifest.json` is written last and the folder renamed to
 `<out>`, so an unfinished preparation never looks complete. An interrupted run
 continues from its finished shards (`progress.json` records them and the source
@@ -36,6 +37,7 @@ from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.sources.rows import PREPARED_MANIFEST as MANIFEST
 
 PROGRESS = "progress.json"
+FORMAT = 2  # 2: an `images` list per row; 1 (read too): one `image` per row
 ROW_GROUP = 64
 TEXT_COLUMNS = ("sample_uid", "question", "answer", "response")  # a shard's columns beside the image and its sha256
 
@@ -49,9 +51,9 @@ class SourceRow:
     uid: str
     question: str | None
     answer: str | None
-    read_image: object  # () -> bytes, raising FileNotFoundError / ValueError with a reason
-    sha256: str | None = None
-    size_bytes: int | None = None
+    read_images: list  # per image, () -> bytes, raising FileNotFoundError / ValueError with a reason
+    sha256: list | None = None  # per image, where the source records it
+    size_bytes: int | None = None  # of a single-image row's image, where the source records it (LT-14K's media.jsonl)
     problem: str | None = None  # why the source's line is not a row at all (then nothing else is checked)
     response: str | None = None  # the whole response written for the row, where the source has one
 
@@ -86,9 +88,9 @@ def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
         uid = str(row.get("sample_uid"))
         entry = media.get(uid)
         if entry is None:
-            yield SourceRow(uid, row.get("question"), row.get("answer"), _missing("no media.jsonl entry"), response=row.get("response"))
+            yield SourceRow(uid, row.get("question"), row.get("answer"), [_missing("no media.jsonl entry")], response=row.get("response"))
             continue
-        yield SourceRow(uid, row.get("question"), row.get("answer"), reader(entry), entry.get("sha256"), entry.get("size_bytes"),
+        yield SourceRow(uid, row.get("question"), row.get("answer"), [reader(entry)], [entry.get("sha256")], entry.get("size_bytes"),
                         response=row.get("response"))
 
 
@@ -99,42 +101,50 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
     if isinstance(data, datasets.DatasetDict):
         data = data["train"]
     for index, row in enumerate(data):
-        image = row.get("image")
+        images = row["images"] if row.get("images") is not None else [row.get("image")]
 
-        def read(image=image) -> bytes:
-            if image is None:
-                raise FileNotFoundError("no image")
-            if isinstance(image, dict) and image.get("bytes"):
-                return image["bytes"]
-            if hasattr(image, "save"):
-                buffer = io.BytesIO()
-                image.save(buffer, format=image.format or "PNG")
-                return buffer.getvalue()
-            raise ValueError(f"image of type {type(image).__name__} holds no bytes")
+        def reader(image):
+            def read() -> bytes:
+                if image is None:
+                    raise FileNotFoundError("no image")
+                if isinstance(image, dict) and image.get("bytes"):
+                    return image["bytes"]
+                if hasattr(image, "save"):
+                    buffer = io.BytesIO()
+                    image.save(buffer, format=image.format or "PNG")
+                    return buffer.getvalue()
+                raise ValueError(f"image of type {type(image).__name__} holds no bytes")
 
-        yield SourceRow(str(row.get("sample_uid", index)), row.get("question"), row.get("answer"), read, row.get("sha256"),
-                        response=row.get("response"))
+            return read
+
+        yield SourceRow(str(row.get("sample_uid", index)), row.get("question"), row.get("answer"), [reader(image) for image in images],
+                        _recorded(row.get("sha256")), response=row.get("response"))
 
 
 def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
-    from lt_opd_ray.sources.rows import read_records
+    from lt_opd_ray.sources.rows import images_problem, read_records, row_images
 
     for number, row, problem in read_records(path):
-        if problem is not None:
-            yield SourceRow(f"line {number}", None, None, _missing(problem), problem=problem)
+        if problem := problem or images_problem(row):
+            yield SourceRow(str((row or {}).get("sample_uid") or f"line {number}"), None, None, [], problem=problem)
             continue
-        image = row.get("image")
 
-        def read(image=image) -> bytes:
-            if not image:
-                raise FileNotFoundError("no image")
-            file = images / str(image)
-            if not file.is_file():
-                raise FileNotFoundError(f"{file} not found")
-            return file.read_bytes()
+        def reader(image):
+            def read() -> bytes:
+                file = images / str(image)
+                if not file.is_file():
+                    raise FileNotFoundError(f"{file} not found")
+                return file.read_bytes()
 
-        yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"), read, row.get("sha256"),
-                        response=row.get("response"))
+            return read
+
+        yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"),
+                        [reader(image) for image in row_images(row)], _recorded(row.get("sha256")), response=row.get("response"))
+
+
+def _recorded(sha256) -> list | None:
+    """A row's recorded SHA-256 digests, one per image (a single-image row may give one string)."""
+    return None if sha256 is None else [sha256] if isinstance(sha256, str) else list(sha256)
 
 
 def _missing(reason: str):
@@ -158,7 +168,7 @@ def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]
 
 
 # ------------------------------------------------------------------------------ prepare
-def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
+def _check(row: SourceRow, seen: set[str]) -> tuple[list[bytes] | None, list[str]]:
     from lt_opd_ray.models.processor import ImageError, decode_image
     from lt_opd_ray.sources.rows import question_problem, response_problem
 
@@ -173,20 +183,28 @@ def _check(row: SourceRow, seen: set[str]) -> tuple[bytes | None, list[str]]:
         problems.append(problem)
     if row.uid in seen:
         problems.append("duplicate sample_uid")
-    try:
-        data = row.read_image()
-    except (FileNotFoundError, ValueError, OSError, tarfile.TarError) as exc:
-        return None, problems + [f"image: {exc}"]
-    if row.size_bytes is not None and len(data) != int(row.size_bytes):
-        problems.append(f"image has {len(data)} bytes, media.jsonl says {row.size_bytes}")
-    digest = hashlib.sha256(data).hexdigest()
-    if row.sha256 and digest != row.sha256:
-        problems.append(f"image SHA-256 {digest[:12]}... does not match the recorded {str(row.sha256)[:12]}...")
-    try:
-        decode_image(data).close()
-    except ImageError as exc:
-        problems.append(f"image {exc}")
-    return data, problems
+    if row.sha256 is not None and len(row.sha256) != len(row.read_images):
+        problems.append(f"{len(row.sha256)} recorded SHA-256 digest(s) for {len(row.read_images)} image(s)")
+    images = []
+    for position, read in enumerate(row.read_images):
+        name = f"image {position}" if len(row.read_images) > 1 else "image"
+        try:
+            data = read()
+        except (FileNotFoundError, ValueError, OSError, tarfile.TarError) as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        if row.size_bytes is not None and len(data) != int(row.size_bytes):
+            problems.append(f"{name} has {len(data)} bytes, media.jsonl says {row.size_bytes}")
+        digest = hashlib.sha256(data).hexdigest()
+        recorded = row.sha256[position] if row.sha256 and position < len(row.sha256) else None
+        if recorded and digest != recorded:
+            problems.append(f"{name} SHA-256 {digest[:12]}... does not match the recorded {str(recorded)[:12]}...")
+        try:
+            decode_image(data).close()
+        except ImageError as exc:
+            problems.append(f"{name} {exc}")
+        images.append(data)
+    return (images if not problems else None), problems
 
 
 def _fingerprint(source: Path) -> str:
@@ -225,7 +243,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
     def flush() -> None:
         nonlocal batch, new_shards
         name = f"shard-{len(state['shards']):05d}.parquet"
-        table = pa.table({k: [r[k] for r in batch] for k in (*TEXT_COLUMNS, "image", "sha256")})
+        table = pa.table({k: [r[k] for r in batch] for k in (*TEXT_COLUMNS, "images", "sha256")})
         pq.write_table(table, staging / (name + ".tmp"), row_group_size=ROW_GROUP)
         os.replace(staging / (name + ".tmp"), staging / name)
         state["shards"].append({"file": name, "rows": len(batch), "sha256": hashlib.sha256((staging / name).read_bytes()).hexdigest()})
@@ -242,7 +260,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
             problems += [f"{row.uid}: {p}" for p in row_problems]
             continue
         batch.append({"sample_uid": row.uid, "question": str(row.question), "answer": None if row.answer is None else str(row.answer),
-                      "response": row.response, "image": data, "sha256": hashlib.sha256(data).hexdigest()})
+                      "response": row.response, "images": data, "sha256": [hashlib.sha256(image).hexdigest() for image in data]})
         if progress:
             progress(index + 1)
         if len(batch) == shard_rows and not problems:
@@ -256,7 +274,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
         raise DataError(f"{source}: {len(problems)} problem(s), nothing written\n  {shown}{more}")
     if batch:
         flush()
-    manifest = {"format": 1, "source": str(source), "rows": len(state["uids"]), "shards": state["shards"]}
+    manifest = {"format": FORMAT, "source": str(source), "rows": len(state["uids"]), "shards": state["shards"]}
     (staging / PROGRESS).unlink()
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
     os.replace(staging, out)
@@ -266,16 +284,20 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
 # ------------------------------------------------------------------------------- loading
 @dataclass(frozen=True)
 class ShardImage:
-    """One image inside a prepared shard, read on use (its row group only)."""
+    """One image inside a prepared shard, read on use (its row group only): image `position` of the row's `images`,
+    or a format-1 shard's one `image`."""
 
     shard: str
     row: int
+    position: int = 0
+    column: str = "images"
 
     def read(self) -> bytes:
         import pyarrow.parquet as pq
 
         group, offset = divmod(self.row, ROW_GROUP)
-        return pq.ParquetFile(self.shard).read_row_group(group, columns=["image"]).column("image")[offset].as_py()
+        cell = pq.ParquetFile(self.shard).read_row_group(group, columns=[self.column]).column(self.column)[offset].as_py()
+        return cell[self.position] if self.column == "images" else cell
 
 
 def read_prepared(folder: str | Path):
@@ -300,12 +322,16 @@ def read_prepared(folder: str | Path):
             raise InputError(f"{folder}: shard {file} named by the manifest is missing")
         try:
             present = set(pq.read_schema(path).names)  # a shard written before `response` existed has no such column
-            table = pq.read_table(path, columns=[c for c in TEXT_COLUMNS if c in present])
+            column = "images" if "images" in present else "image"  # format 1: one image per row
+            table = pq.read_table(path, columns=[c for c in TEXT_COLUMNS if c in present] + ["sha256"])
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable shard ({str(exc).splitlines()[0][:160]}); prepare the folder again") from None
         if table.num_rows != rows:
             raise InputError(f"{path}: {table.num_rows} rows, the manifest says {rows}")
         columns = [table.column(c).to_pylist() if c in table.column_names else [None] * rows for c in TEXT_COLUMNS]
+        digests = table.column("sha256").to_pylist()  # one per image (format 1: one string)
         for row, (uid, question, answer, response) in enumerate(zip(*columns)):
-            samples.append(Sample(uid=uid, image=ShardImage(str(path), row), question=question, answer=answer, response=response))
+            count = len(digests[row]) if column == "images" else 1
+            images = tuple(ShardImage(str(path), row, position, column) for position in range(count))
+            samples.append(Sample(uid=uid, images=images, question=question, answer=answer, response=response))
     return samples

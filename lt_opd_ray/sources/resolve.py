@@ -1,6 +1,6 @@
 """What a job's `data.*` and `model.path` strings name, resolved in one place (the schema checks them with it).
 
-Data: `synthetic:<n>[@<W>x<H>]`, `toy-<task>[-test]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
+Data: `synthetic:<n>[@<W>x<H>][*<images>]`, `toy-<task>[-test]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
 parquet file. Models: `tiny:<family>[-vocab<N>]` (an embedded tiny random model, built once), `toy:<task>` (a toy
 task's teacher: shipped, or trained once), or a local Hugging Face folder.
 """
@@ -16,15 +16,17 @@ from lt_opd_ray.sources.rows import PREPARED_MANIFEST, read_rows
 from lt_opd_ray.sources.synthetic import synthetic_sample
 
 MAX_GENERATED_ROWS = 100_000  # synthetic and toy rows are drawn in memory at start: more is a typo, not a data set
+MAX_SYNTHETIC_IMAGES = 16  # images per synthetic row (MVBench's frame count)
 
 
 @dataclass(frozen=True)
 class GeneratedRows:
-    """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>]` or `toy-<task>[-test]:<n>`."""
+    """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>][*<images>]` or `toy-<task>[-test]:<n>`."""
 
     kind: str  # "synthetic" or "toy-<task>[-test]"
     count: int
     size: tuple[int, int] | None = None  # (width, height) of synthetic images; None: 128 x 128
+    images: int = 1  # images per synthetic row
 
     @property
     def toy_task(self) -> str | None:
@@ -37,13 +39,16 @@ def generated_rows(spec: str) -> GeneratedRows | None:
     kind, _, rest = spec.partition(":")
     if kind != "synthetic" and not kind.startswith("toy-"):
         return None
+    rest, _, images = rest.partition("*")
+    if images and (kind != "synthetic" or not images.isdigit() or not 1 <= int(images) <= MAX_SYNTHETIC_IMAGES):
+        raise InputError(f"{spec!r}: expected synthetic:<n>[@<width>x<height>]*<images from 1 to {MAX_SYNTHETIC_IMAGES}>")
     count, _, size = rest.partition("@")
     if not count.isdigit() or not 1 <= int(count) <= MAX_GENERATED_ROWS:
         raise InputError(f"{spec!r}: expected {kind}:<count from 1 to {MAX_GENERATED_ROWS:,}>")
     width, _, height = size.partition("x")
     if size and (kind != "synthetic" or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
         raise InputError(f"{spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
-    rows = GeneratedRows(kind, int(count), (int(width), int(height)) if size else None)
+    rows = GeneratedRows(kind, int(count), (int(width), int(height)) if size else None, int(images or 1))
     if rows.toy_task is not None:
         from lt_opd_ray.sources.toy.tasks import toy_task
 
@@ -52,7 +57,8 @@ def generated_rows(spec: str) -> GeneratedRows | None:
 
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
-    """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size),
+    """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size, `synthetic:<n>*<I>` with
+    I images per row, the question naming one),
     `toy-<task>:<n>` / `toy-<task>-test:<n>` (a toy task's training / held-out split, lt_opd_ray/toy),
     a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
     if (generated := generated_rows(spec)) is not None:
@@ -60,7 +66,7 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list
             from lt_opd_ray.sources.toy.tasks import toy_task
 
             return toy_task(generated.toy_task).samples(generated.count, "test" if generated.kind.endswith("-test") else "train")
-        return [synthetic_sample(i, seed, generated.size or 128) for i in range(generated.count)]
+        return [synthetic_sample(i, seed, generated.size or 128, generated.images) for i in range(generated.count)]
     if (Path(spec) / PREPARED_MANIFEST).exists():
         from lt_opd_ray.sources.prepare import read_prepared
 

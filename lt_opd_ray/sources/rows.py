@@ -1,5 +1,6 @@
-"""Training rows read from JSONL / parquet files: (sample_uid, image, question[, answer][, response]), every problem of a file
-named at once."""
+"""Training rows read from JSONL / parquet files: (sample_uid, image or images, question[, answer][, response]), every
+problem of a file named at once. `image` is one path; `images` a list of paths, shown in that order (MuirBench-style
+prompts, a clip's frames)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lt_opd_ray.core.samples import Sample
 DATA_SUFFIXES = (".jsonl", ".parquet")  # the row files `load_samples` reads
 PREPARED_MANIFEST = "manifest.json"  # what marks a folder `lt-opd data` prepared (written last)
 MAX_QUESTION_CHARS = 65_536  # a question is a sentence or a page, never a document: longer is refused per row
-REQUIRED_FIELDS = ("sample_uid", "image", "question")
+REQUIRED_FIELDS = ("sample_uid", "question")  # and an image: `image` (one path) or `images` (a list of paths)
 
 
 def question_problem(question: object) -> str | None:
@@ -109,24 +110,46 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
             continue
         uid = str(row["sample_uid"])
         seen[uid] = number
-        image = row["image"]
-        if isinstance(image, str):
-            image = Path(image_root) / image
-        samples.append(Sample(uid=uid, image=image, question=str(row["question"]), answer=row.get("answer"), response=row.get("response")))
+        images = tuple(Path(image_root) / image if isinstance(image, str) else image for image in row_images(row))
+        samples.append(Sample(uid=uid, images=images, question=str(row["question"]), answer=row.get("answer"), response=row.get("response")))
         numbers.append(number)
-    missing = [(number, sample.image) for number, sample in zip(numbers, samples) if isinstance(sample.image, Path) and not sample.image.is_file()]
+    missing = [(number, position, image) for number, sample in zip(numbers, samples) for position, image in enumerate(sample.images)
+               if isinstance(image, Path) and not image.is_file()]
     if missing:
-        shown = "; ".join(f"{where} {number}: {image}" for number, image in missing[:3])
-        problems.append(f"{len(missing)} of {len(samples)} image file(s) not found under image_root {image_root}"
+        files = sum(len(sample.images) for sample in samples)
+        shown = "; ".join(f"{where} {number}" + (f" image {position}" if position else "") + f": {image}" for number, position, image in missing[:3])
+        problems.append(f"{len(missing)} of {files} image file(s) not found under image_root {image_root}"
                         f" ({shown}{'; ...' if len(missing) > 3 else ''})")
     if problems:
         raise InputError(listed(path, problems))
     return samples
 
 
+def row_images(row: dict) -> list:
+    """A row's images: its `images` list, or its one `image`."""
+    return list(row["images"]) if "images" in row else [row["image"]]
+
+
+def images_problem(row: dict) -> str | None:
+    """What is wrong with a row's image fields: exactly one of `image` (one path) and `images` (a non-empty list of
+    paths), no empty entry."""
+    if "image" in row and "images" in row:
+        return "both `image` and `images`: give one path as `image` or a list as `images`"
+    if "images" in row:
+        images = row["images"]
+        if not isinstance(images, (list, tuple)) or not images:
+            return f"`images` must be a non-empty list of image paths, got {type(images).__name__ if images else 'an empty one'}"
+        if empty := [str(position) for position, image in enumerate(images) if not image]:
+            return f"`images` entries {', '.join(empty)} are empty"
+        return None
+    return None if row.get("image") else "missing field(s) image (or images)"
+
+
 def _row_problem(row: dict, seen: dict[str, int], where: str) -> str | None:
     if missing := [f for f in REQUIRED_FIELDS if not row.get(f)]:
         return f"missing field(s) {', '.join(missing)}"
+    if problem := images_problem(row):
+        return problem
     if (uid := str(row["sample_uid"])) in seen:
         return f"duplicate sample_uid {uid!r} (first at {where} {seen[uid]})"
     return question_problem(row["question"]) or response_problem(row.get("response"))

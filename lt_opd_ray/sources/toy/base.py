@@ -71,12 +71,12 @@ class ToyTask:
         """Item `index` of `split` under `seed`: question, answer and the teacher's response; its image a ToyImage."""
         chosen = self.layout(index, seed, split)
         image = ToyImage(self.draw, index, seed, split)
-        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", image=image, question=chosen.question, answer=chosen.answer, response=chosen.written)
+        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", images=(image,), question=chosen.question, answer=chosen.answer, response=chosen.written)
         return ToyItem(sample, chosen.response)
 
     def kind_of(self, sample: Sample) -> str | None:
         """The kind of question a sample of this task asks, where the task asks several (`discs`), else None."""
-        image = sample.image
+        image = sample.images[0]
         return getattr(self.layout(image.index, image.seed, image.split), "kind", None)
 
     def items(self, count: int, split: str = "train", seed: int = 0) -> list[ToyItem]:

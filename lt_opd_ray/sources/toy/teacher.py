@@ -49,7 +49,7 @@ class TeacherRecipe:
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode())
         for split in ("train", "test"):
             for item in toy_task(self.task).items(KEY_ITEMS, split):
-                image = item.sample.image.read() if hasattr(item.sample.image, "read") else item.sample.image
+                image = item.sample.images[0].read() if hasattr(item.sample.images[0], "read") else item.sample.images[0]
                 digest.update(image.tobytes())
                 digest.update(f"{item.sample.question}\0{item.sample.answer}\0{item.response}\0".encode())
         return digest.hexdigest()[:12]
@@ -99,10 +99,10 @@ def _at_resolution(sample, side: int):
 
     from lt_opd_ray.models.processor import load_image
 
-    image = load_image(sample.image, sample.uid)
+    image = load_image(sample.images[0], sample.uid)
     if image.width == side * TILE:
-        return replace(sample, image=image)
-    return replace(sample, image=image.resize((side * TILE, side * TILE), Image.BILINEAR))
+        return replace(sample, images=(image,))
+    return replace(sample, images=(image.resize((side * TILE, side * TILE), Image.BILINEAR),))
 
 
 class TrainingPrompts:
