@@ -90,6 +90,32 @@ def test_pruned_rollout_equals_transformers_with_the_same_indices(family, tiny_d
 
 
 @pytest.mark.slow
+def test_two_image_prompts_prune_each_image_as_the_transformers_path(tiny_dirs):
+    """Rows of two images in vLLM: each image's picks are the adapter's for that image (per-image seeds), and the
+    greedy tokens and log-probs are the transformers path's on those picks."""
+    from lt_opd_ray.core.selectors import build_selector
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine, engine_prompt
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+    from lt_opd_ray.models.sampler import sample
+
+    family = "qwen3_vl"
+    samples = [synthetic_sample(i, images=2, size=(96 + 32 * i, 128)) for i in range(2)]
+    processor = VLMProcessor(tiny_dirs[family])
+    prompts = encode_samples(processor, samples)
+    engine = VLLMEngine(tiny_dirs[family], dtype="float32", max_model_len=1024, max_images=2)
+    selections = _selections(len(prompts))
+    results = engine.generate([engine_prompt(p, list(s.images)) for p, s in zip(prompts, samples)], selections, GREEDY, seeds=[1, 2])
+    vlm = _adapter(tiny_dirs[family])
+    for prompt, selection, (completion, kept) in zip(prompts, selections, results):
+        features = vlm.visual_features(prompt)
+        own = vlm.select(prompt, features, build_selector("cdpruner"), BUDGET_BPS, K_MIN, seed=selection.seed)
+        assert len(kept.indices) == 2 and all(torch.equal(a, b) for a, b in zip(kept.indices, own))
+        reference = sample(vlm, [vlm.reduce(prompt, features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
+        assert completion.token_ids.tolist() == reference.token_ids.tolist()
+        assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
+
+
+@pytest.mark.slow
 def test_qwen3_5_bf16_rollout_is_as_close_to_fp32_as_transformers_bf16(tiny_dirs, engines):
     """bf16 rounds differently in every kernel, so tokens may part ways; compare log-probs teacher-forced.
 
