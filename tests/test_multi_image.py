@@ -104,3 +104,12 @@ def test_rows_with_more_images_than_the_job_allows_are_refused_before_it_starts(
     assert problem.startswith("8 rows of 'synthetic:8*2' show more than data.max_images (1) images (synthetic2-0-0,") and "the most is 2" in problem
     allowed = parse_job('model: {path: "tiny:qwen3_5"}\ndata: {path: "synthetic:8*2", max_images: 2}\nsampling: {prompts_per_step: 2}\n')
     assert read_job_inputs(allowed)[1] == []
+
+
+def test_a_prompt_scoped_budget_is_refused_where_it_cannot_run():
+    base = 'model: {path: "tiny:qwen3_5"}\ndata: {path: "synthetic:8*2", max_images: 2}\n'
+    assert parse_job(base + "selector: {scope: prompt}\n").selector.scope == "prompt"
+    with pytest.raises(ValueError, match="selector.scope prompt selects across a prompt's images in the transformers engines"):
+        parse_job(base + "selector: {scope: prompt}\npools: {rollout: {backend: vllm}}\n")
+    with pytest.raises(ValueError, match="scope prompt with merge learnable"):
+        parse_job(base + "selector: {scope: prompt, merge: learnable}\n")

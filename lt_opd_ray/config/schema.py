@@ -74,6 +74,17 @@ class SelectorConfig(StrictModel):
     merge: Literal["none", "learnable"] = "none"
     """`learnable`: each kept token also takes in its discarded cosine neighbours through a trained head (the paper's
     release, with cdpruner; models/token_merge.py); `none`: the discarded tokens are dropped."""
+    scope: Literal["image", "prompt"] = "image"
+    """What one budget covers in a row of several images. `image` (the paper's evaluation protocol): each image keeps
+    k_i = min(N_i, max(k_min, ceil(N_i r))) of its own N_i tokens. `prompt`: one budget over the union of the
+    prompt's images, k = min(N, max(k_min, ceil(N r))) for N = sum of N_i, the selector choosing across images (an
+    image may keep none). A one-image row picks the same either way. Transformers engines only."""
+
+    @model_validator(mode="after")
+    def _merge_needs_every_image(self) -> SelectorConfig:
+        if self.scope == "prompt" and self.merge == "learnable":
+            raise ValueError("scope prompt with merge learnable: an image may keep no token to merge its others into; use scope image")
+        return self
 
 
 class BudgetConfig(StrictModel):
@@ -309,6 +320,13 @@ class JobConfig(StrictModel):
     def eval_budget_bps(self) -> int:
         """The budget every evaluation of the student runs at: `eval.budget_bps`, else the curriculum's target."""
         return self.eval.budget_bps or self.budget.target_bps
+
+    @model_validator(mode="after")
+    def _prompt_scope_on_transformers(self) -> JobConfig:
+        if self.selector.scope == "prompt" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
+            raise ValueError("selector.scope prompt selects across a prompt's images in the transformers engines; vLLM's"
+                             " plugin selects per image: set pools.rollout.backend and pools.teacher.backend to transformers")
+        return self
 
     @model_validator(mode="after")
     def _one_response_per_row(self) -> JobConfig:

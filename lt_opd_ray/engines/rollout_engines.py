@@ -78,7 +78,7 @@ class TransformersRolloutEngine:
         self.missing_kernels = missing_kernels(model.config.model_type)
         teacher_writes = job.objective.prefixes == "teacher"
         self.behaviour = QwenVLM(load_vlm(resolve_model_dir(job.model.path))[1].eval().requires_grad_(False)) if teacher_writes else None
-        self.selector = build_selector(job.selector.name)
+        self.selector = build_selector(job.selector.name, job.selector.scope)
         self.params = sampling_params(job, self.processor.tokenizer)
 
     def rollout(self, samples: list[Sample], budget_bps: int, update: int) -> list[Rollout]:
@@ -101,7 +101,8 @@ class TransformersRolloutEngine:
 
         with compute_precision(self.job.model.dtype, self.vlm.device):
             return generate_responses(
-                self.vlm, self.processor, samples, budget_bps, selector, self.job.budget.k_min, system_prompt, max_new_tokens, stop=stop
+                self.vlm, self.processor, samples, budget_bps, selector, self.job.budget.k_min, system_prompt, max_new_tokens, stop=stop,
+                scope=self.job.selector.scope,
             )
 
     def sink(self) -> WeightSink:

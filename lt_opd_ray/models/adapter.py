@@ -136,8 +136,17 @@ class QwenVLM:
         k_min: int,
         seed: int = 0,
     ) -> list[torch.Tensor]:
-        """Per image: k = min(N, max(k_min, ceil(N*r))) indices, chosen in fp32 without gradients."""
+        """Per image: k = min(N, max(k_min, ceil(N*r))) indices, chosen in fp32 without gradients. With a prompt-scoped
+        selector and several images: k = min(N, max(k_min, ceil(N*r))) for N = sum of N_i, chosen from the union of the
+        images' tokens (concatenated in prompt order, on a 1 x N grid), then split back per image; a one-image prompt
+        picks the same either way."""
         query = self.query_embedding(prompt)
+        if selector.scope == "prompt" and len(features.embeds) > 1:
+            union = torch.cat([embeds.detach().float() for embeds in features.embeds])
+            k = tokens_to_keep(union.shape[0], budget_bps, k_min)
+            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, 0)), k)
+            bounds = torch.tensor([0] + [e.shape[0] for e in features.embeds]).cumsum(0).tolist()
+            return [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         selected = []
         for i, (embeds, grid) in enumerate(zip(features.embeds, features.merged_grids)):
             n = embeds.shape[0]

@@ -53,9 +53,11 @@ def generate_responses(
     max_new_tokens: int = 16,
     batch_size: int = 32,
     stop: tuple[str, ...] = (),
+    scope: str = "image",
 ) -> list[str]:
-    """Greedy responses of `vlm` with `selector` at `budget_bps` (10000: every visual token), one per sample."""
-    choose = build_selector(selector)
+    """Greedy responses of `vlm` with `selector` at `budget_bps` (10000: every visual token), one per sample; `scope`:
+    what one budget covers in a row of several images (selectors.SCOPES)."""
+    choose = build_selector(selector, scope)
     tokenizer = processor.tokenizer
     params = SamplingParams(
         max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,)

@@ -10,11 +10,20 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
-def build_selector(name: str) -> Selector:
+SCOPES = ("image", "prompt")  # what one budget covers: each image's tokens, or the union of a prompt's images' tokens
+
+
+def build_selector(name: str, scope: str = "image") -> Selector:
+    """Selector `name` applied per image (`scope` image: each image keeps k_i = tokens_to_keep(N_i)) or over the
+    prompt (`scope` prompt: k = tokens_to_keep(sum N_i) chosen from the union of its images' tokens; models/adapter.py)."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown selection scope {scope!r}; known: {', '.join(SCOPES)}")
     try:
-        return SELECTORS[name]()
+        selector = SELECTORS[name]()
     except KeyError:
         raise ValueError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}") from None
+    selector.scope = scope
+    return selector
 
 
-__all__ = ["SELECTORS", "SelectionInput", "Selector", "build_selector"]
+__all__ = ["SCOPES", "SELECTORS", "SelectionInput", "Selector", "build_selector"]

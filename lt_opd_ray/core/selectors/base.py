@@ -23,6 +23,7 @@ class SelectionInput:
 
 class Selector(abc.ABC):
     name: str
+    scope: str = "image"  # what one budget covers (selectors/__init__.py SCOPES); the adapter applies it
 
     def select(self, item: SelectionInput, k: int) -> torch.Tensor:
         n = item.features.shape[0]
