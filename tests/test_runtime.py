@@ -101,10 +101,13 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
             assert log.micro_batches == ranks and log.vision_forwards == prompts  # vision once per prompt
 
 
-def test_rows_of_two_images_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path):
-    """Each row shows two images, each pruned to the budget on its own; the learner replays both images' selections
-    (two index sets per prompt) and two ZeRO-2 ranks equal the single process."""
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=2, name="two-images", images=2)
+@pytest.mark.parametrize("scope", ["image", "prompt"])
+def test_rows_of_two_images_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, scope):
+    """Each row shows two images, pruned to the budget each on its own (scope image) or over their union (scope
+    prompt, where one image may keep few tokens or none); the learner replays both images' selections (two index
+    sets per prompt) and two ZeRO-2 ranks equal the single process."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=2, name=f"two-images-{scope}", images=2,
+                  extra=f"selector: {{scope: {scope}}}\n")
     reports, ref_weights = reference_run(job, 2)
     _, logs, weights = driver_run(job, 2)
     assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
