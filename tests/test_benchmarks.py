@@ -77,6 +77,11 @@ def fixture(name: str, folder):
                  "answers": ["hello"], "type": "Regular Text Recognition"} for i in range(2)]
         (folder / "ocrbench.json").write_text(json.dumps(rows))
         return folder / "ocrbench.json", ["It says Hello.", "hello world"], 2.0
+    if name == "muirbench":
+        rows = [{"idx": f"m{i}", "task": "Image-Text Matching", "question": "Which of <image> and <image> shows a cat?",
+                 "options": ["the first", "the second", "neither"], "answer": "AB"[i],
+                 "image_list": [_save(folder, f"m{i}a.png", i), _b64(i + 5)]} for i in range(2)]
+        return _jsonl(folder / "muirbench.jsonl", rows), ["A", "(B)"], 100.0
     raise KeyError(name)
 
 
@@ -90,6 +95,18 @@ def test_each_adapter_reads_its_format_and_scores_perfect_answers(name, tmp_path
     assert adapter.score(items, ["unrelated"] * len(items))["score"] < best
     if name in ("mmbench", "hrbench", "mmmu", "vstar"):
         assert "A. cat" in items[0].sample.question and "letter" in items[0].sample.question
+    if name == "muirbench":  # every image of a row, in order; the question names them
+        assert all(len(i.sample.images) == 2 for i in items) and items[0].sample.question.startswith("Which of image 1 and image 2")
+
+
+def test_a_muirbench_row_with_a_bad_image_is_named_with_its_position(tmp_path):
+    rows = [{"idx": "m0", "question": "<image> or <image>?", "options": ["a", "b"], "answer": "A",
+             "image_list": [_save(tmp_path, "ok.png", 0), "images/gone.png"]},
+            {"idx": "m1", "question": "<image>?", "options": ["a", "b"], "answer": "A", "image_list": []}]
+    with pytest.raises(BenchmarkError) as info:
+        benchmark("muirbench").load(_jsonl(tmp_path / "muirbench.jsonl", rows))
+    assert "m0 image 1: image 'images/gone.png' is neither a file" in str(info.value)
+    assert "m1: image_list must be a non-empty list of images" in str(info.value)
 
 
 def test_the_job_schema_knows_every_benchmark():
@@ -137,12 +154,13 @@ def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, caps
 
     mmbench, _, _ = fixture("mmbench", tmp_path)
     pope, _, _ = fixture("pope", tmp_path)
+    muirbench, _, _ = fixture("muirbench", tmp_path)  # two images per question
     out = tmp_path / "eval"
-    argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}",
+    argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}", "--bench", f"muirbench={muirbench}",
             "--budgets", "500", "2500", "--selectors", "cdpruner", "divprune", "--max-new-tokens", "4", "--out", str(out)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert set(results["benchmarks"]) == {"mmbench", "pope"}
+    assert set(results["benchmarks"]) == {"mmbench", "pope", "muirbench"}
     for key, retain in results["retain"].items():
         scored = {n: e for n, e in results["benchmarks"].items() if e["full"]["score"] > 0}
         ratios = [scored[n]["pruned"][key]["score"] / scored[n]["full"]["score"] for n in scored]

@@ -224,7 +224,7 @@ class CheckpointConfig(StrictModel):
     """Complete checkpoints kept on disk."""
 
 
-BenchmarkName = Literal["mmbench", "mmmu", "vstar", "hrbench", "pope", "gqa", "textvqa", "mme", "ocrbench"]
+BenchmarkName = Literal["mmbench", "mmmu", "vstar", "hrbench", "pope", "gqa", "textvqa", "mme", "ocrbench", "muirbench"]
 
 
 class EvalConfig(StrictModel):

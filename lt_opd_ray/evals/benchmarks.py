@@ -1,6 +1,6 @@
-"""Adapters for the nine benchmarks of the paper, stored locally in their usual release layouts.
+"""Adapters for the nine benchmarks of the paper and its multi-image one, stored locally in their usual release layouts.
 
-Each adapter reads one benchmark file into items (a prompt with one image and its
+Each adapter reads one benchmark file into items (a prompt with its images and its
 references) and scores a list of responses with the benchmark's own metric
 (`scoring`). Every problem of a file is collected (row id, field) and reported at
 once: a file with any bad row is refused whole, so no score is ever computed on a
@@ -17,6 +17,7 @@ silently shortened benchmark.
 | textvqa   | JSON {"data": [...]}                   | question_id, question, image_id, answers (10); images/<image_id>.jpg | VQA accuracy x 100 |
 | mme       | TSV (VLMEvalKit)                       | index, image (base64), question, answer (Yes/No), category, [image_path] | perception + cognition |
 | ocrbench  | JSON list                              | dataset_name, image_path, question, answers         | correct count |
+| muirbench | JSONL (the release's rows)             | idx, question (`<image>` marks each image), options (list), answer (letter), image_list (list) | accuracy x 100 |
 
 Images are base64 strings or paths relative to the benchmark file's folder.
 """
@@ -172,6 +173,39 @@ class VStarBench(MMMU):
     name = "vstar"
 
 
+class MuirBench(_MultipleChoice):
+    """MuirBench: multiple choice over several images per question (the paper's multi-image evaluation). Each
+    `<image>` in the question becomes "image i" (the images come first in the prompt, in order)."""
+
+    name = "muirbench"
+
+    def _read(self, path, problems):
+        items = []
+        for row in read_jsonl(path, problems):
+            row_id = row_id_of(row, "idx", "?")
+            if not required(row, ("idx", "question", "options", "answer", "image_list"), row_id, problems):
+                continue
+            options, listed = row["options"], row["image_list"]
+            if not isinstance(options, list) or len(options) < 2:
+                problems.add(row_id, "options must list at least two choices")
+                continue
+            if row["answer"] not in scoring.LETTERS[: len(options)]:
+                problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
+                continue
+            if not isinstance(listed, list) or not listed:
+                problems.add(row_id, "image_list must be a non-empty list of images")
+                continue
+            images = [image_of(value, path.parent, f"{row_id} image {i}", problems) for i, value in enumerate(listed)]
+            if any(image is None for image in images):
+                continue
+            question = str(row["question"])
+            for i in range(len(images)):
+                question = question.replace("<image>", f"image {i + 1}", 1)
+            items.append(Item(Sample(f"{self.name}-{row_id}", tuple(images), _mc_prompt(question, [str(o) for o in options])),
+                              {"options": [str(o) for o in options], "answer": row["answer"]}))
+        return items
+
+
 # --------------------------------------------------------------------------------- POPE
 class POPE(Benchmark):
     name = "pope"
@@ -310,7 +344,7 @@ class OCRBench(Benchmark):
 
 
 BENCHMARKS: dict[str, type[Benchmark]] = {
-    cls.name: cls for cls in (MMBench, MMMU, VStarBench, HRBench, POPE, GQA, TextVQA, MME, OCRBench)
+    cls.name: cls for cls in (MMBench, MMMU, VStarBench, HRBench, POPE, GQA, TextVQA, MME, OCRBench, MuirBench)
 }
 
 

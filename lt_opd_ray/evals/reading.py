@@ -60,7 +60,7 @@ def row_id_of(row, key: str, default):
     return row.get(key, default) if isinstance(row, dict) else default
 
 
-LIST_FIELDS = ("options", "answers")  # text, or a list
+LIST_FIELDS = ("options", "answers", "image_list")  # text, or a list
 ID_FIELDS = ("id", "index", "question_id")  # text, or an integer
 
 
