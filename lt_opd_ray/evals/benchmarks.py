@@ -102,6 +102,17 @@ def _mc_prompt(question: str, options: list[str], hint: str = "") -> str:
 
 
 # ----------------------------------------------------------------------- multiple choice
+def _choices_hold(options, answer, row_id, problems) -> bool:
+    """A JSONL row's options list at least two choices and its answer is one of their letters; a problem otherwise."""
+    if not isinstance(options, list) or len(options) < 2:
+        problems.add(row_id, "options must list at least two choices")
+        return False
+    if answer not in scoring.LETTERS[: len(options)]:
+        problems.add(row_id, f"answer {answer!r} is not one of the option letters")
+        return False
+    return True
+
+
 class _MultipleChoice(Benchmark):
     headline = "accuracy x 100"
 
@@ -155,11 +166,7 @@ class MMMU(_MultipleChoice):
                 except (ValueError, SyntaxError):
                     problems.add(row_id, "options is neither a list nor a list literal")
                     continue
-            if not isinstance(options, list) or len(options) < 2:
-                problems.add(row_id, "options must list at least two choices")
-                continue
-            if row["answer"] not in scoring.LETTERS[: len(options)]:
-                problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
+            if not _choices_hold(options, row["answer"], row_id, problems):
                 continue
             image = image_of(row["image"], path.parent, row_id, problems)
             if image is not None:
@@ -186,11 +193,7 @@ class MuirBench(_MultipleChoice):
             if not required(row, ("idx", "question", "options", "answer", "image_list"), row_id, problems):
                 continue
             options, listed = row["options"], row["image_list"]
-            if not isinstance(options, list) or len(options) < 2:
-                problems.add(row_id, "options must list at least two choices")
-                continue
-            if row["answer"] not in scoring.LETTERS[: len(options)]:
-                problems.add(row_id, f"answer {row['answer']!r} is not one of the option letters")
+            if not _choices_hold(options, row["answer"], row_id, problems):
                 continue
             if not isinstance(listed, list) or not listed:
                 problems.add(row_id, "image_list must be a non-empty list of images")
