@@ -111,6 +111,18 @@ def test_param_groups_cover_the_three_modules(loaded, family):
     assert {id(p) for p in model.model.visual.blocks.parameters()} <= ids["vision_encoder"]
 
 
+def test_a_model_without_the_projector_the_recipe_trains_is_named(tiny_dirs):
+    from transformers import AutoModelForImageTextToText
+
+    from lt_opd_ray.config.schema import LearningRates
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dirs["glm4v"], dtype=torch.float32)
+    del model.model.visual.merger, model.model.visual.downsample
+    with pytest.raises(ValueError, match=r"GLM-4.1V / GLM-4.6V-Flash model \(Glm4vForConditionalGeneration\) has no merger parameters"
+                                         r" \(none named by visual.downsample, visual.merger\)"):
+        param_groups(model, LearningRates())
+
+
 def test_bf16_compute_over_fp32_master_weights(tiny_dirs, samples):
     job = parse_job(
         f'model: {{path: "{tiny_dirs["qwen3_5"]}", dtype: bfloat16}}\n'

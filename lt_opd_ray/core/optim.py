@@ -22,8 +22,15 @@ def module_of(parameter_name: str, family: Family) -> str:
 
 
 def param_groups(model: torch.nn.Module, lr) -> list[dict]:
+    """One AdamW group per module the recipe trains at its own learning rate; a model lacking one of the three the
+    recipe names (its language model, vision encoder, projector) is a ValueError naming the family and the module."""
     family = family_of(model.config.model_type, type(model).__name__)
     groups: dict[str, list] = {"language_model": [], "vision_encoder": [], "merger": [], "token_merge": []}
+    names = [name for name, _ in model.named_parameters()]
+    for module, markers in (("merger", family.projector), ("vision_encoder", ("visual.",))):
+        if not any(module_of(name, family) == module for name in names):
+            raise ValueError(f"{family.name} model ({type(model).__name__}) has no {module} parameters (none named by"
+                             f" {', '.join(markers)}), which the recipe trains at optimizer.lr.{module}: a checkpoint of another layout?")
     for name, parameter in model.named_parameters():
         if parameter.requires_grad:
             groups[module_of(name, family)].append(parameter)
