@@ -107,6 +107,12 @@ def test_efficiency_command_prints_the_reduction_table(capsys):
     assert "728 visual tokens" in lines[0]
     assert lines[-1].split()[:3] == ["5%", "121", "0.875"] and "-85.3%" in lines[-1]
     assert main(["efficiency", "--preset", "qwen3.5-4b", "--image", "big"]) == 2
+    # four images, each pruned on its own: 4 x 182 visual tokens of a 448 x 448 image, 4 x 10 kept at 5%
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--image", "448x416", "--images", "4", "--budgets", "500"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "4 images of 448x416, each pruned to the budget (728 visual tokens)" in lines[0]
+    assert lines[-1].split()[:2] == ["5%", str(84 + 4 * 10)]
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--images", "0"]) == 2
 
 
 def test_commands_without_their_input_are_refused_in_one_line(capsys):

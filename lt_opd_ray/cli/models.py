@@ -113,9 +113,14 @@ def cmd_efficiency(args) -> int:
         return 2
     grid = patch_grid(config, height, width)
     merging = args.token_merge or learnable_merge(config) is not None
-    rows = [prefill_cost(config, args.text_tokens, [grid], bps, args.k_min, token_merge=merging) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
+    if args.images < 1:
+        print(f"efficiency: --images {args.images}: a prompt shows at least one image", file=sys.stderr)
+        return 2
+    grids = [grid] * args.images  # each image pruned to the budget on its own (selector.scope image)
+    rows = [prefill_cost(config, args.text_tokens, grids, bps, args.k_min, token_merge=merging) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
     full = rows[0]
-    print(f"{args.preset or args.model}: {args.text_tokens} text tokens + one {height}x{width} image"
+    shown = f"one {height}x{width} image" if args.images == 1 else f"{args.images} images of {height}x{width}, each pruned to the budget"
+    print(f"{args.preset or args.model}: {args.text_tokens} text tokens + {shown}"
           f" ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
     print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}"
           + (f" {'merge GFLOPs':>14}" if merging else ""))
@@ -171,6 +176,7 @@ def register(sub) -> None:
     efficiency.add_argument("--preset", choices=list(PRESETS), default=None, help="a built-in config instead of a folder")
     efficiency.add_argument("--text-tokens", type=int, default=84, help="text tokens of the prompt (default 84)")
     efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
+    efficiency.add_argument("--images", type=int, default=1, help="images per prompt, each of --image's size (default 1)")
     efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
     efficiency.add_argument("--k-min", type=int, default=1)
     efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
