@@ -53,7 +53,7 @@ class ReferenceTrainer:
         self.optimizer, self.scheduler = build_optimizer(model, job.optimizer)
         self.schedule = BudgetSchedule.from_config(job.budget)
         self.selector = build_selector(job.selector.name, job.selector.scope)
-        self.params = sampling_params(job, self.processor.tokenizer)
+        self.params = sampling_params(job, self.processor)
         self.step_index = 0  # optimizer steps completed: the curriculum's c
         # max_staleness 1: the weights one optimizer step behind, which sample the rollouts
         self.lagged = QwenVLM(copy.deepcopy(model).eval().requires_grad_(False)) if job.schedule.max_staleness else None

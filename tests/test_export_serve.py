@@ -30,7 +30,7 @@ def test_question_ids_recovered_from_a_prompt_are_the_query_mask(family, system_
     is_image = prompt.mm_token_type_ids == 1
     first = int(is_image.nonzero()[0])
     collapsed = prompt.input_ids[~is_image | (torch.arange(is_image.numel()) == first)].tolist()  # one placeholder
-    assert question_token_ids(collapsed, processor.tokenizer) == prompt.input_ids[prompt.query_mask].tolist()
+    assert question_token_ids(collapsed, processor.tokenizer, processor.family) == prompt.input_ids[prompt.query_mask].tolist()
 
 
 def test_compression_config_round_trips_and_a_broken_one_is_named(tmp_path):

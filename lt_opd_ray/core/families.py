@@ -27,6 +27,9 @@ class Family:
     image_token: str  # the placeholder its chat template writes once per image (expanded to the image's N tokens)
     image_start: str  # the tokens its chat template puts around each image's placeholders
     image_end: str
+    video_tokens: tuple[str, str, str]  # a clip's (start, placeholder, end) tokens, which its processors expect in the vocabulary
+    user_turn: tuple[str, str]  # what opens the user's turn in its chat template: a special token, then plain text
+    turn_ends: tuple[str, ...]  # the special tokens that close a user's turn
     image_processor: str  # transformers' PIL image processor class of its checkpoints
     patch_size: int  # its releases' vision patch side (tiny models use it too)
     projector: tuple[str, ...]  # parameter-name markers of the modules that map vision features into the LM (the `merger` learning rate)
@@ -36,9 +39,15 @@ class Family:
     windowed_vision: bool = False  # Qwen2.5-VL: vision blocks attend within windows except `fullatt_block_indexes`
     vision_mlp: str = "fc"  # vision blocks' MLP: "fc" (fc1 -> fc2, intermediate_size), "swiglu" (gate/up/down, intermediate_size),
     #                          "swiglu_out" (gate/up/down of width out_hidden_size: GLM-4V)
+    vllm_rollout: bool = True  # False: vLLM's in-place weight reload does not take every update (GLM-4V's q/k/v biases on
+    #                             vLLM 0.32's CPU runner), so its rollouts stay on transformers; its vLLM teacher never reloads
     merged_by: str = "mlp"  # how 2x2 patches become one LM token: "mlp" (Qwen's PatchMerger over the concatenation),
     #                          "conv_glu" (GLM-4V: a strided Conv2d, then a gated projection of width intermediate_size)
 
+
+QWEN_VIDEO = ("<|vision_start|>", "<|video_pad|>", "<|vision_end|>")
+QWEN_CHAT = {"user_turn": ("<|im_start|>", "user\n"), "turn_ends": ("<|im_end|>",)}
+GLM_ROLES = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -46,26 +55,27 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="qwen3_5", name="Qwen3.5", architecture="Qwen3_5ForConditionalGeneration", vllm_module="qwen3_5",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
-            image_processor="Qwen2VLImageProcessorPil", patch_size=16, projector=("visual.merger",),
+            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", patch_size=16, projector=("visual.merger",),
             linear_attention=True, attention_output_gate=True,
         ),
         Family(
             model_type="qwen3_vl", name="Qwen3-VL", architecture="Qwen3VLForConditionalGeneration", vllm_module="qwen3_vl",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
-            image_processor="Qwen2VLImageProcessorPil", patch_size=16,
+            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", patch_size=16,
             projector=("visual.merger", "visual.deepstack_merger_list"), deepstack=True,
         ),
         Family(
             model_type="qwen2_5_vl", name="Qwen2.5-VL", architecture="Qwen2_5_VLForConditionalGeneration", vllm_module="qwen2_5_vl",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
-            image_processor="Qwen2VLImageProcessorPil", patch_size=14, projector=("visual.merger",),
+            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", patch_size=14, projector=("visual.merger",),
             windowed_vision=True, vision_mlp="swiglu",
         ),
         Family(
-            model_type="glm4v", name="GLM-4.1V / GLM-4.6V-Flash", architecture="Glm4vForConditionalGeneration", vllm_module=None,
+            model_type="glm4v", name="GLM-4.1V / GLM-4.6V-Flash", architecture="Glm4vForConditionalGeneration", vllm_module="glm4_1v",
             image_token="<|image|>", image_start="<|begin_of_image|>", image_end="<|end_of_image|>",
-            image_processor="Glm4vImageProcessorPil", patch_size=14, projector=("visual.downsample", "visual.merger"),
-            vision_mlp="swiglu_out", merged_by="conv_glu",
+            video_tokens=("<|begin_of_video|>", "<|video|>", "<|end_of_video|>"),
+            user_turn=("<|user|>", "\n"), turn_ends=GLM_ROLES, image_processor="Glm4vImageProcessorPil", patch_size=14, projector=("visual.downsample", "visual.merger"),
+            vision_mlp="swiglu_out", merged_by="conv_glu", vllm_rollout=False,
         ),
     )
 }

@@ -20,7 +20,7 @@ from lt_opd_ray.core.wire import Rollout
 from lt_opd_ray.weight_sync.ends import WeightSink
 
 
-def sampling_params(job: JobConfig, tokenizer):
+def sampling_params(job: JobConfig, processor):
     """The job's sampling settings for the model's sampler (both backends read the same `SamplingParams`)."""
     from lt_opd_ray.models.sampler import SamplingParams
 
@@ -30,7 +30,7 @@ def sampling_params(job: JobConfig, tokenizer):
         top_p=job.sampling.top_p,
         top_k_logprobs=job.objective.top_k,
         stop=tuple(job.sampling.stop),
-        eos_token_ids=(tokenizer.eos_token_id,),
+        eos_token_ids=processor.eos_token_ids,
     )
 
 
@@ -79,7 +79,7 @@ class TransformersRolloutEngine:
         teacher_writes = job.objective.prefixes == "teacher"
         self.behaviour = QwenVLM(load_vlm(resolve_model_dir(job.model.path))[1].eval().requires_grad_(False)) if teacher_writes else None
         self.selector = build_selector(job.selector.name, job.selector.scope)
-        self.params = sampling_params(job, self.processor.tokenizer)
+        self.params = sampling_params(job, self.processor)
 
     def rollout(self, samples: list[Sample], budget_bps: int, update: int) -> list[Rollout]:
         from lt_opd_ray.engines.transformers.rollout import rollout
@@ -131,7 +131,7 @@ class VLLMRolloutEngine:
 
         self.job = job
         self.processor, self.engine = open_for_job(job, role="rollout")
-        self.params = sampling_params(job, self.processor.tokenizer)
+        self.params = sampling_params(job, self.processor)
         self._sink = EngineSink(self.engine, digest=job.pools.rollout.verify_weights)
         self._encoding = threading.Lock()  # a Rust tokenizer refuses concurrent calls ("Already borrowed")
 
@@ -160,14 +160,13 @@ class VLLMRolloutEngine:
 
         prompts = self._encode(samples, system_prompt)
         engine_prompts = [engine_prompt(p, sample_images(s)) for p, s in zip(prompts, samples)]
-        tokenizer = self.processor.tokenizer
-        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=(tokenizer.eos_token_id,))
+        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=self.processor.eos_token_ids)
         selections = [  # at 10000 bps the selector keeps every visual token
             SelectionRequest(budget_bps=budget_bps, k_min=self.job.budget.k_min, selector=selector, seed=eval_selection_seed(s.uid))
             for s in samples
         ]
         results = self.engine.generate(engine_prompts, selections, params, [0] * len(samples))
-        return [tokenizer.decode(completion.token_ids, skip_special_tokens=True) for completion, _ in results]
+        return [self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True) for completion, _ in results]
 
     def sink(self) -> WeightSink:
         return self._sink

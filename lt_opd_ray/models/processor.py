@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lt_opd_ray.core.errors import InputError
-from lt_opd_ray.core.families import family_of_config
+from lt_opd_ray.core.families import Family, family_of_config
 
 TEXT, IMAGE = 0, 1  # mm_token_type_ids values, as the Qwen processors use them
 
@@ -102,6 +102,7 @@ class VLMProcessor:
                 "longest_edge": max_pixels or size.longest_edge,
             }
         self.merge_size = self.image_processor.merge_size
+        self.eos_token_ids = end_of_sequence_ids(Path(model_dir), self.tokenizer)
         self.image_token = self.family.image_token
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
@@ -145,6 +146,20 @@ class VLMProcessor:
         )
 
 
+def end_of_sequence_ids(model_dir: Path, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's end-of-sequence token first (what a written response is closed
+    with), then those the folder's generation_config.json names (GLM-4V ends at `<|user|>` and `<|observation|>`
+    too, Qwen at `<|im_end|>` and `<|endoftext|>`)."""
+    import json
+
+    ids = [tokenizer.eos_token_id]
+    config = model_dir / "generation_config.json"
+    if config.exists():
+        named = json.loads(config.read_text()).get("eos_token_id")
+        ids += named if isinstance(named, list) else [named] if named is not None else []
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
 def _user_text_spans(messages: list[dict], rendered: str) -> list[tuple[int, int]]:
     """Character spans of the user messages' text parts inside the rendered template, in order."""
     spans, cursor = [], 0
@@ -163,26 +178,29 @@ def _user_text_spans(messages: list[dict], rendered: str) -> list[tuple[int, int
     return spans
 
 
-def question_token_ids(ids: list[int], tokenizer) -> list[int]:
+def question_token_ids(ids: list[int], tokenizer, family: Family) -> list[int]:
     """The question's token ids in a rendered prompt: the text of the user turn that holds the first image.
 
     The same tokens `VLMProcessor.encode` marks as the query for chat prompts built
     from messages, recovered from token ids alone (a served request arrives as ids):
-    the turn's role header ("user" and its newline) and special tokens are dropped.
+    the turn's opener (the family's: Qwen's `<|im_start|>user\\n`, GLM's `<|user|>\\n`) and special
+    tokens are dropped.
     """
-    start_id, end_id = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    opener, header_text = family.user_turn
+    start_id = tokenizer.convert_tokens_to_ids(opener)
+    ends = set(tokenizer.convert_tokens_to_ids(list(family.turn_ends)))
+    image_id = tokenizer.convert_tokens_to_ids(family.image_token)
     if image_id not in ids:
         return []
     first_image = ids.index(image_id)
     start = max((i for i in range(first_image) if ids[i] == start_id), default=-1) + 1
-    end = next((i for i in range(first_image, len(ids)) if ids[i] == end_id), len(ids))
+    end = next((i for i in range(first_image, len(ids)) if ids[i] in ends), len(ids))
     turn = ids[start:end]
-    header = tokenizer("user\n", add_special_tokens=False)["input_ids"]
+    header = tokenizer(header_text, add_special_tokens=False)["input_ids"]
     if turn[: len(header)] == header:
         turn = turn[len(header) :]
     special = set(tokenizer.all_special_ids) | set(tokenizer.convert_tokens_to_ids(
-        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]))
+        [family.image_start, family.image_end, family.image_token, *family.video_tokens]))
     return [t for t in turn if t not in special]
 
 

@@ -1,7 +1,7 @@
 """Tiny random VLM checkpoints of every family in core/families.py, built offline as ordinary Hugging Face folders.
 
 Each folder holds config.json + weights, a byte-level BPE tokenizer with the Qwen
-special tokens (and the family's own image tokens) and a Qwen-style chat template, and
+special tokens (and the family's own image, video and chat tokens) and the family's chat scaffolding, and
 the family's PIL image processor config. Tests and the embedded default job use these;
 no hub needed. Shapes are the smallest that keep each family's structure: Qwen3.5's 3
 Gated-DeltaNet layers + 1 full-attention layer (linear head dims 128, as vLLM's CPU GDN
@@ -12,9 +12,10 @@ GLM-4V's interpolated position table, conv downsample and gated projector.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from lt_opd_ray.core.families import FAMILIES
+from lt_opd_ray.core.families import FAMILIES, GLM_ROLES
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -26,17 +27,44 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
+CONTENT = (  # a message's text and image parts, in order
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}IMAGE"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class TinyChat:
+    """A family's chat scaffolding, as its releases' templates write it (reduced to what the tiny models need)."""
+
+    tokens: tuple[str, ...]  # special tokens beyond SPECIAL_TOKENS and the family's image and video tokens
+    template: str  # Jinja, IMAGE standing for the family's image run
+    eos: str  # the tokenizer's end-of-sequence token
+    ends: tuple[str, ...]  # every token that ends a response (generation_config.json's eos_token_id)
+
+
+QWEN_CHAT = TinyChat(
+    tokens=(),
+    template=("{% for message in messages %}<|im_start|>{{ message['role'] }}\n" + CONTENT + "<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    eos="<|im_end|>",
+    ends=("<|im_end|>",),
+)
+GLM_CHAT = TinyChat(  # GLM-4.1V / 4.6V-Flash: `[gMASK]<sop>`, then `<|role|>\n` turns; a response ends at the next turn
+    tokens=("[gMASK]", "<sop>", *GLM_ROLES),
+    template=("[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n" + CONTENT + "{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+    eos="<|endoftext|>",
+    ends=("<|endoftext|>", "<|user|>", "<|observation|>"),
+)
+TINY_CHAT = {"glm4v": GLM_CHAT}  # the others write Qwen's
+
+
+def chat_of(family: str) -> TinyChat:
+    return TINY_CHAT.get(family, QWEN_CHAT)
 
 # Text the BPE merges are learned from: enough for short questions and <answer> tags.
 TOKENIZER_CORPUS = [
@@ -52,10 +80,11 @@ TOKENIZER_CORPUS = [
 
 
 def family_tokens(family: str) -> list[str]:
-    """The tiny tokenizer's special tokens: Qwen's, with the family's own image tokens where they differ (GLM-4V's
-    `<|begin_of_image|><|image|><|end_of_image|>`; the chat scaffolding stays Qwen's `<|im_start|>` turns)."""
-    image = FAMILIES[family]
-    return SPECIAL_TOKENS + [t for t in (image.image_start, image.image_token, image.image_end) if t not in SPECIAL_TOKENS]
+    """The tiny tokenizer's special tokens: Qwen's, with the family's own image, video and chat tokens where they
+    differ (GLM-4V's `<|begin_of_image|><|image|><|end_of_image|>`, `<|user|>`, ...)."""
+    own = FAMILIES[family]
+    extra = (own.image_start, own.image_token, own.image_end, *own.video_tokens, *chat_of(family).tokens)
+    return SPECIAL_TOKENS + list(dict.fromkeys(t for t in extra if t not in SPECIAL_TOKENS))
 
 
 def build_tokenizer(vocab_size: int = 384, family: str = "qwen3_5"):
@@ -73,15 +102,16 @@ def build_tokenizer(vocab_size: int = 384, family: str = "qwen3_5"):
         show_progress=False,
     )
     core.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    chat = chat_of(family)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        eos_token="<|im_end|>",
+        eos_token=chat.eos,
         pad_token="<|endoftext|>",
         additional_special_tokens=special[1:],
     )
     tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
     image = FAMILIES[family]
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", image.image_start + image.image_token + image.image_end)
+    tokenizer.chat_template = chat.template.replace("IMAGE", image.image_start + image.image_token + image.image_end)
     return tokenizer
 
 
@@ -90,10 +120,10 @@ def _token_ids(tokenizer, family: str) -> dict[str, int]:
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in family_tokens(family)}
     return {
         "image_token_id": ids[image.image_token],
-        "video_token_id": ids["<|video_pad|>"],
+        "video_token_id": ids[image.video_tokens[1]],
         "image_start_token_id": ids[image.image_start],
         "image_end_token_id": ids[image.image_end],
-        "eos_token_id": ids["<|im_end|>"],
+        "eos_token_id": [ids[t] for t in chat_of(family).ends] if len(chat_of(family).ends) > 1 else ids[chat_of(family).ends[0]],
         "pad_token_id": ids["<|endoftext|>"],
     }
 

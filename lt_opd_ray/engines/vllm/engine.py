@@ -361,7 +361,7 @@ def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:
 def check_architecture(model_dir: Path) -> None:
     import json
 
-    from lt_opd_ray.core.families import FAMILIES, UnsupportedArchitectureError
+    from lt_opd_ray.core.families import UnsupportedArchitectureError
     from lt_opd_ray.engines.vllm.models import PRUNED_ARCHITECTURES
 
     config_path = model_dir / "config.json"
@@ -369,12 +369,6 @@ def check_architecture(model_dir: Path) -> None:
         raise FileNotFoundError(f"{config_path}: no model config (a vLLM engine needs a local Hugging Face model folder)")
     architectures = json.loads(config_path.read_text()).get("architectures") or []
     unsupported = [a for a in architectures if a not in PRUNED_ARCHITECTURES] or ([] if architectures else ["(none given)"])
-    transformers_only = [f.name for f in FAMILIES.values() if f.architecture in unsupported]
-    if transformers_only:
-        raise UnsupportedArchitectureError(
-            f"{config_path}: {', '.join(transformers_only)} is pruned by the transformers engines only (no vLLM subclass"
-            f" in engines/vllm/models.py yet): set pools.rollout.backend and pools.teacher.backend to transformers"
-        )
     if unsupported:
         raise UnsupportedArchitectureError(
             f"{config_path}: architecture {', '.join(unsupported)} has no visual-token pruning support in the vLLM engine;"

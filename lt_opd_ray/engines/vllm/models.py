@@ -94,7 +94,8 @@ class PruningProcessorMixin:
             for name in ("selector", "budget_bps", "k_min"):
                 completed.setdefault(SelectionRequest.PREFIX + name, getattr(compression, name))
         if SelectionRequest.PREFIX + "query_ids" not in completed and isinstance(prompt_ids, list):
-            completed[SelectionRequest.PREFIX + "query_ids"] = question_token_ids(prompt_ids, self.info.get_tokenizer())
+            family = FAMILIES[self.info.get_hf_config().model_type]
+            completed[SelectionRequest.PREFIX + "query_ids"] = question_token_ids(prompt_ids, self.info.get_tokenizer(), family)
         return completed
 
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
