@@ -27,8 +27,8 @@ def step_lines(text):
 def test_readme_first_run_climbs_from_the_untrained_retain(tmp_path):
     """The README's first command as a newcomer runs it (CLI, local Ray, Serve teacher, DeepSpeed learner, the shipped
     toy teacher): it prints the untrained student's retain ratio before training and the student's every 10 updates.
-    The last must clear the untrained one by the margin every measured seed cleared; a broken update (wrong sign,
-    wrong tokens, stale weights) leaves it flat or drops it."""
+    The mean of the last three (updates 40, 50, 60) must clear the untrained one by FIRST_RUN_MARGIN; a broken update
+    (wrong sign, wrong tokens, stale weights) leaves it flat or drops it."""
     import re
 
     out = run([str(BIN / "lt-opd"), "train", "jobs/toy_circles_quick.yaml", "--set", f"checkpoint.dir={tmp_path / 'run'}"])
@@ -38,15 +38,15 @@ def test_readme_first_run_climbs_from_the_untrained_retain(tmp_path):
     assert before and float(before[1]) >= 0.95, printed[-3000:]
     retains = [float(r) for r in re.findall(r"step +\d+/60 .*acc\[cdpruner\] [0-9.]+ retain ([0-9.]+)", printed)]
     assert len(retains) == 6, printed[-3000:]
-    assert retains[-1] >= float(before[3]) + FIRST_RUN_MARGIN, (before[0], retains)
+    assert sum(retains[-3:]) / 3 >= float(before[3]) + FIRST_RUN_MARGIN, (before[0], retains)
     assert (tmp_path / "run" / "final" / "config.json").exists()
 
 
-# measured: the first run's last retain minus its untrained retain, every seed and machine measured: seeds 0-2 on a
-# 2-core Xeon +0.234, +0.082, +0.128; seed 0 on another 2-core machine +0.089; seed 0 on a 2-core AMD EPYC +0.023
-# (the README). One eval of 256 questions has a standard error of ~0.03, so this margin catches a run that falls or
-# stays flat only roughly; a better-powered statistic across machines is issue 28's.
-FIRST_RUN_MARGIN = 0.02
+# Measured (docs/ablation/README.md, "The first run across seeds and machines"): the mean of the last three
+# evaluations minus the untrained retain, seeds 0-2 on a 2-core AMD EPYC: +0.122, +0.113, +0.096 (spread 0.013). The
+# margin is half the smallest; the job's earlier learning rates (3.3x these) measured -0.014 on that machine for seed 0
+# (a run that stays flat), which it fails.
+FIRST_RUN_MARGIN = 0.05
 
 
 def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
