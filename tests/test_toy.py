@@ -354,6 +354,12 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     assert saved["teacher"]["full"] == results["teacher"]["full"] >= 0.95 and saved["eval_items"] == 64
     assert [r["arm"] for r in retain_rows(saved)] == ["untrained", "untrained", "sft", "sft", "lt_opd", "lt_opd"]
     assert (tmp_path / "curves.png").stat().st_size > 0 and "LT-OPD" in (tmp_path / "retain_table.md").read_text()
+    # resumed (a study cut short, then run on): the finished runs are kept as they were, only the missing pair trains
+    with pytest.raises(ValueError, match=r"another study \(steps 2 \(now 3\)\)"):
+        run_ablation(str(base), str(tmp_path), seeds=[0], steps=3, arms=["sft", "lt_opd"], resume=True)
+    resumed = run_ablation(str(base), str(tmp_path), seeds=[0], steps=2, arms=["sft", "lt_opd", "lt_opd_no_curriculum"], resume=True)
+    assert resumed["runs"][:2] == saved["runs"] and [(r["arm"], r["seed"]) for r in resumed["runs"]][2:] == [("lt_opd_no_curriculum", 0)]
+    assert resumed["seconds"] > saved["seconds"] and json.loads((tmp_path / "results.json").read_text())["complete"]
 
 
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):

@@ -111,8 +111,11 @@ def pooled(by_set: dict[str, dict[str, float]], sets: dict[str, list]) -> dict[s
     return {column: sum(by_set[name][column] * len(sets[name]) for name in sets) / total for column in by_set[next(iter(sets))]}
 
 
-def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None) -> dict:
-    """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`."""
+def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
+                 resume: bool = False) -> dict:
+    """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
+    `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors)
+    and train only the (arm, seed) pairs it lacks; the wall time adds up over the invocations."""
     import ray
 
     from lt_opd_ray.runtime.launch import claim_run_folder, init_ray, run
@@ -136,7 +139,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
     if len(sets) > 1:
         print("  by kind of question: " + "; ".join(f"{kind} full {a['full']:.3f}" for kind, a in teacher_by_kind.items()), flush=True)
-    runs: list[dict] = []
+    runs = finished_runs(out_dir, base_path, steps or base.budget.total_steps, base) if resume else []
+    done = {(r["arm"], r["seed"]) for r in runs}
+    begin -= finished_seconds(out_dir) if resume and runs else 0.0
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
                "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
                "trained_with": base.selector.name,
@@ -146,6 +151,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     try:
         for seed in seeds:
             for arm in arms:
+                if (arm, seed) in done:
+                    continue
                 job = arm_job(base, arm, seed, out_dir, steps)
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
@@ -166,6 +173,24 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     results["complete"] = True
     save_results(results, out_dir, begin)
     return results
+
+
+def finished_runs(out_dir: Path, base_path: str, steps: int, base) -> list[dict]:
+    """The runs a cut-short study in `out_dir` finished, when it is this study; a ValueError naming the difference
+    otherwise (a resumed study never mixes runs of another)."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
+              "trained_with": base.selector.name}
+    if differing := [f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
+        raise ValueError(f"{path}: another study ({'; '.join(differing)}); resume it with its own settings or choose another --out")
+    return earlier["runs"]
+
+
+def finished_seconds(out_dir: Path) -> float:
+    return float(json.loads((out_dir / "results.json").read_text())["seconds"])
 
 
 def save_results(results: dict, out_dir: Path, begin: float) -> None:
