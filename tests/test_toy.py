@@ -346,7 +346,8 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     from lt_opd_ray.tools.ablation import run_ablation
 
     base = tmp_path / "toy_circles.yaml"  # the study's job, evaluated on 64 held-out items instead of 512 (for time)
-    base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64"))
+    base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64")
+                    .replace("export_port: 8091", "export_port: 8096"))  # not the port of a study running on this machine
     results = run_ablation(str(base), str(tmp_path), seeds=[0], steps=2, arms=["sft", "lt_opd"])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["complete"] and [(r["arm"], r["seed"]) for r in saved["runs"]] == [("sft", 0), ("lt_opd", 0)]
