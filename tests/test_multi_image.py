@@ -73,6 +73,20 @@ def test_prepared_shards_keep_every_image_in_order_and_name_a_bad_one(tmp_path):
     assert not (tmp_path / "nothing").exists()
 
 
+def test_a_datasets_folder_with_an_images_column_keeps_every_image(tmp_path):
+    import datasets
+
+    data = datasets.Dataset.from_dict(
+        {"sample_uid": ["a", "b"], "question": ["q1", "q2"], "images": [[random_image(0, 32, 32)], [random_image(1, 32, 32), random_image(2, 48, 32)]]},
+        features=datasets.Features({"sample_uid": datasets.Value("string"), "question": datasets.Value("string"),
+                                    "images": datasets.Sequence(datasets.Image())}),
+    )
+    data.save_to_disk(str(tmp_path / "hf"))
+    assert prepare(tmp_path / "hf", tmp_path / "prepared")["rows"] == 2
+    one, two = read_prepared(tmp_path / "prepared")
+    assert len(one.images) == 1 and len(two.images) == 2 and load_image(two.images[1]).size == (32, 48)
+
+
 def test_a_format_1_shard_reads_as_one_image_per_row(tmp_path):
     """Folders `lt-opd data` prepared before rows could show several images (an `image` column) still load."""
     import pyarrow as pa
