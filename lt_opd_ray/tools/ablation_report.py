@@ -157,7 +157,7 @@ def plot_curves(results: dict, path: Path) -> list[str]:
         loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
     left.axhline(untrained, color="grey", linestyle=":", label="untrained")
     left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})",
-             title=f"held-out retain ratio ({len(results['seeds'])} seeds: mean, min-max band)")
+             title=f"held-out retain ratio ({len({r['seed'] for r in results['runs']})} seeds: mean, min-max band)")  # those finished
     left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below the axes, never over the curves
     for axis in axes[0]:
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
