@@ -14,6 +14,7 @@ For Qwen3-VL the deepstack features are pruned with the same indices. What diffe
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +146,7 @@ class QwenVLM:
             union = torch.cat([embeds.detach().float() for embeds in features.embeds])
             k = tokens_to_keep(union.shape[0], budget_bps, k_min)
             chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, 0)), k)
-            bounds = torch.tensor([0] + [e.shape[0] for e in features.embeds]).cumsum(0).tolist()
+            bounds = list(itertools.accumulate((e.shape[0] for e in features.embeds), initial=0))  # each image's range in the union
             return [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         selected = []
         for i, (embeds, grid) in enumerate(zip(features.embeds, features.merged_grids)):
