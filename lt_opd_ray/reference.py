@@ -46,7 +46,7 @@ class ReferenceTrainer:
         self.job = job
         model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
         torch.manual_seed(job.seed)
-        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+        self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.student = QwenVLM(model.train())
         teacher_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.teacher = QwenVLM(teacher_model)

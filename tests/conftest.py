@@ -82,9 +82,9 @@ def loaded(tiny_dirs):
 
 def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra="",
             dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False,
-            activation_checkpointing=False, n=2, max_new_tokens=6, images=1):
-    """A small distributed job on a tiny model: `prompts` (2) x `n` (2) responses per update, `images` per row; `extra`
-    is appended YAML."""
+            activation_checkpointing=False, n=2, max_new_tokens=6, images=1, data=None):
+    """A small distributed job on a tiny model: `prompts` (2) x `n` (2) responses per update, `images` per row (or the
+    rows `data` names, a data.path); `extra` is appended YAML."""
     from lt_opd_ray.config.loading import parse_job
 
     return parse_job(
@@ -92,7 +92,7 @@ def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, to
 name: {name}
 seed: 5
 model: {{path: "{model_dir}", dtype: {dtype}}}
-data: {{path: "synthetic:16{f'*{images}' if images > 1 else ''}", max_pixels: 65536, max_images: {images}}}
+data: {{path: "{data or f"synthetic:16{f'*{images}' if images > 1 else ''}"}", max_pixels: 65536, max_images: {images}, frames: 8}}
 budget: {{start_bps: 2500, target_bps: 500, warm_steps: 1, decay_end: 4, total_steps: {total}, k_min: 2}}
 objective: {{top_k: 8, logsoftmax_chunk: 32, mode: {mode}}}
 sampling: {{prompts_per_step: {prompts}, n: {n}, max_new_tokens: {max_new_tokens}}}

@@ -82,7 +82,32 @@ def fixture(name: str, folder):
                  "options": ["the first", "the second", "neither"], "answer": "AB"[i],
                  "image_list": [_save(folder, f"m{i}a.png", i), _b64(i + 5)]} for i in range(2)]
         return _jsonl(folder / "muirbench.jsonl", rows), ["A", "(B)"], 100.0
+    if name == "mvbench":  # a task's JSON list: one clip as a video file, one as a folder of frames
+        rows = [{"video": _video(folder, "v0.avi", 0), "question": "What does the person do?", "candidates": ["sit down", "stand up"],
+                 "answer": "stand up"},
+                {"video": _frames(folder, "v1", 1), "question": "What moves?", "candidates": ["a ball", "a car", "nothing"], "answer": "a ball"}]
+        (folder / "action_sequence.json").write_text(json.dumps(rows))
+        return folder / "action_sequence.json", ["(B)", "A"], 100.0
     raise KeyError(name)
+
+
+def _video(folder, name: str, seed: int, frames: int = 20) -> str:
+    import cv2
+    import numpy as np
+
+    (folder / "videos").mkdir(exist_ok=True)
+    writer = cv2.VideoWriter(str(folder / "videos" / name), cv2.VideoWriter_fourcc(*"MJPG"), 4.0, (64, 64))
+    for i in range(frames):
+        writer.write(np.asarray(random_image(seed * 100 + i, 64, 64)))
+    writer.release()
+    return f"videos/{name}"
+
+
+def _frames(folder, name: str, seed: int, frames: int = 16) -> str:
+    (folder / "videos" / name).mkdir(parents=True)
+    for i in range(frames):
+        random_image(seed * 100 + i, 64, 64).save(folder / "videos" / name / f"{i:05d}.jpg")
+    return f"videos/{name}"
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
@@ -97,6 +122,31 @@ def test_each_adapter_reads_its_format_and_scores_perfect_answers(name, tmp_path
         assert "A. cat" in items[0].sample.question and "letter" in items[0].sample.question
     if name == "muirbench":  # every image of a row, in order; the question names them
         assert all(len(i.sample.images) == 2 for i in items) and items[0].sample.question.startswith("Which of image 1 and image 2")
+    if name == "mvbench":  # the clip after no image; the answer's candidate as its letter
+        assert all(i.sample.images == () and i.sample.video is not None for i in items)
+        assert [i.reference["answer"] for i in items] == ["B", "A"] and "B. stand up" in items[0].sample.question
+        assert len(items[1].sample.video.frames) == 16
+
+
+def test_an_mvbench_row_with_a_bad_video_or_answer_is_named(tmp_path):
+    (tmp_path / "videos").mkdir()
+    (tmp_path / "videos" / "junk.mp4").write_bytes(b"not a video")
+    (tmp_path / "videos" / "empty").mkdir()
+    rows = [{"video": "videos/gone.mp4", "question": "q?", "candidates": ["a", "b"], "answer": "a"},
+            {"video": "videos/junk.mp4", "question": "q?", "candidates": ["a", "b"], "answer": "a"},
+            {"video": "videos/empty", "question": "q?", "candidates": ["a", "b"], "answer": "a"},
+            {"video": _video(tmp_path, "ok.avi", 0), "question": "q?", "candidates": ["a", "b"], "answer": "c"},
+            {"video": "videos/ok.avi", "question": "q?", "candidates": ["a"], "answer": "a"}]
+    (tmp_path / "task.json").write_text(json.dumps(rows))
+    with pytest.raises(BenchmarkError) as info:
+        benchmark("mvbench").load(tmp_path / "task.json")
+    message = str(info.value)
+    for expected in ("row 1: video 'videos/gone.mp4' is neither a file nor a folder of frames", "row 2: video (",
+                     "row 3: video folder", "row 4: answer 'c' is not one of the candidates", "row 5: candidates must list at least two"):
+        assert expected in message, message
+    (tmp_path / "task.json").write_text(json.dumps({"video": "videos/ok.avi"}))
+    with pytest.raises(BenchmarkError, match="a JSON list of rows, got dict"):
+        benchmark("mvbench").load(tmp_path / "task.json")
 
 
 def test_a_muirbench_row_with_a_bad_image_is_named_with_its_position(tmp_path):
@@ -155,12 +205,14 @@ def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, caps
     mmbench, _, _ = fixture("mmbench", tmp_path)
     pope, _, _ = fixture("pope", tmp_path)
     muirbench, _, _ = fixture("muirbench", tmp_path)  # two images per question
+    mvbench, _, _ = fixture("mvbench", tmp_path)  # a clip per question
     out = tmp_path / "eval"
     argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}", "--bench", f"muirbench={muirbench}",
+            "--bench", f"mvbench={mvbench}", "--frames", "8",
             "--budgets", "500", "2500", "--selectors", "cdpruner", "divprune", "--max-new-tokens", "4", "--out", str(out)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert set(results["benchmarks"]) == {"mmbench", "pope", "muirbench"}
+    assert set(results["benchmarks"]) == {"mmbench", "pope", "muirbench", "mvbench"}
     for key, retain in results["retain"].items():
         scored = {n: e for n, e in results["benchmarks"].items() if e["full"]["score"] > 0}
         ratios = [scored[n]["pruned"][key]["score"] / scored[n]["full"]["score"] for n in scored]

@@ -115,6 +115,21 @@ def test_rows_of_two_images_train_distributed_as_the_reference(cluster, tiny_dir
     assert relative_distance(weights, ref_weights) <= 1e-4
 
 
+@pytest.mark.parametrize("scope", ["image", "clip"])
+def test_video_rows_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, scope):
+    """Each row shows a clip (8 frames sampled from 16: four temporal patches, each a run of tokens after its
+    timestamp), pruned per temporal patch (scope image) or over the whole clip (scope clip); the learner replays every
+    patch's selection and two ZeRO-3 ranks on Qwen3-VL (deepstack features pruned with the same indices) equal the
+    single process."""
+    job = job_for(tiny_dirs["qwen3_vl"], tmp_path, ranks=2, zero_stage=3, name=f"video-{scope}", data="synthetic-video:16",
+                  extra=f"selector: {{scope: {scope}}}\n")
+    reports, ref_weights = reference_run(job, 2)
+    _, logs, weights = driver_run(job, 2)
+    assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
+    assert logs[1].loss == pytest.approx(reports[1].stats.loss, rel=1e-5)
+    assert relative_distance(weights, ref_weights) <= 1e-4
+
+
 def test_glm4v_trains_distributed_as_the_reference(cluster, tiny_dirs, tmp_path):
     """A family other than Qwen's (GLM-4V: its own image tokens and processor, a conv-and-gated projector in the merger
     learning rate) through the whole runtime on transformers engines: two ZeRO-3 ranks equal the single process."""

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from lt_opd_ray.cli.options import load_job_or_report
+from lt_opd_ray.core.samples import DEFAULT_FRAMES
 from lt_opd_ray.planning.presets import PRESETS
 
 
@@ -49,7 +50,7 @@ def cmd_eval(args) -> int:
             return 2
         files[name] = path
     try:
-        run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit)
+        run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit, frames=args.frames)
     except (BenchmarkError, InputError, ValueError) as exc:
         print(f"eval failed: {exc}", file=sys.stderr)
         return 2
@@ -93,7 +94,7 @@ def cmd_efficiency(args) -> int:
     import json
 
     from lt_opd_ray.core.compression import learnable_merge
-    from lt_opd_ray.planning.efficiency import merge_parameters, patch_grid, prefill_cost
+    from lt_opd_ray.planning.efficiency import TIMESTAMP_TOKENS, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
         config = PRESETS[args.preset]
@@ -113,18 +114,27 @@ def cmd_efficiency(args) -> int:
         return 2
     grid = patch_grid(config, height, width)
     merging = args.token_merge or learnable_merge(config) is not None
-    if args.images < 1:
-        print(f"efficiency: --images {args.images}: a prompt shows at least one image", file=sys.stderr)
+    if args.images is None:
+        args.images = 0 if args.frames else 1
+    if args.images < (0 if args.frames else 1) or args.frames < 0 or args.frames % 2:
+        print(f"efficiency: --images {args.images} --frames {args.frames}: a prompt shows an image or a clip of an even number"
+              " of frames (two frames make one temporal patch)", file=sys.stderr)
         return 2
-    grids = [grid] * args.images  # each image pruned to the budget on its own (selector.scope image)
-    rows = [prefill_cost(config, args.text_tokens, grids, bps, args.k_min, token_merge=merging) for bps in sorted(set(args.budgets + [10000]), reverse=True)]
+    patches = args.frames // 2  # a clip's temporal patches: each costs the vision tower what one image of its size does
+    grids = [grid] * (args.images + patches)  # each image and each temporal patch pruned to the budget on its own (selector.scope image)
+    text_tokens = args.text_tokens + patches * TIMESTAMP_TOKENS
+    budgets = sorted(set(args.budgets + [10000]), reverse=True)
+    rows = [prefill_cost(config, text_tokens, grids, bps, args.k_min, token_merge=merging) for bps in budgets]
     full = rows[0]
-    shown = f"one {height}x{width} image" if args.images == 1 else f"{args.images} images of {height}x{width}, each pruned to the budget"
-    print(f"{args.preset or args.model}: {args.text_tokens} text tokens + {shown}"
-          f" ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
+    shown = [("one" if args.images == 1 else str(args.images)) + f" {height}x{width} image{'s' * (args.images > 1)}" if args.images else "",
+             f"a {args.frames}-frame clip of {height}x{width} frames ({patches} temporal patches, +{patches * TIMESTAMP_TOKENS}"
+             " timestamp and marker tokens)" if args.frames else ""]
+    pruned = "each image and temporal patch pruned to the budget" if args.frames else "each pruned to the budget" if args.images > 1 else ""
+    print(f"{args.preset or args.model}: {args.text_tokens} text tokens + {' + '.join(filter(None, shown))}"
+          f"{', ' + pruned if pruned else ''} ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
     print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}"
           + (f" {'merge GFLOPs':>14}" if merging else ""))
-    for bps, row in zip(sorted(set(args.budgets + [10000]), reverse=True), rows):
+    for bps, row in zip(budgets, rows):
         print(f"{bps / 100:>6g}% {row.prefill_tokens:>7} {row.lm_flops / 1e12:>10.3f} ({row.lm_flops / full.lm_flops - 1:>+6.1%})"
               f" {row.vision_flops / 1e12:>14.3f} {row.kv_cache_bytes / 1e6:>6.2f} ({row.kv_cache_bytes / full.kv_cache_bytes - 1:>+6.1%})"
               f" {row.linear_state_bytes / 1e6:>13.2f}" + (f" {row.merge_flops / 1e9:>14.3f}" if merging else ""))
@@ -147,12 +157,13 @@ def register(sub) -> None:
     evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
     evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:<task>)")
     evaluate.add_argument("--bench", action="append", required=True, metavar="NAME=FILE",
-                          help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench")
+                          help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench, muirbench, mvbench")
     evaluate.add_argument("--budgets", type=int, nargs="+", default=[500, 1000, 2500], help="budgets in basis points")
     evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"])
     evaluate.add_argument("--k-min", type=int, default=1)
     evaluate.add_argument("--max-new-tokens", type=int, default=16)
     evaluate.add_argument("--limit", type=int, default=None, help="first N items of each benchmark")
+    evaluate.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="frames each video is sampled to (default 16, as MVBench)")
     evaluate.add_argument("--out", default="runs/eval", help="output folder")
     evaluate.set_defaults(func=cmd_eval)
 
@@ -176,7 +187,8 @@ def register(sub) -> None:
     efficiency.add_argument("--preset", choices=list(PRESETS), default=None, help="a built-in config instead of a folder")
     efficiency.add_argument("--text-tokens", type=int, default=84, help="text tokens of the prompt (default 84)")
     efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
-    efficiency.add_argument("--images", type=int, default=1, help="images per prompt, each of --image's size (default 1)")
+    efficiency.add_argument("--images", type=int, default=None, help="images per prompt, each of --image's size (default 1; 0 with --frames)")
+    efficiency.add_argument("--frames", type=int, default=0, help="a clip of this many frames of --image's size (MVBench: 16)")
     efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
     efficiency.add_argument("--k-min", type=int, default=1)
     efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")

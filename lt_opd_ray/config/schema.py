@@ -24,6 +24,7 @@ from lt_opd_ray.config.base import (
 )
 from lt_opd_ray.config.pools import PoolsConfig
 from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.core.samples import DEFAULT_FRAMES
 from lt_opd_ray.core.storage import check_location
 
 
@@ -53,6 +54,9 @@ class DataConfig(StrictModel):
     """Images smaller than this many pixels are upscaled (Qwen smart-resize rule)."""
     max_pixels: int = Field(1_003_520, gt=0, le=MAX_PIXELS)
     """Images larger than this many pixels are downscaled (Qwen smart-resize rule)."""
+    frames: int = Field(DEFAULT_FRAMES, ge=2, le=256, multiple_of=2)
+    """Frames a row's video is sampled to, uniformly (MVBench's protocol: 16); two frames make one temporal patch. A
+    video with fewer frames is refused, naming its row."""
     max_images: int = Field(1, ge=1, le=64)
     """The most images one row shows (rows with an `images` list): vLLM engines reserve room for this many per prompt,
     and a row with more is refused before the job starts. Each image is pruned to the budget on its own."""
@@ -74,16 +78,19 @@ class SelectorConfig(StrictModel):
     merge: Literal["none", "learnable"] = "none"
     """`learnable`: each kept token also takes in its discarded cosine neighbours through a trained head (the paper's
     release, with cdpruner; models/token_merge.py); `none`: the discarded tokens are dropped."""
-    scope: Literal["image", "prompt"] = "image"
-    """What one budget covers in a row of several images. `image` (the paper's evaluation protocol): each image keeps
-    k_i = min(N_i, max(k_min, ceil(N_i r))) of its own N_i tokens. `prompt`: one budget over the union of the
-    prompt's images, k = min(N, max(k_min, ceil(N r))) for N = sum of N_i, the selector choosing across images (an
-    image may keep none). A one-image row picks the same either way. Transformers engines only."""
+    scope: Literal["image", "clip", "prompt"] = "image"
+    """What one budget covers in a row of several images or a video. `image` (the paper's evaluation protocol): each
+    image, and each temporal patch (two frames) of a clip, keeps k_i = min(N_i, max(k_min, ceil(N_i r))) of its own
+    N_i tokens. `clip`: images as with `image`, and one budget over the whole clip. `prompt`: one budget over the union
+    of everything the prompt shows, k = min(N, max(k_min, ceil(N r))) for N = sum of N_i, the selector choosing across
+    images and frames (one may keep none). A one-image row picks the same every way. `clip` and `prompt`: transformers
+    engines only."""
 
     @model_validator(mode="after")
     def _merge_needs_every_image(self) -> SelectorConfig:
-        if self.scope == "prompt" and self.merge == "learnable":
-            raise ValueError("scope prompt with merge learnable: an image may keep no token to merge its others into; use scope image")
+        if self.scope != "image" and self.merge == "learnable":
+            raise ValueError(f"scope {self.scope} with merge learnable: an image or frame may keep no token to merge its others into;"
+                             " use scope image")
         return self
 
 
@@ -224,7 +231,7 @@ class CheckpointConfig(StrictModel):
     """Complete checkpoints kept on disk."""
 
 
-BenchmarkName = Literal["mmbench", "mmmu", "vstar", "hrbench", "pope", "gqa", "textvqa", "mme", "ocrbench", "muirbench"]
+BenchmarkName = Literal["mmbench", "mmmu", "vstar", "hrbench", "pope", "gqa", "textvqa", "mme", "ocrbench", "muirbench", "mvbench"]
 
 
 class EvalConfig(StrictModel):
@@ -323,9 +330,9 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _prompt_scope_on_transformers(self) -> JobConfig:
-        if self.selector.scope == "prompt" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
-            raise ValueError("selector.scope prompt selects across a prompt's images in the transformers engines; vLLM's"
-                             " plugin selects per image: set pools.rollout.backend and pools.teacher.backend to transformers")
+        if self.selector.scope != "image" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
+            raise ValueError(f"selector.scope {self.selector.scope} selects across a prompt's images or frames in the transformers engines;"
+                             " vLLM's plugin selects per image: set pools.rollout.backend and pools.teacher.backend to transformers")
         return self
 
     @model_validator(mode="after")

@@ -5,17 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+DEFAULT_FRAMES = 16  # frames a clip is sampled to unless the job says otherwise (data.frames): MVBench's protocol
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A video as the model sees it: frames sampled uniformly from the source (models/processor.py `read_clip`), each
+    with its time in the source, in seconds (what the model's timestamps between frames are written from)."""
+
+    frames: tuple[Any, ...]  # each a path, bytes, a PIL image or an [H, W, 3] uint8 array
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.frames) != len(self.seconds):
+            raise ValueError(f"a clip of {len(self.frames)} frames has {len(self.seconds)} timestamps")
+
 
 @dataclass(frozen=True)
 class Sample:
     """One prompt: driver -> rollout workers and teacher (the update's samples), and every evaluation."""
 
     uid: str
-    images: tuple[Any, ...]  # one or more, in the order the prompt shows them: each a path, bytes or a PIL image
+    images: tuple[Any, ...]  # in the order the prompt shows them, before the video: each a path, bytes or a PIL image
     question: str
     answer: str | None = None  # what an evaluation checks (exact match on <answer>...</answer>)
     response: str | None = None  # a whole response written for the row (its annotators, another model): sft / fixed_prefix train on it
+    video: Any = None  # a clip the prompt shows after its images: a video file's path, a list of frames, or a Clip
 
     def __post_init__(self):
-        if not self.images:
-            raise ValueError(f"{self.uid}: a prompt row needs at least one image")
+        if not self.images and self.video is None:
+            raise ValueError(f"{self.uid}: a prompt row needs at least one image or a video")

@@ -50,7 +50,7 @@ class TransformersTeacherEngine:
 
         self.job = job
         model_dir, model = load_vlm(resolve_model_dir(job.model.path))
-        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+        self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)
         self.prefixes: dict[tuple[int, int], TeacherPrefix] = {}  # (update, prompt index) -> prefix run ahead

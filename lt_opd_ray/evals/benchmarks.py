@@ -1,4 +1,4 @@
-"""Adapters for the nine benchmarks of the paper and its multi-image one, stored locally in their usual release layouts.
+"""Adapters for the nine benchmarks of the paper and its multi-image and video ones, stored locally in their usual release layouts.
 
 Each adapter reads one benchmark file into items (a prompt with its images and its
 references) and scores a list of responses with the benchmark's own metric
@@ -18,8 +18,10 @@ silently shortened benchmark.
 | mme       | TSV (VLMEvalKit)                       | index, image (base64), question, answer (Yes/No), category, [image_path] | perception + cognition |
 | ocrbench  | JSON list                              | dataset_name, image_path, question, answers         | correct count |
 | muirbench | JSONL (the release's rows)             | idx, question (`<image>` marks each image), options (list), answer (letter), image_list (list) | accuracy x 100 |
+| mvbench   | JSON list (a task's file) or JSONL     | video (file or folder of frames), question, candidates (list), answer (a candidate's text) | accuracy x 100 |
 
-Images are base64 strings or paths relative to the benchmark file's folder.
+Images are base64 strings or paths relative to the benchmark file's folder; videos are paths relative to it (sampled
+to `data.frames` frames, 16 by default, as MVBench is evaluated).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from lt_opd_ray.evals.reading import (
     read_tsv,
     required,
     row_id_of,
+    video_of,
 )
 from lt_opd_ray.sources.rows import MAX_QUESTION_CHARS
 
@@ -209,6 +212,37 @@ class MuirBench(_MultipleChoice):
         return items
 
 
+class MVBench(_MultipleChoice):
+    """MVBench: multiple choice about a short clip (the paper's video evaluation, 16 frames). A task's file lists rows
+    without ids: each is named by its position (`row N`); the answer is the right candidate's text."""
+
+    name = "mvbench"
+
+    def _read(self, path, problems):
+        rows = read_jsonl(path, problems) if path.suffix == ".jsonl" else read_json(path, problems)
+        if rows is not None and not isinstance(rows, list):
+            problems.add("file", f"an MVBench task file is a JSON list of rows, got {type(rows).__name__}")
+            return []
+        items = []
+        for number, row in enumerate(rows or [], 1):
+            row_id = f"row {number}"
+            if not required(row, ("video", "question", "candidates", "answer"), row_id, problems):
+                continue
+            candidates = [str(c) for c in row["candidates"]] if isinstance(row["candidates"], list) else []
+            if len(candidates) < 2:
+                problems.add(row_id, "candidates must list at least two choices")
+                continue
+            if str(row["answer"]) not in candidates:
+                problems.add(row_id, f"answer {row['answer']!r} is not one of the candidates")
+                continue
+            video = video_of(row["video"], path.parent, row_id, problems)
+            if video is not None:
+                answer = scoring.LETTERS[candidates.index(str(row["answer"]))]
+                items.append(Item(Sample(f"{self.name}-{path.stem}-{number}", (), _mc_prompt(str(row["question"]), candidates), video=video),
+                                  {"options": candidates, "answer": answer}))
+        return items
+
+
 # --------------------------------------------------------------------------------- POPE
 class POPE(Benchmark):
     name = "pope"
@@ -347,7 +381,7 @@ class OCRBench(Benchmark):
 
 
 BENCHMARKS: dict[str, type[Benchmark]] = {
-    cls.name: cls for cls in (MMBench, MMMU, VStarBench, HRBench, POPE, GQA, TextVQA, MME, OCRBench, MuirBench)
+    cls.name: cls for cls in (MMBench, MMMU, VStarBench, HRBench, POPE, GQA, TextVQA, MME, OCRBench, MuirBench, MVBench)
 }
 
 

@@ -55,12 +55,43 @@ def image_of(value, folder: Path, row_id, problems: Problems):
     return image
 
 
+FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+
+
+def video_of(value, folder: Path, row_id, problems: Problems, fps: float = 1.0):
+    """A video file under `folder` that OpenCV opens with at least one frame (its path), or a folder of frame images
+    (a Clip of them in name order, `fps` apart); None (and a problem) otherwise."""
+    from transformers.video_utils import load_video
+
+    from lt_opd_ray.core.samples import Clip
+
+    if not value or not isinstance(value, str):
+        problems.add(row_id, "no video")
+        return None
+    path = folder / value
+    if path.is_dir():
+        frames = sorted(f for f in path.iterdir() if f.suffix.lower() in FRAME_SUFFIXES)
+        if not frames:
+            problems.add(row_id, f"video folder {path} holds no frame images ({', '.join(FRAME_SUFFIXES)})")
+            return None
+        return Clip(frames=tuple(frames), seconds=tuple(i / fps for i in range(len(frames))))
+    if not path.is_file():
+        problems.add(row_id, f"video {value!r} is neither a file nor a folder of frames under {folder}")
+        return None
+    try:
+        load_video(str(path), num_frames=1, backend="opencv")  # opens and decodes, here rather than after the model has loaded
+    except (ValueError, OSError, RuntimeError) as exc:
+        problems.add(row_id, f"video ({path}) does not decode: {exc}")
+        return None
+    return path
+
+
 def row_id_of(row, key: str, default):
     """A row's id for messages, also when the row is not an object (`required` then names that)."""
     return row.get(key, default) if isinstance(row, dict) else default
 
 
-LIST_FIELDS = ("options", "answers", "image_list")  # text, or a list
+LIST_FIELDS = ("options", "answers", "image_list", "candidates")  # text, or a list
 ID_FIELDS = ("id", "index", "question_id")  # text, or an integer
 
 

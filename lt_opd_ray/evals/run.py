@@ -16,12 +16,14 @@ import shutil
 from pathlib import Path
 
 from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.core.samples import DEFAULT_FRAMES
 from lt_opd_ray.evals.benchmarks import benchmark
 from lt_opd_ray.evals.scoring import retain_ratio
 
 
 def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selectors: list[str], out: str | Path,
-             k_min: int = 1, max_new_tokens: int = 16, limit: int | None = None, log=print) -> dict:
+             k_min: int = 1, max_new_tokens: int = 16, limit: int | None = None, log=print, frames: int = DEFAULT_FRAMES) -> dict:
+    """`frames`: what each video is sampled to (MVBench: 16)."""
     from lt_opd_ray.core.selectors import build_selector
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.evaluation import generate_responses
@@ -36,7 +38,7 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
         adapter = benchmark(name)
         suites[name] = (adapter, adapter.load(path)[:limit])
     model_dir, model = load_vlm(resolve_model_dir(model_path))
-    vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir)
+    vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir, frames=frames)
 
     def score(adapter, items, budget_bps, selector):
         responses = generate_responses(vlm, processor, [i.sample for i in items], budget_bps, selector, k_min,

@@ -23,7 +23,7 @@ from lt_opd_ray.core.curriculum import tokens_to_keep
 from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import SelectionInput, Selector
-from lt_opd_ray.models.processor import IMAGE, PromptInputs
+from lt_opd_ray.models.processor import IMAGE, TEXT, VIDEO, PromptInputs
 from lt_opd_ray.models.token_merge import assign_to_kept, merge_head
 
 
@@ -100,17 +100,27 @@ class QwenVLM:
 
     # ---------------------------------------------------------- full prompt
     def visual_features(self, prompt: PromptInputs) -> VisualFeatures:
-        """Vision tower + merger (differentiable: the learner trains both)."""
-        out = self.model.model.get_image_features(
-            prompt.pixel_values.to(self.device), prompt.image_grid_thw.to(self.device), return_dict=True
-        )
-        embeds = list(out.pooler_output)
-        deepstack = None
-        if self.family.deepstack:
-            # out.deepstack_features: per layer, a tuple of per-image tensors -> per image, per layer
-            deepstack = [list(layer_parts) for layer_parts in zip(*out.deepstack_features)]
-        grids = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in prompt.image_grid_thw.tolist()]
-        return VisualFeatures(embeds=embeds, deepstack=deepstack, merged_grids=grids)
+        """Vision tower + merger (differentiable: the learner trains both), one unit per image and per temporal patch
+        of the clip, in prompt order (`PromptInputs.visual_units`)."""
+        parts = {IMAGE: self._encoded(prompt.pixel_values, prompt.image_grid_thw, self.model.model.get_image_features),
+                 VIDEO: self._encoded(prompt.pixel_values_videos, prompt.video_grid_thw, self.model.model.get_video_features)}
+        units = [next(parts[kind]) for kind, _ in prompt.visual_units]
+        grids = [(t, h // self.merge, w // self.merge) for _, (t, h, w) in prompt.visual_units]
+        deepstack = [layers for _, layers in units] if self.family.deepstack else None
+        return VisualFeatures(embeds=[embeds for embeds, _ in units], deepstack=deepstack, merged_grids=grids)
+
+    def _encoded(self, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, encode):
+        """(embeds, deepstack layers or None) per unit of one modality: per image, or per temporal patch of each clip
+        (a clip's t*h*w merged tokens are t runs of h*w in the prompt)."""
+        if pixels is None or grid_thw is None or not len(grid_thw):
+            return iter(())
+        out = encode(pixels.to(self.device), grid_thw.to(self.device), return_dict=True)
+        per_item = [list(layers) for layers in zip(*out.deepstack_features)] if self.family.deepstack else [None] * len(grid_thw)
+        for embeds, layers, (t, h, w) in zip(out.pooler_output, per_item, grid_thw.tolist()):
+            size = h * w // self.merge**2
+            for frame in range(t):
+                piece = slice(frame * size, (frame + 1) * size)
+                yield embeds[piece], None if layers is None else [layer[piece] for layer in layers]
 
     def query_embedding(self, prompt: PromptInputs) -> torch.Tensor:
         """Mean LLM input embedding of the question tokens (CDPruner's q before normalisation)."""
@@ -123,6 +133,7 @@ class QwenVLM:
             input_ids=prompt.input_ids[None],
             mm_token_type_ids=prompt.mm_token_type_ids[None],
             image_grid_thw=prompt.image_grid_thw,
+            video_grid_thw=prompt.video_grid_thw,
         )
         positions, _ = self.model.model.get_rope_index(**kwargs)
         return positions[:, 0].cpu()
@@ -137,23 +148,26 @@ class QwenVLM:
         k_min: int,
         seed: int = 0,
     ) -> list[torch.Tensor]:
-        """Per image: k = min(N, max(k_min, ceil(N*r))) indices, chosen in fp32 without gradients. With a prompt-scoped
-        selector and several images: k = min(N, max(k_min, ceil(N*r))) for N = sum of N_i, chosen from the union of the
-        images' tokens (concatenated in prompt order, on a 1 x N grid), then split back per image; a one-image prompt
-        picks the same either way."""
+        """Per unit (image, temporal patch of a clip): indices chosen in fp32 without gradients, under the selector's
+        scope: `image`, each unit keeps k = min(N, max(k_min, ceil(N*r))) of its own N tokens; `clip`, each image alone
+        and a clip's patches jointly; `prompt`, one budget over every unit. A joint budget is k for N = the group's
+        sum of N_i, chosen from the union of its tokens (concatenated in prompt order, on a 1 x N grid), then split back
+        per unit; a one-unit group picks the same either way."""
         query = self.query_embedding(prompt)
-        if selector.scope == "prompt" and len(features.embeds) > 1:
-            union = torch.cat([embeds.detach().float() for embeds in features.embeds])
-            k = tokens_to_keep(union.shape[0], budget_bps, k_min)
-            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, 0)), k)
-            bounds = list(itertools.accumulate((e.shape[0] for e in features.embeds), initial=0))  # each image's range in the union
-            return [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         selected = []
-        for i, (embeds, grid) in enumerate(zip(features.embeds, features.merged_grids)):
-            n = embeds.shape[0]
-            k = tokens_to_keep(n, budget_bps, k_min)
-            item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=stable_seed(seed, i))  # per image, any size of seed
-            selected.append(selector.select(item, k))
+        for group in _selection_groups([kind for kind, _ in prompt.visual_units], selector.scope):
+            if len(group) == 1:
+                i = group[0]
+                embeds, grid = features.embeds[i], features.merged_grids[i]
+                k = tokens_to_keep(embeds.shape[0], budget_bps, k_min)
+                item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=stable_seed(seed, i))  # per unit, any size of seed
+                selected.append(selector.select(item, k))
+                continue
+            union = torch.cat([features.embeds[i].detach().float() for i in group])
+            k = tokens_to_keep(union.shape[0], budget_bps, k_min)
+            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0])), k)
+            bounds = list(itertools.accumulate((features.embeds[i].shape[0] for i in group), initial=0))  # each unit's range in the union
+            selected += [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         return selected
 
     def keep_all(self, features: VisualFeatures) -> list[torch.Tensor]:
@@ -164,9 +178,9 @@ class QwenVLM:
         """Drop unkept image tokens; everything kept keeps its full-sequence M-RoPE position. With a token-merge
         head, each kept token takes in its discarded neighbours along `merge_routes` (computed here when None:
         a rollout computes them, the learner replays them)."""
-        if len(selected) != prompt.num_images:
-            raise ValueError(f"{len(selected)} index sets for {prompt.num_images} image(s)")
-        is_image = prompt.mm_token_type_ids == IMAGE
+        if len(selected) != len(prompt.visual_units):
+            raise ValueError(f"{len(selected)} index sets for {len(prompt.visual_units)} visual unit(s) (images and temporal patches)")
+        is_image = prompt.mm_token_type_ids != TEXT
         keep = ~is_image
         image_starts = _run_starts(is_image)
         kept_parts, kept_deepstack = [], []
@@ -174,7 +188,7 @@ class QwenVLM:
         for i, (start, indices) in enumerate(zip(image_starts, selected)):
             n = features.embeds[i].shape[0]
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
-                raise ValueError(f"image {i}: selected index outside [0, {n})")
+                raise ValueError(f"visual unit {i}: selected index outside [0, {n})")
             keep[start + indices] = True
             on_device = indices.to(self.device)
             if head is None:
@@ -288,6 +302,17 @@ class QwenVLM:
         )
         hidden, _ = self.run_language_model(batch, past_key_values=cache, use_cache=True)
         return [hidden[b, : r.numel()] for b, r in enumerate(responses)]
+
+
+def _selection_groups(kinds: list[int], scope: str) -> list[list[int]]:
+    """The visual units (indices into `kinds`, in order) that share one budget under `scope`."""
+    if scope == "prompt":
+        return [list(range(len(kinds)))]
+    if scope == "clip":
+        frames = [i for i, kind in enumerate(kinds) if kind == VIDEO]
+        groups = [[i] for i, kind in enumerate(kinds) if kind == IMAGE]
+        return sorted(groups + ([frames] if frames else []))
+    return [[i] for i in range(len(kinds))]
 
 
 def _run_starts(mask: torch.Tensor) -> list[int]:

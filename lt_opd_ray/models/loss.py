@@ -10,7 +10,7 @@ import torch
 from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, union_support
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
-from lt_opd_ray.models.processor import IMAGE, PromptInputs
+from lt_opd_ray.models.processor import TEXT, PromptInputs
 
 
 @dataclass
@@ -50,8 +50,8 @@ def support(rollout_: Rollout, score: TeacherScore) -> tuple[torch.Tensor, torch
 
 
 def reduced_length(prompt: PromptInputs, selected: list[torch.Tensor]) -> int:
-    """Tokens of the reduced prompt: the full prompt less the image tokens that were not kept."""
-    image_tokens = int((prompt.mm_token_type_ids == IMAGE).sum())
+    """Tokens of the reduced prompt: the full prompt less the visual tokens that were not kept."""
+    image_tokens = int((prompt.mm_token_type_ids != TEXT).sum())
     return prompt.input_ids.numel() - image_tokens + sum(int(s.numel()) for s in selected)
 
 

@@ -1,4 +1,4 @@
-"""Chat messages + images -> one prompt's token ids, image pixels and the query-token mask.
+"""Chat messages + images (+ a video) -> one prompt's token ids, pixels and the query-token mask.
 
 Images go through the family's PIL image processor (core/families.py; no torchvision needed), resized
 so their area lies within [min_pixels, max_pixels] with sides in multiples of
@@ -10,6 +10,12 @@ rendered template is expanded to the image's N post-merger tokens (the family's 
 mask marks the tokens of the user's text parts only (question and options), not
 the system prompt or the chat-template scaffolding: CDPruner's query is their mean
 input embedding.
+
+A video (families with a `video_processor`: Qwen3.5, Qwen3-VL) is read as `frames` frames sampled uniformly from
+the source (transformers' video readers and sampling), processed by the family's video processor, and laid out as
+the model's own processor and vLLM lay it out (transformers >= 5.10): inside the template's
+`<|vision_start|><|video_pad|><|vision_end|>`, the placeholder becomes, per temporal patch of two frames,
+`<t seconds>` (the patch's mean time), then the patch's tokens between their own vision start and end.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import torch
 
 from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.core.families import Family, family_of_config
+from lt_opd_ray.core.samples import DEFAULT_FRAMES, Clip
 
-TEXT, IMAGE = 0, 1  # mm_token_type_ids values, as the Qwen processors use them
+TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values, as the Qwen processors use them
 
 
 @dataclass
@@ -34,12 +41,34 @@ class PromptInputs:
     input_ids: torch.Tensor  # [L] long
     mm_token_type_ids: torch.Tensor  # [L] int: 0 text, 1 image
     query_mask: torch.Tensor  # [L] bool: user text tokens
-    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]; None without images
     image_grid_thw: torch.Tensor  # [images, 3] patch grid (before the 2x2 merge)
+    pixel_values_videos: torch.Tensor | None = None  # the clip's patches; None without a video
+    video_grid_thw: torch.Tensor | None = None  # [1, 3]: temporal patches, then the patch grid of each
 
     @property
     def num_images(self) -> int:
         return self.image_grid_thw.shape[0]
+
+    @property
+    def visual_units(self) -> list[tuple[int, tuple[int, int, int]]]:
+        """(modality, patch grid) of each run of visual tokens in prompt order: one per image, one per temporal patch of
+        the clip (t = 1 each); what selection, `reduce` and the learner's replay index by."""
+        grids = {IMAGE: iter(self.image_grid_thw.tolist()), VIDEO: iter(_frame_grids(self.video_grid_thw))}
+        return [(kind, tuple(next(grids[kind]))) for kind in _run_kinds(self.mm_token_type_ids)]
+
+
+def _frame_grids(video_grid_thw: torch.Tensor | None) -> list[list[int]]:
+    """A clip's grid split into one (1, h, w) grid per temporal patch, as the model's rope index splits it."""
+    if video_grid_thw is None:
+        return []
+    return [[1, h, w] for t, h, w in video_grid_thw.tolist() for _ in range(t)]
+
+
+def _run_kinds(types: torch.Tensor) -> list[int]:
+    """The modality of each run of non-text tokens, in order."""
+    kinds = types.tolist()
+    return [kind for i, kind in enumerate(kinds) if kind != TEXT and (i == 0 or kinds[i - 1] != kind)]
 
 
 def decode_image(source):
@@ -71,6 +100,8 @@ def load_image(source: Any, where: str = "image"):
         source = source.read()
     if isinstance(source, Image.Image):
         return source.convert("RGB")
+    if hasattr(source, "__array_interface__"):  # a decoded video frame: [H, W, 3] uint8
+        return Image.fromarray(source).convert("RGB")
     try:
         return decode_image(source).convert("RGB")
     except FileNotFoundError:
@@ -83,8 +114,10 @@ def load_image(source: Any, where: str = "image"):
 class VLMProcessor:
     """Tokenizer + image processor of one model folder."""
 
-    def __init__(self, model_dir: str | Path, min_pixels: int | None = None, max_pixels: int | None = None):
-        """min_pixels / max_pixels (a job's data section) override the model folder's resize bounds."""
+    def __init__(self, model_dir: str | Path, min_pixels: int | None = None, max_pixels: int | None = None,
+                 frames: int = DEFAULT_FRAMES):
+        """min_pixels / max_pixels (a job's data section) override the model folder's image resize bounds; `frames`:
+        how many frames a video is sampled to."""
         import json
 
         import transformers
@@ -107,18 +140,46 @@ class VLMProcessor:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
             raise InputError(f"{model_dir}: tokenizer has no {self.image_token} token ({self.family.name}'s image placeholder)")
+        self.model_dir = Path(model_dir)
+        self.frames = frames
+        self._video_processor = None
+        self.video_start, self.video_token, self.video_end = self.tokenizer.convert_tokens_to_ids(list(self.family.video_tokens))
 
-    def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample") -> PromptInputs:
+    @classmethod
+    def for_data(cls, model_dir: str | Path, data) -> VLMProcessor:
+        """The processor a job's data section asks for (its image bounds, its clips' frame count)."""
+        return cls(model_dir, data.min_pixels, data.max_pixels, data.frames)
+
+    @property
+    def video_processor(self):
+        """The family's video processor (loaded on first use); an InputError for a family whose video is not adapted."""
+        if self._video_processor is None:
+            import transformers
+
+            if self.family.video_processor is None:
+                raise InputError(f"{self.model_dir}: video inputs are not supported for {self.family.name} yet (docs/families.md);"
+                                 " Qwen3.5 and Qwen3-VL take them")
+            self._video_processor = getattr(transformers, self.family.video_processor).from_pretrained(self.model_dir)
+        return self._video_processor
+
+    def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample", video: Any = None) -> PromptInputs:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         placeholders = rendered.count(self.image_token)
-        if placeholders == 0:
-            raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
         if placeholders != len(images):
             raise InputError(f"{sample_id}: prompt has {placeholders} image placeholder(s) but {len(images)} image(s)")
-        pil_images = [load_image(img, f"{sample_id}: image {i}") for i, img in enumerate(images)]
-        vision = self.image_processor(images=pil_images, return_tensors="pt")
-        grid = vision["image_grid_thw"]
-        tokens_per_image = (grid.prod(-1) // self.merge_size**2).tolist()
+        if (video is None) != (self.family.video_tokens[1] not in rendered):
+            raise InputError(f"{sample_id}: the prompt's video placeholder and its video do not match (one without the other)")
+        if not images and video is None:
+            raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
+        tokens_per_image, vision = [], {}
+        if images:
+            pil_images = [load_image(img, f"{sample_id}: image {i}") for i, img in enumerate(images)]
+            vision = self.image_processor(images=pil_images, return_tensors="pt")
+            tokens_per_image = (vision["image_grid_thw"].prod(-1) // self.merge_size**2).tolist()
+        clip_ids, clip_types, clip = [], [], {}
+        if video is not None:
+            clip = self.encode_clip(read_clip(video, self.frames, f"{sample_id}: video"), f"{sample_id}: video")
+            clip_ids, clip_types = clip.pop("ids"), clip.pop("types")
 
         encoded = self.tokenizer(rendered, return_offsets_mapping=True, add_special_tokens=False)
         query_spans = _user_text_spans(messages, rendered)
@@ -132,6 +193,11 @@ class VLMProcessor:
                 types += [IMAGE] * n
                 query += [False] * n
                 continue
+            if token_id == self.video_token:
+                ids += clip_ids
+                types += clip_types
+                query += [False] * len(clip_ids)
+                continue
             ids.append(token_id)
             types.append(TEXT)
             query.append(any(s <= start and end <= e for s, e in query_spans) and end > start)
@@ -141,9 +207,68 @@ class VLMProcessor:
             input_ids=torch.tensor(ids, dtype=torch.long),
             mm_token_type_ids=torch.tensor(types, dtype=torch.int32),
             query_mask=torch.tensor(query, dtype=torch.bool),
-            pixel_values=vision["pixel_values"],
-            image_grid_thw=grid,
+            pixel_values=vision.get("pixel_values"),
+            image_grid_thw=vision.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)),
+            pixel_values_videos=clip.get("pixel_values_videos"),
+            video_grid_thw=clip.get("video_grid_thw"),
         )
+
+    def encode_clip(self, clip: Clip, where: str = "video") -> dict:
+        """A clip's pixels and grid from the family's video processor, and what replaces its placeholder: per
+        temporal patch, `<t seconds>` (the mean time of the patch's frames) then the patch's tokens between vision
+        start and end."""
+        import numpy as np
+
+        decoded = [np.asarray(load_image(frame, f"{where} frame {i}")) for i, frame in enumerate(clip.frames)]
+        if len({frame.shape for frame in decoded}) > 1:
+            raise InputError(f"{where}: its frames differ in size ({', '.join(sorted({f'{f.shape[1]}x{f.shape[0]}' for f in decoded}))}); a clip's frames share one")
+        frames = np.stack(decoded)
+        out = self.video_processor(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=True, return_tensors="pt")
+        t, h, w = out["video_grid_thw"][0].tolist()
+        per_patch = h * w // self.video_processor.merge_size**2
+        step = self.video_processor.temporal_patch_size
+        seconds = list(clip.seconds) + [clip.seconds[-1]] * (-len(clip.seconds) % step)  # the processor repeats the last frame
+        ids, types = [], []
+        for patch in range(t):
+            moment = (seconds[patch * step] + seconds[patch * step + step - 1]) / 2
+            stamp = self.tokenizer(f"<{moment:.1f} seconds>", add_special_tokens=False)["input_ids"]
+            ids += [*stamp, self.video_start, *[self.video_token] * per_patch, self.video_end]
+            types += [TEXT] * (len(stamp) + 1) + [VIDEO] * per_patch + [TEXT]
+        return {"ids": ids, "types": types, "pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
+
+
+def read_clip(video: Any, frames: int, where: str = "video") -> Clip:
+    """`frames` frames sampled uniformly (transformers' sampling: frame i * total // frames) from a video file (read with
+    OpenCV) or from a clip whose frames are already listed; a source with fewer frames is an InputError naming it."""
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn, load_video
+
+    def too_short(total: int, what: str) -> InputError:
+        return InputError(f"{where}: {what} has {total} frame(s), fewer than the {frames} a clip is sampled to (data.frames)")
+
+    if isinstance(video, Clip):
+        if len(video.frames) < frames:
+            raise too_short(len(video.frames), "the clip")
+        picked = default_sample_indices_fn(VideoMetadata(total_num_frames=len(video.frames), fps=None), num_frames=frames).tolist()
+        return Clip(frames=tuple(video.frames[i] for i in picked), seconds=tuple(video.seconds[i] for i in picked))
+    path = Path(video)
+    if not path.is_file():
+        raise InputError(f"{where}: video file not found: {path}")
+
+    def pick(metadata, **_):
+        if metadata.total_num_frames < frames:
+            raise too_short(metadata.total_num_frames, str(path))
+        return default_sample_indices_fn(metadata, num_frames=frames)
+
+    try:
+        pixels, metadata = load_video(str(path), backend="opencv", sample_indices_fn=pick)
+    except (ValueError, OSError, RuntimeError) as exc:
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"{where} ({path}) does not decode: {exc}") from None
+    if len(pixels) < frames:  # the container promised frames it did not deliver
+        raise too_short(len(pixels), f"{path} (decoded)")
+    fps = metadata.fps or 1.0
+    return Clip(frames=tuple(pixels), seconds=tuple(i / fps for i in metadata.frames_indices))
 
 
 def end_of_sequence_ids(model_dir: Path, tokenizer) -> tuple[int, ...]:
@@ -204,10 +329,11 @@ def question_token_ids(ids: list[int], tokenizer, family: Family) -> list[int]:
     return [t for t in turn if t not in special]
 
 
-def question_messages(question: str, system_prompt: str | None = None, images: int = 1) -> list[dict]:
-    """The chat layout of LT-14K rows: [system], user = the row's images in order, then the question."""
+def question_messages(question: str, system_prompt: str | None = None, images: int = 1, video: bool = False) -> list[dict]:
+    """The chat layout of LT-14K rows: [system], user = the row's images in order, its video, then the question."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": question}]})
+    parts = [{"type": "image"}] * images + [{"type": "video"}] * video + [{"type": "text", "text": question}]
+    messages.append({"role": "user", "content": parts})
     return messages
 
 
@@ -217,5 +343,6 @@ def sample_images(sample) -> list:
 
 
 def encode_samples(processor: VLMProcessor, samples, system_prompt: str | None = None) -> list[PromptInputs]:
-    """Training rows (uid, images, question) -> full-token prompts."""
-    return [processor.encode(question_messages(s.question, system_prompt, len(s.images)), list(s.images), s.uid) for s in samples]
+    """Training rows (uid, images, video, question) -> full-token prompts."""
+    return [processor.encode(question_messages(s.question, system_prompt, len(s.images), s.video is not None), list(s.images), s.uid, s.video)
+            for s in samples]

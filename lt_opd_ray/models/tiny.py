@@ -31,6 +31,7 @@ CONTENT = (  # a message's text and image parts, in order
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}IMAGE"
+    "{% elif part['type'] == 'video' %}VIDEO"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
 )
@@ -41,7 +42,7 @@ class TinyChat:
     """A family's chat scaffolding, as its releases' templates write it (reduced to what the tiny models need)."""
 
     tokens: tuple[str, ...]  # special tokens beyond SPECIAL_TOKENS and the family's image and video tokens
-    template: str  # Jinja, IMAGE standing for the family's image run
+    template: str  # Jinja, IMAGE and VIDEO standing for the family's image and video placeholders
     eos: str  # the tokenizer's end-of-sequence token
     ends: tuple[str, ...]  # every token that ends a response (generation_config.json's eos_token_id)
 
@@ -111,7 +112,8 @@ def build_tokenizer(vocab_size: int = 384, family: str = "qwen3_5"):
     )
     tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
     image = FAMILIES[family]
-    tokenizer.chat_template = chat.template.replace("IMAGE", image.image_start + image.image_token + image.image_end)
+    tokenizer.chat_template = (chat.template.replace("IMAGE", image.image_start + image.image_token + image.image_end)
+                               .replace("VIDEO", "".join(image.video_tokens)))
     return tokenizer
 
 
@@ -245,6 +247,20 @@ def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: i
     }
 
 
+def video_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: int = 16 * 128 * 128) -> dict:
+    """The family's video processor: a clip's pixels, all frames together, within [min_pixels, max_pixels]."""
+    description = FAMILIES[family]
+    return {
+        "video_processor_type": description.video_processor,
+        "patch_size": description.patch_size,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+
+
 def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, vocab_size: int | None = None,
                      tied: bool = False) -> Path:
     """Write a tiny random `family` VLM to `out_dir` (an ordinary HF folder) and return the path; `tied`: the output
@@ -263,6 +279,8 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: in
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(image_processor_config(family), indent=2))
+    if FAMILIES[family].video_processor:
+        (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(family), indent=2))
     return out_dir
 
 

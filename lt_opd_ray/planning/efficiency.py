@@ -133,11 +133,12 @@ def vision_projection_flops(config: dict, grid_thw: tuple[int, int, int]) -> int
 
 
 def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
-    """Q K^T and A V of every vision block for one image (Qwen2.5-VL's windowed blocks attend within windows)."""
+    """Q K^T and A V of every vision block for one image or clip: each temporal patch attends within itself (the vision
+    tower's sequence boundaries), Qwen2.5-VL's windowed blocks within windows."""
     vision = config["vision_config"]
     t, h, w = grid_thw
     width = vision["hidden_size"]
-    full = 4 * (t * h * w) ** 2 * width
+    full = t * 4 * (h * w) ** 2 * width
     if not family_of_config(config).windowed_vision:
         return vision["depth"] * full
     merge = vision["spatial_merge_size"]
@@ -150,6 +151,8 @@ def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
     full_blocks = len(vision.get("fullatt_block_indexes") or [])
     return full_blocks * full + (vision["depth"] - full_blocks) * windowed
 
+
+TIMESTAMP_TOKENS = 8  # text a clip's prompt adds per temporal patch: `<t seconds>` (~6 tokens), vision start and end
 
 MERGE_HIDDEN = 64  # the learnable token merge's head width (models/token_merge.py)
 

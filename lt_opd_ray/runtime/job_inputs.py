@@ -58,5 +58,12 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
             most = max(len(s.images) for s in rows_read)
             problems.append(f"{len(crowded)} rows of {spec!r} show more than data.max_images ({job.data.max_images}) images"
                             f" ({', '.join(crowded[:3])}{', ...' if len(crowded) > 3 else ''}; the most is {most}): raise data.max_images")
+        clips = [s.uid for s in rows_read if s.video is not None] if rows_read is not None else []
+        drawn_clips = rows_read is None and (drawn := generated_rows(spec) if spec else None) is not None and drawn.video
+        vllm = [role for role in ("rollout", "teacher") if getattr(job.pools, role).backend == "vllm"]
+        if (clips or drawn_clips) and vllm:
+            shown = f"{len(clips)} rows of {spec!r} show a video ({', '.join(clips[:3])}{', ...' if len(clips) > 3 else ''})" if clips else f"{spec!r} draws videos"
+            problems.append(f"{shown}, but pools.{' and pools.'.join(vllm)} run vLLM, whose plugin prunes images only yet: set"
+                            " their backend to transformers (docs/families.md)")
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems

@@ -141,7 +141,7 @@ class Learner:
         if job.pools.learner.activation_checkpointing:
             # recompute each decoder / vision block in backward: activations of one block per layer stay alive
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+        self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.model_dir = model_dir
         self.module = StudentObjective(model.train(), job.objective)
         optimizer, scheduler = build_optimizer(model, job.optimizer)

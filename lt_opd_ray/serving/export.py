@@ -100,7 +100,7 @@ def _from_deepspeed_checkpoint(job, storage, step: int, staging: Path) -> None:
         missing, extra = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
         raise ExportError(f"{storage.describe(tag)}: weights do not match {job.model.path} (missing {missing}, unexpected {extra})")
     model.save_pretrained(staging, state_dict=weights)
-    processor = VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels)
+    processor = VLMProcessor.for_data(model_dir, job.data)
     processor.tokenizer.save_pretrained(staging)
     processor.image_processor.save_pretrained(staging)
 

@@ -121,11 +121,14 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
                         _recorded(row.get("sha256")), response=row.get("response"))
 
 
+VIDEO_NOT_PACKED = "a `video` row: `lt-opd data` packs images only; train on the JSONL/parquet file directly (data.path)"
+
+
 def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
     from lt_opd_ray.sources.rows import images_problem, read_records, row_images
 
     for number, row, problem in read_records(path):
-        if problem := problem or images_problem(row):
+        if problem := problem or images_problem(row) or (VIDEO_NOT_PACKED if (row or {}).get("video") is not None else None):
             yield SourceRow(str((row or {}).get("sample_uid") or f"line {number}"), None, None, [], problem=problem)
             continue
 

@@ -1,6 +1,6 @@
 """What a job's `data.*` and `model.path` strings name, resolved in one place (the schema checks them with it).
 
-Data: `synthetic:<n>[@<W>x<H>][*<images>]`, `toy-<task>[-test]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
+Data: `synthetic:<n>[@<W>x<H>][*<images>]`, `synthetic-video:<n>[@<W>x<H>]`, `toy-<task>[-test]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
 parquet file. Models: `tiny:<family>[-vocab<N>]` (an embedded tiny random model, built once), `toy:<task>` (a toy
 task's teacher: shipped, or trained once), or a local Hugging Face folder.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.sources.rows import PREPARED_MANIFEST, read_rows
-from lt_opd_ray.sources.synthetic import synthetic_sample
+from lt_opd_ray.sources.synthetic import synthetic_sample, synthetic_video_sample
 
 MAX_GENERATED_ROWS = 100_000  # synthetic and toy rows are drawn in memory at start: more is a typo, not a data set
 MAX_SYNTHETIC_IMAGES = 16  # images per synthetic row (MVBench's frame count)
@@ -21,12 +21,17 @@ MAX_SYNTHETIC_IMAGES = 16  # images per synthetic row (MVBench's frame count)
 
 @dataclass(frozen=True)
 class GeneratedRows:
-    """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>][*<images>]` or `toy-<task>[-test]:<n>`."""
+    """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>][*<images>]`, `synthetic-video:<n>[@<W>x<H>]` or
+    `toy-<task>[-test]:<n>`."""
 
-    kind: str  # "synthetic" or "toy-<task>[-test]"
+    kind: str  # "synthetic", "synthetic-video" or "toy-<task>[-test]"
     count: int
     size: tuple[int, int] | None = None  # (width, height) of synthetic images; None: 128 x 128
-    images: int = 1  # images per synthetic row
+    images: int = 1  # images per synthetic row (0: a synthetic clip)
+
+    @property
+    def video(self) -> bool:
+        return self.kind == "synthetic-video"
 
     @property
     def toy_task(self) -> str | None:
@@ -37,7 +42,8 @@ def generated_rows(spec: str) -> GeneratedRows | None:
     """The generated form `spec` names, or None for a file or folder (read later, with its own named errors);
     a malformed generated form is an InputError saying the expected shape."""
     kind, _, rest = spec.partition(":")
-    if kind != "synthetic" and not kind.startswith("toy-"):
+    synthetic = kind in ("synthetic", "synthetic-video")
+    if not synthetic and not kind.startswith("toy-"):
         return None
     rest, _, images = rest.partition("*")
     if images and (kind != "synthetic" or not images.isdigit() or not 1 <= int(images) <= MAX_SYNTHETIC_IMAGES):
@@ -46,9 +52,9 @@ def generated_rows(spec: str) -> GeneratedRows | None:
     if not count.isdigit() or not 1 <= int(count) <= MAX_GENERATED_ROWS:
         raise InputError(f"{spec!r}: expected {kind}:<count from 1 to {MAX_GENERATED_ROWS:,}>")
     width, _, height = size.partition("x")
-    if size and (kind != "synthetic" or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
-        raise InputError(f"{spec!r}: expected synthetic:<n>@<width>x<height>, sides of at least 32 pixels")
-    rows = GeneratedRows(kind, int(count), (int(width), int(height)) if size else None, int(images or 1))
+    if size and (not synthetic or not (width.isdigit() and height.isdigit() and min(int(width), int(height)) >= 32)):
+        raise InputError(f"{spec!r}: expected {kind}:<n>@<width>x<height>, sides of at least 32 pixels")
+    rows = GeneratedRows(kind, int(count), (int(width), int(height)) if size else None, 0 if kind == "synthetic-video" else int(images or 1))
     if rows.toy_task is not None:
         from lt_opd_ray.sources.toy.tasks import toy_task
 
@@ -58,7 +64,8 @@ def generated_rows(spec: str) -> GeneratedRows | None:
 
 def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
     """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size, `synthetic:<n>*<I>` with
-    I images per row, the question naming one),
+    I images per row, the question naming one), `synthetic-video:<n>` (16-frame clips whose board changes once, the
+    question asking about its start or end),
     `toy-<task>:<n>` / `toy-<task>-test:<n>` (a toy task's training / held-out split, lt_opd_ray/toy),
     a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
     if (generated := generated_rows(spec)) is not None:
@@ -66,6 +73,8 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list
             from lt_opd_ray.sources.toy.tasks import toy_task
 
             return toy_task(generated.toy_task).samples(generated.count, "test" if generated.kind.endswith("-test") else "train")
+        if generated.video:
+            return [synthetic_video_sample(i, seed, generated.size or 128) for i in range(generated.count)]
         return [synthetic_sample(i, seed, generated.size or 128, generated.images) for i in range(generated.count)]
     if (Path(spec) / PREPARED_MANIFEST).exists():
         from lt_opd_ray.sources.prepare import read_prepared

@@ -1,6 +1,7 @@
-"""Training rows read from JSONL / parquet files: (sample_uid, image or images, question[, answer][, response]), every
-problem of a file named at once. `image` is one path; `images` a list of paths, shown in that order (MuirBench-style
-prompts, a clip's frames)."""
+"""Training rows read from JSONL / parquet files: (sample_uid, image or images and/or video, question[, answer][,
+response]), every problem of a file named at once. `image` is one path; `images` a list of paths, shown in that order
+(MuirBench-style prompts); `video` a video file's path, or a list of its frames' paths (with `fps`, default 1: the
+frames' rate), shown after the images (MVBench-style prompts; sampled to `data.frames` frames)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import os
 from pathlib import Path
 
 from lt_opd_ray.core.errors import InputError
-from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.samples import Clip, Sample
 
 DATA_SUFFIXES = (".jsonl", ".parquet")  # the row files `load_samples` reads
 PREPARED_MANIFEST = "manifest.json"  # what marks a folder `lt-opd data` prepared (written last)
 MAX_QUESTION_CHARS = 65_536  # a question is a sentence or a page, never a document: longer is refused per row
-REQUIRED_FIELDS = ("sample_uid", "question")  # and an image: `image` (one path) or `images` (a list of paths)
+REQUIRED_FIELDS = ("sample_uid", "question")  # and an image (`image`: one path, or `images`: a list of paths) or a `video`
 
 
 def question_problem(question: object) -> str | None:
@@ -111,14 +112,18 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
         uid = str(row["sample_uid"])
         seen[uid] = number
         images = tuple(Path(image_root) / image if isinstance(image, str) else image for image in row_images(row))
-        samples.append(Sample(uid=uid, images=images, question=str(row["question"]), answer=row.get("answer"), response=row.get("response")))
+        samples.append(Sample(uid=uid, images=images, question=str(row["question"]), answer=row.get("answer"), response=row.get("response"),
+                              video=row_video(row, image_root)))
         numbers.append(number)
     missing = [(number, position, image) for number, sample in zip(numbers, samples) for position, image in enumerate(sample.images)
                if isinstance(image, Path) and not image.is_file()]
+    missing += [(number, f"video{'' if isinstance(sample.video, Path) else f' frame {position}'}", path)
+                for number, sample in zip(numbers, samples) for position, path in enumerate(video_files(sample.video)) if not path.is_file()]
     if missing:
-        files = sum(len(sample.images) for sample in samples)
-        shown = "; ".join(f"{where} {number}" + (f" image {position}" if position else "") + f": {image}" for number, position, image in missing[:3])
-        problems.append(f"{len(missing)} of {files} image file(s) not found under image_root {image_root}"
+        files = sum(len(sample.images) + len(video_files(sample.video)) for sample in samples)
+        shown = "; ".join(f"{where} {number}" + (f" image {position}" if isinstance(position, int) and position else f" {position}" if position else "")
+                          + f": {image}" for number, position, image in missing[:3])
+        problems.append(f"{len(missing)} of {files} image or video file(s) not found under image_root {image_root}"
                         f" ({shown}{'; ...' if len(missing) > 3 else ''})")
     if problems:
         raise InputError(listed(path, problems))
@@ -126,8 +131,43 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
 
 
 def row_images(row: dict) -> list:
-    """A row's images: its `images` list, or its one `image`."""
-    return list(row["images"]) if "images" in row else [row["image"]]
+    """A row's images: its `images` list, or its one `image`, or none (a video row)."""
+    return list(row["images"]) if "images" in row else [row["image"]] if "image" in row else []
+
+
+def row_video(row: dict, root: str | Path = ".") -> Path | Clip | None:
+    """A row's video: a file's path, or its listed frames (paths) at the row's `fps` (default 1), or None."""
+    video = row.get("video")
+    if video is None:
+        return None
+    if isinstance(video, str):
+        return Path(root) / video
+    fps = float(row.get("fps") or 1.0)
+    return Clip(frames=tuple(Path(root) / frame for frame in video), seconds=tuple(i / fps for i in range(len(video))))
+
+
+def video_files(video) -> list[Path]:
+    """The files a row's video reads: the video file, or each listed frame."""
+    if isinstance(video, Path):
+        return [video]
+    return [frame for frame in video.frames if isinstance(frame, Path)] if isinstance(video, Clip) else []
+
+
+def video_problem(row: dict) -> str | None:
+    """What is wrong with a row's `video` (a non-empty path, or a non-empty list of frame paths) and `fps` (a positive
+    number, with a frames list)."""
+    video, fps = row.get("video"), row.get("fps")
+    if video is None:
+        return None if fps is None else "`fps` without a `video` list of frames"
+    if isinstance(video, str):
+        return None if video and fps is None else "`video` is an empty path" if not video else "`fps` is for a `video` list of frames; a video file carries its own"
+    if not isinstance(video, (list, tuple)) or not video:
+        return f"`video` must be a video file's path or a non-empty list of frame paths, got {type(video).__name__ if video else 'an empty one'}"
+    if empty := [str(position) for position, frame in enumerate(video) if not isinstance(frame, str) or not frame]:
+        return f"`video` frames {', '.join(empty)} are not paths"
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+        return f"`fps` must be a positive number, got {fps!r}"
+    return None
 
 
 def images_problem(row: dict) -> str | None:
@@ -142,13 +182,13 @@ def images_problem(row: dict) -> str | None:
         if empty := [str(position) for position, image in enumerate(images) if not image]:
             return f"`images` entries {', '.join(empty)} are empty"
         return None
-    return None if row.get("image") else "missing field(s) image (or images)"
+    return None if row.get("image") or row.get("video") is not None else "missing field(s) image (or images, or video)"
 
 
 def _row_problem(row: dict, seen: dict[str, int], where: str) -> str | None:
     if missing := [f for f in REQUIRED_FIELDS if not row.get(f)]:
         return f"missing field(s) {', '.join(missing)}"
-    if problem := images_problem(row):
+    if problem := images_problem(row) or video_problem(row):
         return problem
     if (uid := str(row["sample_uid"])) in seen:
         return f"duplicate sample_uid {uid!r} (first at {where} {seen[uid]})"

@@ -6,7 +6,7 @@ It needs no files and is identical on every machine for a given seed.
 
 from __future__ import annotations
 
-from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.core.samples import Clip, Sample
 from lt_opd_ray.core.seeding import stable_seed
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (235, 210, 40)}
@@ -31,6 +31,25 @@ def synthetic_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 12
 
 
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+CLIP_FRAMES = 16  # frames of a synthetic clip, one per second: MVBench's count
+
+
+def synthetic_video_sample(index: int, seed: int = 0, size: int | tuple[int, int] = 128) -> Sample:
+    """A clip of CLIP_FRAMES frames, one per second: one board, then from a random frame on another; the question asks
+    for the colour at one quadrant at the start or at the end of the clip."""
+    import random
+
+    rng = random.Random(stable_seed("synthetic-video", seed, index))
+    first, second = _board(rng, size), _board(rng, size)
+    cut = rng.randrange(4, CLIP_FRAMES - 4)
+    when = rng.choice(("start", "end"))
+    answers, shapes = (first if when == "start" else second)[1:]
+    asked = rng.choice(QUADRANTS)
+    question = f"At the {when} of the video, what colour is the shape in the {asked} corner? Answer with one word."
+    response = f"A {answers[asked]} {shapes[asked]}. <answer>{answers[asked]}</answer>"
+    frames = tuple((first if frame < cut else second)[0] for frame in range(CLIP_FRAMES))
+    return Sample(uid=f"synthetic-video-{seed}-{index}", images=(), question=question, answer=answers[asked], response=response,
+                  video=Clip(frames=frames, seconds=tuple(float(frame) for frame in range(CLIP_FRAMES))))
 
 
 def _board(rng, size):

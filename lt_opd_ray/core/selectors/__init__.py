@@ -10,12 +10,13 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
-SCOPES = ("image", "prompt")  # what one budget covers: each image's tokens, or the union of a prompt's images' tokens
+SCOPES = ("image", "clip", "prompt")  # what one budget covers: each image's (each frame's) tokens, a clip's, or the prompt's
 
 
 def build_selector(name: str, scope: str = "image") -> Selector:
-    """Selector `name` applied per image (`scope` image: each image keeps k_i = tokens_to_keep(N_i)) or over the
-    prompt (`scope` prompt: k = tokens_to_keep(sum N_i) chosen from the union of its images' tokens; models/adapter.py)."""
+    """Selector `name` applied per image and per temporal patch of a clip (`scope` image: each keeps
+    k_i = tokens_to_keep(N_i)), per image and per whole clip (`scope` clip), or over the prompt (`scope` prompt:
+    k = tokens_to_keep(sum N_i) chosen from the union of its tokens; models/adapter.py)."""
     if scope not in SCOPES:
         raise ValueError(f"unknown selection scope {scope!r}; known: {', '.join(SCOPES)}")
     try:

@@ -50,7 +50,7 @@ def open_for_job(job, role: str):
     from lt_opd_ray.sources.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(job.model.path)
-    return VLMProcessor(model_dir, job.data.min_pixels, job.data.max_pixels), engine_for_job(job, model_dir, role)
+    return VLMProcessor.for_data(model_dir, job.data), engine_for_job(job, model_dir, role)
 
 
 def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
