@@ -113,6 +113,12 @@ def test_efficiency_command_prints_the_reduction_table(capsys):
     assert "4 images of 448x416, each pruned to the budget (728 visual tokens)" in lines[0]
     assert lines[-1].split()[:2] == ["5%", str(84 + 4 * 10)]
     assert main(["efficiency", "--preset", "qwen3.5-4b", "--images", "0"]) == 2
+    # a 16-frame clip: 8 temporal patches of 182 tokens, each pruned on its own (10 kept at 5%), 8 timestamps of 8 tokens
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--image", "448x416", "--frames", "16", "--budgets", "500"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "a 16-frame clip of 448x416 frames (8 temporal patches" in lines[0] and "(1456 visual tokens)" in lines[0]
+    assert lines[1 + 1].split()[:2] == ["100%", str(84 + 8 * 8 + 1456)] and lines[-1].split()[:2] == ["5%", str(84 + 8 * 8 + 8 * 10)]
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--frames", "15"]) == 2  # two frames make one temporal patch
 
 
 def test_commands_without_their_input_are_refused_in_one_line(capsys):

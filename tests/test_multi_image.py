@@ -123,7 +123,8 @@ def test_rows_with_more_images_than_the_job_allows_are_refused_before_it_starts(
 def test_a_prompt_scoped_budget_is_refused_where_it_cannot_run():
     base = 'model: {path: "tiny:qwen3_5"}\ndata: {path: "synthetic:8*2", max_images: 2}\n'
     assert parse_job(base + "selector: {scope: prompt}\n").selector.scope == "prompt"
-    with pytest.raises(ValueError, match="selector.scope prompt selects across a prompt's images in the transformers engines"):
-        parse_job(base + "selector: {scope: prompt}\npools: {rollout: {backend: vllm}}\n")
-    with pytest.raises(ValueError, match="scope prompt with merge learnable"):
-        parse_job(base + "selector: {scope: prompt, merge: learnable}\n")
+    for scope in ("prompt", "clip"):
+        with pytest.raises(ValueError, match=f"selector.scope {scope} selects across a prompt's images or frames in the transformers engines"):
+            parse_job(base + f"selector: {{scope: {scope}}}\npools: {{rollout: {{backend: vllm}}}}\n")
+        with pytest.raises(ValueError, match=f"scope {scope} with merge learnable"):
+            parse_job(base + f"selector: {{scope: {scope}, merge: learnable}}\n")

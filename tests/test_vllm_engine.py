@@ -166,18 +166,45 @@ def test_teacher_scores_equal_transformers_teacher(tiny_dirs, engines, family):
         assert torch.allclose(got.requested_logp, want.requested_logp.float(), atol=LOGP_TOL[family], rtol=0)
 
 
+def legacy_folder(tiny_dir, target):
+    """A Qwen2.5-VL folder in its releases' tensor layout (before transformers 4.52): `visual.*`, `model.layers.*`,
+    `model.embed_tokens`, which transformers renames to `model.visual.*`, `model.language_model.*` on load."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    renamed = {re.sub(r"^model\.language_model\.", "model.", re.sub(r"^model\.visual\.", "visual.", n)): t for n, t in tensors.items()}
+    save_file(renamed, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
 @pytest.mark.slow
-def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines):
-    from lt_opd_ray.engines.vllm.engine import WeightMismatchError
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl-legacy"])
+def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines, family, tmp_path):
+    """The learner's names (transformers' parameters) update the engine in place, also for a Qwen2.5-VL folder in its
+    releases' legacy tensor names (vLLM's loader maps both layouts); a bad shape or name is refused whole."""
+    from safetensors import safe_open
+
+    from lt_opd_ray.engines.vllm.engine import VLLMEngine, WeightMismatchError
+    from lt_opd_ray.models.loading import check_checkpoint_names
     from lt_opd_ray.models.sampler import sample
 
-    family = "qwen3_vl"
-    engine = engines(family)
-    processor, prompts, engine_prompts = _prompts(tiny_dirs[family], count=1)
+    if family == "qwen2_5_vl-legacy":
+        folder = legacy_folder(tiny_dirs["qwen2_5_vl"], tmp_path / "legacy")
+        with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+            assert {"visual.merger.mlp.0.weight", "model.layers.0.self_attn.q_proj.bias"} <= set(handle.keys())
+        check_checkpoint_names(folder)  # transformers loads it by name: the preflight lets it through
+        engine = VLLMEngine(folder, dtype="float32", max_model_len=1024)
+    else:
+        folder, engine = tiny_dirs[family], engines(family)
+    processor, prompts, engine_prompts = _prompts(folder, count=1)
     selection = _selections(1)
     before = engine.generate(engine_prompts, selection, GREEDY, seeds=[1])[0][0]
 
-    vlm = _adapter(tiny_dirs[family])
+    vlm = _adapter(folder)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in vlm.model.parameters():
@@ -197,7 +224,7 @@ def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines
     features = vlm.visual_features(prompts[0])
     reference = sample(vlm, [vlm.reduce(prompts[0], features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
     assert after.token_ids.tolist() == reference.token_ids.tolist()
-    assert (after.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
+    assert (after.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family.removesuffix("-legacy")]
     assert not torch.allclose(after.logprobs, before.logprobs)
 
 

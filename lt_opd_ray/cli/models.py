@@ -126,7 +126,7 @@ def cmd_efficiency(args) -> int:
     budgets = sorted(set(args.budgets + [10000]), reverse=True)
     rows = [prefill_cost(config, text_tokens, grids, bps, args.k_min, token_merge=merging) for bps in budgets]
     full = rows[0]
-    shown = [("one" if args.images == 1 else str(args.images)) + f" {height}x{width} image{'s' * (args.images > 1)}" if args.images else "",
+    shown = [f"one {height}x{width} image" if args.images == 1 else f"{args.images} images of {height}x{width}" if args.images else "",
              f"a {args.frames}-frame clip of {height}x{width} frames ({patches} temporal patches, +{patches * TIMESTAMP_TOKENS}"
              " timestamp and marker tokens)" if args.frames else ""]
     pruned = "each image and temporal patch pruned to the budget" if args.frames else "each pruned to the budget" if args.images > 1 else ""

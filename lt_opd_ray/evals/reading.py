@@ -61,9 +61,9 @@ FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 def video_of(value, folder: Path, row_id, problems: Problems, fps: float = 1.0):
     """A video file under `folder` that OpenCV opens with at least one frame (its path), or a folder of frame images
     (a Clip of them in name order, `fps` apart); None (and a problem) otherwise."""
-    from transformers.video_utils import load_video
-
+    from lt_opd_ray.core.errors import InputError
     from lt_opd_ray.core.samples import Clip
+    from lt_opd_ray.models.processor import read_clip
 
     if not value or not isinstance(value, str):
         problems.add(row_id, "no video")
@@ -79,9 +79,9 @@ def video_of(value, folder: Path, row_id, problems: Problems, fps: float = 1.0):
         problems.add(row_id, f"video {value!r} is neither a file nor a folder of frames under {folder}")
         return None
     try:
-        load_video(str(path), num_frames=1, backend="opencv")  # opens and decodes, here rather than after the model has loaded
-    except (ValueError, OSError, RuntimeError) as exc:
-        problems.add(row_id, f"video ({path}) does not decode: {exc}")
+        read_clip(path, 1, "video")  # opens and decodes a frame, here rather than after the model has loaded
+    except InputError as exc:
+        problems.add(row_id, str(exc))
         return None
     return path
 

@@ -188,7 +188,8 @@ class QwenVLM:
         for i, (start, indices) in enumerate(zip(image_starts, selected)):
             n = features.embeds[i].shape[0]
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
-                raise ValueError(f"visual unit {i}: selected index outside [0, {n})")
+                unit = f"image {i}" if prompt.visual_units[i][0] == IMAGE else f"the clip's temporal patch {i - prompt.num_images}"
+                raise ValueError(f"{unit}: selected index outside [0, {n})")
             keep[start + indices] = True
             on_device = indices.to(self.device)
             if head is None:

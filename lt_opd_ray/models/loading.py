@@ -96,6 +96,18 @@ def check_checkpoint_names(model_dir: Path) -> None:
                                f" config ({'; '.join(parts)}); convert the folder to the Hugging Face layout of its model_type")
 
 
+def parameter_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of the folder's transformers class for its config (what a learner of it sends: a
+    tied output head once, under the embedding's name), built on the meta device: no weights are read."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+
+
 def compute_precision(dtype: str, device):
     """The context a forward runs in: bf16 autocast over fp32 master weights, or plain fp32."""
     import contextlib

@@ -165,12 +165,12 @@ class VLMProcessor:
     def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample", video: Any = None) -> PromptInputs:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         placeholders = rendered.count(self.image_token)
+        if placeholders == 0 and video is None:
+            raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
         if placeholders != len(images):
             raise InputError(f"{sample_id}: prompt has {placeholders} image placeholder(s) but {len(images)} image(s)")
         if (video is None) != (self.family.video_tokens[1] not in rendered):
             raise InputError(f"{sample_id}: the prompt's video placeholder and its video do not match (one without the other)")
-        if not images and video is None:
-            raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
         tokens_per_image, vision = [], {}
         if images:
             pil_images = [load_image(img, f"{sample_id}: image {i}") for i, img in enumerate(images)]
@@ -255,6 +255,8 @@ def read_clip(video: Any, frames: int, where: str = "video") -> Clip:
         raise InputError(f"{where}: video file not found: {path}")
 
     def pick(metadata, **_):
+        if metadata.total_num_frames <= 0:
+            raise InputError(f"{where} ({path}) does not decode as a video (OpenCV reads no frames from it)")
         if metadata.total_num_frames < frames:
             raise too_short(metadata.total_num_frames, str(path))
         return default_sample_indices_fn(metadata, num_frames=frames)

@@ -123,7 +123,8 @@ def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
         files = sum(len(sample.images) + len(video_files(sample.video)) for sample in samples)
         shown = "; ".join(f"{where} {number}" + (f" image {position}" if isinstance(position, int) and position else f" {position}" if position else "")
                           + f": {image}" for number, position, image in missing[:3])
-        problems.append(f"{len(missing)} of {files} image or video file(s) not found under image_root {image_root}"
+        kinds = "image or video" if any(sample.video is not None for sample in samples) else "image"
+        problems.append(f"{len(missing)} of {files} {kinds} file(s) not found under image_root {image_root}"
                         f" ({shown}{'; ...' if len(missing) > 3 else ''})")
     if problems:
         raise InputError(listed(path, problems))

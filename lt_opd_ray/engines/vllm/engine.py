@@ -30,6 +30,7 @@ from lt_opd_ray.config.pools import VLLMSettings
 from lt_opd_ray.core.compression import learnable_merge
 from lt_opd_ray.engines.vllm.loop import EngineLoop
 from lt_opd_ray.engines.vllm.selection import SelectionRequest
+from lt_opd_ray.models.loading import parameter_shapes
 from lt_opd_ray.models.processor import IMAGE, PromptInputs
 from lt_opd_ray.models.sampler import Completion, SamplingParams
 from lt_opd_ray.weight_sync.layout import Layout
@@ -131,7 +132,7 @@ class VLLMEngine:
         dim = config.get("text_config", config)["hidden_size"]
         merging = token_merge or learnable_merge(config) is not None
         self.merge_shapes = merge_parameter_shapes(dim) if merging else {}
-        self.tied_embeddings = bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
+        self._learner_shapes = None  # weight_shapes, read once
         configure_environment()
         from vllm import LLM
 
@@ -295,13 +296,14 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- weights
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The weights an update must bring: the model folder's tensors, less the multi-token-prediction
-        head (`mtp.*`, in Qwen3.5 checkpoints) that the student neither has nor samples with and, with tied
-        embeddings, less an output head a folder may store beside them (the learner's is the embedding, sent
-        once under its name); with a token merge, its head's tensors."""
-        tied = {"lm_head.weight"} if self.tied_embeddings else set()
-        shapes = _checkpoint_shapes(self.model_dir)
-        return {n: s for n, s in shapes.items() if not n.startswith("mtp.") and n not in tied} | self.merge_shapes
+        """The weights an update must bring: what the learner sends, its transformers class's parameters for the
+        folder's config (a tied output head once, under the embedding's name; no multi-token-prediction head, which
+        Qwen3.5 checkpoints carry and the student neither has nor samples with) and, with a token merge, its head's
+        tensors. Whatever names the folder's own tensors use: Qwen2.5-VL releases keep the pre-4.52 `visual.*` /
+        `model.layers.*` layout, which transformers renames on load and vLLM's loader maps as it maps the new one."""
+        if self._learner_shapes is None:
+            self._learner_shapes = parameter_shapes(self.model_dir)
+        return self._learner_shapes | self.merge_shapes
 
     def write_weights(self, stream) -> None:
         """Write (name, tensor) pairs in checkpoint format into the engine's own parameters, in place.
@@ -378,15 +380,3 @@ def check_architecture(model_dir: Path) -> None:
 
 def _pop_selections(worker, nonces):
     return worker.get_model().pop_selections(nonces)
-
-
-def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the model folder's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
