@@ -9,6 +9,7 @@ log-probs. Teacher scoring: the same top-k and requested-id log-probs as
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,10 +183,11 @@ def legacy_folder(tiny_dir, target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl-legacy"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl-legacy", "glm4v"])
 def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines, family, tmp_path):
-    """The learner's names (transformers' parameters) update the engine in place, also for a Qwen2.5-VL folder in its
-    releases' legacy tensor names (vLLM's loader maps both layouts); a bad shape or name is refused whole."""
+    """The learner's names (transformers' parameters) update the engine in place, every tensor moved (the q/k/v biases
+    too, which the tiny models start at zero): also for a Qwen2.5-VL folder in its releases' legacy tensor names
+    (vLLM's loader maps both layouts) and for GLM-4V; a bad shape or name is refused whole."""
     from safetensors import safe_open
 
     from lt_opd_ray.engines.vllm.engine import VLLMEngine, WeightMismatchError
@@ -317,31 +319,22 @@ def test_an_architecture_without_pruning_support_is_refused_by_name(tmp_path):
         VLLMEngine(tmp_path)
 
 
-def test_a_family_whose_updates_vllm_reloads_only_in_part_rolls_out_on_transformers(tiny_dirs, engines):
-    """GLM-4V in vLLM: a reload writes its q/k/v weights but leaves their biases as they were (so its rollouts stay
-    on transformers, refused by name), while a frozen vLLM teacher of it is fine."""
-    from safetensors.torch import load_file
+def test_a_glm_folder_without_its_attention_bias_flag_is_refused_by_name(tiny_dirs, tmp_path):
+    """transformers builds GLM-4V's text q/k/v biases whatever the config says; vLLM builds them only when
+    text_config.attention_bias is true (the releases set it). Without it vLLM would drop every bias and sample another
+    model, so the engine refuses the folder before it starts."""
+    import shutil
 
-    from lt_opd_ray.config.loading import parse_job
     from lt_opd_ray.core.families import UnsupportedArchitectureError
-    from lt_opd_ray.engines.vllm.job import engine_for_job
-    from lt_opd_ray.engines.vllm.selection import SelectionRequest
+    from lt_opd_ray.engines.vllm.engine import check_architecture
 
-    job = parse_job(f'model: {{path: "{tiny_dirs["glm4v"]}", dtype: float32}}\ndata: {{path: "synthetic:8"}}\n'
-                    "sampling: {prompts_per_step: 2}\npools: {rollout: {backend: vllm}}\n")
-    with pytest.raises(UnsupportedArchitectureError, match="pools.rollout.backend vllm with GLM-4.1V / GLM-4.6V-Flash: vLLM's in-place"):
-        engine_for_job(job, tiny_dirs["glm4v"], "rollout")
-    engine = engines("glm4v")  # the measurement the refusal stands on: a bias update is not taken, a weight update is
-    _, _, engine_prompts = _prompts(tiny_dirs["glm4v"], count=1)
-    full = [SelectionRequest(budget_bps=10000, k_min=K_MIN, selector="cdpruner", seed=1)]
-    before = engine.generate(engine_prompts, full, GREEDY, seeds=[1])[0][0]
-    weights = load_file(str(tiny_dirs["glm4v"] / "model.safetensors"))
-    for part, taken in (("k_proj.bias", False), ("k_proj.weight", True)):
-        moved = {n: t + 0.5 if part in n else t for n, t in weights.items()}
-        engine.load_weights(list(moved.items()))
-        after = engine.generate(engine_prompts, full, GREEDY, seeds=[1])[0][0]
-        assert torch.equal(after.logprobs, before.logprobs) != taken, part
-        engine.load_weights(list(weights.items()))
+    check_architecture(tiny_dirs["glm4v"])
+    folder = Path(shutil.copytree(tiny_dirs["glm4v"], tmp_path / "glm"))
+    config = json.loads((folder / "config.json").read_text())
+    del config["text_config"]["attention_bias"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="text_config.attention_bias is not true; transformers builds GLM-4.1V"):
+        check_architecture(folder)
 
 
 def test_selection_settings_are_validated_before_the_engine():

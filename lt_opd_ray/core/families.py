@@ -43,8 +43,8 @@ class Family:
     windowed_vision: bool = False  # Qwen2.5-VL: vision blocks attend within windows except `fullatt_block_indexes`
     vision_mlp: str = "fc"  # vision blocks' MLP: "fc" (fc1 -> fc2, intermediate_size), "swiglu" (gate/up/down, intermediate_size),
     #                          "swiglu_out" (gate/up/down of width out_hidden_size: GLM-4V)
-    vllm_rollout: bool = True  # False: vLLM's in-place weight reload does not take every update (GLM-4V's q/k/v biases on
-    #                             vLLM 0.32's CPU runner), so its rollouts stay on transformers; its vLLM teacher never reloads
+    text_qkv_bias_flag: bool = False  # GLM-4V: transformers always builds the text q/k/v biases, vLLM only when
+    #                                  text_config.attention_bias is true (the releases set it; a folder without it loses them in vLLM)
     merged_by: str = "mlp"  # how 2x2 patches become one LM token: "mlp" (Qwen's PatchMerger over the concatenation),
     #                          "conv_glu" (GLM-4V: a strided Conv2d, then a gated projection of width intermediate_size)
 
@@ -79,7 +79,7 @@ FAMILIES: dict[str, Family] = {
             image_token="<|image|>", image_start="<|begin_of_image|>", image_end="<|end_of_image|>",
             video_tokens=("<|begin_of_video|>", "<|video|>", "<|end_of_video|>"),
             user_turn=("<|user|>", "\n"), turn_ends=GLM_ROLES, image_processor="Glm4vImageProcessorPil", video_processor=None, patch_size=14, projector=("visual.downsample", "visual.merger"),
-            vision_mlp="swiglu_out", merged_by="conv_glu", vllm_rollout=False,
+            vision_mlp="swiglu_out", merged_by="conv_glu", text_qkv_bias_flag=True,
         ),
     )
 }

@@ -222,7 +222,7 @@ def _glm4v(text, vision, head_dim):
     each image's grid (112 px: 8 x 8 patches), the strided-conv downsample and gated projector."""
     heads = text["num_attention_heads"]
     rotary = text["hidden_size"] // heads // 2
-    text = dict(text, num_hidden_layers=2,
+    text = dict(text, num_hidden_layers=2, attention_bias=True,  # as the releases' text_config: vLLM builds the q/k/v biases from it
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": _mrope_section(rotary)})
     return text, dict(vision, image_size=112), ("image_start_token_id", "image_end_token_id")
 

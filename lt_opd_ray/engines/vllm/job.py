@@ -66,12 +66,6 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         )
     config = json.loads((Path(model_dir) / "config.json").read_text())
     family = family_of_config(config, str(model_dir))
-    if role == "rollout" and not family.vllm_rollout:
-        raise UnsupportedArchitectureError(
-            f"pools.rollout.backend vllm with {family.name}: vLLM's in-place weight reload leaves part of each update"
-            " unwritten for this family (its attention q/k/v biases), so the rollouts would sample stale weights; set"
-            " pools.rollout.backend: transformers (a vLLM teacher, which never reloads, is fine)"
-        )
     if family.linear_attention and job.model.dtype != "bfloat16" and not torch.cuda.is_available():
         raise UnsupportedArchitectureError(
             f"pools.{role}.backend vllm with model.dtype {job.model.dtype}: vLLM's CPU kernels run {family.name}"
