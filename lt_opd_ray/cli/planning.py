@@ -73,13 +73,17 @@ def cmd_plan(args) -> int:
     except ValueError:
         print(f"plan: --image {args.image!r} is not HEIGHTxWIDTH in pixels", file=sys.stderr)
         return 2
-    gpu, shapes = GPUS[args.gpu], shapes_of(job, args.text_tokens, (height, width))
+    if args.frames < 0 or args.frames % 2:
+        print(f"plan: --frames {args.frames}: an even number of frames (two make one temporal patch)", file=sys.stderr)
+        return 2
+    gpu, shapes = GPUS[args.gpu], shapes_of(job, args.text_tokens, (height, width), args.frames)
     split = job_split(job)
     if sum(split) != args.gpus:
         split = best_split(config, shapes, gpu, args.gpus, efficiency, "staleness 1").split
     print(f"ESTIMATE (analytic, not measured) for {args.job} on {args.gpus}x {gpu.name}; model {source}; {shapes.prompts} prompts x"
           f" {shapes.n} responses of up to {shapes.max_new_tokens} tokens (mean {efficiency['mean_response_fraction']:.0%}),"
-          f" budget {shapes.budget_bps / 100:g}%")
+          f" budget {shapes.budget_bps / 100:g}%; each prompt shows "
+          + (f"a {shapes.frames}-frame clip of {height}x{width} frames" if shapes.frames else f"one {height}x{width} image"))
     print("assumed efficiencies (none measured on a GPU; --efficiency NAME=VALUE to change):")
     for name, value in efficiency.items():
         print(f"  {name} {value:g}: {EFFICIENCY_SOURCES[name]}")
@@ -129,5 +133,6 @@ def register(sub) -> None:
     planner.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
     planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")
     planner.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
+    planner.add_argument("--frames", type=int, default=0, help="a clip of this many frames of --image's size per prompt instead of one image")
     planner.add_argument("--efficiency", nargs="*", default=[], metavar="NAME=VALUE", help="override an assumed efficiency (see lt_opd_ray/planning/planner.py)")
     planner.set_defaults(func=cmd_plan)

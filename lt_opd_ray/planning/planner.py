@@ -50,14 +50,13 @@ import math
 from dataclasses import dataclass
 
 from lt_opd_ray.planning.efficiency import (
+    TIMESTAMP_TOKENS,
     _text,
     cache_bytes,
     lm_flops,
     lm_projection_flops_per_token,
     patch_grid,
     prefill_cost,
-    vision_attention_flops,
-    vision_projection_flops,
 )
 
 
@@ -126,6 +125,16 @@ class Shapes:
     micro_batch_tokens: int  # the learner's token budget per micro-batch
     zero_stage: int
     dtype_bytes: int = 2  # the job's compute dtype: weights read per decode step, KV cache, weight sync
+    frames: int = 0  # a clip of this many frames of `image`'s size per prompt instead of one image (two frames per temporal patch)
+
+    def prompt_grids(self, config: dict) -> tuple[list[tuple[int, int, int]], int]:
+        """(patch grid of each image or temporal patch, text tokens) of one prompt: one image, or a clip's patches with
+        their timestamp and marker tokens."""
+        grid = patch_grid(config, *self.image)
+        if not self.frames:
+            return [grid], self.text_tokens
+        patches = self.frames // 2
+        return [grid] * patches, self.text_tokens + patches * TIMESTAMP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -178,13 +187,13 @@ def parameter_count(config: dict) -> int:
 def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
     text = _text(config)
     params = parameter_count(config)
-    grid = patch_grid(config, *shapes.image)
-    reduced = prefill_cost(config, shapes.text_tokens, [grid], shapes.budget_bps, shapes.k_min)
-    full = prefill_cost(config, shapes.text_tokens, [grid], 10000, shapes.k_min)
+    grids, text_tokens = shapes.prompt_grids(config)
+    reduced = prefill_cost(config, text_tokens, grids, shapes.budget_bps, shapes.k_min)
+    full = prefill_cost(config, text_tokens, grids, 10000, shapes.k_min)
     sequences = shapes.prompts * shapes.n
     mean = efficiency["mean_response_fraction"] * shapes.max_new_tokens
     head = 2 * text["hidden_size"] * text["vocab_size"]  # output head per position (full vocabulary)
-    vision = vision_projection_flops(config, grid) + vision_attention_flops(config, grid)
+    vision = full.vision_flops  # the tower runs on every patch at any budget
     # response positions continue a prefix: FLOPs of (prefix + response) minus the prefix alone
     response = lambda prefix: lm_flops(config, prefix + round(mean)) - lm_flops(config, prefix)  # noqa: E731
     # decode: with uniform finishing, a sequence's share still running falls linearly to 0 over 2 x mean steps
@@ -348,14 +357,14 @@ def engine_batch(job) -> int | None:
     return min(pool.vllm.max_num_seqs, pool.engine_groups * group) if pool.backend == "vllm" else None
 
 
-def shapes_of(job, text_tokens: int, image: tuple[int, int]) -> Shapes:
+def shapes_of(job, text_tokens: int, image: tuple[int, int], frames: int = 0) -> Shapes:
     return Shapes(
         prompts=job.sampling.prompts_per_step, n=job.sampling.n, max_new_tokens=job.sampling.max_new_tokens,
         text_tokens=text_tokens, image=image, budget_bps=job.budget.target_bps, k_min=job.budget.k_min, top_k=job.objective.top_k,
         checkpointing=job.pools.learner.activation_checkpointing, group_prompts=job.schedule.group_prompts,
         engine_batch=engine_batch(job), teacher_backend=job.pools.teacher.backend,
         micro_batch_tokens=job.pools.learner.micro_batch_tokens, zero_stage=job.pools.learner.zero_stage,
-        dtype_bytes=DTYPE_BYTES[job.model.dtype],
+        dtype_bytes=DTYPE_BYTES[job.model.dtype], frames=frames,
     )
 
 
