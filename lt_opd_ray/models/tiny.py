@@ -230,35 +230,26 @@ def _glm4v(text, vision, head_dim):
 TINY_SHAPES = {"qwen3_5": _qwen3_5, "qwen3_vl": _qwen3_vl, "qwen2_5_vl": _qwen2_5_vl, "glm4v": _glm4v}
 
 
-def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: int = 256 * 256) -> dict:
-    description = FAMILIES[family]
+def _vision_processing(family: str, min_pixels: int, max_pixels: int) -> dict:
+    """What the family's image and video processors share: patch, merge, pixel bounds, normalisation."""
     return {
-        "image_processor_type": description.image_processor,
-        "patch_size": description.patch_size,
+        "patch_size": FAMILIES[family].patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
     }
+
+
+def image_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: int = 256 * 256) -> dict:
+    return {"image_processor_type": FAMILIES[family].image_processor, **_vision_processing(family, min_pixels, max_pixels),
+            "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
 
 
 def video_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: int = 16 * 128 * 128) -> dict:
     """The family's video processor: a clip's pixels, all frames together, within [min_pixels, max_pixels]."""
-    description = FAMILIES[family]
-    return {
-        "video_processor_type": description.video_processor,
-        "patch_size": description.patch_size,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }
+    return {"video_processor_type": FAMILIES[family].video_processor, **_vision_processing(family, min_pixels, max_pixels)}
 
 
 def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, vocab_size: int | None = None,
