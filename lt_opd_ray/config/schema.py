@@ -47,7 +47,8 @@ class ModelConfig(StrictModel):
 
 class DataConfig(StrictModel):
     path: Annotated[str, AfterValidator(check_data_spec)]
-    """A parquet or JSONL file of rows (sample_uid, image or images, question), `synthetic:<n>[*<images>]` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
+    """A parquet or JSONL file of rows (sample_uid, image or images and/or video, question), `synthetic:<n>[*<images>]`
+    or `synthetic-video:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
     min_pixels: int = Field(3136, gt=0, le=MAX_PIXELS)
