@@ -67,12 +67,14 @@ def relative_distance(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize(
     "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing",
-    [(1, 2, 16384, 2, False), (2, 3, 16384, 2, False), (2, 2, 40, 3, False), (2, 3, 40, 3, False), (2, 3, 16384, 2, True)],
+    [(1, 2, 16384, 2, False), (2, 2, 40, 3, False), (2, 3, 40, 3, False), (2, 3, 16384, 2, True)],
 )
 def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
-    (fillers) and split vision groups. The last case recomputes activations in the backward under ZeRO-3."""
+    (fillers) and split vision groups. The last case (ZeRO-3, one micro-batch per rank) also recomputes activations
+    in the backward; the same case without recompute adds nothing the others do not check, and the suite's time is
+    budgeted."""
     job = job_for(
         tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}",
         micro_batch_tokens=micro_batch_tokens, prompts=prompts, activation_checkpointing=checkpointing,
