@@ -137,13 +137,8 @@ def test_clips_are_sampled_uniformly_and_a_short_one_is_named():
 
 
 def test_a_video_file_is_read_and_sampled(tmp_path):
-    import cv2
-
     path = tmp_path / "clip.avi"
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 4.0, (96, 64))
-    for frame in clip_of(frames=24).frames:
-        writer.write(frame)
-    writer.release()
+    write_avi(path, clip_of(frames=24), 4.0)
     picked = read_clip(path, 8)
     assert len(picked.frames) == 8 and picked.frames[0].shape == (64, 96, 3)
     assert list(picked.seconds) == [i * 24 // 8 / 4.0 for i in range(8)]
@@ -201,10 +196,50 @@ def test_frames_of_different_sizes_are_named(loaded):
         encode_samples(processor, [Sample("s1", (), "What happens?", video=clip)])
 
 
-def test_video_rows_with_vllm_engines_and_prepared_shards_are_refused_by_name(tmp_path):
+def write_avi(path, clip: Clip, fps: float) -> None:
+    import cv2
+
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, (clip.frames[0].shape[1], clip.frames[0].shape[0]))
+    for frame in clip.frames:
+        writer.write(frame)
+    writer.release()
+
+
+def test_video_rows_go_into_prepared_shards_and_come_back_as_the_same_prompts(loaded, tmp_path):
+    """`lt-opd data` packs a row's video file (its bytes) or its frames (each frame's bytes, at the row's fps); the
+    prepared rows encode to exactly the prompts the JSONL rows do (the same sampled frames at the same times), and
+    a frame or a video that does not decode is named by row, nothing written."""
+    from lt_opd_ray.sources.prepare import DataError, prepare, read_prepared
+    from lt_opd_ray.sources.rows import read_rows
+
+    _, processor, _ = loaded["qwen3_5"]
+    processor.frames = 4
+    clip = clip_of(frames=12)
+    write_avi(tmp_path / "movie.avi", clip, 4.0)
+    for i in range(6):
+        random_image(i, 64, 96).save(tmp_path / f"f{i}.png")
+    rows = [{"sample_uid": "frames", "image": "f5.png", "video": [f"f{i}.png" for i in range(5)], "fps": 2, "question": "What moves?"},
+            {"sample_uid": "file", "video": "movie.avi", "question": "What happens?", "answer": "x"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prepare(tmp_path / "rows.jsonl", tmp_path / "data")
+    direct, prepared = read_rows(tmp_path / "rows.jsonl", tmp_path), read_prepared(tmp_path / "data")
+    assert [s.uid for s in prepared] == ["frames", "file"] and prepared[0].video.seconds == (0.0, 0.5, 1.0, 1.5, 2.0)
+    for ours, theirs in zip(encode_samples(processor, prepared), encode_samples(processor, direct)):
+        assert torch.equal(ours.input_ids, theirs.input_ids) and torch.equal(ours.video_grid_thw, theirs.video_grid_thw)
+        assert torch.equal(ours.pixel_values_videos, theirs.pixel_values_videos)
+    (tmp_path / "f3.png").write_bytes(b"not a png")
+    (tmp_path / "broken.avi").write_bytes(b"not a video")
+    rows.append({"sample_uid": "broken", "video": "broken.avi", "question": "What happens?"})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(DataError) as info:
+        prepare(tmp_path / "rows.jsonl", tmp_path / "bad")
+    assert "2 problem(s), nothing written" in str(info.value) and "frames: video frame 3 does not decode" in str(info.value)
+    assert "broken: video (the video's bytes) does not decode as a video" in str(info.value) and not (tmp_path / "bad").exists()
+
+
+def test_video_rows_with_vllm_engines_are_refused_by_name():
     from lt_opd_ray.config.loading import parse_job
     from lt_opd_ray.runtime.job_inputs import read_job_inputs
-    from lt_opd_ray.sources.prepare import prepare
 
     job = parse_job("""
 model: {path: "tiny:qwen3_5"}
@@ -214,11 +249,6 @@ pools: {rollout: {backend: vllm}}
 """)
     _, problems = read_job_inputs(job, draw_generated=False)
     assert any("'synthetic-video:4' draws videos, but pools.rollout run vLLM" in p for p in problems)
-    random_image(0, 32, 32).save(tmp_path / "f.png")
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"sample_uid": "v", "video": ["f.png"], "question": "q?"}) + "\n")
-    with pytest.raises(ValueError, match="v: a `video` row: `lt-opd data` packs images only"):
-        prepare(tmp_path / "rows.jsonl", tmp_path / "out")
-    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_synthetic_clips_ask_about_their_start_or_end():

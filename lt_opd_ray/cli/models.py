@@ -149,7 +149,7 @@ def register(sub) -> None:
     data = sub.add_parser("data", help="verify and shard a training set (LT-14K layout, datasets folder, JSONL/parquet)")
     data.add_argument("source", help="LT-14K folder, datasets save_to_disk folder, or .jsonl/.parquet file")
     data.add_argument("--out", required=True, help="output folder (manifest.json is written last)")
-    data.add_argument("--images", default=None, help="image folder of a JSONL/parquet source (default: its folder)")
+    data.add_argument("--images", default=None, help="folder of a JSONL/parquet source's images and videos (default: its folder)")
     data.add_argument("--shard-rows", type=int, default=1000)
     data.add_argument("--max-shards", type=int, default=None, help="stop after N new shards (run again to continue)")
     data.set_defaults(func=cmd_data)

@@ -30,7 +30,7 @@ class Sample:
     question: str
     answer: str | None = None  # what an evaluation checks (exact match on <answer>...</answer>)
     response: str | None = None  # a whole response written for the row (its annotators, another model): sft / fixed_prefix train on it
-    video: Any = None  # a clip the prompt shows after its images: a video file's path, a list of frames, or a Clip
+    video: Any = None  # a clip the prompt shows after its images: a video file's path (or its bytes read on use), or a Clip
 
     def __post_init__(self):
         if not self.images and self.video is None:

@@ -239,26 +239,40 @@ class VLMProcessor:
 
 def read_clip(video: Any, frames: int, where: str = "video") -> Clip:
     """`frames` frames sampled uniformly (transformers' sampling: frame i * total // frames) from a video file (read with
-    OpenCV) or from a clip whose frames are already listed; a source with fewer frames is an InputError naming it."""
-    from transformers.video_utils import VideoMetadata, default_sample_indices_fn, load_video
+    OpenCV; its path, or an object whose `read()` gives its bytes, as a prepared shard's video) or from a clip whose
+    frames are already listed; a source with fewer frames is an InputError naming it."""
+    import tempfile
 
-    def too_short(total: int, what: str) -> InputError:
-        return InputError(f"{where}: {what} has {total} frame(s), fewer than the {frames} a clip is sampled to (data.frames)")
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
     if isinstance(video, Clip):
         if len(video.frames) < frames:
-            raise too_short(len(video.frames), "the clip")
+            raise _too_short(where, "the clip", len(video.frames), frames)
         picked = default_sample_indices_fn(VideoMetadata(total_num_frames=len(video.frames), fps=None), num_frames=frames).tolist()
         return Clip(frames=tuple(video.frames[i] for i in picked), seconds=tuple(video.seconds[i] for i in picked))
-    path = Path(video)
-    if not path.is_file():
-        raise InputError(f"{where}: video file not found: {path}")
+    if hasattr(video, "read"):  # OpenCV decodes files: the bytes go through a temporary one, removed once decoded
+        with tempfile.NamedTemporaryFile(prefix="lt-opd-clip-") as copy:
+            copy.write(video.read())
+            copy.flush()
+            return _decode_video_file(Path(copy.name), frames, where, "the video's bytes")
+    if not Path(video).is_file():
+        raise InputError(f"{where}: video file not found: {video}")
+    return _decode_video_file(Path(video), frames, where, str(video))
+
+
+def _too_short(where: str, what: str, total: int, frames: int) -> InputError:
+    return InputError(f"{where}: {what} has {total} frame(s), fewer than the {frames} a clip is sampled to (data.frames)")
+
+
+def _decode_video_file(path: Path, frames: int, where: str, label: str) -> Clip:
+    """`frames` frames sampled uniformly from the video file at `path`, named `label` in what goes wrong."""
+    from transformers.video_utils import default_sample_indices_fn, load_video
 
     def pick(metadata, **_):
         if metadata.total_num_frames <= 0:
-            raise InputError(f"{where} ({path}) does not decode as a video (OpenCV reads no frames from it)")
+            raise InputError(f"{where} ({label}) does not decode as a video (OpenCV reads no frames from it)")
         if metadata.total_num_frames < frames:
-            raise too_short(metadata.total_num_frames, str(path))
+            raise _too_short(where, label, metadata.total_num_frames, frames)
         return default_sample_indices_fn(metadata, num_frames=frames)
 
     try:
@@ -266,9 +280,9 @@ def read_clip(video: Any, frames: int, where: str = "video") -> Clip:
     except (ValueError, OSError, RuntimeError) as exc:
         if isinstance(exc, InputError):
             raise
-        raise InputError(f"{where} ({path}) does not decode: {exc}") from None
+        raise InputError(f"{where} ({label}) does not decode: {exc}") from None
     if len(pixels) < frames:  # the container promised frames it did not deliver
-        raise too_short(len(pixels), f"{path} (decoded)")
+        raise _too_short(where, f"{label} (decoded)", len(pixels), frames)
     fps = metadata.fps or 1.0
     return Clip(frames=tuple(pixels), seconds=tuple(i / fps for i in metadata.frames_indices))
 

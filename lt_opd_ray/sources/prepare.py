@@ -7,13 +7,17 @@ Sources:
 - a Hugging Face `datasets` folder (`save_to_disk`; columns sample_uid, question,
   [answer], [response], image or images);
 - a JSONL or parquet file (sample_uid, question, [answer], [response], image path
-  or images list of paths, [sha256]) with its images under `--images`.
+  or images list of paths, [sha256], [video: a video file's path or a list of its
+  frames' paths, with fps]) with its images and videos under `--images`.
 
 Every row is checked: a question, a unique sample_uid, images that exist, have
 the recorded size and SHA-256 (where the source records them) and decode (a bad one
-named by its row and position). Rows go into `shard-NNNNN.parquet` files
+named by its row and position), a video whose file decodes (OpenCV reads a frame of
+it) or whose every frame decodes. Rows go into `shard-NNNNN.parquet` files
 (sample_uid, question, answer, response, images: a list of image bytes, sha256: one
-per image; row groups of 64 so the loader reads one group per image) written in
+per image; a video row's `video` (the file's bytes) or `video_frames` (each frame's
+bytes, at `fps`), and `video_sha256`; row groups of 64 so the loader reads one group
+per image) written in
 `<out>.incoming/`; `manifest.json` is written last and the folder renamed to
 `<out>`, so an unfinished preparation never looks complete. An interrupted run
 continues from its finished shards (`progress.json` records them and the source
@@ -37,7 +41,7 @@ from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.sources.rows import PREPARED_MANIFEST as MANIFEST
 
 PROGRESS = "progress.json"
-FORMAT = 2  # 2: an `images` list per row; 1 (read too): one `image` per row
+FORMAT = 2  # 2: an `images` list per row (and the video columns where a row has a video); 1 (read too): one `image` per row
 ROW_GROUP = 64
 TEXT_COLUMNS = ("sample_uid", "question", "answer", "response")  # a shard's columns beside the image and its sha256
 
@@ -56,6 +60,8 @@ class SourceRow:
     size_bytes: int | None = None  # of a single-image row's image, where the source records it (LT-14K's media.jsonl)
     problem: str | None = None  # why the source's line is not a row at all (then nothing else is checked)
     response: str | None = None  # the whole response written for the row, where the source has one
+    read_video: list | None = None  # () -> bytes: one for a video file, one per frame for a video given as frames
+    fps: float | None = None  # of a video given as frames (its frames' times are i / fps)
 
 
 # ------------------------------------------------------------------------------ sources
@@ -121,28 +127,28 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
                         _recorded(row.get("sha256")), response=row.get("response"))
 
 
-VIDEO_NOT_PACKED = "a `video` row: `lt-opd data` packs images only; train on the JSONL/parquet file directly (data.path)"
-
-
 def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
-    from lt_opd_ray.sources.rows import images_problem, read_records, row_images
+    from lt_opd_ray.sources.rows import images_problem, read_records, row_images, video_problem
 
     for number, row, problem in read_records(path):
-        if problem := problem or images_problem(row) or (VIDEO_NOT_PACKED if (row or {}).get("video") is not None else None):
+        if problem := problem or images_problem(row) or video_problem(row):
             yield SourceRow(str((row or {}).get("sample_uid") or f"line {number}"), None, None, [], problem=problem)
             continue
 
-        def reader(image):
+        def reader(name):
             def read() -> bytes:
-                file = images / str(image)
+                file = images / str(name)
                 if not file.is_file():
                     raise FileNotFoundError(f"{file} not found")
                 return file.read_bytes()
 
             return read
 
+        video = row.get("video")
         yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"),
-                        [reader(image) for image in row_images(row)], _recorded(row.get("sha256")), response=row.get("response"))
+                        [reader(image) for image in row_images(row)], _recorded(row.get("sha256")), response=row.get("response"),
+                        read_video=None if video is None else [reader(video)] if isinstance(video, str) else [reader(f) for f in video],
+                        fps=None if video is None or isinstance(video, str) else float(row.get("fps") or 1.0))
 
 
 def _recorded(sha256) -> list | None:
@@ -171,12 +177,13 @@ def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]
 
 
 # ------------------------------------------------------------------------------ prepare
-def _check(row: SourceRow, seen: set[str]) -> tuple[list[bytes] | None, list[str]]:
+def _check(row: SourceRow, seen: set[str]) -> tuple[list[bytes] | None, list[bytes] | None, list[str]]:
+    """(images' bytes, video's bytes (the file, or each frame), problems) of one row; nothing where it has problems."""
     from lt_opd_ray.models.processor import ImageError, decode_image
     from lt_opd_ray.sources.rows import question_problem, response_problem
 
     if row.problem is not None:
-        return None, [row.problem]
+        return None, None, [row.problem]
     problems = []
     if not row.question or not str(row.question).strip():
         problems.append("no question")
@@ -207,7 +214,49 @@ def _check(row: SourceRow, seen: set[str]) -> tuple[list[bytes] | None, list[str
         except ImageError as exc:
             problems.append(f"{name} {exc}")
         images.append(data)
-    return (images if not problems else None), problems
+    video = _check_video(row, problems)
+    if problems:
+        return None, None, problems
+    return images, video, problems
+
+
+def _check_video(row: SourceRow, problems: list[str]) -> list[bytes] | None:
+    """A row's video bytes (one video file, or each frame), each read and decoded; what fails is added to `problems`."""
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.models.processor import ImageError, decode_image, read_clip
+
+    if row.read_video is None:
+        return None
+    frames = row.fps is not None
+    video = []
+    for position, read in enumerate(row.read_video):
+        name = f"video frame {position}" if frames else "video"
+        try:
+            data = read()
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        try:
+            if frames:
+                decode_image(data).close()
+            else:
+                read_clip(VideoBytes(data), 1, name)  # OpenCV reads at least one frame of it
+        except ImageError as exc:
+            problems.append(f"{name} {exc}")
+        except InputError as exc:
+            problems.append(str(exc))
+        video.append(data)
+    return video
+
+
+@dataclass(frozen=True)
+class VideoBytes:
+    """A video file's bytes in memory, read as a clip (models/processor.py `read_clip`) like a shard's video."""
+
+    data: bytes
+
+    def read(self) -> bytes:
+        return self.data
 
 
 def _fingerprint(source: Path) -> str:
@@ -246,7 +295,10 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
     def flush() -> None:
         nonlocal batch, new_shards
         name = f"shard-{len(state['shards']):05d}.parquet"
-        table = pa.table({k: [r[k] for r in batch] for k in (*TEXT_COLUMNS, "images", "sha256")})
+        schema = pa.schema([*((k, pa.string()) for k in TEXT_COLUMNS), ("images", pa.list_(pa.binary())), ("sha256", pa.list_(pa.string())),
+                            ("video", pa.binary()), ("video_frames", pa.list_(pa.binary())), ("fps", pa.float64()),
+                            ("video_sha256", pa.list_(pa.string()))])
+        table = pa.table({name: [r[name] for r in batch] for name in schema.names}, schema=schema)
         pq.write_table(table, staging / (name + ".tmp"), row_group_size=ROW_GROUP)
         os.replace(staging / (name + ".tmp"), staging / name)
         state["shards"].append({"file": name, "rows": len(batch), "sha256": hashlib.sha256((staging / name).read_bytes()).hexdigest()})
@@ -257,13 +309,15 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
     for index, row in enumerate(source_rows(source, Path(images) if images else None)):
         if index < done_rows:
             continue  # in a finished shard of an earlier run
-        data, row_problems = _check(row, seen)
+        data, video, row_problems = _check(row, seen)
         seen.add(row.uid)
         if row_problems:
             problems += [f"{row.uid}: {p}" for p in row_problems]
             continue
         batch.append({"sample_uid": row.uid, "question": str(row.question), "answer": None if row.answer is None else str(row.answer),
-                      "response": row.response, "images": data, "sha256": [hashlib.sha256(image).hexdigest() for image in data]})
+                      "response": row.response, "images": data, "sha256": [hashlib.sha256(image).hexdigest() for image in data],
+                      "video": video[0] if video and row.fps is None else None, "video_frames": video if row.fps is not None else None,
+                      "fps": row.fps, "video_sha256": None if video is None else [hashlib.sha256(part).hexdigest() for part in video]})
         if progress:
             progress(index + 1)
         if len(batch) == shard_rows and not problems:
@@ -287,8 +341,8 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
 # ------------------------------------------------------------------------------- loading
 @dataclass(frozen=True)
 class ShardImage:
-    """One image inside a prepared shard, read on use (its row group only): image `position` of the row's `images`,
-    or a format-1 shard's one `image`."""
+    """One image inside a prepared shard, read on use (its row group only): image `position` of the row's `images`
+    (or frame `position` of its `video_frames`), or a format-1 shard's one `image`, or a row's `video` file (bytes)."""
 
     shard: str
     row: int
@@ -300,7 +354,20 @@ class ShardImage:
 
         group, offset = divmod(self.row, ROW_GROUP)
         cell = pq.ParquetFile(self.shard).read_row_group(group, columns=[self.column]).column(self.column)[offset].as_py()
-        return cell[self.position] if self.column == "images" else cell
+        return cell[self.position] if isinstance(cell, list) else cell
+
+
+def _shard_video(shard: str, row: int, digests: list | None, fps: float | None):
+    """A row's video as a Sample holds it (`digests`: one per frame, or one for the file): its frames read on use at
+    their times i / fps, or its file's bytes read on use (models/processor.py `read_clip` decodes them), or None."""
+    from lt_opd_ray.core.samples import Clip
+
+    if digests is None:
+        return None
+    if fps is None:
+        return ShardImage(shard, row, column="video")
+    frames = tuple(ShardImage(shard, row, position, "video_frames") for position in range(len(digests)))
+    return Clip(frames=frames, seconds=tuple(i / fps for i in range(len(frames))))
 
 
 def read_prepared(folder: str | Path):
@@ -326,15 +393,18 @@ def read_prepared(folder: str | Path):
         try:
             present = set(pq.read_schema(path).names)  # a shard written before `response` existed has no such column
             column = "images" if "images" in present else "image"  # format 1: one image per row
-            table = pq.read_table(path, columns=[c for c in TEXT_COLUMNS if c in present] + ["sha256"])
+            videos = [c for c in ("fps", "video_sha256") if c in present]  # the video's bytes are read on use only
+            table = pq.read_table(path, columns=[c for c in TEXT_COLUMNS if c in present] + ["sha256"] + videos)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"{path}: not a readable shard ({str(exc).splitlines()[0][:160]}); prepare the folder again") from None
         if table.num_rows != rows:
             raise InputError(f"{path}: {table.num_rows} rows, the manifest says {rows}")
         columns = [table.column(c).to_pylist() if c in table.column_names else [None] * rows for c in TEXT_COLUMNS]
         digests = table.column("sha256").to_pylist()  # one per image (format 1: one string)
+        fps, video_digests = (table.column(c).to_pylist() if c in table.column_names else [None] * rows for c in ("fps", "video_sha256"))
         for row, (uid, question, answer, response) in enumerate(zip(*columns)):
             count = len(digests[row]) if column == "images" else 1
             images = tuple(ShardImage(str(path), row, position, column) for position in range(count))
-            samples.append(Sample(uid=uid, images=images, question=question, answer=answer, response=response))
+            video = _shard_video(str(path), row, video_digests[row], fps[row])
+            samples.append(Sample(uid=uid, images=images, question=question, answer=answer, response=response, video=video))
     return samples
