@@ -16,14 +16,15 @@ from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import SelectionInput, build_selector
 from lt_opd_ray.models.processor import TEXT, VIDEO, encode_samples, question_messages, read_clip
 
-VIDEO_FAMILIES = ["qwen3_5", "qwen3_vl"]  # the families whose video path is adapted (core/families.py)
+VIDEO_FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl"]  # the families whose video path is adapted (core/families.py)
+OWN_PROCESSOR = {"qwen3_5": "Qwen3VLProcessor", "qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 FPS = 2.0
 
 
 def clip_of(frames=20, height=64, width=96, seed=0) -> Clip:
     rng = np.random.default_rng(seed)
     pixels = [rng.integers(0, 255, (height, width, 3), dtype=np.uint8) for _ in range(frames)]
-    return Clip(frames=tuple(pixels), seconds=tuple(i / FPS for i in range(frames)))
+    return Clip.at_rate(pixels, FPS)
 
 
 def video_prompt(processor, images=1, frames=16):
@@ -35,16 +36,17 @@ def video_prompt(processor, images=1, frames=16):
 
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
 def test_a_clips_prompt_is_what_the_models_own_processor_writes(loaded, family):
-    """Token ids, modality types and pixels equal transformers' Qwen3VLProcessor fed the same sampled frames and their
-    times: per temporal patch `<t seconds>` then the patch's tokens between vision start and end."""
+    """Token ids, modality types and pixels equal transformers' own processor of the family fed the same sampled frames
+    and their times: per temporal patch `<t seconds>` then the patch's tokens between vision start and end (Qwen3), or
+    every patch's tokens in one run with the seconds a patch spans (Qwen2.5-VL)."""
     import transformers
     from transformers.video_utils import VideoMetadata
 
     _, processor, _ = loaded[family]
     prompt = video_prompt(processor, images=0)
     picked = read_clip(clip_of(), 16)
-    reference = transformers.Qwen3VLProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
-                                              video_processor=processor.video_processor)
+    reference = getattr(transformers, OWN_PROCESSOR[family])(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                                                             video_processor=processor.video_processor)
     rendered = processor.tokenizer.apply_chat_template(question_messages("What happens in the video?", "You are a helpful assistant.", 0, True),
                                                        tokenize=False, add_generation_prompt=True)
     metadata = VideoMetadata(total_num_frames=20, fps=FPS, frames_indices=[round(s * FPS) for s in picked.seconds])
@@ -53,6 +55,10 @@ def test_a_clips_prompt_is_what_the_models_own_processor_writes(loaded, family):
     assert prompt.input_ids.tolist() == out["input_ids"][0].tolist()
     assert prompt.mm_token_type_ids.tolist() == out["mm_token_type_ids"][0].tolist()
     assert torch.equal(prompt.pixel_values_videos, out["pixel_values_videos"]) and torch.equal(prompt.video_grid_thw, out["video_grid_thw"])
+    if "second_per_grid_ts" in out:  # 2 frames per patch at the sampled rate: 16 of 20 frames at 2 fps is 1.6 fps
+        assert prompt.second_per_grid_ts.tolist() == out["second_per_grid_ts"].tolist() == [2 / 1.6]
+    else:
+        assert prompt.second_per_grid_ts is None
     assert [kind for kind, _ in prompt.visual_units] == [VIDEO] * 8  # 16 frames = 8 temporal patches
 
 
@@ -66,11 +72,20 @@ def test_an_image_and_a_clip_at_full_budget_equal_the_models_forward(loaded, fam
     assert [e.shape[0] for e in features.embeds] == [n for n in (t * h * w // 4 for _, (t, h, w) in prompt.visual_units)]
     reduced = vlm.reduce(prompt, features, vlm.keep_all(features))
     ours = vlm.lm_head(vlm.response_hidden([reduced], [response])[0])
+    # the model's own forward over prompt + response, the prompt at the positions of its own rope index and the response
+    # where its generation puts it: after the prompt's largest position (transformers' rope_deltas, vLLM's
+    # mrope_position_delta). A forward left to place the response itself puts it after the prompt's last text token
+    # instead, which for Qwen2.5-VL's clip, whose temporal positions run past the text after it, is elsewhere.
+    spans = {"second_per_grid_ts": prompt.second_per_grid_ts} if prompt.second_per_grid_ts is not None else {}
+    types = torch.cat([prompt.mm_token_type_ids, torch.zeros(4, dtype=torch.int32)])[None]
+    mrope, _ = model.model.get_rope_index(input_ids=prompt.input_ids[None], mm_token_type_ids=prompt.mm_token_type_ids[None],
+                                          image_grid_thw=prompt.image_grid_thw, video_grid_thw=prompt.video_grid_thw, **spans)
+    mrope = torch.cat([mrope, (mrope.max() + 1 + torch.arange(4)).expand(3, 1, 4)], dim=-1)
     reference = model(
-        input_ids=torch.cat([prompt.input_ids, response])[None],
-        mm_token_type_ids=torch.cat([prompt.mm_token_type_ids, torch.zeros(4, dtype=torch.int32)])[None],
+        input_ids=torch.cat([prompt.input_ids, response])[None], mm_token_type_ids=types,
+        position_ids=torch.cat([torch.arange(mrope.shape[-1]).expand(1, 1, -1), mrope]),  # [text index; t, h, w]
         pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
-        pixel_values_videos=prompt.pixel_values_videos, video_grid_thw=prompt.video_grid_thw,
+        pixel_values_videos=prompt.pixel_values_videos, video_grid_thw=prompt.video_grid_thw, **spans,
     ).logits[0, -5:-1]
     assert (ours - reference).abs().max().item() <= 1e-5
 
@@ -100,9 +115,9 @@ def test_each_scope_keeps_its_budget_at_the_full_sequences_positions(loaded, fam
     reduced = vlm.reduce(prompt, features, kept)
     visual = prompt.mm_token_type_ids != TEXT
     keep = ~visual
-    starts = torch.nonzero(visual & ~torch.cat([torch.zeros(1, dtype=torch.bool), visual[:-1]])).flatten()
-    for start, indices in zip(starts.tolist(), kept):
-        keep[start + indices] = True
+    at = torch.nonzero(visual).flatten()  # the prompt's visual tokens, unit after unit (a clip's one run: patch after patch)
+    for start, indices in zip(np.cumsum([0] + sizes[:-1]).tolist(), kept):
+        keep[at[start + indices]] = True
     full = vlm.full_positions(prompt)
     assert torch.equal(reduced.positions, full[:, keep]) and reduced.next_position == int(full.max()) + 1
 
@@ -191,7 +206,7 @@ def test_frames_of_different_sizes_are_named(loaded):
     _, processor, _ = loaded["qwen3_5"]
     processor.frames = 2
     frames = clip_of(frames=2).frames
-    clip = Clip(frames=(frames[0], frames[1][:32]), seconds=(0.0, 1.0))
+    clip = Clip.at_rate((frames[0], frames[1][:32]), 1.0)
     with pytest.raises(InputError, match=r"s1: video: its frames differ in size \(96x32, 96x64\)"):
         encode_samples(processor, [Sample("s1", (), "What happens?", video=clip)])
 

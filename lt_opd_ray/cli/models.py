@@ -94,7 +94,7 @@ def cmd_efficiency(args) -> int:
     import json
 
     from lt_opd_ray.core.compression import learnable_merge
-    from lt_opd_ray.planning.efficiency import TIMESTAMP_TOKENS, merge_parameters, patch_grid, prefill_cost
+    from lt_opd_ray.planning.efficiency import clip_text_tokens, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
         config = PRESETS[args.preset]
@@ -122,12 +122,12 @@ def cmd_efficiency(args) -> int:
         return 2
     patches = args.frames // 2  # a clip's temporal patches: each costs the vision tower what one image of its size does
     grids = [grid] * (args.images + patches)  # each image and each temporal patch pruned to the budget on its own (selector.scope image)
-    text_tokens = args.text_tokens + patches * TIMESTAMP_TOKENS
+    text_tokens = args.text_tokens + clip_text_tokens(config, patches)
     budgets = sorted(set(args.budgets + [10000]), reverse=True)
     rows = [prefill_cost(config, text_tokens, grids, bps, args.k_min, token_merge=merging) for bps in budgets]
     full = rows[0]
     shown = [f"one {height}x{width} image" if args.images == 1 else f"{args.images} images of {height}x{width}" if args.images else "",
-             f"a {args.frames}-frame clip of {height}x{width} frames ({patches} temporal patches, +{patches * TIMESTAMP_TOKENS}"
+             f"a {args.frames}-frame clip of {height}x{width} frames ({patches} temporal patches, +{clip_text_tokens(config, patches)}"
              " timestamp and marker tokens)" if args.frames else ""]
     pruned = "each image and temporal patch pruned to the budget" if args.frames else "each pruned to the budget" if args.images > 1 else ""
     print(f"{args.preset or args.model}: {args.text_tokens} text tokens + {' + '.join(filter(None, shown))}"

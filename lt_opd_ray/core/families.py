@@ -7,9 +7,10 @@ family is one entry (and, where its layers are new, a tiny config in models/tiny
 Every family here is a decoder language model fed by a vision tower whose merged tokens carry 3-D M-RoPE positions
 (t, h, w) from the model's own `get_rope_index`; what a kept token's position is, and how decoding continues after
 a reduced prompt, is therefore the same for all of them (models/adapter.py). Video goes through the model's own video
-path where the family's clips are frames separated by text timestamps (Qwen3.5, Qwen3-VL: each temporal patch of two
-frames is a run of tokens between its own vision start and end, placed like an image); Qwen2.5-VL's temporal
-position ids and GLM-4V's frame layout are not adapted yet (`video_processor` None).
+path, in one of two clip layouts (`clip_timestamps`): Qwen3.5 and Qwen3-VL write each temporal patch of two frames
+after its `<t seconds>` text, a run of tokens between its own vision start and end, placed like an image; Qwen2.5-VL
+writes the clip as one run of every patch's tokens, its temporal positions spaced by the seconds each patch spans
+(`second_per_grid_ts`). GLM-4V's frame layout is not adapted yet (`video_processor` None).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Family:
     turn_ends: tuple[str, ...]  # the special tokens that close a user's turn
     image_processor: str  # transformers' PIL image processor class of its checkpoints
     video_processor: str | None  # transformers' video processor class; None: video not supported for the family yet
+    clip_timestamps: bool  # a clip's temporal patches each follow their `<t seconds>` text (Qwen3) or form one run (Qwen2.5-VL)
     patch_size: int  # its releases' vision patch side (tiny models use it too)
     projector: tuple[str, ...]  # parameter-name markers of the modules that map vision features into the LM (the `merger` learning rate)
     deepstack: bool = False  # Qwen3-VL: merged features of early vision blocks also enter the first decoder layers
@@ -59,26 +61,27 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="qwen3_5", name="Qwen3.5", architecture="Qwen3_5ForConditionalGeneration", vllm_module="qwen3_5",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
-            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen3VLVideoProcessor", patch_size=16,
-            projector=("visual.merger",), linear_attention=True, attention_output_gate=True,
+            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen3VLVideoProcessor", clip_timestamps=True,
+            patch_size=16, projector=("visual.merger",), linear_attention=True, attention_output_gate=True,
         ),
         Family(
             model_type="qwen3_vl", name="Qwen3-VL", architecture="Qwen3VLForConditionalGeneration", vllm_module="qwen3_vl",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
             video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen3VLVideoProcessor",
-            patch_size=16, projector=("visual.merger", "visual.deepstack_merger_list"), deepstack=True,
+            clip_timestamps=True, patch_size=16, projector=("visual.merger", "visual.deepstack_merger_list"), deepstack=True,
         ),
         Family(
             model_type="qwen2_5_vl", name="Qwen2.5-VL", architecture="Qwen2_5_VLForConditionalGeneration", vllm_module="qwen2_5_vl",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
-            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor=None, patch_size=14,
-            projector=("visual.merger",), windowed_vision=True, vision_mlp="swiglu",
+            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen2VLVideoProcessor",
+            clip_timestamps=False, patch_size=14, projector=("visual.merger",), windowed_vision=True, vision_mlp="swiglu",
         ),
         Family(
             model_type="glm4v", name="GLM-4.1V / GLM-4.6V-Flash", architecture="Glm4vForConditionalGeneration", vllm_module="glm4_1v",
             image_token="<|image|>", image_start="<|begin_of_image|>", image_end="<|end_of_image|>",
             video_tokens=("<|begin_of_video|>", "<|video|>", "<|end_of_video|>"),
-            user_turn=("<|user|>", "\n"), turn_ends=GLM_ROLES, image_processor="Glm4vImageProcessorPil", video_processor=None, patch_size=14, projector=("visual.downsample", "visual.merger"),
+            user_turn=("<|user|>", "\n"), turn_ends=GLM_ROLES, image_processor="Glm4vImageProcessorPil", video_processor=None, clip_timestamps=True, patch_size=14,
+            projector=("visual.downsample", "visual.merger"),
             vision_mlp="swiglu_out", merged_by="conv_glu", text_qkv_bias_flag=True,
         ),
     )

@@ -11,14 +11,24 @@ DEFAULT_FRAMES = 16  # frames a clip is sampled to unless the job says otherwise
 @dataclass(frozen=True)
 class Clip:
     """A video as the model sees it: frames sampled uniformly from the source (models/processor.py `read_clip`), each
-    with its time in the source, in seconds (what the model's timestamps between frames are written from)."""
+    with its time in the source, in seconds (what Qwen3's timestamps between frames are written from), and the rate
+    the frames stand for (what Qwen2.5-VL's temporal positions are spaced by)."""
 
     frames: tuple[Any, ...]  # each a path, bytes, a PIL image or an [H, W, 3] uint8 array
     seconds: tuple[float, ...]
+    fps: float  # listed frames: their rate; sampled ones: transformers' `sampled_fps`, frames kept / the source's seconds
 
     def __post_init__(self):
         if len(self.frames) != len(self.seconds):
             raise ValueError(f"a clip of {len(self.frames)} frames has {len(self.seconds)} timestamps")
+        if not self.fps > 0:
+            raise ValueError(f"a clip's fps must be positive, got {self.fps}")
+
+    @classmethod
+    def at_rate(cls, frames, fps: float) -> Clip:
+        """Frames taken `fps` to the second, the first at 0 s."""
+        frames = tuple(frames)
+        return cls(frames=frames, seconds=tuple(i / fps for i in range(len(frames))), fps=fps)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def video_of(value, folder: Path, row_id, problems: Problems, fps: float = 1.0):
         if not frames:
             problems.add(row_id, f"video folder {path} holds no frame images ({', '.join(FRAME_SUFFIXES)})")
             return None
-        return Clip(frames=tuple(frames), seconds=tuple(i / fps for i in range(len(frames))))
+        return Clip.at_rate(frames, fps)
     if not path.is_file():
         problems.add(row_id, f"video {value!r} is neither a file nor a folder of frames under {folder}")
         return None

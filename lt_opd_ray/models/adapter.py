@@ -135,6 +135,8 @@ class QwenVLM:
             image_grid_thw=prompt.image_grid_thw,
             video_grid_thw=prompt.video_grid_thw,
         )
+        if prompt.second_per_grid_ts is not None:  # Qwen2.5-VL: a clip's temporal positions step by the seconds a patch spans
+            kwargs["second_per_grid_ts"] = prompt.second_per_grid_ts
         positions, _ = self.model.model.get_rope_index(**kwargs)
         return positions[:, 0].cpu()
 
@@ -182,15 +184,16 @@ class QwenVLM:
             raise ValueError(f"{len(selected)} index sets for {len(prompt.visual_units)} visual unit(s) (images and temporal patches)")
         is_image = prompt.mm_token_type_ids != TEXT
         keep = ~is_image
-        image_starts = _run_starts(is_image)
+        visual_at = torch.nonzero(is_image).flatten()  # unit i's tokens are the next N_i of these, in prompt order
+        unit_starts = itertools.accumulate((e.shape[0] for e in features.embeds), initial=0)
         kept_parts, kept_deepstack = [], []
         head, routes = self.token_merge, []
-        for i, (start, indices) in enumerate(zip(image_starts, selected)):
+        for i, (start, indices) in enumerate(zip(unit_starts, selected)):
             n = features.embeds[i].shape[0]
             if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
                 unit = f"image {i}" if prompt.visual_units[i][0] == IMAGE else f"the clip's temporal patch {i - prompt.num_images}"
                 raise ValueError(f"{unit}: selected index outside [0, {n})")
-            keep[start + indices] = True
+            keep[visual_at[start + indices]] = True
             on_device = indices.to(self.device)
             if head is None:
                 kept_parts.append(features.embeds[i][on_device])
@@ -315,8 +318,3 @@ def _selection_groups(kinds: list[int], scope: str) -> list[list[int]]:
         return sorted(groups + ([frames] if frames else []))
     return [[i] for i in range(len(kinds))]
 
-
-def _run_starts(mask: torch.Tensor) -> list[int]:
-    """Start index of each run of True in a 1-D bool mask (one run per image)."""
-    prev = torch.cat([torch.zeros(1, dtype=torch.bool), mask[:-1]])
-    return torch.nonzero(mask & ~prev).flatten().tolist()

@@ -21,6 +21,7 @@ the model's own processor and vLLM lay it out (transformers >= 5.10): inside the
 from __future__ import annotations
 
 import io
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from lt_opd_ray.core.errors import InputError
-from lt_opd_ray.core.families import Family, family_of_config
+from lt_opd_ray.core.families import FAMILIES, Family, family_of_config
 from lt_opd_ray.core.samples import DEFAULT_FRAMES, Clip
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values, as the Qwen processors use them
@@ -45,6 +46,7 @@ class PromptInputs:
     image_grid_thw: torch.Tensor  # [images, 3] patch grid (before the 2x2 merge)
     pixel_values_videos: torch.Tensor | None = None  # the clip's patches; None without a video
     video_grid_thw: torch.Tensor | None = None  # [1, 3]: temporal patches, then the patch grid of each
+    second_per_grid_ts: torch.Tensor | None = None  # [1]: seconds a temporal patch spans (families whose clip is one run)
 
     @property
     def num_images(self) -> int:
@@ -52,10 +54,14 @@ class PromptInputs:
 
     @property
     def visual_units(self) -> list[tuple[int, tuple[int, int, int]]]:
-        """(modality, patch grid) of each run of visual tokens in prompt order: one per image, one per temporal patch of
-        the clip (t = 1 each); what selection, `reduce` and the learner's replay index by."""
-        grids = {IMAGE: iter(self.image_grid_thw.tolist()), VIDEO: iter(_frame_grids(self.video_grid_thw))}
-        return [(kind, tuple(next(grids[kind]))) for kind in _run_kinds(self.mm_token_type_ids)]
+        """(modality, patch grid) of each visual unit in prompt order: one per image, one per temporal patch of the clip
+        (t = 1 each; a run of its own after its timestamp, or one of equal slices of the clip's one run); what
+        selection, `reduce` and the learner's replay index by."""
+        patches = _frame_grids(self.video_grid_thw)
+        per_patch = int((self.mm_token_type_ids == VIDEO).sum()) // len(patches) if patches else 0
+        grids = {IMAGE: iter(self.image_grid_thw.tolist()), VIDEO: iter(patches)}
+        return [(kind, tuple(next(grids[kind]))) for kind, length in _runs(self.mm_token_type_ids)
+                for _ in range(1 if kind == IMAGE else length // per_patch)]
 
 
 def _frame_grids(video_grid_thw: torch.Tensor | None) -> list[list[int]]:
@@ -65,10 +71,9 @@ def _frame_grids(video_grid_thw: torch.Tensor | None) -> list[list[int]]:
     return [[1, h, w] for t, h, w in video_grid_thw.tolist() for _ in range(t)]
 
 
-def _run_kinds(types: torch.Tensor) -> list[int]:
-    """The modality of each run of non-text tokens, in order."""
-    kinds = types.tolist()
-    return [kind for i, kind in enumerate(kinds) if kind != TEXT and (i == 0 or kinds[i - 1] != kind)]
+def _runs(types: torch.Tensor) -> list[tuple[int, int]]:
+    """(modality, length) of each run of non-text tokens, in order."""
+    return [(kind, len(list(run))) for kind, run in itertools.groupby(types.tolist()) if kind != TEXT]
 
 
 def decode_image(source):
@@ -157,8 +162,9 @@ class VLMProcessor:
             import transformers
 
             if self.family.video_processor is None:
+                taking = ", ".join(family.name for family in FAMILIES.values() if family.video_processor)
                 raise InputError(f"{self.model_dir}: video inputs are not supported for {self.family.name} yet (docs/families.md);"
-                                 " Qwen3.5 and Qwen3-VL take them")
+                                 f" {taking} take them")
             self._video_processor = getattr(transformers, self.family.video_processor).from_pretrained(self.model_dir)
         return self._video_processor
 
@@ -211,12 +217,13 @@ class VLMProcessor:
             image_grid_thw=vision.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)),
             pixel_values_videos=clip.get("pixel_values_videos"),
             video_grid_thw=clip.get("video_grid_thw"),
+            second_per_grid_ts=clip.get("second_per_grid_ts"),
         )
 
     def encode_clip(self, clip: Clip, where: str = "video") -> dict:
         """A clip's pixels and grid from the family's video processor, and what replaces its placeholder: per
         temporal patch, `<t seconds>` (the mean time of the patch's frames) then the patch's tokens between vision
-        start and end."""
+        start and end (Qwen3); or every patch's tokens in one run, with the seconds a patch spans (Qwen2.5-VL)."""
         import numpy as np
 
         decoded = [np.asarray(load_image(frame, f"{where} frame {i}")) for i, frame in enumerate(clip.frames)]
@@ -227,6 +234,10 @@ class VLMProcessor:
         t, h, w = out["video_grid_thw"][0].tolist()
         per_patch = h * w // self.video_processor.merge_size**2
         step = self.video_processor.temporal_patch_size
+        if not self.family.clip_timestamps:
+            spans = torch.tensor([step / clip.fps])  # as transformers' Qwen2_5_VLProcessor: temporal_patch_size / sampled fps
+            return {"ids": [self.video_token] * (t * per_patch), "types": [VIDEO] * (t * per_patch),
+                    "pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"], "second_per_grid_ts": spans}
         seconds = list(clip.seconds) + [clip.seconds[-1]] * (-len(clip.seconds) % step)  # the processor repeats the last frame
         ids, types = [], []
         for patch in range(t):
@@ -249,7 +260,8 @@ def read_clip(video: Any, frames: int, where: str = "video") -> Clip:
         if len(video.frames) < frames:
             raise _too_short(where, "the clip", len(video.frames), frames)
         picked = default_sample_indices_fn(VideoMetadata(total_num_frames=len(video.frames), fps=None), num_frames=frames).tolist()
-        return Clip(frames=tuple(video.frames[i] for i in picked), seconds=tuple(video.seconds[i] for i in picked))
+        rate = VideoMetadata(total_num_frames=len(video.frames), fps=video.fps, frames_indices=picked).sampled_fps
+        return Clip(frames=tuple(video.frames[i] for i in picked), seconds=tuple(video.seconds[i] for i in picked), fps=rate)
     if hasattr(video, "read"):  # OpenCV decodes files: the bytes go through a temporary one, removed once decoded
         with tempfile.NamedTemporaryFile(prefix="lt-opd-clip-") as copy:
             copy.write(video.read())
@@ -284,7 +296,7 @@ def _decode_video_file(path: Path, frames: int, where: str, label: str) -> Clip:
     if len(pixels) < frames:  # the container promised frames it did not deliver
         raise _too_short(where, f"{label} (decoded)", len(pixels), frames)
     fps = metadata.fps or 1.0
-    return Clip(frames=tuple(pixels), seconds=tuple(i / fps for i in metadata.frames_indices))
+    return Clip(frames=tuple(pixels), seconds=tuple(i / fps for i in metadata.frames_indices), fps=metadata.sampled_fps)
 
 
 def end_of_sequence_ids(model_dir: Path, tokenizer) -> tuple[int, ...]:

@@ -280,15 +280,17 @@ def tiny_model_dir(name: str, cache_root: str | Path | None = None) -> Path:
     cache folder (seed 0) named by its recipe. `-tied`: embeddings tied to the output head, as Qwen3.5-4B's are.
 
     `qwen3_5-vocab248320` is the narrow model of the paper-shaped job: the tiny body with
-    Qwen3.5-4B's real output vocabulary. The folder name carries a hash of this file, so a
-    changed recipe builds anew.
+    Qwen3.5-4B's real output vocabulary. The folder name carries a hash of this file and of the
+    family descriptions it reads (core/families.py), so a changed recipe builds anew.
     """
     import hashlib
     import os
     import shutil
 
     root = Path(cache_root or os.environ.get("LT_OPD_CACHE", Path.home() / ".cache" / "lt-opd-ray"))
-    recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]  # this file is the recipe
+    from lt_opd_ray.core import families
+
+    recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(families.__file__).read_bytes()).hexdigest()[:12]  # the recipe
     base, tied = (name[: -len("-tied")], True) if name.endswith("-tied") else (name, False)
     family, _, vocab = base.partition("-vocab")
     if family not in FAMILIES or (vocab and not vocab.isdigit()):

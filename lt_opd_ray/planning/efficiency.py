@@ -154,6 +154,12 @@ def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
 
 TIMESTAMP_TOKENS = 8  # text a clip's prompt adds per temporal patch: `<t seconds>` (~6 tokens), vision start and end
 
+
+def clip_text_tokens(config: dict, patches: int) -> int:
+    """Text a clip of `patches` temporal patches adds to a prompt: each patch's timestamp and markers (Qwen3), or the
+    vision start and end around the clip's one run (Qwen2.5-VL)."""
+    return patches * TIMESTAMP_TOKENS if family_of_config(config).clip_timestamps else 2 * (patches > 0)
+
 MERGE_HIDDEN = 64  # the learnable token merge's head width (models/token_merge.py)
 
 

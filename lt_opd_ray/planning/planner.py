@@ -50,9 +50,9 @@ import math
 from dataclasses import dataclass
 
 from lt_opd_ray.planning.efficiency import (
-    TIMESTAMP_TOKENS,
     _text,
     cache_bytes,
+    clip_text_tokens,
     lm_flops,
     lm_projection_flops_per_token,
     patch_grid,
@@ -134,7 +134,7 @@ class Shapes:
         if not self.frames:
             return [grid], self.text_tokens
         patches = self.frames // 2
-        return [grid] * patches, self.text_tokens + patches * TIMESTAMP_TOKENS
+        return [grid] * patches, self.text_tokens + clip_text_tokens(config, patches)
 
 
 @dataclass(frozen=True)

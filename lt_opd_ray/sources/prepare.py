@@ -367,7 +367,7 @@ def _shard_video(shard: str, row: int, digests: list | None, fps: float | None):
     if fps is None:
         return ShardImage(shard, row, column="video")
     frames = tuple(ShardImage(shard, row, position, "video_frames") for position in range(len(digests)))
-    return Clip(frames=frames, seconds=tuple(i / fps for i in range(len(frames))))
+    return Clip.at_rate(frames, fps)
 
 
 def read_prepared(folder: str | Path):

@@ -144,7 +144,7 @@ def row_video(row: dict, root: str | Path = ".") -> Path | Clip | None:
     if isinstance(video, str):
         return Path(root) / video
     fps = float(row.get("fps") or 1.0)
-    return Clip(frames=tuple(Path(root) / frame for frame in video), seconds=tuple(i / fps for i in range(len(video))))
+    return Clip.at_rate((Path(root) / frame for frame in video), fps)
 
 
 def video_files(video) -> list[Path]:

@@ -49,7 +49,7 @@ def synthetic_video_sample(index: int, seed: int = 0, size: int | tuple[int, int
     response = f"A {answers[asked]} {shapes[asked]}. <answer>{answers[asked]}</answer>"
     frames = tuple((first if frame < cut else second)[0] for frame in range(CLIP_FRAMES))
     return Sample(uid=f"synthetic-video-{seed}-{index}", images=(), question=question, answer=answers[asked], response=response,
-                  video=Clip(frames=frames, seconds=tuple(float(frame) for frame in range(CLIP_FRAMES))))
+                  video=Clip.at_rate(frames, 1.0))
 
 
 def _board(rng, size):
