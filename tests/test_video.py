@@ -279,3 +279,22 @@ def test_synthetic_clips_ask_about_their_start_or_end():
         q = next(i for i, name in enumerate(QUADRANTS) if f"the {name} corner" in s.question)
         centre = ((q % 2) * 64 + 16 + 16, (q // 2) * 64 + 16 + 16)  # the shape's box centre on a 128 x 128 board
         assert frame.getpixel(centre) == COLOURS[s.answer]
+
+
+@pytest.mark.parametrize("scope", ["image", "clip"])
+def test_a_qwen25_clip_trains_and_the_learner_replays_the_rollouts_picks(tiny_dirs, tmp_path, scope):
+    """Qwen2.5-VL video rows through one single-process update: the learner's forward on each rollout's kept tokens
+    (its replayed per-patch indices into the clip's one run, at the full sequence's positions) gives the rollout's own
+    log-probs, so the importance weight is 1 before any update, and the update is finite."""
+    import math
+
+    from conftest import job_for
+
+    from lt_opd_ray.core.batch_order import batches
+    from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.sources.resolve import load_samples
+
+    job = job_for(tiny_dirs["qwen2_5_vl"], tmp_path, data="synthetic-video:4", extra=f"selector: {{scope: {scope}}}\n")
+    report = ReferenceTrainer(job).update(next(batches(load_samples(job.data.path), 2, job.data.shuffle_seed)))
+    assert report.stats.importance_weight == pytest.approx(1.0, abs=1e-5) and report.stats.tokens > 0
+    assert math.isfinite(report.stats.loss) and report.grad_norm > 0
