@@ -16,8 +16,8 @@ from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import SelectionInput, build_selector
 from lt_opd_ray.models.processor import TEXT, VIDEO, encode_samples, question_messages, read_clip
 
-VIDEO_FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl"]  # the families whose video path is adapted (core/families.py)
-OWN_PROCESSOR = {"qwen3_5": "Qwen3VLProcessor", "qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+VIDEO_FAMILIES = ["qwen3_5", "qwen3_vl", "qwen2_5_vl", "glm4v"]  # every family's video path (core/families.py `clip_layout`)
+OWN_PROCESSOR = {"qwen3_5": "Qwen3VLProcessor", "qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "glm4v": "Glm4vProcessor"}
 FPS = 2.0
 
 
@@ -37,8 +37,9 @@ def video_prompt(processor, images=1, frames=16):
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
 def test_a_clips_prompt_is_what_the_models_own_processor_writes(loaded, family):
     """Token ids, modality types and pixels equal transformers' own processor of the family fed the same sampled frames
-    and their times: per temporal patch `<t seconds>` then the patch's tokens between vision start and end (Qwen3), or
-    every patch's tokens in one run with the seconds a patch spans (Qwen2.5-VL)."""
+    and their times: per temporal patch `<t seconds>` then the patch's tokens between vision start and end (Qwen3), per
+    patch its tokens between image start and end then its first frame's whole seconds (GLM-4V), or every patch's tokens
+    in one run with the seconds a patch spans (Qwen2.5-VL)."""
     import transformers
     from transformers.video_utils import VideoMetadata
 
@@ -50,8 +51,9 @@ def test_a_clips_prompt_is_what_the_models_own_processor_writes(loaded, family):
     rendered = processor.tokenizer.apply_chat_template(question_messages("What happens in the video?", "You are a helpful assistant.", 0, True),
                                                        tokenize=False, add_generation_prompt=True)
     metadata = VideoMetadata(total_num_frames=20, fps=FPS, frames_indices=[round(s * FPS) for s in picked.seconds])
+    capped = {"cap_pixels_per_frame": True} if family != "glm4v" else {}  # Qwen's processors cap each frame's pixels
     out = reference(text=[rendered], videos=[np.stack(picked.frames)], video_metadata=[metadata], do_sample_frames=False,
-                    cap_pixels_per_frame=True, return_tensors="pt")
+                    return_tensors="pt", **capped)
     assert prompt.input_ids.tolist() == out["input_ids"][0].tolist()
     assert prompt.mm_token_type_ids.tolist() == out["mm_token_type_ids"][0].tolist()
     assert torch.equal(prompt.pixel_values_videos, out["pixel_values_videos"]) and torch.equal(prompt.video_grid_thw, out["video_grid_thw"])
@@ -65,8 +67,9 @@ def test_a_clips_prompt_is_what_the_models_own_processor_writes(loaded, family):
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
 @torch.no_grad()
 def test_an_image_and_a_clip_at_full_budget_equal_the_models_forward(loaded, family):
+    """An image and a clip (GLM-4V, whose model takes one or the other: a clip alone) through the adapter at 100%."""
     model, processor, vlm = loaded[family]
-    prompt = video_prompt(processor, images=1)
+    prompt = video_prompt(processor, images=int(vlm.family.image_beside_clip))
     response = torch.tensor([40, 41, 42, 43])
     features = vlm.visual_features(prompt)
     assert [e.shape[0] for e in features.embeds] == [n for n in (t * h * w // 4 for _, (t, h, w) in prompt.visual_units)]
@@ -98,11 +101,13 @@ def test_each_scope_keeps_its_budget_at_the_full_sequences_positions(loaded, fam
     alone and on the clip's patches concatenated; `prompt` on everything concatenated. Every kept token keeps the
     position it has in the full sequence."""
     _, processor, vlm = loaded[family]
-    prompt = video_prompt(processor, images=1)
+    images = int(vlm.family.image_beside_clip)  # GLM-4V: a clip alone
+    prompt = video_prompt(processor, images=images)
     features = vlm.visual_features(prompt)
     kept = vlm.select(prompt, features, build_selector("cdpruner", scope), 1000, 2, seed=9)
     query, sizes = vlm.query_embedding(prompt), [e.shape[0] for e in features.embeds]
-    groups = {"image": [[i] for i in range(9)], "clip": [[0], list(range(1, 9))], "prompt": [list(range(9))]}[scope]
+    units = images + 8  # 16 frames = 8 temporal patches
+    groups = {"image": [[i] for i in range(units)], "clip": [[0]] * images + [list(range(images, units))], "prompt": [list(range(units))]}[scope]
     expected = []
     for group in groups:
         union = torch.cat([features.embeds[i].float() for i in group])
@@ -122,14 +127,15 @@ def test_each_scope_keeps_its_budget_at_the_full_sequences_positions(loaded, fam
     assert torch.equal(reduced.positions, full[:, keep]) and reduced.next_position == int(full.max()) + 1
 
 
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
 @torch.no_grad()
-def test_a_clips_vision_flops_are_the_counted_ones(loaded, tiny_dirs):
+def test_a_clips_vision_flops_are_the_counted_ones(loaded, tiny_dirs, family):
     """Each temporal patch attends within itself, so a clip costs the vision tower what its patches as images would."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from lt_opd_ray.planning.efficiency import vision_attention_flops, vision_projection_flops
 
-    model, processor, vlm = loaded["qwen3_5"]
+    model, processor, vlm = loaded[family]
     model.set_attn_implementation("eager")
     try:
         prompt = video_prompt(processor, images=0)
@@ -137,7 +143,7 @@ def test_a_clips_vision_flops_are_the_counted_ones(loaded, tiny_dirs):
             vlm.visual_features(prompt)
     finally:
         model.set_attn_implementation("sdpa")
-    config = json.loads((tiny_dirs["qwen3_5"] / "config.json").read_text())
+    config = json.loads((tiny_dirs[family] / "config.json").read_text())
     grid = tuple(prompt.video_grid_thw[0].tolist())
     assert counter.get_total_flops() == vision_projection_flops(config, grid) + vision_attention_flops(config, grid)
     one = (1, grid[1], grid[2])
@@ -195,11 +201,31 @@ def test_video_rows_are_read_and_their_problems_named(tmp_path):
     assert len(second.images) == 1 and len(second.video.frames) == 2
 
 
-def test_a_video_for_a_family_without_a_video_path_is_refused_by_name(loaded):
+def test_an_image_beside_a_clip_is_refused_by_name_where_the_model_takes_one_or_the_other(loaded, tmp_path):
+    """GLM-4V's model marks images and frames with one token: such rows are named before the job starts (preflight),
+    and a prompt that reaches the processor anyway is refused naming its row."""
+    from lt_opd_ray.config.loading import parse_job
+    from lt_opd_ray.core.families import FAMILIES
+    from lt_opd_ray.runtime.job_inputs import family_problems, read_job_inputs
+
     _, processor, _ = loaded["glm4v"]
-    sample = Sample("g", (), "What happens?", video=clip_of())
-    with pytest.raises(InputError, match="video inputs are not supported for GLM-4.1V / GLM-4.6V-Flash yet"):
-        encode_samples(processor, [sample])
+    with pytest.raises(InputError, match=r"g: GLM-4.1V / GLM-4.6V-Flash takes images or a video in one prompt, not both"):
+        encode_samples(processor, [Sample("g", (random_image(1, 64, 64),), "What happens?", video=clip_of())])
+    for i in range(3):
+        random_image(i, 32, 32).save(tmp_path / f"f{i}.png")
+    rows = [{"sample_uid": "both", "image": "f0.png", "video": ["f1.png", "f2.png"], "question": "q?"},
+            {"sample_uid": "clip", "video": ["f1.png", "f2.png"], "question": "q?"}, {"sample_uid": "image", "image": "f0.png", "question": "q?"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    job = parse_job(f"""
+model: {{path: "tiny:glm4v"}}
+data: {{path: "{tmp_path / 'rows.jsonl'}", image_root: "{tmp_path}"}}
+sampling: {{prompts_per_step: 2}}
+""")
+    inputs, problems = read_job_inputs(job)
+    assert problems == [] and family_problems(job, FAMILIES["qwen3_5"], inputs) == []
+    assert family_problems(job, FAMILIES["glm4v"], inputs) == [
+        f"1 rows of {str(tmp_path / 'rows.jsonl')!r} show images and a video (both), but GLM-4.1V / GLM-4.6V-Flash takes one or the"
+        " other in a prompt: split them into rows of images and rows of video"]
 
 
 def test_frames_of_different_sizes_are_named(loaded):
@@ -281,11 +307,12 @@ def test_synthetic_clips_ask_about_their_start_or_end():
         assert frame.getpixel(centre) == COLOURS[s.answer]
 
 
-@pytest.mark.parametrize("scope", ["image", "clip"])
-def test_a_qwen25_clip_trains_and_the_learner_replays_the_rollouts_picks(tiny_dirs, tmp_path, scope):
-    """Qwen2.5-VL video rows through one single-process update: the learner's forward on each rollout's kept tokens
-    (its replayed per-patch indices into the clip's one run, at the full sequence's positions) gives the rollout's own
-    log-probs, so the importance weight is 1 before any update, and the update is finite."""
+@pytest.mark.parametrize("family, scope", [("qwen2_5_vl", "image"), ("qwen2_5_vl", "clip"), ("glm4v", "image")])
+def test_a_clip_trains_and_the_learner_replays_the_rollouts_picks(tiny_dirs, tmp_path, family, scope):
+    """Video rows of the families the distributed test (test_runtime.py, Qwen3-VL) leaves out through one single-process
+    update: the learner's forward on each rollout's kept tokens (its replayed per-patch indices, into Qwen2.5-VL's one
+    run or GLM-4V's runs, at the full sequence's positions) gives the rollout's own log-probs, so the importance weight
+    is 1 before any update, and the update is finite."""
     import math
 
     from conftest import job_for
@@ -294,7 +321,7 @@ def test_a_qwen25_clip_trains_and_the_learner_replays_the_rollouts_picks(tiny_di
     from lt_opd_ray.reference import ReferenceTrainer
     from lt_opd_ray.sources.resolve import load_samples
 
-    job = job_for(tiny_dirs["qwen2_5_vl"], tmp_path, data="synthetic-video:4", extra=f"selector: {{scope: {scope}}}\n")
+    job = job_for(tiny_dirs[family], tmp_path, data="synthetic-video:4", extra=f"selector: {{scope: {scope}}}\n")
     report = ReferenceTrainer(job).update(next(batches(load_samples(job.data.path), 2, job.data.shuffle_seed)))
     assert report.stats.importance_weight == pytest.approx(1.0, abs=1e-5) and report.stats.tokens > 0
     assert math.isfinite(report.stats.loss) and report.grad_norm > 0

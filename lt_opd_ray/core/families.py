@@ -7,10 +7,10 @@ family is one entry (and, where its layers are new, a tiny config in models/tiny
 Every family here is a decoder language model fed by a vision tower whose merged tokens carry 3-D M-RoPE positions
 (t, h, w) from the model's own `get_rope_index`; what a kept token's position is, and how decoding continues after
 a reduced prompt, is therefore the same for all of them (models/adapter.py). Video goes through the model's own video
-path, in one of two clip layouts (`clip_timestamps`): Qwen3.5 and Qwen3-VL write each temporal patch of two frames
-after its `<t seconds>` text, a run of tokens between its own vision start and end, placed like an image; Qwen2.5-VL
-writes the clip as one run of every patch's tokens, its temporal positions spaced by the seconds each patch spans
-(`second_per_grid_ts`). GLM-4V's frame layout is not adapted yet (`video_processor` None).
+path, in the family's clip layout (`clip_layout`): Qwen3.5 and Qwen3-VL write each temporal patch of two frames after
+its `<t seconds>` text, a run of tokens between its own vision start and end, placed like an image; GLM-4V writes each
+patch's run between image start and end, then its first frame's whole seconds; Qwen2.5-VL writes the clip as one run
+of every patch's tokens, its temporal positions spaced by the seconds each patch spans (`second_per_grid_ts`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class Family:
     user_turn: tuple[str, str]  # what opens the user's turn in its chat template: a special token, then plain text
     turn_ends: tuple[str, ...]  # the special tokens that close a user's turn
     image_processor: str  # transformers' PIL image processor class of its checkpoints
-    video_processor: str | None  # transformers' video processor class; None: video not supported for the family yet
-    clip_timestamps: bool  # a clip's temporal patches each follow their `<t seconds>` text (Qwen3) or form one run (Qwen2.5-VL)
+    video_processor: str  # transformers' video processor class of its checkpoints
+    clip_layout: str  # a clip's temporal patches: each after its `<t seconds>` ("stamp_before": Qwen3), each before its
+    #                   first frame's whole seconds ("stamp_after": GLM-4V), or all in one run ("one_run": Qwen2.5-VL)
     patch_size: int  # its releases' vision patch side (tiny models use it too)
     projector: tuple[str, ...]  # parameter-name markers of the modules that map vision features into the LM (the `merger` learning rate)
     deepstack: bool = False  # Qwen3-VL: merged features of early vision blocks also enter the first decoder layers
@@ -47,6 +48,7 @@ class Family:
     #                          "swiglu_out" (gate/up/down of width out_hidden_size: GLM-4V)
     text_qkv_bias_flag: bool = False  # GLM-4V: transformers always builds the text q/k/v biases, vLLM only when
     #                                  text_config.attention_bias is true (the releases set it; a folder without it loses them in vLLM)
+    image_beside_clip: bool = True  # GLM-4V: False, its model marks images and frames with one token and takes one or the other
     merged_by: str = "mlp"  # how 2x2 patches become one LM token: "mlp" (Qwen's PatchMerger over the concatenation),
     #                          "conv_glu" (GLM-4V: a strided Conv2d, then a gated projection of width intermediate_size)
 
@@ -61,28 +63,29 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="qwen3_5", name="Qwen3.5", architecture="Qwen3_5ForConditionalGeneration", vllm_module="qwen3_5",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
-            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen3VLVideoProcessor", clip_timestamps=True,
+            video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen3VLVideoProcessor", clip_layout="stamp_before",
             patch_size=16, projector=("visual.merger",), linear_attention=True, attention_output_gate=True,
         ),
         Family(
             model_type="qwen3_vl", name="Qwen3-VL", architecture="Qwen3VLForConditionalGeneration", vllm_module="qwen3_vl",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
             video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen3VLVideoProcessor",
-            clip_timestamps=True, patch_size=16, projector=("visual.merger", "visual.deepstack_merger_list"), deepstack=True,
+            clip_layout="stamp_before", patch_size=16, projector=("visual.merger", "visual.deepstack_merger_list"), deepstack=True,
         ),
         Family(
             model_type="qwen2_5_vl", name="Qwen2.5-VL", architecture="Qwen2_5_VLForConditionalGeneration", vllm_module="qwen2_5_vl",
             image_token="<|image_pad|>", image_start="<|vision_start|>", image_end="<|vision_end|>",
             video_tokens=QWEN_VIDEO, **QWEN_CHAT, image_processor="Qwen2VLImageProcessorPil", video_processor="Qwen2VLVideoProcessor",
-            clip_timestamps=False, patch_size=14, projector=("visual.merger",), windowed_vision=True, vision_mlp="swiglu",
+            clip_layout="one_run", patch_size=14, projector=("visual.merger",), windowed_vision=True, vision_mlp="swiglu",
         ),
         Family(
             model_type="glm4v", name="GLM-4.1V / GLM-4.6V-Flash", architecture="Glm4vForConditionalGeneration", vllm_module="glm4_1v",
             image_token="<|image|>", image_start="<|begin_of_image|>", image_end="<|end_of_image|>",
             video_tokens=("<|begin_of_video|>", "<|video|>", "<|end_of_video|>"),
-            user_turn=("<|user|>", "\n"), turn_ends=GLM_ROLES, image_processor="Glm4vImageProcessorPil", video_processor=None, clip_timestamps=True, patch_size=14,
+            user_turn=("<|user|>", "\n"), turn_ends=GLM_ROLES, image_processor="Glm4vImageProcessorPil", video_processor="Glm4vVideoProcessor", clip_layout="stamp_after",
+            patch_size=14,
             projector=("visual.downsample", "visual.merger"),
-            vision_mlp="swiglu_out", merged_by="conv_glu", text_qkv_bias_flag=True,
+            vision_mlp="swiglu_out", merged_by="conv_glu", text_qkv_bias_flag=True, image_beside_clip=False,
         ),
     )
 }

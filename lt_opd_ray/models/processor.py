@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from lt_opd_ray.core.errors import InputError
-from lt_opd_ray.core.families import FAMILIES, Family, family_of_config
+from lt_opd_ray.core.families import Family, family_of_config
 from lt_opd_ray.core.samples import DEFAULT_FRAMES, Clip
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # mm_token_type_ids values, as the Qwen processors use them
@@ -149,6 +150,7 @@ class VLMProcessor:
         self.frames = frames
         self._video_processor = None
         self.video_start, self.video_token, self.video_end = self.tokenizer.convert_tokens_to_ids(list(self.family.video_tokens))
+        self.image_start_id, self.image_end_id = self.tokenizer.convert_tokens_to_ids([self.family.image_start, self.family.image_end])
 
     @classmethod
     def for_data(cls, model_dir: str | Path, data) -> VLMProcessor:
@@ -157,14 +159,10 @@ class VLMProcessor:
 
     @property
     def video_processor(self):
-        """The family's video processor (loaded on first use); an InputError for a family whose video is not adapted."""
+        """The family's video processor, loaded from the model folder on first use."""
         if self._video_processor is None:
             import transformers
 
-            if self.family.video_processor is None:
-                taking = ", ".join(family.name for family in FAMILIES.values() if family.video_processor)
-                raise InputError(f"{self.model_dir}: video inputs are not supported for {self.family.name} yet (docs/families.md);"
-                                 f" {taking} take them")
             self._video_processor = getattr(transformers, self.family.video_processor).from_pretrained(self.model_dir)
         return self._video_processor
 
@@ -177,6 +175,9 @@ class VLMProcessor:
             raise InputError(f"{sample_id}: prompt has {placeholders} image placeholder(s) but {len(images)} image(s)")
         if (video is None) != (self.family.video_tokens[1] not in rendered):
             raise InputError(f"{sample_id}: the prompt's video placeholder and its video do not match (one without the other)")
+        if images and video is not None and not self.family.image_beside_clip:
+            raise InputError(f"{sample_id}: {self.family.name} takes images or a video in one prompt, not both (its model marks"
+                             " images and frames with one token)")
         tokens_per_image, vision = [], {}
         if images:
             pil_images = [load_image(img, f"{sample_id}: image {i}") for i, img in enumerate(images)]
@@ -221,31 +222,41 @@ class VLMProcessor:
         )
 
     def encode_clip(self, clip: Clip, where: str = "video") -> dict:
-        """A clip's pixels and grid from the family's video processor, and what replaces its placeholder: per
-        temporal patch, `<t seconds>` (the mean time of the patch's frames) then the patch's tokens between vision
-        start and end (Qwen3); or every patch's tokens in one run, with the seconds a patch spans (Qwen2.5-VL)."""
+        """A clip's pixels and grid from the family's video processor, and what replaces its placeholder, as the
+        family's processor writes it (core/families.py `clip_layout`): per temporal patch, `<t seconds>` (the mean time
+        of the patch's frames) then the patch's tokens between vision start and end (Qwen3); per patch its tokens
+        between image start and end, then the whole seconds of its first frame (GLM-4V); or every patch's tokens in one
+        run, with the seconds a patch spans (Qwen2.5-VL)."""
         import numpy as np
 
         decoded = [np.asarray(load_image(frame, f"{where} frame {i}")) for i, frame in enumerate(clip.frames)]
         if len({frame.shape for frame in decoded}) > 1:
             raise InputError(f"{where}: its frames differ in size ({', '.join(sorted({f'{f.shape[1]}x{f.shape[0]}' for f in decoded}))}); a clip's frames share one")
         frames = np.stack(decoded)
-        out = self.video_processor(videos=[frames], do_sample_frames=False, cap_pixels_per_frame=True, return_tensors="pt")
+        # Qwen's processors cap each frame's pixels at the per-frame bound (GLM-4V's have no such option)
+        capped = {"cap_pixels_per_frame": True} if "cap_pixels_per_frame" in typing.get_type_hints(self.video_processor.valid_kwargs) else {}
+        out = self.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt", **capped)
         t, h, w = out["video_grid_thw"][0].tolist()
         per_patch = h * w // self.video_processor.merge_size**2
         step = self.video_processor.temporal_patch_size
-        if not self.family.clip_timestamps:
-            spans = torch.tensor([step / clip.fps])  # as transformers' Qwen2_5_VLProcessor: temporal_patch_size / sampled fps
-            return {"ids": [self.video_token] * (t * per_patch), "types": [VIDEO] * (t * per_patch),
-                    "pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"], "second_per_grid_ts": spans}
         seconds = list(clip.seconds) + [clip.seconds[-1]] * (-len(clip.seconds) % step)  # the processor repeats the last frame
+        pixels = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
+        layout = self.family.clip_layout
+        if layout == "one_run":  # as transformers' Qwen2_5_VLProcessor: temporal_patch_size / the sampled frames' rate
+            return {"ids": [self.video_token] * (t * per_patch), "types": [VIDEO] * (t * per_patch), **pixels,
+                    "second_per_grid_ts": torch.tensor([step / clip.fps])}
+        text = lambda words: self.tokenizer(words, add_special_tokens=False)["input_ids"]  # noqa: E731
         ids, types = [], []
         for patch in range(t):
-            moment = (seconds[patch * step] + seconds[patch * step + step - 1]) / 2
-            stamp = self.tokenizer(f"<{moment:.1f} seconds>", add_special_tokens=False)["input_ids"]
-            ids += [*stamp, self.video_start, *[self.video_token] * per_patch, self.video_end]
-            types += [TEXT] * (len(stamp) + 1) + [VIDEO] * per_patch + [TEXT]
-        return {"ids": ids, "types": types, "pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
+            if layout == "stamp_before":
+                stamp = text(f"<{(seconds[patch * step] + seconds[patch * step + step - 1]) / 2:.1f} seconds>")
+                ids += [*stamp, self.video_start, *[self.video_token] * per_patch, self.video_end]
+                types += [TEXT] * (len(stamp) + 1) + [VIDEO] * per_patch + [TEXT]
+            else:  # stamp_after: GLM-4V's frames are image runs inside the video's start and end
+                stamp = text(str(int(seconds[patch * step])))
+                ids += [self.image_start_id, *[self.image_token_id] * per_patch, self.image_end_id, *stamp]
+                types += [TEXT] + [VIDEO] * per_patch + [TEXT] * (1 + len(stamp))
+        return {"ids": ids, "types": types, **pixels}
 
 
 def read_clip(video: Any, frames: int, where: str = "video") -> Clip:

@@ -156,9 +156,9 @@ TIMESTAMP_TOKENS = 8  # text a clip's prompt adds per temporal patch: `<t second
 
 
 def clip_text_tokens(config: dict, patches: int) -> int:
-    """Text a clip of `patches` temporal patches adds to a prompt: each patch's timestamp and markers (Qwen3), or the
-    vision start and end around the clip's one run (Qwen2.5-VL)."""
-    return patches * TIMESTAMP_TOKENS if family_of_config(config).clip_timestamps else 2 * (patches > 0)
+    """Text a clip of `patches` temporal patches adds to a prompt: each patch's timestamp and markers (Qwen3, GLM-4V:
+    TIMESTAMP_TOKENS is Qwen's, GLM's whole seconds take fewer), or the markers around the clip's one run (Qwen2.5-VL)."""
+    return 2 * (patches > 0) if family_of_config(config).clip_layout == "one_run" else patches * TIMESTAMP_TOKENS
 
 MERGE_HIDDEN = 64  # the learnable token merge's head width (models/token_merge.py)
 

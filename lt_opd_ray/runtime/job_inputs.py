@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lt_opd_ray.config.schema import JobConfig
+from lt_opd_ray.core.families import Family
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.sources.resolve import generated_rows, load_samples
 
@@ -67,3 +68,17 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
                             " their backend to transformers (docs/families.md)")
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems
+
+
+def family_problems(job: JobConfig, family: Family, inputs: JobInputs) -> list[str]:
+    """What the model's family cannot take in the rows read: images beside a video in one prompt, for a family whose
+    model takes one or the other (GLM-4V)."""
+    if family.image_beside_clip:
+        return []
+    problems = []
+    for spec, rows in ((job.data.path, inputs.samples), (job.eval.data, inputs.eval_samples)):
+        if rows and (both := [s.uid for s in rows if s.images and s.video is not None]):
+            problems.append(f"{len(both)} rows of {spec!r} show images and a video ({', '.join(both[:3])}{', ...' if len(both) > 3 else ''}),"
+                            f" but {family.name} takes one or the other in a prompt: split them into rows of images and rows of video")
+    return problems
+

@@ -11,10 +11,11 @@ from pathlib import Path
 import ray
 
 from lt_opd_ray.config.schema import JobConfig
+from lt_opd_ray.core.families import family_of_config
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.storage import RunStorage, StorageError
 from lt_opd_ray.models.loading import check_checkpoint_names
-from lt_opd_ray.runtime.job_inputs import read_job_inputs
+from lt_opd_ray.runtime.job_inputs import family_problems, read_job_inputs
 from lt_opd_ray.runtime.resources import (
     InsufficientResourcesError,
     autoscaling_note,
@@ -57,6 +58,8 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
         attempt(lambda: check_engine_memory(job, model_config, ray.nodes()))
     inputs, input_problems = read_job_inputs(job)
     problems += input_problems
+    if model_dir is not None:
+        problems += family_problems(job, family_of_config(model_config), inputs)
     problems += [f"tracking.backends names {name!r} but {name} is not installed: pip install 'lt-opd-ray[tracking]'"
                  for name in job.tracking.backends if importlib.util.find_spec(name) is None]
     if problems:
