@@ -2,7 +2,7 @@
 teacher replica, two ZeRO-2 learner ranks, transformers engines) for each model family, for rows of three images and
 for rows of a 16-frame clip: the same job, one field changed per case, each through the whole distributed runtime.
 
-    python benchmarks/bench_families.py            # ~6 cases x (start + 5 updates), several minutes on 2 cores
+    python benchmarks/bench_families.py            # 10 cases x (start + 5 updates), several minutes on 2 cores
     python benchmarks/bench_families.py --steps 3
 
 Per case: the visual tokens of a prompt at full budget (and kept at the first update's 25%), the median step and its
@@ -28,6 +28,9 @@ CASES = {  # name -> job overrides
     "qwen3_5, 3 images per row": ["model.path=tiny:qwen3_5", "data.path=synthetic:64*3", "data.max_images=3"],
     "qwen3_5, a 16-frame clip per row": ["model.path=tiny:qwen3_5", "data.path=synthetic-video:64"],
     "qwen3_5, a 16-frame clip, scope clip": ["model.path=tiny:qwen3_5", "data.path=synthetic-video:64", "selector.scope=clip"],
+    "qwen3_vl, a 16-frame clip per row": ["model.path=tiny:qwen3_vl", "data.path=synthetic-video:64"],
+    "qwen2_5_vl, a 16-frame clip per row": ["model.path=tiny:qwen2_5_vl", "data.path=synthetic-video:64"],
+    "glm4v, a 16-frame clip per row": ["model.path=tiny:glm4v", "data.path=synthetic-video:64"],
 }
 
 

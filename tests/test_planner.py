@@ -48,16 +48,15 @@ def test_work_is_the_efficiency_modules_counts_summed_over_the_update():
 
 def test_a_clip_per_prompt_is_its_temporal_patches_each_pruned_and_its_timestamps():
     """`--frames 16`: 8 temporal patches of the frame size, each pruned to the budget on its own and run through the
-    vision tower like an image, and 8 timestamps of TIMESTAMP_TOKENS text tokens, brute force against the one-image work."""
+    vision tower like an image, and 8 timestamps of 8 text tokens each (Qwen3.5's layout), brute force against the
+    one-image work."""
     from dataclasses import replace
-
-    from lt_opd_ray.planning.efficiency import TIMESTAMP_TOKENS
 
     shapes = replace(paper_shapes(), image=(448, 448), frames=16)
     work = update_work(CONFIG, shapes, EFFICIENCY)
     grid = patch_grid(CONFIG, 448, 448)
     vision = 8 * (vision_projection_flops(CONFIG, grid) + vision_attention_flops(CONFIG, grid))
-    reduced = prefill_cost(CONFIG, 84 + 8 * TIMESTAMP_TOKENS, [grid] * 8, 500, 32)
+    reduced = prefill_cost(CONFIG, 84 + 8 * 8, [grid] * 8, 500, 32)
     assert reduced.visual_tokens == 8 * max(32, -(-196 * 500 // 10000))  # k_min 32 of each patch's 196 tokens
     assert work.rollout_prefill_flops == pytest.approx(80 * vision + 80 * 8 * reduced.lm_flops, rel=1e-12)
     mean = round(EFFICIENCY["mean_response_fraction"] * shapes.max_new_tokens)

@@ -325,3 +325,4 @@ def test_a_clip_trains_and_the_learner_replays_the_rollouts_picks(tiny_dirs, tmp
     report = ReferenceTrainer(job).update(next(batches(load_samples(job.data.path), 2, job.data.shuffle_seed)))
     assert report.stats.importance_weight == pytest.approx(1.0, abs=1e-5) and report.stats.tokens > 0
     assert math.isfinite(report.stats.loss) and report.grad_norm > 0
+

@@ -152,13 +152,16 @@ def vision_attention_flops(config: dict, grid_thw: tuple[int, int, int]) -> int:
     return full_blocks * full + (vision["depth"] - full_blocks) * windowed
 
 
-TIMESTAMP_TOKENS = 8  # text a clip's prompt adds per temporal patch: `<t seconds>` (~6 tokens), vision start and end
+# Text a clip adds to a prompt per clip layout (core/families.py): (per clip, per temporal patch). Qwen3: `<t seconds>`
+# (~6 tokens), vision start and end per patch; GLM-4V: image start and end and the whole seconds (~1 token) per patch,
+# the video's start and end once; Qwen2.5-VL: vision start and end around the one run.
+CLIP_TEXT_TOKENS = {"stamp_before": (0, 8), "stamp_after": (2, 3), "one_run": (2, 0)}
 
 
 def clip_text_tokens(config: dict, patches: int) -> int:
-    """Text a clip of `patches` temporal patches adds to a prompt: each patch's timestamp and markers (Qwen3, GLM-4V:
-    TIMESTAMP_TOKENS is Qwen's, GLM's whole seconds take fewer), or the markers around the clip's one run (Qwen2.5-VL)."""
-    return 2 * (patches > 0) if family_of_config(config).clip_layout == "one_run" else patches * TIMESTAMP_TOKENS
+    """Text tokens a clip of `patches` temporal patches adds to a prompt of the config's family."""
+    per_clip, per_patch = CLIP_TEXT_TOKENS[family_of_config(config).clip_layout]
+    return (per_clip + per_patch * patches) if patches else 0
 
 MERGE_HIDDEN = 64  # the learnable token merge's head width (models/token_merge.py)
 
