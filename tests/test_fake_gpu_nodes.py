@@ -37,6 +37,7 @@ SMALL = [
     "pools.rollout.backend=transformers", "pools.teacher.backend=transformers",  # placement is the backends' same code path
     "pools.learner.micro_batch_tokens=4096", "pools.learner.activation_checkpointing=false",
 ]
+HALVED = ["pools.rollout.workers=2", "pools.teacher.replicas=1", "pools.teacher.max_replicas=1", "pools.learner.ranks=1"]  # 4 GPUs
 
 
 class FakeGpuCluster:
@@ -154,10 +155,12 @@ def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(tm
 
 @pytest.mark.slow
 def test_pinned_pools_on_two_8_gpu_nodes(tmp_path):
-    """Two node types, as a 16-GPU cluster with a node type per role: rollouts on one, teacher + learners on the other."""
+    """Two node types, as a 16-GPU cluster with a node type per role: rollouts on one, teacher + learners on the other
+    (the halved pools: where each pool lands is the point, and four actors start on 2 cores in half the time eight do)."""
     pins = [f"pools.{pool}.node_resource=lt_opd_{pool}" for pool in ("rollout", "teacher", "learner")]
     nodes = [(8, 40, {"lt_opd_rollout": 8}), (8, 40, {"lt_opd_teacher": 4, "lt_opd_learner": 4})]
-    run = fresh(nodes, [*pins, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4", f"checkpoint.dir={tmp_path / 'run'}"])
+    run = fresh(nodes, [*pins, *HALVED, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4",
+                        f"checkpoint.dir={tmp_path / 'run'}"])
     placements = run["placements"]
     print(f"\n2 x 8-GPU nodes: pools started in {run['seconds']:.1f} s; {format_placements(placements)}")
     nodes_of = {role: {p.node for p in placements if p.actor.startswith(role)} for role in ("rollout", "teacher", "learner")}
@@ -171,8 +174,7 @@ def test_pinned_pools_on_two_8_gpu_nodes(tmp_path):
 
 @pytest.mark.slow
 def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(tmp_path):
-    halved = ["pools.rollout.workers=2", "pools.teacher.replicas=1", "pools.teacher.max_replicas=1", "pools.learner.ranks=1"]
-    refused, run = fresh([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"], [*halved, f"checkpoint.dir={tmp_path / 'run'}"])
+    refused, run = fresh([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"], [*HALVED, f"checkpoint.dir={tmp_path / 'run'}"])
     assert "GPU: the pools need 8 (rollout 4, teacher 2, learner 2) but the cluster has 4, short by 4" in refused["refused"]
     print(f"\n4-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(run['placements'])}")
     assert gpu_ids(run["placements"]) == ["0", "1", "2", "3"]

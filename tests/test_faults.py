@@ -1,6 +1,7 @@
 """Faults injected into real runs (local Ray cluster, real DeepSpeed and Serve, tiny Qwen3.5): each ends in a
 completed or resumed run whose weights equal an uninterrupted run's, or in one named error, and leaves nothing
-running. (A killed rollout worker and a killed driver: tests/test_runtime.py.)"""
+running. (A rollout worker killed between updates: tests/test_runtime.py; a SIGKILLed driver resumed by `lt-opd train
+--resume`: tests/test_main_job.py.)"""
 
 from __future__ import annotations
 
