@@ -159,7 +159,7 @@ class VLLMRolloutEngine:
         from lt_opd_ray.models.sampler import SamplingParams
 
         prompts = self._encode(samples, system_prompt)
-        engine_prompts = [engine_prompt(p, sample_images(s)) for p, s in zip(prompts, samples)]
+        engine_prompts = [engine_prompt(p, sample_images(s), self.engine.video_token_id) for p, s in zip(prompts, samples)]
         params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=1, stop=stop, eos_token_ids=self.processor.eos_token_ids)
         selections = [  # at 10000 bps the selector keeps every visual token
             SelectionRequest(budget_bps=budget_bps, k_min=self.job.budget.k_min, selector=selector, seed=eval_selection_seed(s.uid))

@@ -48,6 +48,8 @@ class PromptInputs:
     pixel_values_videos: torch.Tensor | None = None  # the clip's patches; None without a video
     video_grid_thw: torch.Tensor | None = None  # [1, 3]: temporal patches, then the patch grid of each
     second_per_grid_ts: torch.Tensor | None = None  # [1]: seconds a temporal patch spans (families whose clip is one run)
+    clip: Clip | None = None  # the sampled clip the video's pixels were made from (decoded [H, W, 3] frames), for vLLM's processor
+    clip_span: tuple[int, int] | None = None  # [start, end) of the ids that replaced the video placeholder
 
     @property
     def num_images(self) -> int:
@@ -183,7 +185,7 @@ class VLMProcessor:
             pil_images = [load_image(img, f"{sample_id}: image {i}") for i, img in enumerate(images)]
             vision = self.image_processor(images=pil_images, return_tensors="pt")
             tokens_per_image = (vision["image_grid_thw"].prod(-1) // self.merge_size**2).tolist()
-        clip_ids, clip_types, clip = [], [], {}
+        clip_ids, clip_types, clip, clip_span = [], [], {}, None
         if video is not None:
             clip = self.encode_clip(read_clip(video, self.frames, f"{sample_id}: video"), f"{sample_id}: video")
             clip_ids, clip_types = clip.pop("ids"), clip.pop("types")
@@ -201,6 +203,7 @@ class VLMProcessor:
                 query += [False] * n
                 continue
             if token_id == self.video_token:
+                clip_span = (len(ids), len(ids) + len(clip_ids))
                 ids += clip_ids
                 types += clip_types
                 query += [False] * len(clip_ids)
@@ -219,6 +222,8 @@ class VLMProcessor:
             pixel_values_videos=clip.get("pixel_values_videos"),
             video_grid_thw=clip.get("video_grid_thw"),
             second_per_grid_ts=clip.get("second_per_grid_ts"),
+            clip=clip.get("clip"),
+            clip_span=clip_span,
         )
 
     def encode_clip(self, clip: Clip, where: str = "video") -> dict:
@@ -240,7 +245,8 @@ class VLMProcessor:
         per_patch = h * w // self.video_processor.merge_size**2
         step = self.video_processor.temporal_patch_size
         seconds = list(clip.seconds) + [clip.seconds[-1]] * (-len(clip.seconds) % step)  # the processor repeats the last frame
-        pixels = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
+        pixels = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
+                  "clip": Clip(frames=tuple(decoded), seconds=clip.seconds, fps=clip.fps)}
         layout = self.family.clip_layout
         if layout == "one_run":  # as transformers' Qwen2_5_VLProcessor: temporal_patch_size / the sampled frames' rate
             return {"ids": [self.video_token] * (t * per_patch), "types": [VIDEO] * (t * per_patch), **pixels,

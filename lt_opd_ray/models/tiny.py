@@ -174,6 +174,9 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vo
     text, vision, start_end_keys = TINY_SHAPES[family](text_common, vision_common, head_dim)
     token_ids = {"image_token_id": ids["image_token_id"], "video_token_id": ids["video_token_id"],
                  start_end_keys[0]: ids["image_start_token_id"], start_end_keys[1]: ids["image_end_token_id"]}
+    if family == "glm4v":  # GLM-4V's clip sits between its own start and end tokens (vLLM writes them from the config)
+        token_ids |= {"video_start_token_id": tokenizer.convert_tokens_to_ids(FAMILIES[family].video_tokens[0]),
+                      "video_end_token_id": tokenizer.convert_tokens_to_ids(FAMILIES[family].video_tokens[2])}
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, **token_ids, tie_word_embeddings=tied)
     config.eos_token_id = ids["eos_token_id"]
     config.pad_token_id = ids["pad_token_id"]

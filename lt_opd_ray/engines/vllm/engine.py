@@ -31,7 +31,8 @@ from lt_opd_ray.core.compression import learnable_merge
 from lt_opd_ray.engines.vllm.loop import EngineLoop
 from lt_opd_ray.engines.vllm.selection import SelectionRequest
 from lt_opd_ray.models.loading import parameter_shapes
-from lt_opd_ray.models.processor import IMAGE, PromptInputs
+from lt_opd_ray.core.samples import Clip
+from lt_opd_ray.models.processor import IMAGE, TEXT, PromptInputs
 from lt_opd_ray.models.sampler import Completion, SamplingParams
 from lt_opd_ray.weight_sync.layout import Layout
 
@@ -45,23 +46,49 @@ def configure_environment() -> None:
 
 @dataclass
 class EnginePrompt:
-    """What vLLM takes for one prompt: token ids with one <|image_pad|> per image, the images, the question's ids."""
+    """What vLLM takes for one prompt: token ids with one placeholder per image and per clip, the images, the clip
+    (its frames and the metadata vLLM's processor reads them with), the question's ids."""
 
     token_ids: list[int]
     images: list
     query_ids: list[int]
-    full_length: int  # tokens once every image is expanded to all its visual tokens
+    full_length: int  # tokens once every image and the clip are expanded to all their visual tokens
+    video: tuple | None = None  # ([T, H, W, 3] uint8 frames, metadata) of the prompt's clip
 
 
-def engine_prompt(prompt: PromptInputs, images: list) -> EnginePrompt:
-    """Collapse each image's run of placeholders back to the single token vLLM's processor expands."""
-    is_image = prompt.mm_token_type_ids == IMAGE
+def engine_prompt(prompt: PromptInputs, images: list, video_token_id: int | None = None) -> EnginePrompt:
+    """Collapse each image's run of placeholders back to the single token vLLM's processor expands, and the clip's
+    ids (its timestamps and frame runs) back to the video placeholder (`video_token_id`, the config's)."""
+    ids, types = prompt.input_ids, prompt.mm_token_type_ids
+    video = None
+    if prompt.clip_span is not None:
+        if video_token_id is None:
+            raise ValueError("a prompt with a clip needs the model's video placeholder id to collapse it")
+        start, end = prompt.clip_span
+        ids = torch.cat([ids[:start], torch.tensor([video_token_id]), ids[end:]])
+        types = torch.cat([types[:start], torch.tensor([TEXT], dtype=types.dtype), types[end:]])
+        video = clip_for_vllm(prompt.clip)
+    is_image = types == IMAGE
     run_start = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])  # an image token after a non-image one
-    collapsed = prompt.input_ids[~is_image | run_start].tolist()
+    collapsed = ids[~is_image | run_start].tolist()
     runs = int(run_start.sum())
     if runs != len(images):
         raise ValueError(f"prompt has {runs} image run(s) but {len(images)} image(s)")
-    return EnginePrompt(collapsed, list(images), prompt.input_ids[prompt.query_mask].tolist(), prompt.input_ids.numel())
+    return EnginePrompt(collapsed, list(images), prompt.input_ids[prompt.query_mask].tolist(), prompt.input_ids.numel(), video)
+
+
+def clip_for_vllm(clip: Clip) -> tuple:
+    """A sampled clip as vLLM's video processors take it: the frames, and metadata from which they compute what our
+    processor writes. Times travel as frame indices at 1 frame per second (index i is frame i's time in seconds), and
+    the source's frame count is the one that makes the sampled rate the clip's (`VideoMetadata.sampled_fps`):
+    Qwen3's timestamps are index / fps, GLM-4V's whole seconds int(index / fps), Qwen2.5-VL's seconds per
+    temporal patch temporal_patch_size / sampled_fps."""
+    import numpy as np
+
+    source_frames = len(clip.frames) / clip.fps
+    metadata = {"fps": 1.0, "frames_indices": list(clip.seconds), "total_num_frames": source_frames, "duration": source_frames,
+                "video_backend": "opencv", "do_sample_frames": False}
+    return np.stack([np.asarray(frame) for frame in clip.frames]), metadata
 
 
 @dataclass
@@ -116,7 +143,7 @@ class VLLMEngine:
     _nonces = itertools.count(1)
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096,
-                 max_logprobs: int = 128, max_images: int = 1, seed: int = 0,
+                 max_logprobs: int = 128, max_images: int = 1, max_videos: int = 0, seed: int = 0,
                  min_pixels: int | None = None, max_pixels: int | None = None, token_merge: bool = False,
                  tuning: VLLMSettings | None = None):
         """`token_merge`: give the student a learnable token-merge head although its folder has none (a run
@@ -126,10 +153,13 @@ class VLLMEngine:
 
         from lt_opd_ray.models.token_merge import merge_parameter_shapes, settings
 
+        from lt_opd_ray.core.families import family_of_config
+
         self.model_dir = Path(model_dir)
         check_architecture(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         dim = config.get("text_config", config)["hidden_size"]
+        family = family_of_config(config, str(self.model_dir))
         merging = token_merge or learnable_merge(config) is not None
         self.merge_shapes = merge_parameter_shapes(dim) if merging else {}
         self._learner_shapes = None  # weight_shapes, read once
@@ -147,9 +177,8 @@ class VLLMEngine:
             max_model_len=max_model_len,
             # the V1 runner (vLLM's CPU build) scores requested ids from the full vocabulary
             max_logprobs=max_logprobs if on_gpu else -1,
-            limit_mm_per_prompt={"image": max_images, "video": 0},
-            # the same resize bounds as VLMProcessor (otherwise the model folder's)
-            mm_processor_kwargs={k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v} or None,
+            limit_mm_per_prompt={"image": max_images, "video": max_videos},
+            mm_processor_kwargs=image_bounds(family, min_pixels, max_pixels),
             enforce_eager=tuning.enforce_eager or not on_gpu,
             max_num_seqs=tuning.max_num_seqs,
             enable_prefix_caching=tuning.enable_prefix_caching,
@@ -162,6 +191,7 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.v2_runner = bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+        self.video_token_id = config["video_token_id"]  # the clip's placeholder in an engine prompt
 
     @property
     def runner(self) -> str:
@@ -187,7 +217,7 @@ class VLLMEngine:
         for prompt, selection, seed in zip(prompts, selections, seeds):
             # identical requests (the n samples of a prompt) share one nonce: their multimodal inputs and
             # hashes are then equal, so vLLM runs the vision tower and the selection once and can reuse the prefix
-            same = (selection, tuple(prompt.token_ids), tuple(id(image) for image in prompt.images))
+            same = (selection, tuple(prompt.token_ids), tuple(id(image) for image in prompt.images), id(prompt.video))
             nonce = nonces.setdefault(same, next(self._nonces))
             requests.append(self._request(prompt, _with_nonce(selection, nonce)))
             vllm_params.append(
@@ -229,11 +259,10 @@ class VLLMEngine:
 
     def _request(self, prompt: EnginePrompt, selection: SelectionRequest) -> dict:
         selection = SelectionRequest(**{**selection.__dict__, "query_ids": tuple(prompt.query_ids)})
-        return {
-            "prompt_token_ids": prompt.token_ids,
-            "multi_modal_data": {"image": prompt.images if len(prompt.images) > 1 else prompt.images[0]},
-            "mm_processor_kwargs": selection.as_kwargs(),
-        }
+        media = {"image": prompt.images if len(prompt.images) > 1 else prompt.images[0]} if prompt.images else {}
+        if prompt.video is not None:
+            media["video"] = prompt.video
+        return {"prompt_token_ids": prompt.token_ids, "multi_modal_data": media, "mm_processor_kwargs": selection.as_kwargs()}
 
     def selections(self, nonces: list[int]) -> dict[int, Kept]:
         """What the model recorded for these request nonces: kept indices, and merge routes with a merge head."""
@@ -325,6 +354,17 @@ class VLLMEngine:
         if problems:
             raise WeightMismatchError(f"weight update refused, nothing changed ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
         self.write_weights(iter(named_tensors))
+
+
+def image_bounds(family, min_pixels: int | None, max_pixels: int | None) -> dict | None:
+    """The engine's processor kwargs for VLMProcessor's image resize bounds (None: the model folder's). A clip's frames
+    keep the video processor's own bounds, as VLMProcessor's clips do: vLLM's Qwen processors would route flat bounds
+    to their video processor too, so theirs are scoped to images; GLM-4V's route flat ones to images only (and take
+    no scoped ones)."""
+    bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+    if not bounds:
+        return None
+    return bounds if family.clip_layout == "stamp_after" else {"images_kwargs": bounds}
 
 
 def flat_rows(flat, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,8 +47,10 @@ from lt_opd_ray.models.token_merge import assign_to_kept
 
 VLLM_FAMILIES = [family for family in FAMILIES.values() if family.vllm_module]
 PRUNED_ARCHITECTURES = {f.architecture: f"lt_opd_ray.engines.vllm.models:Pruned{f.architecture}" for f in VLLM_FAMILIES}
-SELECTION_FIELD = "lt_opd_selection"  # per image int64: budget_bps, k_min, selector, seed, nonce, image index
-QUERY_FIELD = "lt_opd_query"  # per image int64: the question's token ids
+# per image and per clip, int64: budget_bps, k_min, selector, the prompt's seed, nonce, its first visual unit's index
+# (an image is one unit, a clip one per temporal patch; the clip's come after the prompt's images)
+SELECTION_FIELD = {"image": "lt_opd_selection", "video": "lt_opd_video_selection"}
+QUERY_FIELD = {"image": "lt_opd_query", "video": "lt_opd_video_query"}  # per image and per clip: the question's token ids
 POSITION_CHANNELS = 3  # (t, h, w) offsets appended to each kept row
 MAX_GRID_SIDE = 256  # offsets travel in the embedding dtype; bf16 holds integers exactly up to 256
 MAX_RECORDED = 4096  # selections kept for collection (oldest dropped first)
@@ -63,6 +65,28 @@ def grid_offsets(grid: tuple[int, int, int]) -> torch.Tensor:
     """[N, 3] (t, h, w) offset of every merged token of one image, in row-major order."""
     t, h, w = grid
     return torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 3)
+
+
+def frame_token_id(config) -> int:
+    """The token a clip's visual slots carry: the video token, or GLM-4V's image token (its frames are image runs)."""
+    family = FAMILIES[config.model_type]
+    return config.image_token_id if family.clip_layout == "stamp_after" else config.video_token_id
+
+
+def patch_times(config, patches: int, second_per_grid_t) -> torch.Tensor:
+    """[patches] temporal position of each temporal patch of a clip, from the clip's first: 0 where each patch is a run
+    of its own (Qwen3, GLM-4V), the patch's time in rope steps where the clip is one run (Qwen2.5-VL, as transformers'
+    rope index computes it: (index * tokens_per_second * second_per_grid_t).long())."""
+    if FAMILIES[config.model_type].clip_layout != "one_run":
+        return torch.zeros(patches, dtype=torch.long)
+    interval = config.vision_config.tokens_per_second * torch.as_tensor(second_per_grid_t, dtype=torch.float32)
+    return (torch.arange(patches) * interval).long()
+
+
+def _runs(is_slot: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of True."""
+    edges = torch.diff(torch.cat([is_slot.new_zeros(1), is_slot, is_slot.new_zeros(1)]).int())
+    return list(zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()))
 
 
 # --------------------------------------------------------------------------- processor
@@ -101,44 +125,73 @@ class PruningProcessorMixin:
     def _apply_hf_processor_main(self, mm_items, hf_kwargs):
         request, rest = SelectionRequest.split(hf_kwargs, self.info.get_hf_config().get_text_config().vocab_size)
         data = super()._apply_hf_processor_main(mm_items, rest)
-        grids = data.get("image_grid_thw")
-        if grids is not None and len(grids):
-            merge = self.info.get_hf_config().vision_config.spatial_merge_size
+        merge = self.info.get_hf_config().vision_config.spatial_merge_size
+        selector = SELECTOR_NAMES.index(request.selector)
+        first_unit = 0
+        for modality in ("image", "video"):  # a clip's patches are numbered after the prompt's images
+            grids = data.get(f"{modality}_grid_thw")
+            if grids is None or not len(grids):
+                continue
             rows = []
             for index, grid in enumerate(grids.tolist()):
                 t, h, w = _merged_grid(grid, merge)
                 if max(h, w) > MAX_GRID_SIDE:
                     raise ValueError(
-                        f"image {index}: merged grid {h}x{w} exceeds {MAX_GRID_SIDE} tokens a side;"
+                        f"{modality} {index}: merged grid {h}x{w} exceeds {MAX_GRID_SIDE} tokens a side;"
                         " lower the processor's max_pixels so it is resized"
                     )
-                selector = SELECTOR_NAMES.index(request.selector)
-                rows.append([request.budget_bps, request.k_min, selector, stable_seed(request.seed, index), request.nonce, index])
-            data[SELECTION_FIELD] = torch.tensor(rows, dtype=torch.long)
-            query = torch.tensor(request.query_ids, dtype=torch.long)
-            data[QUERY_FIELD] = query.expand(len(rows), -1).clone()
+                rows.append([request.budget_bps, request.k_min, selector, request.seed, request.nonce, first_unit])
+                first_unit += t if modality == "video" else 1
+            data[SELECTION_FIELD[modality]] = torch.tensor(rows, dtype=torch.long)
+            data[QUERY_FIELD[modality]] = torch.tensor(request.query_ids, dtype=torch.long).expand(len(rows), -1).clone()
         return data
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
         from vllm.multimodal.inputs import MultiModalFieldConfig
 
         fields = dict(super()._get_mm_fields_config(hf_inputs, SelectionRequest.processor_kwargs(hf_processor_mm_kwargs)))
-        fields[SELECTION_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
-        fields[QUERY_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        for modality in ("image", "video"):
+            fields[SELECTION_FIELD[modality]] = MultiModalFieldConfig.batched(modality, keep_on_cpu=True)
+            fields[QUERY_FIELD[modality]] = MultiModalFieldConfig.batched(modality, keep_on_cpu=True)
         return fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        from vllm.multimodal.processing import PromptUpdateDetails
+
         updates = super()._get_prompt_updates(mm_items, SelectionRequest.processor_kwargs(hf_processor_mm_kwargs), out_mm_kwargs)
         config = self.info.get_hf_config()
         merge = config.vision_config.spatial_merge_size
 
-        def kept_placeholders(item_idx: int) -> list[int]:
-            item = out_mm_kwargs["image"][item_idx]
-            t, h, w = _merged_grid(item["image_grid_thw"].data.tolist(), merge)
-            budget_bps, k_min = (int(v) for v in item[SELECTION_FIELD].data[:2])
-            return [config.image_token_id] * tokens_to_keep(t * h * w, budget_bps, k_min)
+        def kept_per_patch(item, modality: str) -> tuple[int, int]:
+            """(tokens of one image or temporal patch, how many of them are kept)."""
+            _, h, w = _merged_grid(item[f"{modality}_grid_thw"].data.tolist(), merge)
+            budget_bps, k_min = (int(v) for v in item[SELECTION_FIELD[modality]].data[:2])
+            return h * w, tokens_to_keep(h * w, budget_bps, k_min)
 
-        return [dataclasses.replace(u, replacement=kept_placeholders) if u.modality == "image" else u for u in updates]
+        def kept_placeholders(item_idx: int) -> list[int]:
+            return [config.image_token_id] * kept_per_patch(out_mm_kwargs["image"][item_idx], "image")[1]
+
+        def kept_clip(full_replacement):
+            """The family's own clip replacement (timestamps, markers, frame runs), each patch's run cut to its k."""
+            def replacement(item_idx: int):
+                full = full_replacement(item_idx)
+                ids = torch.tensor(full.full if isinstance(full, PromptUpdateDetails) else full)
+                n, k = kept_per_patch(out_mm_kwargs["video"][item_idx], "video")
+                frame = frame_token_id(config)
+                keep = ids != frame
+                for start, end in _runs(~keep):  # a run is one patch (or, Qwen2.5-VL, every patch of the clip)
+                    if (end - start) % n:
+                        raise ValueError(f"clip {item_idx}: a run of {end - start} frame tokens is not whole patches of {n}")
+                    keep[start:end] = torch.arange(end - start) % n < k
+                return PromptUpdateDetails.select_token_id(ids[keep].tolist(), frame)
+
+            return replacement
+
+        return [
+            dataclasses.replace(u, replacement=kept_placeholders) if u.modality == "image"
+            else dataclasses.replace(u, replacement=kept_clip(u.replacement)) if u.modality == "video" else u
+            for u in updates
+        ]
 
 
 # ------------------------------------------------------------------------------- model
@@ -179,43 +232,57 @@ class PruningModelMixin:
         return getattr(self, "visual_dim", None) or self.config.vision_config.out_hidden_size
 
     def embed_multimodal(self, **kwargs: object):
-        selection = kwargs.pop(SELECTION_FIELD, None)
-        query = kwargs.pop(QUERY_FIELD, None)
+        """Per image and per clip (vLLM encodes one modality per call): the kept rows of each visual unit, in unit
+        order, each with its (t, h, w) position offset from its run's first slot in three extra channels."""
+        modality = "video" if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_embeds") is not None else "image"
+        selection = kwargs.pop(SELECTION_FIELD[modality], None)
+        query = kwargs.pop(QUERY_FIELD[modality], None)
+        kwargs.pop(SELECTION_FIELD["image" if modality == "video" else "video"], None)
+        kwargs.pop(QUERY_FIELD["image" if modality == "video" else "video"], None)
         embeddings = super().embed_multimodal(**kwargs)
         if embeddings is None:
             return None
-        if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_embeds") is not None:
-            raise ValueError("visual-token pruning covers images only; this engine accepts no video")
         if selection is None:
-            raise ValueError(f"image inputs without {SELECTION_FIELD}: the request did not pass through the pruning processor")
-        grids = kwargs["image_grid_thw"]
-        head = getattr(self, "vision_token_compressor", None)
+            raise ValueError(f"{modality} inputs without {SELECTION_FIELD[modality]}: the request did not pass through the pruning processor")
+        grids = kwargs[f"{modality}_grid_thw"]
         kept = []
         for i, rows in enumerate(embeddings):
-            budget_bps, k_min, selector, seed, nonce, image = (int(v) for v in selection[i])
-            grid = _merged_grid(grids[i].tolist(), self._merge)
-            n = grid[0] * grid[1] * grid[2]
-            k = tokens_to_keep(n, budget_bps, k_min)
-            if k == n:
-                indices = torch.arange(n)
-            else:
-                ids = query[i]
-                ids = ids[ids >= 0].to(rows.device)
-                q = self.get_language_model().embed_input_ids(ids).float().mean(0) if ids.numel() else None
-                item = SelectionInput(rows[:, : self._main_width()].float(), q, (grid[0] * grid[1], grid[2]), seed=seed)
-                indices = build_selector(SELECTOR_NAMES[selector]).select(item, k)
-            on_device, width = indices.to(rows.device), self._main_width()
-            route = None
-            if head is None:
-                picked = rows[on_device]
-            else:  # each kept token takes in its discarded neighbours (models/token_merge.py); deepstack columns are pruned
-                route = assign_to_kept(rows[:, :width], on_device)
-                picked = torch.cat([head.learnable_summary(rows[:, :width], on_device, route), rows[on_device, width:]], dim=-1)
-                route = tuple(t.cpu() for t in route)
-            self._record(nonce, image, indices, route)
-            offsets = grid_offsets(grid)[indices].to(device=rows.device, dtype=rows.dtype)
-            kept.append(torch.cat([picked, offsets], dim=-1))
+            budget_bps, k_min, selector, seed, nonce, first_unit = (int(v) for v in selection[i])
+            t, h, w = _merged_grid(grids[i].tolist(), self._merge)
+            ids = query[i]
+            ids = ids[ids >= 0].to(rows.device)
+            q = self.get_language_model().embed_input_ids(ids).float().mean(0) if ids.numel() else None
+            times = patch_times(self.config, t, kwargs["second_per_grid_ts"][i]) if modality == "video" and "second_per_grid_ts" in kwargs else torch.zeros(t, dtype=torch.long)
+            if int(times[-1]) > MAX_GRID_SIDE:
+                raise ValueError(f"clip {i}: its last temporal patch sits {int(times[-1])} rope steps in, beyond the {MAX_GRID_SIDE} offsets carry")
+            parts = []
+            for patch in range(t):  # an image is one unit; a clip's temporal patches are one each
+                unit = rows[patch * h * w : (patch + 1) * h * w]
+                picked, indices = self._keep(unit, (h, w), tokens_to_keep(h * w, budget_bps, k_min), SELECTOR_NAMES[selector],
+                                             stable_seed(seed, first_unit + patch), q, nonce, first_unit + patch)
+                offsets = grid_offsets((1, h, w))[indices]
+                offsets[:, 0] = times[patch]
+                parts.append(torch.cat([picked, offsets.to(device=rows.device, dtype=rows.dtype)], dim=-1))
+            kept.append(torch.cat(parts))
         return tuple(kept)
+
+    def _keep(self, rows: torch.Tensor, grid: tuple[int, int], k: int, selector: str, seed: int, query, nonce: int, unit: int):
+        """(kept rows, their indices) of one visual unit's [N, D] rows on its (h, w) grid; recorded for collection."""
+        n, width = rows.shape[0], self._main_width()
+        if k == n:
+            indices = torch.arange(n)
+        else:
+            indices = build_selector(selector).select(SelectionInput(rows[:, :width].float(), query, grid, seed=seed), k)
+        on_device = indices.to(rows.device)
+        head, route = getattr(self, "vision_token_compressor", None), None
+        if head is None:
+            picked = rows[on_device]
+        else:  # each kept token takes in its discarded neighbours (models/token_merge.py); deepstack columns are pruned
+            route = assign_to_kept(rows[:, :width], on_device)
+            picked = torch.cat([head.learnable_summary(rows[:, :width], on_device, route), rows[on_device, width:]], dim=-1)
+            route = tuple(r.cpu() for r in route)
+        self._record(nonce, unit, indices, route)
+        return picked, indices
 
     def _record(self, nonce: int, image: int, indices: torch.Tensor, route: tuple | None) -> None:
         self._selections[(nonce, image)] = (indices.cpu(), route)
@@ -233,41 +300,53 @@ class PruningModelMixin:
 
     # ------------------------------------------------------------------ positions
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
-        """Positions of the reduced prompt: text as in the full prompt, image slots at the image's base.
+        """Positions of the reduced prompt: text (a clip's timestamps and markers included) as in the full prompt,
+        each image's and temporal patch's slots at its run's base.
 
-        An image's slots are filled with their own offsets by `recompute_mrope_positions`
-        once the encoder has chosen them. The delta is exact already: every image run
-        is followed by <|vision_end|>, whose position exceeds the full image's.
+        The slots are filled with their own offsets by `recompute_mrope_positions` once the encoder has chosen
+        them. A run advances the text after it by its full grid's extent, max(h, w), whatever k is (the rope
+        index's rule, a clip in one run included); the delta counts the full prompt's largest position, which
+        for a clip in one run may be its last patch's time rather than the text after it.
         """
         positions = torch.empty(3, len(input_tokens), dtype=torch.long)
-        cursor, next_position = 0, 0
+        ids = torch.tensor(input_tokens)
+        cursor, next_position, highest = 0, 0, -1
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
-            if feature.modality != "image":
-                raise ValueError(f"visual-token pruning covers images only, got {feature.modality!r}")
+            if feature.modality not in ("image", "video"):
+                raise ValueError(f"visual-token pruning covers images and video, got {feature.modality!r}")
             start, length = feature.mm_position.offset, feature.mm_position.length
-            text = start - cursor
-            positions[:, cursor:start] = torch.arange(next_position, next_position + text)
-            base = next_position + text
-            positions[:, start : start + length] = base  # final: base + offset, see recompute_mrope_positions
-            t, h, w = _merged_grid(feature.data["image_grid_thw"].data.tolist(), self._merge)
-            next_position = base + max(t, h, w)  # the full grid's extent, whatever k is
-            cursor = start + length
+            grid = feature.data[f"{feature.modality}_grid_thw"].data.tolist()
+            t, h, w = _merged_grid(grid, self._merge)
+            slot = self.config.image_token_id if feature.modality == "image" else frame_token_id(self.config)
+            runs = [(start + a, start + b) for a, b in _runs(ids[start : start + length] == slot)]
+            last_time = 0
+            if feature.modality == "video" and "second_per_grid_ts" in feature.data:
+                last_time = int(patch_times(self.config, t, feature.data["second_per_grid_ts"].data)[-1])
+            for run_start, run_end in runs:
+                text = run_start - cursor
+                positions[:, cursor:run_start] = torch.arange(next_position, next_position + text)
+                base = next_position + text
+                positions[:, run_start:run_end] = base  # final: base + offset, see recompute_mrope_positions
+                highest = max(highest, base + last_time)
+                next_position = base + max(h, w)
+                cursor = run_end
         positions[:, cursor:] = torch.arange(next_position, next_position + len(input_tokens) - cursor)
-        return positions, int(positions.max()) + 1 - len(input_tokens)
+        highest = max(highest, int(positions.max()))
+        return positions, highest + 1 - len(input_tokens)
 
     def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
-        """Strip the offset channels and put base + offset at this chunk's image slots, on the positions' device.
+        """Strip the offset channels and put base + offset at this chunk's visual slots, on the positions' device.
 
-        Each image slot's base is one past the position of the token before its image run (<|vision_start|>):
-        a run's start is found for every slot at once (a running maximum over the run starts), no Python walk.
+        Each slot's base is one past the position of the token before its run (<|vision_start|>, GLM-4V's image
+        start): a run's start is found for every slot at once (a running maximum over the run starts), no Python walk.
         """
         positions = mrope_positions.clone()
         ids = torch.as_tensor(input_ids, device=positions.device)
-        is_image = ids == self.config.image_token_id
+        is_slot = (ids == self.config.image_token_id) | (ids == frame_token_id(self.config))
         index = torch.arange(ids.numel(), device=positions.device)
-        starts_here = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])
+        starts_here = is_slot & ~torch.cat([is_slot.new_zeros(1), is_slot[:-1]])
         run_start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(0).values
-        slots = index[is_image & (index >= num_computed_tokens)]
+        slots = index[is_slot & (index >= num_computed_tokens)]
         counts = [rows.shape[0] for rows in multimodal_embeddings]
         if counts:
             offsets = torch.cat([rows[:, -POSITION_CHANNELS:] for rows in multimodal_embeddings]).round().long().to(positions.device)

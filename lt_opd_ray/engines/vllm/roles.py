@@ -37,7 +37,7 @@ def vllm_rollout(
     engine_prompts, selections, seeds, owners = [], [], [], []
     for index, (prompt, prompt_images, uid) in enumerate(zip(prompts, images, uids)):
         request = SelectionRequest(budget_bps=budget_bps, k_min=k_min, selector=selector, seed=selection_seed(seed, update, uid))
-        engine_prompts += [engine_prompt(prompt, prompt_images) for _ in range(n)]
+        engine_prompts += [engine_prompt(prompt, prompt_images, engine.video_token_id)] * n  # one clip array: one nonce
         selections += [request] * n
         seeds += response_seeds(seed, update, uid, n)
         owners += [index] * n
@@ -49,7 +49,8 @@ def vllm_teacher_scores(
     engine: VLLMEngine, prompts: Mapping[int, PromptInputs], images: Mapping[int, list], rollouts: list[Rollout], top_k: int
 ) -> list[TeacherScore]:
     """The full-token teacher's top-k and its log-probs at the student's top-k ids and the sampled token."""
-    engine_prompts = [engine_prompt(prompts[r.prompt_index], images[r.prompt_index]) for r in rollouts]
+    collapsed = {index: engine_prompt(prompts[index], images[index], engine.video_token_id) for index in {r.prompt_index for r in rollouts}}
+    engine_prompts = [collapsed[r.prompt_index] for r in rollouts]
     requested = [torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1) for r in rollouts]
     scored = engine.score(engine_prompts, [r.response_ids for r in rollouts], requested, top_k)
     return [TeacherScore(top_ids=s.top_ids, top_logp=s.top_logp, requested_logp=s.requested_logp) for s in scored]
