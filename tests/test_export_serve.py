@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 import urllib.error
 import urllib.request
 
@@ -94,6 +95,23 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(urllib.request.urlopen(request, timeout=120).read())
     except urllib.error.HTTPError as error:
         raise AssertionError(f"HTTP {error.code}: {error.read().decode()[:2000]}") from None
+
+
+def mp4_clip(frames: int) -> bytes:
+    """An MP4 of `frames` random 96 x 64 frames at 4 fps (OpenCV's writer)."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/clip.mp4"
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 4.0, (96, 64))
+        for _ in range(frames):
+            writer.write(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))
+        writer.release()
+        return Path(path).read_bytes()
 
 
 @pytest.mark.slow
@@ -206,4 +224,12 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
                 status = error.code
             assert status in (200, 400), (settings, status)
         assert _post(url, {**body, "mm_processor_kwargs": {}})["usage"]["prompt_tokens"] == full_length - n + tokens_to_keep(n, 2500, 2)
+        # a clip: sampled by vLLM's rule for the family, each temporal patch of 2 x 3 merged tokens pruned to its own k
+        clip = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4_clip(20)).decode()}},
+                {"type": "text", "text": "What happens in the video?"}]
+        asked = {**body, "messages": [{"role": "user", "content": clip}]}
+        full_clip = _post(url, {**asked, "mm_processor_kwargs": {"lt_opd_budget_bps": 10000}})["usage"]["prompt_tokens"]
+        pruned_clip = _post(url, {**asked, "mm_processor_kwargs": {}})["usage"]["prompt_tokens"]
+        patches, rest = divmod(full_clip - pruned_clip, 6 - tokens_to_keep(6, 2500, 2))
+        assert patches == 5 and rest == 0  # 20 frames at 4 fps, sampled at 2 fps: 10 frames, 5 patches
         assert server.alive()

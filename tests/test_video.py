@@ -278,18 +278,23 @@ def test_video_rows_go_into_prepared_shards_and_come_back_as_the_same_prompts(lo
     assert "broken: video (the video's bytes) does not decode as a video" in str(info.value) and not (tmp_path / "bad").exists()
 
 
-def test_video_rows_with_vllm_engines_are_refused_by_name():
+def test_video_rows_for_vllm_engines_need_room_for_a_clip():
+    """vLLM engines reserve room for a clip only when data.max_videos asks: without it the rows are named; with it
+    they pass."""
     from lt_opd_ray.config.loading import parse_job
     from lt_opd_ray.runtime.job_inputs import read_job_inputs
 
-    job = parse_job("""
-model: {path: "tiny:qwen3_5"}
-data: {path: "synthetic-video:4"}
-sampling: {prompts_per_step: 2}
-pools: {rollout: {backend: vllm}}
+    def problems(max_videos):
+        job = parse_job(f"""
+model: {{path: "tiny:qwen3_5"}}
+data: {{path: "synthetic-video:4", max_videos: {max_videos}}}
+sampling: {{prompts_per_step: 2}}
+pools: {{rollout: {{backend: vllm}}}}
 """)
-    _, problems = read_job_inputs(job, draw_generated=False)
-    assert any("'synthetic-video:4' draws videos, but pools.rollout run vLLM" in p for p in problems)
+        return read_job_inputs(job, draw_generated=False)[1]
+
+    assert any("'synthetic-video:4' draws videos, but data.max_videos is 0 and pools.rollout run vLLM" in p for p in problems(0))
+    assert problems(1) == []
 
 
 def test_synthetic_clips_ask_about_their_start_or_end():

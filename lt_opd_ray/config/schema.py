@@ -61,6 +61,10 @@ class DataConfig(StrictModel):
     max_images: int = Field(1, ge=1, le=64)
     """The most images one row shows (rows with an `images` list): vLLM engines reserve room for this many per prompt,
     and a row with more is refused before the job starts. Each image is pruned to the budget on its own."""
+    max_videos: int = Field(0, ge=0, le=1)
+    """1 where rows may show a clip (after their images) and a role runs vLLM: its engines reserve room for one clip
+    per prompt and their context counts `frames` frames. Rows with a clip are refused before the job starts while it
+    is 0 and a role runs vLLM; the transformers engines take clips either way."""
     system_prompt: str | None = None
     """Optional system message; never part of the selector's query."""
     shuffle_seed: int = 0

@@ -341,11 +341,15 @@ TEXT_TOKENS = 1024  # room for the system prompt, the question and the chat temp
 
 
 def context_length(job, config: dict) -> int:
-    """Longest sequence a job sends (a vLLM engine's max_model_len): data.max_images images at data.max_pixels, the
-    text, the response; within the model's positions."""
+    """Longest sequence a job sends (a vLLM engine's max_model_len): data.max_images images at data.max_pixels, a clip
+    where data.max_videos asks (its temporal patches, each at most data.max_pixels: the Qwen video processors' own
+    per-frame cap, 768 tokens, is below the default's 980, and its timestamps), the text, the response; within the
+    model's positions."""
     vision = config.get("vision_config", {})
     token_pixels = (vision.get("patch_size", 16) * vision.get("spatial_merge_size", 2)) ** 2
-    wanted = job.data.max_images * (job.data.max_pixels // token_pixels) + TEXT_TOKENS + job.sampling.max_new_tokens
+    patches = job.data.frames // vision.get("temporal_patch_size", 2)
+    clip = job.data.max_videos * (patches * (job.data.max_pixels // token_pixels) + clip_text_tokens(config, patches))
+    wanted = job.data.max_images * (job.data.max_pixels // token_pixels) + clip + TEXT_TOKENS + job.sampling.max_new_tokens
     text = config.get("text_config", config)
     return min(wanted, int(text.get("max_position_embeddings", wanted)))
 

@@ -62,10 +62,10 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
         clips = [s.uid for s in rows_read if s.video is not None] if rows_read is not None else []
         drawn_clips = rows_read is None and (drawn := generated_rows(spec) if spec else None) is not None and drawn.video
         vllm = [role for role in ("rollout", "teacher") if getattr(job.pools, role).backend == "vllm"]
-        if (clips or drawn_clips) and vllm:
+        if (clips or drawn_clips) and vllm and job.data.max_videos == 0:
             shown = f"{len(clips)} rows of {spec!r} show a video ({', '.join(clips[:3])}{', ...' if len(clips) > 3 else ''})" if clips else f"{spec!r} draws videos"
-            problems.append(f"{shown}, but pools.{' and pools.'.join(vllm)} run vLLM, whose plugin prunes images only yet: set"
-                            " their backend to transformers (docs/families.md)")
+            problems.append(f"{shown}, but data.max_videos is 0 and pools.{' and pools.'.join(vllm)} run vLLM, whose engines reserve"
+                            " room for a clip only when asked: set data.max_videos: 1")
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems
 

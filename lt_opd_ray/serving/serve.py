@@ -7,8 +7,10 @@ the request's own prompt as CDPruner's query. It binds to 127.0.0.1 unless told
 otherwise. A request may set its own selection (`mm_processor_kwargs` with
 `lt_opd_budget_bps`, ...) only when the server is started with vLLM's
 `--trust-request-mm-kwargs` (`lt-opd serve DIR -- --trust-request-mm-kwargs`); each setting is
-checked in the front end (a bad one is a 400 naming it). Images are taken inline
-(data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`).
+checked in the front end (a bad one is a 400 naming it). Images and clips are
+taken inline (data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`); a clip is sampled by
+vLLM's video loader and processor, by the family's own rule (Qwen3-VL: 2 frames a second), and pruned per temporal
+patch.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         "--port", str(port),
         "--dtype", dtype,
         "--max-model-len", str(min(max_model_len, positions)),
-        "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
+        "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1}),
         *([] if on_gpu else ["--enforce-eager"]),
         *(extra or []),
     ]

@@ -77,6 +77,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         max_model_len=context_length(job, config),
         max_logprobs=job.objective.top_k + 1,  # top-k, and k + 1 requested ids per scored row
         max_images=job.data.max_images,
+        max_videos=job.data.max_videos,
         seed=job.seed,
         min_pixels=job.data.min_pixels,
         max_pixels=job.data.max_pixels,
