@@ -12,9 +12,9 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch

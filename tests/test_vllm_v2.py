@@ -24,31 +24,33 @@ from vllm.v1.worker.gpu.model_states.mm_pruning import MultiModalPruner  # noqa:
 from lt_opd_ray.engines.vllm import models as vllm_models  # noqa: E402
 from lt_opd_ray.engines.vllm.models import POSITION_CHANNELS, PruningModelMixin  # noqa: E402
 
-IMAGE, START = 7, 6  # image pad and vision-start token ids of the prompts below
+IMAGE, VIDEO, START = 7, 9, 6  # image pad, video pad and vision-start token ids of the prompts below
+SLOTS = (IMAGE, VIDEO)
 HIDDEN = 5
 
 
 def walk_reference(ids: list[int], rows: list[torch.Tensor], positions: torch.Tensor, num_computed: int):
-    """Brute force: every slot walks back to its image's <|vision_start|>."""
+    """Brute force: every slot walks back to its run's <|vision_start|> (an image's, or a clip's temporal patch's)."""
     out = positions.clone()
-    slots = [i for i, t in enumerate(ids) if t == IMAGE and i >= num_computed]
+    slots = [i for i, t in enumerate(ids) if t in SLOTS and i >= num_computed]
     offsets = [o for r in rows for o in r[:, -POSITION_CHANNELS:].round().long().tolist()]
     for slot, offset in zip(slots, offsets):
         start = slot
-        while ids[start - 1] == IMAGE:
+        while ids[start - 1] in SLOTS:
             start -= 1
         out[:, slot] = out[0, start - 1] + 1 + torch.tensor(offset)
     return out
 
 
 def prompt(rng: torch.Generator, images: int) -> tuple[list[int], list[tuple[int, int]], list[torch.Tensor], torch.Tensor]:
-    """(token ids, (offset, length) per image, rows with offset channels per image, initial M-RoPE positions)."""
+    """(token ids, (offset, length) per run, rows with offset channels per run, initial M-RoPE positions): each run an
+    image or a clip's temporal patch."""
     ids, spans, rows = [1, 2], [], []
     for _ in range(images):
         k = int(torch.randint(1, 9, (1,), generator=rng))
         ids += [START]
         spans.append((len(ids), k))
-        ids += [IMAGE] * k + [8] + [3] * int(torch.randint(0, 4, (1,), generator=rng))
+        ids += [SLOTS[int(torch.randint(0, 2, (1,), generator=rng))]] * k + [8] + [3] * int(torch.randint(0, 4, (1,), generator=rng))
         offsets = torch.randint(0, 6, (k, 3), generator=rng).float()
         rows.append(torch.cat([torch.randn(k, HIDDEN, generator=rng), offsets], dim=1))
     positions = torch.arange(len(ids)).expand(3, -1).clone() * 2  # anything: text positions are left as they are
@@ -56,8 +58,8 @@ def prompt(rng: torch.Generator, images: int) -> tuple[list[int], list[tuple[int
 
 
 def model():
-    """Our hook on an object holding what it reads of the model (its config's image token id)."""
-    pruned = SimpleNamespace(config=SimpleNamespace(image_token_id=IMAGE))
+    """Our hook on an object holding what it reads of the model (its config's family and image and video token ids)."""
+    pruned = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_vl", image_token_id=IMAGE, video_token_id=VIDEO))
     pruned.recompute_mrope_positions = PruningModelMixin.recompute_mrope_positions.__get__(pruned)
     return pruned
 

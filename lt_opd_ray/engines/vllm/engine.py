@@ -28,10 +28,10 @@ import torch
 
 from lt_opd_ray.config.pools import VLLMSettings
 from lt_opd_ray.core.compression import learnable_merge
+from lt_opd_ray.core.samples import Clip
 from lt_opd_ray.engines.vllm.loop import EngineLoop
 from lt_opd_ray.engines.vllm.selection import SelectionRequest
 from lt_opd_ray.models.loading import parameter_shapes
-from lt_opd_ray.core.samples import Clip
 from lt_opd_ray.models.processor import IMAGE, TEXT, PromptInputs
 from lt_opd_ray.models.sampler import Completion, SamplingParams
 from lt_opd_ray.weight_sync.layout import Layout
@@ -151,9 +151,8 @@ class VLLMEngine:
         settings (memory share, batch size, CUDA graphs, prefix caching)."""
         import json
 
-        from lt_opd_ray.models.token_merge import merge_parameter_shapes, settings
-
         from lt_opd_ray.core.families import family_of_config
+        from lt_opd_ray.models.token_merge import merge_parameter_shapes, settings
 
         self.model_dir = Path(model_dir)
         check_architecture(self.model_dir)
