@@ -129,8 +129,7 @@ class Learner:
     """One learner rank. Set up the process group first (`init_process_group`)."""
 
     def __init__(self, job: JobConfig, rank: int, world: int):
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         self.job, self.rank, self.world = job, rank, world
         if torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True  # an fp32 learner's GEMMs (the chunked output head) on tensor cores
@@ -280,9 +279,28 @@ class Learner:
         os.replace(staging, final)
 
 
+def import_deepspeed():
+    """DeepSpeed, imported without its autotuner's optional MLflow hook: `import deepspeed` imports the autotuner,
+    which imports MLflow when it is installed (our tracking installs it), 1.9 s of every learner rank's start for a
+    tool the learners never run. MLflow stays importable afterwards (the driver's tracking imports it in its own
+    process)."""
+    import sys
+
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: the autotuner records it has none
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def init_process_group(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float = 600.0) -> None:
     """The learners' default process group: NCCL on GPU, gloo on CPU."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
