@@ -217,33 +217,3 @@ def test_rows_end_at_their_first_eos_or_stop_string_and_the_others_run_on(loaded
         assert completion.logprobs.shape == (length,) and completion.top_ids.shape[0] == length
     assert [c.finish_reason for c in ended[:3]] == ["eos", "stop", "length"]  # rows ending apart, one running on
 
-
-def test_the_batched_draw_is_each_rows_inverse_cdf_at_its_own_uniform():
-    """Brute force per row: the token is where the row's cumulative mass (after temperature and the top-p cut) first
-    exceeds u x total, u the row's generator's first uniform; a row draws the same alone as in any batch; over many
-    draws the frequencies follow the distribution."""
-    from lt_opd_ray.models.sampler import choose
-
-    torch.manual_seed(0)
-    log_probs = torch.log_softmax(torch.randn(5, 50) * 2, -1)
-    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.8)):
-        picked = choose(log_probs, params, [torch.Generator().manual_seed(s) for s in range(5)])
-        for b in range(5):
-            assert int(choose(log_probs[b : b + 1], params, [torch.Generator().manual_seed(b)])[0]) == int(picked[b])
-            probs = (log_probs[b].double() / params.temperature).softmax(-1).tolist()
-            order = sorted(range(50), key=lambda i: -probs[i])
-            mass, kept = 0.0, set()
-            for i in order:  # the smallest prefix reaching top_p
-                if mass >= params.top_p:
-                    break
-                kept.add(i)
-                mass += probs[i]
-            weights = [probs[i] if i in kept else 0.0 for i in range(50)]
-            u = float(torch.rand(1, generator=torch.Generator().manual_seed(b))) * sum(weights)
-            running = 0.0
-            expected = next(i for i in range(50) if weights[i] > 0 and (running := running + weights[i]) > u)
-            assert int(picked[b]) == expected
-    counts = torch.zeros(50)
-    for seed in range(4000):
-        counts[int(choose(log_probs[:1], SamplingParams(), [torch.Generator().manual_seed(seed)])[0])] += 1
-    assert (counts / 4000 - log_probs[0].exp()).abs().max() < 0.03

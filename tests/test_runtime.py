@@ -164,15 +164,21 @@ def test_distributed_updates_with_the_token_merge_reproduce_the_reference(cluste
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("merge", ["none", "learnable"])
-def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path, merge):
+@pytest.mark.parametrize("merge, data", [("none", None), ("learnable", None), ("none", "synthetic-video:16")])
+def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path, merge, data):
     """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights and sends bf16,
     straight into the engine's parameters: the worker holds no transformers copy of the student. With the token
-    merge, the engine gets the head (a base folder has none) and every sync writes it too."""
+    merge, the engine gets the head (a base folder has none) and every sync writes it too. With clips, each
+    temporal patch is pruned in the engine and replayed by the learners (an importance weight near 1 says the
+    learners saw what was sampled)."""
     from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name=f"vllm-{merge}", dtype="bfloat16", backend="vllm", verify_weights=True,
-                  extra=f"selector: {{merge: {merge}}}\n")
+    extra = f"selector: {{merge: {merge}}}\n"
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name=f"vllm-{merge}-{'clips' if data else 'images'}", dtype="bfloat16", backend="vllm",
+                  verify_weights=True, data=data, extra=extra)
+    if data:
+        job = job.model_copy(update={"data": job.data.model_copy(update={"max_videos": 1})})
     driver = Driver(job)
     try:
         worker = driver.rollouts.workers[0]
@@ -198,8 +204,10 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
         samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
         _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, [(0, 2, 0)], 1500, 9))
+        units = encode_samples(VLMProcessor.for_data(tiny_dirs["qwen3_5"], job.data), samples[:1])[0].visual_units
+        assert len(units) == (4 if data else 1)  # 8 frames: 4 temporal patches
         for rollout in group.rollouts:
-            assert rollout.selected[0].numel() == tokens_to_keep(16, 1500, job.budget.k_min)
+            assert [k.numel() for k in rollout.selected] == [tokens_to_keep(h * w // 4, 1500, job.budget.k_min) for _, (_, h, w) in units]
             assert (rollout.merge_routes is not None) == (merge == "learnable")
         evaluation = ray.get(worker.evaluate.remote(samples, 500, "cdpruner"))  # greedy answers from the engine
         assert evaluation.weights_version == 3 and 0.0 <= evaluation.accuracy <= 1.0

@@ -51,22 +51,18 @@ def written_response(tokenizer, text: str, params: SamplingParams) -> tuple[torc
     return torch.tensor(ids, dtype=torch.long), finish
 
 
-def choose(log_probs: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """[B] tokens from the rows' log-probs [B, V] under temperature and nucleus (top-p) sampling, the whole batch at
-    once: each row draws one uniform u from its own generator and takes the token where its cumulative mass first
-    exceeds u (inverse CDF; a token without mass is never taken)."""
+def _choose(log_probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from one row's log-probs [V] under temperature and nucleus (top-p) sampling."""
     if params.greedy:
-        return log_probs.argmax(-1)
+        return int(torch.argmax(log_probs))
     probs = torch.softmax(log_probs / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        outside = torch.cumsum(sorted_probs, -1) - sorted_probs >= params.top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    cdf = torch.cumsum(probs, -1)
-    u = torch.cat([torch.rand(1, generator=g) for g in generators])
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return picked.clamp(max=probs.shape[-1] - 1)
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class _StopChecker:
@@ -113,15 +109,14 @@ def sample(
     for step in range(params.max_new_tokens):
         log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1).cpu()  # [B, V]
         top_ids = torch.topk(log_probs, top_k, dim=-1).indices
-        chosen = choose(log_probs, params, generators)  # every row draws, finished ones too (their outputs are ignored)
-        chosen_logp = log_probs.gather(-1, chosen[:, None])[:, 0].tolist()
         next_ids = []
-        for b, token in enumerate(chosen.tolist()):
+        for b in range(rows):
             if done[b]:
                 next_ids.append(tokens[b][-1])  # keeps the batch shape; its outputs are ignored
                 continue
+            token = _choose(log_probs[b], params, generators[b])
             tokens[b].append(token)
-            logprobs[b].append(chosen_logp[b])
+            logprobs[b].append(float(log_probs[b, token]))
             tops[b].append(top_ids[b])
             next_ids.append(token)
             if token in eos:

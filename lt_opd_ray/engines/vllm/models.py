@@ -1,26 +1,27 @@
 """Visual-token pruning inside vLLM for the families of core/families.py that name a vLLM model file (a vLLM plugin).
 
 `register()` (entry point `vllm.general_plugins`) replaces those families' vLLM
-classes (Qwen3.5, Qwen3-VL, Qwen2.5-VL) by subclasses that keep only the selected visual tokens, exactly as the
-transformers adapter does (docs/architecture.md §1):
+classes (Qwen3.5, Qwen3-VL, Qwen2.5-VL, GLM-4V) by subclasses that keep only the selected visual tokens, exactly as
+the transformers adapter does with `selector.scope: image` (docs/architecture.md §1). A visual unit is an image or
+one temporal patch of a clip; each keeps k = tokens_to_keep(N, r, k_min) of its own N tokens:
 
 - the multimodal processor reads the request's selection settings
-  (`mm_processor_kwargs`, see `SelectionRequest`) and emits k = tokens_to_keep(N, r,
-  k_min) image placeholders per image instead of N;
+  (`mm_processor_kwargs`, see `SelectionRequest`) and emits k placeholders per image instead of N, and in a clip the
+  family's own replacement (timestamps, markers) with each patch's run cut to its k;
 - `embed_multimodal` runs the vision tower and merger, embeds the question tokens,
-  lets the selector choose k of the N post-merger tokens (fp32, no gradients, the
-  same per-image seed as the adapter) and returns those rows, each carrying its
-  (t, h, w) offset inside the image's full merged grid in three extra channels;
-- M-RoPE: text tokens get the positions they have in the full-token prompt (an image
-  advances the text position by its full grid, never by k), image slots get their
+  lets the selector choose k of each unit's N post-merger tokens (fp32, no gradients, the
+  same per-unit seed as the adapter) and returns those rows, each carrying its
+  (t, h, w) offset from its run's first slot in three extra channels;
+- M-RoPE: text tokens (a clip's timestamps included) get the positions they have in the full-token prompt (a run
+  advances the text position by its full grid, never by k), visual slots get their
   final positions once the encoder has chosen them: vLLM's model runner calls
   `recompute_mrope_positions` after the encoder (`register` turns that on for our
-  models), and that puts the image's base position plus each kept token's offset
+  models), and that puts the run's base position plus each kept token's offset
   in place;
 - with a learnable token merge in the folder's config (models/token_merge.py), each
   kept row first takes in its discarded neighbours through the same head as the
   transformers adapter's (loaded from the checkpoint, and rewritten by weight syncs);
-- the chosen indices (and merge routes) are recorded per (request nonce, image) for
+- the chosen indices (and merge routes) are recorded per (request nonce, unit) for
   the engine to collect (`pop_selections`).
 
 With r = 100% the models are vLLM's own (every token kept, same positions), which is
@@ -235,10 +236,8 @@ class PruningModelMixin:
         """Per image and per clip (vLLM encodes one modality per call): the kept rows of each visual unit, in unit
         order, each with its (t, h, w) position offset from its run's first slot in three extra channels."""
         modality = "video" if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_embeds") is not None else "image"
-        selection = kwargs.pop(SELECTION_FIELD[modality], None)
-        query = kwargs.pop(QUERY_FIELD[modality], None)
-        kwargs.pop(SELECTION_FIELD["image" if modality == "video" else "video"], None)
-        kwargs.pop(QUERY_FIELD["image" if modality == "video" else "video"], None)
+        ours = {name: kwargs.pop(name, None) for name in (*SELECTION_FIELD.values(), *QUERY_FIELD.values())}  # not the tower's
+        selection, query = ours[SELECTION_FIELD[modality]], ours[QUERY_FIELD[modality]]
         embeddings = super().embed_multimodal(**kwargs)
         if embeddings is None:
             return None
@@ -252,7 +251,7 @@ class PruningModelMixin:
             ids = query[i]
             ids = ids[ids >= 0].to(rows.device)
             q = self.get_language_model().embed_input_ids(ids).float().mean(0) if ids.numel() else None
-            times = patch_times(self.config, t, kwargs["second_per_grid_ts"][i]) if modality == "video" and "second_per_grid_ts" in kwargs else torch.zeros(t, dtype=torch.long)
+            times = patch_times(self.config, t, kwargs["second_per_grid_ts"][i] if "second_per_grid_ts" in kwargs else 1.0)
             if int(times[-1]) > MAX_GRID_SIDE:
                 raise ValueError(f"clip {i}: its last temporal patch sits {int(times[-1])} rope steps in, beyond the {MAX_GRID_SIDE} offsets carry")
             parts = []
@@ -284,14 +283,14 @@ class PruningModelMixin:
         self._record(nonce, unit, indices, route)
         return picked, indices
 
-    def _record(self, nonce: int, image: int, indices: torch.Tensor, route: tuple | None) -> None:
-        self._selections[(nonce, image)] = (indices.cpu(), route)
+    def _record(self, nonce: int, unit: int, indices: torch.Tensor, route: tuple | None) -> None:
+        self._selections[(nonce, unit)] = (indices.cpu(), route)
         while len(self._selections) > MAX_RECORDED:
             self._selections.popitem(last=False)
 
     def pop_selections(self, nonces: Sequence[int]) -> dict[int, list[tuple[torch.Tensor, tuple | None]]]:
-        """The kept indices (and merge route, with a merge head) of each request nonce's images, in image order
-        (removed once read)."""
+        """The kept indices (and merge route, with a merge head) of each request nonce's visual units (images, then a
+        clip's temporal patches), in unit order (removed once read)."""
         wanted = set(nonces)
         found: dict[int, dict[int, tuple]] = {}
         for key in [k for k in self._selections if k[0] in wanted]:
@@ -319,9 +318,8 @@ class PruningModelMixin:
             t, h, w = _merged_grid(grid, self._merge)
             slot = self.config.image_token_id if feature.modality == "image" else frame_token_id(self.config)
             runs = [(start + a, start + b) for a, b in _runs(ids[start : start + length] == slot)]
-            last_time = 0
-            if feature.modality == "video" and "second_per_grid_ts" in feature.data:
-                last_time = int(patch_times(self.config, t, feature.data["second_per_grid_ts"].data)[-1])
+            seconds = feature.data["second_per_grid_ts"].data if "second_per_grid_ts" in feature.data else 1.0
+            last_time = int(patch_times(self.config, t, seconds)[-1])
             for run_start, run_end in runs:
                 text = run_start - cursor
                 positions[:, cursor:run_start] = torch.arange(next_position, next_position + text)
