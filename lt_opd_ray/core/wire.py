@@ -67,10 +67,10 @@ class Rollout:
     response_ids: torch.Tensor  # [T] long
     old_logp: torch.Tensor  # [T] fp32, sampled token under the rollout (behaviour) policy
     student_top_ids: torch.Tensor  # [T, k] long
-    selected: list[torch.Tensor]  # per image: kept visual-token indices (sorted)
+    selected: list[torch.Tensor]  # per visual unit (an image, a clip's temporal patch): kept visual-token indices (sorted)
     budget_bps: int
     finish_reason: str
-    merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per image (assignment, prior): selector.merge learnable
+    merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per visual unit (assignment, prior): selector.merge learnable
 
     @classmethod
     def sampled(cls, prompt_index: int, completion, selected, merge_routes, budget_bps: int) -> Rollout:

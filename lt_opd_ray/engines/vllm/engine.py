@@ -1,10 +1,11 @@
 """vLLM engines: student rollouts at a visual budget and full-token teacher scoring.
 
 One `VLLMEngine` wraps one in-process `vllm.LLM` on a local model folder, with our
-pruning model classes (`engines/vllm/models.py`) serving the Qwen VLM architectures. Prompts
+pruning model classes (`engines/vllm/models.py`) serving the families' architectures. Prompts
 come in as the same `PromptInputs` the transformers backends use; the engine sends
-vLLM the template's token ids with one <|image_pad|> per image plus the decoded
-images, and vLLM's processor expands each image to the k kept placeholders.
+vLLM the template's token ids with one image placeholder per image and one video placeholder per clip, plus the
+decoded images and the clip's sampled frames, and vLLM's processor expands each image and each temporal patch to
+its k kept placeholders.
 
 - `generate`: sampled ids, the sampled tokens' log-probs, the top-k ids at every
   position and the selected indices of every image (the rollout interface).
