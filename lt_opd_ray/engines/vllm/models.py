@@ -63,7 +63,7 @@ def _merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
 
 
 def grid_offsets(grid: tuple[int, int, int]) -> torch.Tensor:
-    """[N, 3] (t, h, w) offset of every merged token of one image, in row-major order."""
+    """[N, 3] (t, h, w) offset of every merged token of one image (or temporal patch), in row-major order."""
     t, h, w = grid
     return torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 3)
 
@@ -295,7 +295,7 @@ class PruningModelMixin:
         found: dict[int, dict[int, tuple]] = {}
         for key in [k for k in self._selections if k[0] in wanted]:
             found.setdefault(key[0], {})[key[1]] = self._selections.pop(key)
-        return {nonce: [images[i] for i in sorted(images)] for nonce, images in found.items()}
+        return {nonce: [units[i] for i in sorted(units)] for nonce, units in found.items()}
 
     # ------------------------------------------------------------------ positions
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features) -> tuple[torch.Tensor, int]:
