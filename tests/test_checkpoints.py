@@ -7,6 +7,7 @@ copies of a finished run's folder, as a disk, an operator or an attacker would d
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -191,12 +192,16 @@ def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_di
 
 
 def test_a_write_that_fails_with_enospc_is_reported_as_a_full_disk(tmp_path):
-    try:
-        with open("/dev/full", "wb") as f:
-            f.write(b"x" * 65536)
-            f.flush()
-    except OSError as exc:
-        assert write_failure(tmp_path, exc).startswith(f"the disk holding {tmp_path} is full")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert write_failure(tmp_path, full).startswith(f"the disk holding {tmp_path} is full")
+    assert not write_failure(tmp_path, OSError(errno.EACCES, os.strerror(errno.EACCES))).startswith("the disk holding")
+    try:  # torch reports a full disk as its own error, with the ENOSPC underneath
+        try:
+            raise full
+        except OSError as cause:
+            raise RuntimeError("unexpected pos 64 vs 0") from cause
+    except RuntimeError as wrapped:
+        assert write_failure(tmp_path, wrapped).startswith(f"the disk holding {tmp_path} is full")
     assert write_failure(tmp_path, RuntimeError("boom\nlast line")) == "last line"
 
 

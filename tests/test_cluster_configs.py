@@ -30,9 +30,17 @@ def test_every_cluster_file_fits_the_recipe(path):
     assert check_cluster_file(load(path), RECIPE, path.name) == []
 
 
-def test_every_yaml_in_the_repo_parses():
-    for path in [*REPO.glob("jobs/*.yaml"), *REPO.glob("dashboards/**/*.yaml"), *REPO.glob("cluster/**/*.yaml")]:
-        assert yaml.safe_load(path.read_text()) is not None, path
+def test_every_yaml_in_the_repo_parses_to_a_mapping_with_its_own_top_level_keys():
+    """Each file is one mapping (an empty file, a list or a scalar fails), and its keys are those its reader expects."""
+    paths = sorted([*REPO.glob("jobs/*.yaml"), *REPO.glob("dashboards/**/*.yaml"), *REPO.glob("cluster/**/*.yaml")])
+    assert len(paths) >= 15
+    for path in paths:
+        documents = list(yaml.safe_load_all(path.read_text()))
+        assert documents and all(isinstance(document, dict) and document for document in documents), path
+        if path.parent.name == "jobs":
+            assert {"name", "model", "data"} <= set(documents[0]), path
+        elif "kuberay" in path.parts or "kubernetes" in path.parts:
+            assert all({"apiVersion", "kind", "metadata"} <= set(document) for document in documents), path
 
 
 def test_rayjob_runs_the_recipe_on_the_raycluster_spec():

@@ -11,9 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-pytest.importorskip("vllm")
-
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.worker.gpu.mm.encoder_cache import EncoderCache  # noqa: E402
 from vllm.v1.worker.gpu.model_states import resolve_model_state_cls  # noqa: E402

@@ -1,0 +1,45 @@
+"""The repository itself: what a clone carries.
+
+Every tracked file over 1 MB is a deliberate fixture named here; a wheel, a run's output or a model checkpoint
+committed by accident fails the suite on the day it lands, with its path and size."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LIMIT_BYTES = 1 << 20
+
+# The toy teachers the package ships (lt_opd_ray/sources/toy/teacher.py): trained fixtures, 2.4 MB each.
+ALLOWED = {
+    "lt_opd_ray/sources/toy/teachers/circles/model.safetensors",
+    "lt_opd_ray/sources/toy/teachers/discs/model.safetensors",
+}
+
+
+def tracked_files() -> list[str]:
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+    return [name for name in listing.stdout.decode().split("\0") if name]
+
+
+def oversized(names: list[str]) -> list[str]:
+    """'path (N bytes)' for each tracked file over the limit and outside the allow-list."""
+    sizes = {name: (REPO / name).stat().st_size for name in names if (REPO / name).is_file()}
+    return [f"{name} ({size} bytes)" for name, size in sorted(sizes.items()) if size > LIMIT_BYTES and name not in ALLOWED]
+
+
+def test_no_tracked_file_over_1_mb_outside_the_fixtures():
+    names = tracked_files()
+    assert set(ALLOWED) <= set(names), "an allowed fixture is no longer tracked: shorten ALLOWED"
+    assert oversized(names) == []
+
+
+def test_a_large_file_outside_the_allow_list_is_named(tmp_path):
+    big = REPO / "build" / "too_big.bin"  # build/ is ignored by git, so the check is fed the name directly
+    big.parent.mkdir(exist_ok=True)
+    try:
+        big.write_bytes(b"\0" * (LIMIT_BYTES + 1))
+        assert oversized(["build/too_big.bin", *sorted(ALLOWED)]) == [f"build/too_big.bin ({LIMIT_BYTES + 1} bytes)"]
+    finally:
+        big.unlink()
