@@ -14,7 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 constraints=${LT_OPD_CONSTRAINTS:-constraints-cpu.txt}
-key=$(cat pyproject.toml scripts/setup.sh "$constraints" | sha256sum | cut -c1-16)
+# the key: the dependency lists of pyproject.toml (not its tool settings), this script and the constraints
+dependencies=$(python3 -c 'import json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True))' 2>/dev/null || cat pyproject.toml)
+key=$(printf '%s\n' "$dependencies" | cat - scripts/setup.sh "$constraints" | sha256sum | cut -c1-16)
 venv="${LT_OPD_VENV_CACHE:-$HOME/.cache/lt-opd-ray/venvs}/$key"
 
 if [ ! -f "$venv/.complete" ]; then

@@ -58,6 +58,32 @@ def start_local_ray(num_cpus: int) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
 
 
+def stop_ray_started_under(temp_dir: str) -> None:
+    """Stop the `ray start` cluster whose temp folder is `temp_dir` (its GCS, raylet, monitors and every process they
+    started) and nothing else: `ray stop` would end every Ray cluster on the machine, a study running beside the
+    suite included."""
+    import psutil
+
+    roots = [p for p in psutil.process_iter(["cmdline"]) if any(temp_dir in arg for arg in p.info["cmdline"] or [])]
+    processes = set(roots)
+    for root in roots:
+        try:
+            processes.update(root.children(recursive=True))
+        except psutil.Error:
+            pass
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(processes), timeout=15)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
 def random_image(seed: int, height: int = 128, width: int = 128):
     from PIL import Image
 

@@ -114,7 +114,6 @@ def mp4_clip(frames: int) -> bytes:
         return Path(path).read_bytes()
 
 
-@pytest.mark.slow
 class serving:
     """`lt-opd serve FOLDER` on a free port, up (its /health answers) inside the block, stopped after it."""
 
@@ -165,6 +164,7 @@ def image_question(student, image, question: str, port: int, budget_bps: int, k_
     return body, content
 
 
+@pytest.mark.slow
 def test_a_tied_qwen3_5_student_is_served_at_its_budget(tmp_path):
     """Qwen3.5-4B's shape: tied embeddings and the real tensor names, exported and served (bf16 on vLLM's CPU build)."""
     from lt_opd_ray.models.tiny import build_tiny_model
@@ -177,6 +177,7 @@ def test_a_tied_qwen3_5_student_is_served_at_its_budget(tmp_path):
         image_question(student, random_image(3), "What is in the picture?", server.port, job.budget.target_bps, job.budget.k_min)
 
 
+@pytest.mark.slow
 def test_served_student_answers_an_image_question_with_the_compressed_prefill(tiny_dirs, tmp_path):
     from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.core.curriculum import tokens_to_keep

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from conftest import stop_ray_started_under
 
 from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.runtime.driver import Driver
@@ -79,7 +80,7 @@ class FakeGpuCluster:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        subprocess.run([str(RAY), "stop", "--force"], env=self.env, capture_output=True, timeout=120)
+        stop_ray_started_under(self.tmp)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import stop_ray_started_under
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -189,5 +190,5 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
         local = run([str(BIN / "lt-opd"), "train", str(big)], env={**env, "RAY_ADDRESS": ""})
         assert local.returncode == 2 and "error: job 'tiny' does not fit this machine (a local Ray cluster of its" in local.stderr, local.stderr[-3000:]
     finally:
-        run([str(BIN / "ray"), "stop", "--force"], env=env, timeout=120)
+        stop_ray_started_under(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
