@@ -58,6 +58,7 @@ def test_readme_main_job_runs_the_distributed_tiny_job(tmp_path):
     assert len(lines) == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert lines[0].startswith("step    1/12  budget 25.00%") and "rollout" in lines[0] and "sync" in lines[0]
     printed = out.stdout + out.stderr
+    assert "\r" not in out.stdout and "step/s" not in printed  # not a terminal: whole lines, no progress bar
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # every update tracked
 
     events = EventAccumulator(str(REPO / "runs" / "tiny" / "tracking" / "tensorboard"))

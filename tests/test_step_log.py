@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lt_opd_ray.core.wire import LearnerStepResult, Span
@@ -41,3 +43,50 @@ def test_an_update_is_summarised_as_counted_by_hand():
     assert phases.busy == pytest.approx({"rollout": 2.5 / 10, "teacher": 3.0 / (2 * 10), "learner": (3.0 + 3.0) / (2 * 10)})
     assert len(log.timeline) == 2 + 2 + 3 + 2 and [s.start for s in log.timeline] == sorted(s.start for s in log.timeline)
     assert log.eval_accuracy == {"cdpruner": 0.5}
+
+
+def rendered(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: each carriage return goes back to column 0 and overwrites."""
+    screen = []
+    for line in text.split("\n"):
+        cells: list[str] = []
+        for segment in line.split("\r"):
+            cells[: len(segment)] = segment
+        screen.append("".join(cells).rstrip())
+    return screen
+
+
+def test_step_lines_print_whole_with_the_bar_below_them_on_a_terminal_and_no_bar_elsewhere():
+    import fcntl
+    import io
+    import pty
+    import select
+    import struct
+    import termios
+
+    from tqdm import tqdm
+
+    from lt_opd_ray.runtime.launch import progress_bar
+
+    lines = ["step    1/3  budget 25.00%  loss 0.0100", "step    2/3  budget 20.00%  loss 0.0090"]
+    piped = io.StringIO()  # a log file or a pipe: whole lines only
+    with progress_bar(3, 0, "job", piped) as bar:
+        for line in lines:
+            tqdm.write(line, file=piped)
+            bar.update(1)
+    assert piped.getvalue() == "".join(line + "\n" for line in lines)
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with os.fdopen(follower, "w") as terminal:
+        with progress_bar(3, 0, "job", terminal) as bar:
+            for line in lines:
+                tqdm.write(line, file=terminal)
+                bar.update(1)
+        terminal.flush()
+        shown = b""
+        while select.select([leader], [], [], 0.5)[0]:
+            shown += os.read(leader, 65536)
+    os.close(leader)
+    screen = [row for row in rendered(shown.decode()) if row]
+    assert screen[:2] == lines and screen[2].startswith("job:  67%|") and len(screen) == 3, screen

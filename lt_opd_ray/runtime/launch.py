@@ -188,6 +188,16 @@ def _logged_step(line: str) -> float:
         return float("inf")
 
 
+def progress_bar(total: int, initial: int, name: str, stream=None):
+    """The run's progress bar on the stream its lines go to (stdout), so that each `tqdm.write` line clears the bar,
+    prints whole, and the bar is redrawn below it; no bar at all where that stream is not a terminal (a log file, a
+    pipe, `ray job logs`), which then holds only whole lines."""
+    from tqdm import tqdm
+
+    stream = stream or sys.stdout
+    return tqdm(total=total, initial=initial, desc=name, unit="step", dynamic_ncols=True, file=stream, disable=not stream.isatty())
+
+
 def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seconds: float | None = None) -> list:
     """Run the job on the Ray cluster this process is connected to.
 
@@ -232,7 +242,7 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
             full, untrained = driver.evaluate_baseline()
             tqdm.write(f"before training: full visual tokens acc {full:.3f}; at {job.eval_budget_bps / 100:g}%"
                        + format_accuracy(untrained, full))
-        with tqdm(total=last, initial=driver.step, desc=job.name, unit="step", dynamic_ncols=True) as bar, step_file.open("a") as out:
+        with progress_bar(last, driver.step, job.name) as bar, step_file.open("a") as out:
             while driver.step < last:
                 replaced = driver.replace_dead_rollout_workers()
                 if replaced:
