@@ -270,3 +270,20 @@ def test_the_dataset_modes_are_refused_more_than_one_response_per_row(tiny_dirs)
     with pytest.raises(JobConfigError, match="objective.mode fixed_prefix trains on the one response each row carries: set sampling.n to 1"):
         tiny_job(tiny_dirs["qwen3_5"], mode="fixed_prefix", n=2)
     assert tiny_job(tiny_dirs["qwen3_5"], mode="teacher_prefix", n=2).objective.prefixes == "teacher"
+
+
+def test_the_learning_rate_warms_up_linearly_over_the_default_14_updates_then_holds(loaded):
+    """build_optimizer's schedule (the reference's and every learner rank's), update by update, against
+    lr * min(1, (u + 1) / W) written out with W = 14, the default: update 0 at lr / 14, update 13 at the full rate."""
+    from lt_opd_ray.config.schema import OptimizerConfig
+    from lt_opd_ray.core.optim import build_optimizer
+
+    config = OptimizerConfig()
+    assert config.warmup_steps == 14
+    optimizer, scheduler = build_optimizer(loaded["qwen3_5"][0], config)
+    base = {group["name"]: getattr(config.lr, group["name"]) for group in optimizer.param_groups}
+    for update in range(20):
+        expected = {name: lr * min(1.0, (update + 1) / 14) for name, lr in base.items()}
+        assert {group["name"]: group["lr"] for group in optimizer.param_groups} == pytest.approx(expected, rel=1e-12), update
+        optimizer.step()  # no gradients: nothing moves, the schedule advances
+        scheduler.step()

@@ -180,18 +180,20 @@ def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_
 
 
 @pytest.mark.parametrize(
-    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing",
-    [(1, 2, 16384, 2, False), (2, 2, 40, 3, False), (2, 3, 40, 3, False), (2, 3, 16384, 2, True)],
+    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup",
+    [(1, 2, 16384, 2, False, 1), (2, 2, 40, 3, False, 1), (2, 3, 40, 3, False, 4), (2, 3, 16384, 2, True, 1)],
 )
-def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing):
+def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
+                                                    warmup):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
     (fillers) and split vision groups. The last case (ZeRO-3, one micro-batch per rank) also recomputes activations
     in the backward; the same case without recompute adds nothing the others do not check, and the suite's time is
-    budgeted."""
+    budgeted. One case warms the learning rate up over 4 updates among ~6 micro-batches each: a schedule stepped per
+    micro-batch, or not at all, moves the weights away from the reference's."""
     job = job_for(
         tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}",
-        micro_batch_tokens=micro_batch_tokens, prompts=prompts, activation_checkpointing=checkpointing,
+        micro_batch_tokens=micro_batch_tokens, prompts=prompts, activation_checkpointing=checkpointing, warmup=warmup,
     )
     reference = reference_trajectory(job, STEPS)
     logs, run = driver_trajectory(job, STEPS)
