@@ -107,18 +107,18 @@ def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_mat
 def test_a_frozen_learner_rank_is_named_not_the_rank_waiting_on_it(cluster, tiny_dirs, tmp_path):
     """`kill -STOP`: the process lives but answers nothing; the other rank waits on it in a collective. The error
     names the frozen rank within the liveness bound. (A teacher replica: bench_stuck.py.)"""
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "freeze-learner", workers=1, extra="schedule: {liveness_timeout_s: 8}"))
+    # the liveness bound (8 s) far inside the wait bound (600 s): the error below can only come from the liveness ping
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "freeze-learner", workers=1,
+                              extra="schedule: {liveness_timeout_s: 8, wait_timeout_s: 600}"))
     try:
         driver.run_step()
         pid = ray.get(driver.learners.actors[1].pid.remote())
         os.kill(pid, signal.SIGSTOP)
-        begin = time.monotonic()
         try:
             with pytest.raises(NoAnswerError) as info:
                 driver.run_step()
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert time.monotonic() - begin < 8 + 30
         assert str(info.value).startswith("learner-1 stopped answering while learner step of update 1; last answer "), info.value
     finally:
         driver.shutdown()

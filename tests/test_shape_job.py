@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from lt_opd_ray.config.loading import load_job
+from lt_opd_ray.core.wire import payload_bytes_per_position
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import WORKER_ENV
 
@@ -40,5 +41,12 @@ def test_one_update_of_the_paper_shaped_job(tmp_path, monkeypatch):
     assert log.sequences == 8 and 8 <= log.tokens <= 8 * 1024
     # each rank's 4 responses of ~1,090 positions do not fit one 4,096-token micro-batch
     assert log.micro_batches >= 4 and log.filler_micro_batches >= 0
-    assert log.payload_bytes_per_token <= 1.2 * 1024  # top-100 ids + values + 101 requested values, fp32
-    assert log.loss >= 0 and log.phases.learner > 0
+    # the payload, byte for byte: per position top-100 int32 ids, their fp32 log-probs and 101 requested log-probs;
+    # per sequence one int32 length
+    per_position = payload_bytes_per_position(job.objective.top_k, job.pools.teacher.payload_dtype)
+    assert per_position == 100 * 4 + 100 * 4 + 101 * 4
+    assert log.payload_bytes_per_token == pytest.approx(per_position + 4 * log.sequences / log.tokens, rel=1e-12)
+    # update 0 trains the weights that sampled it, in the same dtype: the truncated importance weight is 1 up to the
+    # rounding of the sampler's batch against the learner's micro-batches, over the 248,320-way vocabulary
+    assert log.importance_weight == pytest.approx(1.0, abs=1e-3)
+    assert log.loss > 0 and log.phases.learner > 0
