@@ -23,7 +23,7 @@ if [ ! -f "$venv/.complete" ]; then
   echo "setup: building environment $venv"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q --upgrade pip "setuptools>=77"  # the checkouts' editable installs build with it
   "$venv/bin/pip" install -q -c "$constraints" torch
   "$venv/bin/pip" install -q -c "$constraints" --no-build-isolation "deepspeed==0.19.8"
   "$venv/bin/pip" install -q -c "$constraints" ".[model,runtime,tracking,dev]"
@@ -71,7 +71,11 @@ if [ "$(cat .venv/.shared 2>/dev/null)" != "$venv" ]; then
   done
   echo "$venv" > .venv/.shared
 fi
-.venv/bin/python -m pip install -q --no-deps -e . >/dev/null
+# no build isolation: setuptools comes from the shared environment (an isolated build sets one up each time: ~35 s)
+if ! installed=$(.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>&1); then
+  echo "$installed" >&2
+  exit 1
+fi
 # every Python of this checkout (vLLM starts its own) registers torchvision's op schemas on first import
 own=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import lt_opd_ray._torchvision_ops as hook; hook.install_import_hook()" > "$own/zz_lt_opd_torchvision.pth"
