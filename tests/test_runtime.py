@@ -329,8 +329,10 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         driver.shutdown()
 
 
-# vLLM's bf16 CPU kernels against transformers' bf16 forward of the same weights, per response token's log-prob
-VLLM_BF16_LOGP_TOLERANCE = 0.1
+# vLLM's bf16 CPU kernels against transformers' bf16 forward of the same weights, the largest difference of one
+# response token's log-prob: measured 0.04 and 0.11 (2026-12-04, the two runs of the test), against 1.7 to the
+# initial weights
+VLLM_BF16_LOGP_TOLERANCE = 0.3
 
 
 def response_log_probs(model_dir, weights: dict | None, job, samples, rollouts) -> torch.Tensor:
