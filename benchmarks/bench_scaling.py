@@ -46,6 +46,7 @@ def rollout_throughput(job, samples_ref, count: int, repeats: int = 3) -> float:
 def teacher_throughput(job, samples_ref, shard_refs, tokens: int, rounds: int, repeats: int = 3) -> float:
     """Best of `repeats` bursts of `rounds` rounds (positions/s), after a warm-up request."""
     service = TeacherService(job)
+    service.wait_ready()
     ray.get(service.async_score(samples_ref, shard_refs[:1]))  # warm-up
     rates = []
     for _ in range(repeats):
@@ -61,6 +62,7 @@ def autoscaling_trace(job, samples_ref, shard_refs, burst: int) -> list[tuple[fl
     import threading
 
     service = TeacherService(job)
+    service.wait_ready()
     trace, phase, stop = [], ["burst"], threading.Event()
     begin = time.perf_counter()
 

@@ -326,6 +326,9 @@ class FakeTeacher:
     def replicas(self, max_age_s: float = 0.0) -> int:
         return 1
 
+    def wait_ready(self) -> float:
+        return time.time()
+
     def placements(self) -> list:
         return []
 

@@ -184,7 +184,7 @@ def test_a_pool_that_fails_to_start_leaves_nothing_running(cluster, tiny_dirs, t
 
 def test_the_teacher_app_a_killed_driver_left_is_removed_by_the_next_run_of_the_job(cluster, tiny_dirs, tmp_path):
     job = fault_job(tiny_dirs["qwen3_5"], tmp_path, "orphan")
-    TeacherService(job)  # what a SIGKILLed driver leaves behind: the app, still RUNNING
+    TeacherService(job).wait_ready()  # what a SIGKILLed driver leaves behind: the app, still RUNNING
     assert "orphan-teacher" in serve.status().applications
     with pytest.warns(UserWarning, match="removing the Serve app 'orphan-teacher' an earlier driver of job 'orphan' left running"):
         driver = Driver(job)

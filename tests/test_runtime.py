@@ -526,6 +526,7 @@ def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny
     samples = load_samples("synthetic:4")
     pool, service = RolloutPool(job), TeacherService(job)
     try:
+        service.wait_ready()
         first, second = ray.put(samples[:2]), ray.put(samples[2:])
         groups = pool.submit(first, 2500, 0, [(0, 1), (1, 2)], 1) + pool.submit(second, 2500, 1, [(0, 2)], 1)
         assert [(g.update, g.start, g.stop, g.learner_rank, g.worker) for g in groups] == [

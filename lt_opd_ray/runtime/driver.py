@@ -80,10 +80,10 @@ class Driver:
         self.lost_workers: set[int] = set()  # rollout workers stopped inside the update, replaced after it
         try:  # what the run starts, it removes, also when a later pool fails to start
             begin = time.time()  # the three pools start together: each loads its model while the others do
+            self.teacher = roles.teacher(job)  # first: Serve's controller creates its replicas after the deploy
             self.rollouts = roles.rollout_pool(job)
             self.learners = roles.learner_group(job)
-            self.teacher = roles.teacher(job)  # returns when its replicas answer
-            self.pools_ready["teacher (Serve)"] = time.time() - begin
+            self.pools_ready["teacher (Serve)"] = self.teacher.wait_ready() - begin
             self.pools_ready["rollout workers"] = self.rollouts.wait_ready() - begin  # as each pool's actors say
             self.pools_ready["learners (DeepSpeed)"] = self.learners.wait_ready() - begin
             self.placements = self.rollouts.placements() + self.teacher.placements() + self.learners.placements()

@@ -150,9 +150,23 @@ class TeacherService:
         self.app_name = f"{job.name}-teacher"
         if self.app_name in serve.status().applications:  # left by a driver of this job that was killed
             warnings.warn(f"removing the Serve app {self.app_name!r} an earlier driver of job {job.name!r} left running", stacklevel=2)
-            serve.delete(self.app_name)
-        self.handle = serve.run(app, name=self.app_name, route_prefix=None)
+            delete_app(self.app_name)
+        # deployed, not waited for: Serve starts the replicas while the other pools start (`wait_ready`)
+        (self.handle,) = serve.run_many([serve.RunTarget(app, name=self.app_name, route_prefix=None)], wait_for_applications_running=False)
         self._replicas: tuple[float, int] | None = None  # (when counted, running replicas)
+
+    def wait_ready(self) -> float:
+        """When the app was RUNNING (its initial replicas answer), waiting for it at SERVE_POLL_S (serve.run asks
+        every 1 s); a deployment that failed (a replica's constructor raised) is a RuntimeError with Serve's message."""
+        import time
+
+        while True:
+            status = serve.status().applications.get(self.app_name)
+            if status is not None and status.status == "RUNNING":
+                return time.time()
+            if status is not None and status.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"Deploying application {self.app_name} failed: {status.message}")
+            time.sleep(SERVE_POLL_S)
 
     def async_score(self, samples_ref, groups: list[GroupRef]) -> list:
         """ObjectRef[TeacherPayload] per group, sent at once: a replica starts on each group's prompts at once and
@@ -182,4 +196,21 @@ class TeacherService:
         return sorted(found.values(), key=lambda p: p.actor)
 
     def shutdown(self) -> None:
-        serve.delete(self.app_name)
+        delete_app(self.app_name)
+
+
+# How often the driver asks Serve whether its app is up or gone. serve.run and serve.delete ask every 1 s, which
+# adds half a second on average to every start and every stop of a run.
+SERVE_POLL_S = 0.05
+
+
+def delete_app(name: str, timeout_s: float = 60.0) -> None:
+    """`serve.delete(name)`, waiting at SERVE_POLL_S until Serve no longer lists the app (its replicas stopped)."""
+    import time
+
+    serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while name in serve.status().applications:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Serve app {name!r} was not deleted within {timeout_s:g} s")
+        time.sleep(SERVE_POLL_S)
