@@ -217,3 +217,33 @@ def test_rows_end_at_their_first_eos_or_stop_string_and_the_others_run_on(loaded
         assert completion.logprobs.shape == (length,) and completion.top_ids.shape[0] == length
     assert [c.finish_reason for c in ended[:3]] == ["eos", "stop", "length"]  # rows ending apart, one running on
 
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_each_token_is_drawn_as_often_as_its_probability_and_tokens_outside_top_p_never(temperature, top_p):
+    """20,000 draws over 7 tokens against the probabilities written out by hand: softmax(logits / T), the smallest
+    prefix of the sorted tokens whose mass reaches top_p kept and renormalised. Each count within 5 binomial standard
+    deviations; a token outside the nucleus is never drawn."""
+    from lt_opd_ray.models.sampler import _choose
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0, 0.0, 1.0])
+    log_probs = torch.log_softmax(logits, -1)
+    p = torch.exp(logits.double() / temperature)
+    p /= p.sum()
+    kept, mass = [], 0.0
+    for token in sorted(range(7), key=lambda i: -p[i]):
+        if mass >= top_p:
+            break
+        kept.append(token)
+        mass += float(p[token])
+    expected = torch.zeros(7, dtype=torch.float64)
+    expected[kept] = p[kept] / p[kept].sum()
+    draws = 20_000
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([_choose(log_probs, SamplingParams(temperature=temperature, top_p=top_p), generator)
+                                          for _ in range(draws)]), minlength=7).double()
+    spread = 5 * (draws * expected * (1 - expected)).sqrt()
+    assert ((counts - draws * expected).abs() <= spread + 1e-9).all(), (counts.tolist(), (draws * expected).tolist())
+    assert (counts[expected == 0] == 0).all()
+    if top_p < 1.0:
+        assert (expected == 0).sum() >= 2  # the nucleus leaves tokens out

@@ -55,7 +55,7 @@ def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(ti
     out = tmp_path / "student"
     with pytest.raises(ExportError, match="no finished student.*available: none"):
         export_student(job, out)
-    assert not out.exists() and not out.with_name("student.incoming").exists()
+    assert not out.exists() and not list(tmp_path.glob(".student.incoming-*"))
 
     shutil.copytree(tiny_dirs["qwen3_vl"], tmp_path / "run" / "final")  # what a finished run leaves
     export_student(job, out)
@@ -64,8 +64,17 @@ def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(ti
     original = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen3_vl"])
     for (name, a), (_, b) in zip(exported.state_dict().items(), original.state_dict().items()):
         assert torch.equal(a, b), name
-    with pytest.raises(ExportError, match="exists"):
+    with pytest.raises(ExportError, match="holds an earlier `lt-opd export` output; pass --force to replace it"):
         export_student(job, out)
+    export_student(job, out, force=True)  # an earlier export is replaced
+    assert CompressionConfig.read(out) == CompressionConfig("cdpruner", job.budget.target_bps, job.budget.k_min)
+    # a folder export did not write is never replaced, not even with --force: the model it was trained from, say
+    for folder in (tiny_dirs["qwen3_vl"], tmp_path / "run" / "final"):
+        before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        with pytest.raises(ExportError, match="is a folder lt-opd did not write and is not empty: it is left alone"):
+            export_student(job, folder, force=True)
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "student"]  # no staging folder left beside them
 
 
 def _free_port() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,17 +101,29 @@ def reference_trajectory(job, steps) -> Trajectory:
     return Trajectory([r.stats.loss for r in reports], [r.grad_norm for r in reports], weights, gradient, lr)
 
 
-def driver_trajectory(job, steps) -> tuple[list, Trajectory]:
-    """The distributed driver's step logs and trajectory, its learners' weights gathered before and after each update."""
+@contextmanager
+def driven(job, steps):
+    """A driver that has run `steps` updates, still up: (driver, step logs, trajectory), the learners' weights
+    gathered before and after each update. After each update's sync every rollout worker holds exactly the learners'
+    weights, and the sync sent each fp32 parameter once."""
     driver = Driver(job)
     try:
         weights, logs = [driver.learners.full_state_dict()], []
-        for _ in range(steps):
+        numel = sum(p.numel() for p in weights[0].values())
+        for step in range(1, steps + 1):
             logs.append(driver.run_step())
             weights.append(driver.learners.full_state_dict())
-        return logs, Trajectory([log.loss for log in logs], [log.grad_norm for log in logs], weights)
+            assert driver.rollouts.checksums() == [(step, driver.learners.weights_checksum())] * job.pools.rollout.workers
+            assert logs[-1].sync_bytes == 4 * numel
+        yield driver, logs, Trajectory([log.loss for log in logs], [log.grad_norm for log in logs], weights)
     finally:
         driver.shutdown()
+
+
+def driver_trajectory(job, steps) -> tuple[list, Trajectory]:
+    """The distributed driver's step logs and trajectory (`driven`), the driver stopped."""
+    with driven(job, steps) as (_, logs, run):
+        return logs, run
 
 
 # A gradient entry summed in another order (two ranks' reduction, micro-batches, a padded batch) differs from the
@@ -179,9 +192,33 @@ def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_
         assert_reproduces(Trajectory([7e-5, 1.001e-2], [norm, 0.3], [start, stepped(rounded), start]), reference, eps)
 
 
+def equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, workers=1):
+    return job_for(
+        tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, workers=workers, prompts=prompts, warmup=warmup,
+        name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}{warmup}", micro_batch_tokens=micro_batch_tokens,
+        activation_checkpointing=checkpointing,
+    )
+
+
+def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> None:
+    """The run reproduces the reference, and its micro-batches are the ones its budget and ranks make."""
+    ranks, prompts = job.pools.learner.ranks, job.sampling.prompts_per_step
+    assert [log.budget_bps for log in logs] == [2500, 2207, 1500]  # warm 1, cosine to 500 at step 4
+    assert_reproduces(run, reference, job.optimizer.eps)
+    # ZeRO sums gradients across ranks in another order; Adam turns that fp32 rounding into ~1e-6 relative moves
+    assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
+    for log in logs:
+        assert log.sequences == prompts * job.sampling.n
+        if job.pools.learner.micro_batch_tokens < 64:  # one sequence per micro-batch, so each prompt's vision runs once per response
+            assert log.micro_batches == log.sequences and log.vision_forwards == log.sequences
+            assert log.filler_micro_batches == (2 if ranks == 2 else 0)  # rank 0 has 4 sequences, rank 1 has 2
+        else:
+            assert log.micro_batches == ranks and log.vision_forwards == prompts  # vision once per prompt
+
+
 @pytest.mark.parametrize(
     "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup",
-    [(1, 2, 16384, 2, False, 1), (2, 2, 40, 3, False, 1), (2, 3, 40, 3, False, 4), (2, 3, 16384, 2, True, 1)],
+    [(1, 2, 16384, 2, False, 1), (2, 2, 40, 3, False, 1), (2, 3, 16384, 2, True, 1)],
 )
 def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
                                                     warmup):
@@ -189,25 +226,11 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
     (fillers) and split vision groups. The last case (ZeRO-3, one micro-batch per rank) also recomputes activations
     in the backward; the same case without recompute adds nothing the others do not check, and the suite's time is
-    budgeted. One case warms the learning rate up over 4 updates among ~6 micro-batches each: a schedule stepped per
-    micro-batch, or not at all, moves the weights away from the reference's."""
-    job = job_for(
-        tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}",
-        micro_batch_tokens=micro_batch_tokens, prompts=prompts, activation_checkpointing=checkpointing, warmup=warmup,
-    )
+    budgeted. (ZeRO-3 with split groups and a warmed-up learning rate: the next test.)"""
+    job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup)
     reference = reference_trajectory(job, STEPS)
     logs, run = driver_trajectory(job, STEPS)
-    assert [log.budget_bps for log in logs] == [2500, 2207, 1500]  # warm 1, cosine to 500 at step 4
-    assert_reproduces(run, reference, job.optimizer.eps)
-    # ZeRO sums gradients across ranks in another order; Adam turns that fp32 rounding into ~1e-6 relative moves
-    assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
-    for log in logs:
-        assert log.sequences == prompts * job.sampling.n
-        if micro_batch_tokens < 64:  # one sequence per micro-batch, so each prompt's vision runs once per response
-            assert log.micro_batches == log.sequences and log.vision_forwards == log.sequences
-            assert log.filler_micro_batches == (2 if ranks == 2 else 0)  # rank 0 has 4 sequences, rank 1 has 2
-        else:
-            assert log.micro_batches == ranks and log.vision_forwards == prompts  # vision once per prompt
+    assert_equality_case(job, logs, run, reference)
 
 
 @pytest.mark.parametrize("scope", ["image", "prompt"])
@@ -268,18 +291,21 @@ def test_distributed_updates_with_the_token_merge_reproduce_the_reference(cluste
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("merge, data", [("none", None), ("learnable", "synthetic-video:16")])
-def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path, merge, data):
+@pytest.mark.parametrize("merge, data, tied", [("none", None, True), ("learnable", "synthetic-video:16", False)])
+def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster, tiny_dirs, tmp_path, merge, data, tied):
     """Qwen3.5 in bf16 (vLLM's CPU kernels need it); the learner keeps fp32 master weights and sends bf16,
-    straight into the engine's parameters: the worker holds no transformers copy of the student. The second run
-    shows clips and merges tokens: the engine gets the head (a base folder has none), every sync writes it too, and
-    each temporal patch is pruned (and merged) in the engine and replayed by the learners (an importance weight near
-    1 says the learners saw what was sampled)."""
+    straight into the engine's parameters: the worker holds no transformers copy of the student. The first run's
+    checkpoint ties its embeddings, as Qwen3.5-4B does: the head is sent once, under the embedding's name, and the
+    engine's head follows it. The second run shows clips and merges tokens: the engine gets the head (a base folder
+    has none), every sync writes it too, and each temporal patch is pruned (and merged) in the engine and replayed by
+    the learners (an importance weight near 1 says the learners saw what was sampled)."""
     from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+    from lt_opd_ray.models.tiny import build_tiny_model
 
+    model_dir = build_tiny_model("qwen3_5", tmp_path / "tied", seed=0, tied=True) if tied else tiny_dirs["qwen3_5"]
     extra = f"selector: {{merge: {merge}}}\n"
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name=f"vllm-{merge}-{'clips' if data else 'images'}", dtype="bfloat16", backend="vllm",
+    job = job_for(model_dir, tmp_path / "run", name=f"vllm-{merge}-{'clips' if data else 'images'}", dtype="bfloat16", backend="vllm",
                   verify_weights=True, data=data, extra=extra)
     if data:
         job = job.model_copy(update={"data": job.data.model_copy(update={"max_videos": 1})})
@@ -295,7 +321,9 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
             return type(w.engine).__name__, [type(v).__name__ for v in held if isinstance(v, (torch.nn.Module, QwenVLM))]
 
         assert ray.get(worker.__ray_call__.remote(modules_held)) == ("VLLMRolloutEngine", [])
-        numel = sum(p.numel() for p in driver.learners.full_state_dict().values())
+        held = driver.learners.full_state_dict()
+        assert ("lm_head.weight" in held) != tied  # tied: one tensor, the embedding
+        numel = sum(p.numel() for p in held.values())
         logs = []
         for step in range(1, 4):
             log = driver.run_step()
@@ -309,7 +337,7 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
         samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
         _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, [(0, 2, 0)], 1500, 9))
-        units = encode_samples(VLMProcessor.for_data(tiny_dirs["qwen3_5"], job.data), samples[:1])[0].visual_units
+        units = encode_samples(VLMProcessor.for_data(model_dir, job.data), samples[:1])[0].visual_units
         assert len(units) == (4 if data else 1)  # 8 frames: 4 temporal patches
         for rollout in group.rollouts:
             assert [k.numel() for k in rollout.selected] == [tokens_to_keep(h * w // 4, 1500, job.budget.k_min) for _, (_, h, w) in units]
@@ -317,8 +345,8 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         # what vLLM holds, not what was sent: the engine's log-probs of its own samples against a transformers copy
         # loaded with the learners' weights in bf16, on the same reduced prompts; the initial weights (a sync whose
         # write was skipped) are far off
-        synced = response_log_probs(tiny_dirs["qwen3_5"], driver.learners.full_state_dict(), job, samples, group.rollouts)
-        initial = response_log_probs(tiny_dirs["qwen3_5"], None, job, samples, group.rollouts)
+        synced = response_log_probs(model_dir, driver.learners.full_state_dict(), job, samples, group.rollouts)
+        initial = response_log_probs(model_dir, None, job, samples, group.rollouts)
         engine = torch.cat([r.old_logp for r in group.rollouts])
         off_synced, off_initial = (engine - synced).abs().max(), (engine - initial).abs().max()
         print(f"\nvLLM log-probs after 3 syncs: max |difference| {off_synced:.4f} to the learners' weights, {off_initial:.4f} to the initial")
@@ -362,27 +390,28 @@ def scrape_lt_opd_metrics(job_name: str) -> set[str]:
     return {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lt_opd_") and f'run="{job_name}"' in line}
 
 
-def test_every_worker_holds_the_learner_weights_after_each_sync_metrics_are_exported_and_a_killed_one_is_replaced(cluster, tiny_dirs, tmp_path):
+def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replaced_and_metrics_are_exported(cluster, tiny_dirs, tmp_path):
+    """Two ZeRO-3 ranks under a 40-token micro-batch budget, the learning rate warmed up over 4 updates among ~6
+    micro-batches each (a schedule stepped per micro-batch, or not at all, moves the weights away from the
+    reference's), two rollout workers (each rollout is seeded by its update, sample and response, not by its worker):
+    the run reproduces the reference, and every worker holds the learners' weights after each sync (`driven`). Then a
+    worker killed between updates is replaced and given the learners' weights before the next update samples, and
+    every role's series reach the node's Prometheus endpoint."""
     import time
 
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=3, workers=2, name="sync")
-    driver = Driver(job)
-    try:
-        for step in range(1, 3):
-            log = driver.run_step()
-            learner_sum = driver.learners.weights_checksum()
-            assert driver.rollouts.checksums() == [(step, learner_sum)] * 2
-            assert log.sync_bytes == 4 * sum(p.numel() for p in driver.learners.full_state_dict().values())
-            assert 0 < log.payload_bytes_per_token
-        # a worker killed between updates is replaced and given the learners' weights before the next update samples
+    job = equality_job(tiny_dirs, tmp_path, ranks=2, zero_stage=3, micro_batch_tokens=40, prompts=3, checkpointing=False, warmup=4, workers=2)
+    reference = reference_trajectory(job, STEPS)
+    with driven(job, STEPS) as (driver, logs, run):
+        assert_equality_case(job, logs, run, reference)
         old_pid = ray.get(driver.rollouts.workers[1].pid.remote())
         os.kill(old_pid, signal.SIGKILL)
         assert driver.replace_dead_rollout_workers() == ["rollout-1"]
         assert ray.get(driver.rollouts.workers[1].pid.remote()) != old_pid
-        assert driver.rollouts.checksums() == [(2, driver.learners.weights_checksum())] * 2
+        assert driver.rollouts.checksums() == [(STEPS, driver.learners.weights_checksum())] * 2
         log = driver.run_step()
-        assert log.step == 2 and log.tokens > 0
-        assert driver.rollouts.checksums() == [(3, driver.learners.weights_checksum())] * 2
+        assert log.step == STEPS and log.tokens > 0
+        assert driver.rollouts.checksums() == [(STEPS + 1, driver.learners.weights_checksum())] * 2
+        assert 0 < log.payload_bytes_per_token
         # every role's series reach the node's Prometheus endpoint (Ray's agent exports every few seconds)
         wanted = {
             "ray_lt_opd_rollout_tokens_per_second", "ray_lt_opd_teacher_tokens_per_second", "ray_lt_opd_learner_step_seconds",
@@ -392,11 +421,9 @@ def test_every_worker_holds_the_learner_weights_after_each_sync_metrics_are_expo
         }
         deadline, found = time.time() + 90, set()
         while time.time() < deadline and not wanted <= found:
-            found = scrape_lt_opd_metrics("sync")
+            found = scrape_lt_opd_metrics(job.name)
             time.sleep(2)
         assert wanted <= found, wanted - found
-    finally:
-        driver.shutdown()
 
 
 def wait_until_idle(timeout_s: float = 60.0) -> float:
@@ -604,10 +631,9 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
 
 
 @pytest.mark.slow
-def test_a_tied_checkpoint_trains_under_zero3_resumes_syncs_into_vllm_and_exports_its_own_names(cluster, tmp_path):
-    """Qwen3.5-4B ties its embeddings: the head is the embedding, one ZeRO-3 parameter (partitioned at load), sent
-    once under the embedding's name. Trained and resumed as the reference; written into vLLM; exported with the
-    checkpoint's own names."""
+def test_a_tied_checkpoint_trains_under_zero3_resumes_and_exports_its_own_names(cluster, tmp_path):
+    """Qwen3.5-4B ties its embeddings: the head is the embedding, one ZeRO-3 parameter (partitioned at load). Trained
+    and resumed as the reference; exported with the checkpoint's own names. (Written into vLLM: the vLLM job test.)"""
     from safetensors import safe_open
 
     from lt_opd_ray.models.loading import check_checkpoint_names
@@ -628,14 +654,6 @@ def test_a_tied_checkpoint_trains_under_zero3_resumes_syncs_into_vllm_and_export
     export_student(job, tmp_path / "served", step=2)  # the ZeRO-3 partitions of a checkpoint, gathered
     assert names(tmp_path / "served") == names(tied)
     check_checkpoint_names(tmp_path / "served")
-
-    on_vllm = job_for(tied, tmp_path / "vllm", name="tied-vllm", dtype="bfloat16", backend="vllm", verify_weights=True)
-    driver = Driver(on_vllm)
-    try:
-        driver.run_step()
-        assert driver.rollouts.checksums("bfloat16") == [(1, driver.learners.weights_checksum("bfloat16"))]
-    finally:
-        driver.shutdown()
 
 
 def test_a_folder_with_foreign_tensor_names_is_refused_before_any_actor_starts(cluster, tiny_dirs, tmp_path):

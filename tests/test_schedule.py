@@ -32,16 +32,45 @@ def lagged(job, staleness: int = 1, learning: bool = True, adam_eps: float | Non
     return job.model_copy(update=updates)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_staleness_one_reproduces_the_lagged_reference(cluster, tiny_dirs, tmp_path, ranks):  # noqa: F811
-    """Update t trains on rollouts of the weights after update t - 1 (the first two on the initial weights)."""
-    steps = 4
+STEPS = 4
+
+
+def lagged_job(model_dir, folder, ranks: int, name: str):
+    """The lagged (max_staleness 1) job of this module's reference test and its resume test: checkpoints every 2
+    updates (which leaves the training unchanged) so one run serves both."""
     # Adam's eps at 1e-5: with the default 1e-8 an entry whose gradient is fp32 rounding noise (~1e-10) still moves by
     # ~lr, so runs that round differently drift apart by ~1e-3 by update 4 (measured, on-policy too); 1e-5 keeps
     # updates proportional to gradients and the comparison tight
-    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, name=f"lag{ranks}", total=steps, prompts=3), adam_eps=1e-5)
-    reports, ref_weights = reference_run(job, steps)
-    _, logs, weights = driver_run(job, steps)
+    return lagged(job_for(model_dir, folder, ranks=ranks, every=2, name=name, total=STEPS, prompts=3), adam_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def lagged_runs(cluster, tiny_dirs, tmp_path_factory):  # noqa: F811
+    """ranks -> (the job, its driver's step logs and final weights), each run once for the module."""
+    runs = {}
+
+    def run(ranks: int):
+        if ranks not in runs:
+            job = lagged_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp(f"lag{ranks}"), ranks, f"lag{ranks}")
+            _, logs, weights = driver_run(job, STEPS)
+            runs[ranks] = job, logs, weights
+        return runs[ranks]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def lagged_references(tiny_dirs, tmp_path_factory):
+    """The single-process lagged reference of `lagged_job` and its on-policy twin (ranks do not enter a reference)."""
+    job = lagged_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("lagref"), 1, "lagref")
+    return reference_run(job, STEPS), reference_run(lagged(job, 0, adam_eps=1e-5), STEPS)[0]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_staleness_one_reproduces_the_lagged_reference(lagged_runs, lagged_references, ranks):
+    """Update t trains on rollouts of the weights after update t - 1 (the first two on the initial weights)."""
+    (reports, ref_weights), on_policy = lagged_references
+    _, logs, weights = lagged_runs(ranks)
     assert [log.staleness for log in logs] == [0, 1, 1, 1]
     assert [log.budget_bps for log in logs] == [r.budget_bps for r in reports]
     assert [log.tokens for log in logs] == [r.stats.tokens for r in reports]  # the same rollouts, update by update
@@ -53,20 +82,27 @@ def test_staleness_one_reproduces_the_lagged_reference(cluster, tiny_dirs, tmp_p
         assert log.loss == pytest.approx(report.stats.loss, rel=5e-5)
     assert relative_distance(weights, ref_weights) <= 1e-5  # measured 4e-7
     # the lag is real: the on-policy reference samples update 1 on from other weights
-    on_policy, _ = reference_run(lagged(job, 0, adam_eps=1e-5), steps)
     assert on_policy[0].stats.loss == reports[0].stats.loss
     assert all(a.stats.loss != pytest.approx(b.stats.loss, rel=1e-2) for a, b in zip(on_policy[1:], reports[1:]))
 
 
-def test_with_nothing_learned_staleness_one_samples_the_same_rollouts(cluster, tiny_dirs, tmp_path):  # noqa: F811
-    steps = 4
-    base = job_for(tiny_dirs["qwen3_5"], tmp_path / "a", ranks=1, name="lr0a", total=steps)
-    _, synchronous, _ = driver_run(lagged(base, 0, learning=False), steps)
-    other = job_for(tiny_dirs["qwen3_5"], tmp_path / "b", ranks=1, name="lr0b", total=steps)
-    _, pipelined, _ = driver_run(lagged(other, 1, learning=False), steps)
+@pytest.fixture(scope="module")
+def nothing_learned(cluster, tiny_dirs, tmp_path_factory):  # noqa: F811
+    """Step logs of a synchronous (max_staleness 0) run that learns nothing (every learning rate 0), one rollout
+    worker: the rollouts every run of these weights samples, whatever its staleness or its workers (a rollout is
+    seeded by its update, sample and response; its recorded log-probs round with the batch its worker sampled)."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("lr0"), ranks=1, workers=1, name="lr0", total=STEPS)
+    return driver_run(lagged(job, 0, learning=False), STEPS)[1]
+
+
+def test_with_nothing_learned_staleness_one_samples_the_same_rollouts(nothing_learned, tiny_dirs, tmp_path):
+    """Pipelined against synchronous: each rollout is seeded by its update, sample and response, never by the moment
+    it runs."""
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, workers=1, name="lr0-pipelined", total=STEPS)
+    _, pipelined, _ = driver_run(lagged(job, 1, learning=False), STEPS)
     assert [log.staleness for log in pipelined] == [0, 1, 1, 1]
-    assert [log.tokens for log in pipelined] == [log.tokens for log in synchronous]
-    assert [log.loss for log in pipelined] == [log.loss for log in synchronous]  # same rollouts, same weights: bit for bit
+    assert [log.tokens for log in pipelined] == [log.tokens for log in nothing_learned]
+    assert [log.loss for log in pipelined] == [log.loss for log in nothing_learned]  # same rollouts, same weights: bit for bit
 
 
 class KillsAWorker(Driver):
@@ -81,11 +117,9 @@ class KillsAWorker(Driver):
         return flight
 
 
-def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(cluster, tiny_dirs, tmp_path):  # noqa: F811
-    steps = 4
-    straight = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "a", ranks=1, workers=2, name="killa", total=steps), learning=False)
-    _, expected, _ = driver_run(straight, steps)
-    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "b", ranks=1, workers=2, name="killb", total=steps), learning=False)
+def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(nothing_learned, tiny_dirs, tmp_path):
+    steps, expected = STEPS, nothing_learned
+    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, workers=2, name="kill", total=steps), learning=False)
     driver = KillsAWorker(job)
     try:
         driver.victim = ray.get(driver.rollouts.workers[1].pid.remote())
@@ -96,20 +130,20 @@ def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(cl
         driver.shutdown()
     assert driver.cursor == steps * job.sampling.prompts_per_step
     assert [log.sequences for log in logs] == [job.sampling.prompts_per_step * job.sampling.n] * steps
-    # the lost group was sampled again, by the weights after update 1: with nothing learned, the same rollouts
+    # the lost group was sampled again, by the weights after update 1: with nothing learned, the same rollouts (two
+    # workers' batches round the sampler's log-probs otherwise than one worker's: 2e-7 relative measured)
     assert [log.tokens for log in logs] == [log.tokens for log in expected]
     assert [log.loss for log in logs] == pytest.approx([log.loss for log in expected], rel=1e-6)
     assert [log.staleness for log in logs] == [0, 1, 1, 1]  # update 2's resampled group is fresher, its other is not
 
 
-def test_resume_with_rollouts_in_flight_continues_exactly(cluster, tiny_dirs, tmp_path):  # noqa: F811
-    total = 4
-    straight = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "straight", ranks=1, every=2, total=total, name="flight-a"))
-    _, straight_logs, straight_weights = driver_run(straight, total)
-    job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path / "cut", ranks=1, every=2, total=total, name="flight-b"))
+def test_resume_with_rollouts_in_flight_continues_exactly(lagged_runs, tiny_dirs, tmp_path):
+    """Cut after the step-2 checkpoint and resumed, the lagged run continues as the one that ran straight through."""
+    _, straight_logs, straight_weights = lagged_runs(1)
+    job = lagged_job(tiny_dirs["qwen3_5"], tmp_path, 1, "flight")
     driver_run(job, 2)  # stops after the step-2 checkpoint, which keeps update 2's rollouts (sampled by v1)
-    assert (tmp_path / "cut" / "step-2" / "in_flight.pt").exists()
-    first, resumed_logs, resumed_weights = driver_run(job, total, resume=True)
+    assert (tmp_path / "step-2" / "in_flight.pt").exists()
+    first, resumed_logs, resumed_weights = driver_run(job, STEPS, resume=True)
     assert first == 2
     assert [log.staleness for log in resumed_logs] == [1, 1]  # update 2 trained on the kept v1 rollouts, not fresh ones
     assert [round(log.loss, 12) for log in resumed_logs] == [round(log.loss, 12) for log in straight_logs[2:]]

@@ -38,6 +38,7 @@ def cmd_eval(args) -> int:
     import transformers
 
     from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.core.outputs import OutputFolderError
     from lt_opd_ray.evals.reading import BenchmarkError
     from lt_opd_ray.evals.run import run_eval
 
@@ -50,7 +51,11 @@ def cmd_eval(args) -> int:
             return 2
         files[name] = path
     try:
-        run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit, frames=args.frames)
+        run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit, frames=args.frames,
+                 force=args.force)
+    except OutputFolderError as exc:
+        print(f"eval: {exc}", file=sys.stderr)
+        return 2
     except (BenchmarkError, InputError, ValueError) as exc:
         print(f"eval failed: {exc}", file=sys.stderr)
         return 2
@@ -164,7 +169,8 @@ def register(sub) -> None:
     evaluate.add_argument("--max-new-tokens", type=int, default=16)
     evaluate.add_argument("--limit", type=int, default=None, help="first N items of each benchmark")
     evaluate.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="frames each video is sampled to (default 16, as MVBench)")
-    evaluate.add_argument("--out", default="runs/eval", help="output folder")
+    evaluate.add_argument("--out", default="runs/eval", help="output folder (default runs/eval); refused when it holds anything but an earlier eval's results")
+    evaluate.add_argument("--force", action="store_true", help="replace the results an earlier `lt-opd eval` wrote in --out (never another folder)")
     evaluate.set_defaults(func=cmd_eval)
 
     export = sub.add_parser("export", help="write the trained student as a Hugging Face folder + its compression config")

@@ -4,26 +4,27 @@ Every benchmark file is read and checked before any model runs. The full-token
 score (every visual token, no selector) is computed once per benchmark; each
 (selector, budget) score is divided by it and averaged over benchmarks (a
 benchmark whose full-token score is 0 has no retain ratio: it is listed, not
-averaged). Results go to a folder assembled beside `out` and renamed into place:
+averaged). Results go to a folder assembled beside `out` and renamed into place
+(`core.outputs`: an existing `out` is replaced only with `force` and only when an earlier eval wrote it):
 results.json, retain_table.md / .csv, retain.png (retain ratio against budget).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.core.outputs import OutputFolder
 from lt_opd_ray.core.samples import DEFAULT_FRAMES
 from lt_opd_ray.evals.benchmarks import benchmark
 from lt_opd_ray.evals.scoring import retain_ratio
 
 
 def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selectors: list[str], out: str | Path,
-             k_min: int = 1, max_new_tokens: int = 16, limit: int | None = None, log=print, frames: int = DEFAULT_FRAMES) -> dict:
-    """`frames`: what each video is sampled to (MVBench: 16)."""
+             k_min: int = 1, max_new_tokens: int = 16, limit: int | None = None, log=print, frames: int = DEFAULT_FRAMES,
+             force: bool = False) -> dict:
+    """`frames`: what each video is sampled to (MVBench: 16). `force`: replace an earlier eval's results in `out`."""
     from lt_opd_ray.core.selectors import build_selector
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.evaluation import generate_responses
@@ -31,6 +32,8 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
     from lt_opd_ray.models.processor import VLMProcessor
     from lt_opd_ray.sources.resolve import resolve_model_dir
 
+    destination = OutputFolder(Path(out), "eval", force)
+    destination.check()  # before any model runs
     for name in selectors:
         build_selector(name)  # unknown selectors fail before anything runs
     suites = {}
@@ -65,14 +68,17 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
                 "per_benchmark": {n: at_budget[n] / scored[n] for n in scored},
                 "without_full_score": sorted(set(results["benchmarks"]) - set(scored)),
             }
-    _write(results, selectors, budgets, Path(out))
+    staging = destination.staging()
+    try:
+        _write(results, selectors, budgets, staging)
+    except BaseException:
+        destination.discard(staging)
+        raise
+    destination.publish(staging)
     return results
 
 
-def _write(results: dict, selectors: list[str], budgets: list[int], out: Path) -> None:
-    staging = out.with_name(out.name + ".incoming")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+def _write(results: dict, selectors: list[str], budgets: list[int], staging: Path) -> None:
     (staging / "results.json").write_text(json.dumps(results, indent=2))
     names = list(results["benchmarks"])
     header = ["selector", "budget"] + [f"{n} ({results['benchmarks'][n]['headline']})" for n in names] + ["avg retain"]
@@ -93,8 +99,6 @@ def _write(results: dict, selectors: list[str], budgets: list[int], out: Path) -
     )
     (staging / "retain_table.csv").write_text("\n".join(",".join(f'"{c}"' for c in r) for r in [header] + rows) + "\n")
     _plot(results, selectors, budgets, staging / "retain.png")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(staging, out)
 
 
 def _plot(results: dict, selectors: list[str], budgets: list[int], path: Path) -> list[str]:

@@ -4,17 +4,17 @@
 our vLLM plugin applies it to every request that does not set its own selection,
 so `lt-opd serve DIR` (or `vllm serve DIR` with this package installed) answers at
 the student's budget. The folder is assembled beside its destination and renamed
-into place, so a failed export never leaves a half-written folder under that name
-and never replaces a good one.
+into place (`core.outputs`), so a failed export never leaves a half-written folder under that name,
+and `--force` replaces only an earlier export, never a folder export did not write.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 from lt_opd_ray.core.compression import CompressionConfig
+from lt_opd_ray.core.outputs import OutputFolder, OutputFolderError
 
 
 class ExportError(RuntimeError):
@@ -25,12 +25,12 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
     """Write the job's student to `out_dir`: from `<checkpoint.dir>/final`, or from checkpoint `step-<step>`."""
     from lt_opd_ray.core.storage import RunStorage
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise ExportError(f"{out_dir} exists; choose another folder or pass --force to replace it")
+    destination = OutputFolder(Path(out_dir), "export", force)
+    try:
+        staging = destination.staging()  # refuses a destination export may not write, before any work
+    except OutputFolderError as exc:
+        raise ExportError(str(exc)) from None
     storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
-    staging = out_dir.with_name(out_dir.name + ".incoming")
-    shutil.rmtree(staging, ignore_errors=True)
     try:
         if step is None:
             if storage.read_text("final/config.json") is None:  # written last: a final/ without it is unfinished
@@ -41,20 +41,18 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
             if storage.remote:
                 storage.get("final", into=staging)
             else:
-                shutil.copytree(storage.local / "final", staging)
+                shutil.copytree(storage.local / "final", staging, dirs_exist_ok=True)
         else:
             _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
         _check_loadable(staging)
     except OSError as exc:  # shutil.Error too: a full disk, a folder it may not write
-        shutil.rmtree(staging, ignore_errors=True)
+        destination.discard(staging)
         raise ExportError(f"writing {staging} failed ({_first_os_error(exc)}); nothing was left there") from exc
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        destination.discard(staging)
         raise
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(staging, out_dir)
-    return out_dir
+    return destination.publish(staging)
 
 
 def _first_os_error(exc: OSError) -> str:

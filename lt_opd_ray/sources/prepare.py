@@ -279,6 +279,9 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
         raise DataError(f"{out} is already a prepared data set; remove it or choose another folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # found now, not after the work
         raise DataError(f"{out} is {'a file' if not out.is_dir() else 'a folder that is not empty'}; --out must be a new or empty folder")
+    if not source.exists():
+        raise DataError(f"{source}: not found")
+    rows = source_rows(source, Path(images) if images else None)  # a path that is no source is named before anything is written
     staging = out.with_name(out.name + ".incoming")
     fingerprint = _fingerprint(source)
     state = {"source": str(source), "fingerprint": fingerprint, "shards": [], "uids": []}
@@ -306,7 +309,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
         (staging / PROGRESS).write_text(json.dumps(state))
         batch, new_shards = [], new_shards + 1
 
-    for index, row in enumerate(source_rows(source, Path(images) if images else None)):
+    for index, row in enumerate(rows):
         if index < done_rows:
             continue  # in a finished shard of an earlier run
         data, video, row_problems = _check(row, seen)

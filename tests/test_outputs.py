@@ -1,0 +1,104 @@
+"""Commands that write keep the user's files: an --out of the user's is refused by name before any work, whatever
+the flags; --force replaces only the command's own earlier output; nothing is left beside it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_benchmarks import fixture
+
+from lt_opd_ray.core.outputs import MARKER, OutputFolder, OutputFolderError
+
+
+def files_of(folder) -> dict:
+    """Every file under `folder`, byte for byte."""
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("given, force, refusal", [
+    ("file", False, "is a file; --out names the folder `lt-opd eval` writes"),
+    ("file", True, "is a file"),
+    ("theirs", False, "is a folder lt-opd did not write and is not empty: it is left alone (even with --force)"),
+    ("theirs", True, "is a folder lt-opd did not write and is not empty: it is left alone (even with --force)"),
+    ("export", True, "is `lt-opd export`'s output and is not empty: it is left alone"),
+    ("eval", False, "holds an earlier `lt-opd eval` output; pass --force to replace it"),
+    ("eval", True, None),
+    ("empty", False, None),
+    ("missing", False, None),
+])
+def test_an_out_is_written_only_when_new_empty_or_the_commands_own_with_force(tmp_path, given, force, refusal):
+    out = tmp_path / "out"
+    if given == "file":
+        out.write_text("mine")
+    elif given != "missing":
+        out.mkdir()
+        if given == "theirs":
+            (out / "notes.txt").write_text("mine")
+        elif given in ("eval", "export"):
+            (out / "results.json").write_text("earlier")
+            (out / MARKER).write_text(json.dumps({"command": given}))
+    before = files_of(tmp_path)
+    destination = OutputFolder(out, "eval", force)
+    if refusal:
+        with pytest.raises(OutputFolderError, match=refusal.replace("(", r"\(").replace(")", r"\)")):
+            destination.staging()
+        assert files_of(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        return
+    staging = destination.staging()
+    (staging / "results.json").write_text("new")
+    assert destination.publish(staging) == out
+    assert (out / "results.json").read_text() == "new" and json.loads((out / MARKER).read_text()) == {"command": "eval"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or replaced folder left beside it
+
+
+def test_eval_out_keeps_the_model_and_any_folder_of_the_users_and_replaces_its_own_results_only_with_force(tiny_dirs, tmp_path, capsys):
+    """`lt-opd eval MODEL --out MODEL` once removed the model it was evaluating."""
+    from lt_opd_ray.cli.main import main
+
+    pope, _, _ = fixture("pope", tmp_path)
+    model = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(tiny_dirs["qwen3_5"], model)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (tmp_path / "a-file").write_text("keep me too")
+    before = files_of(tmp_path)
+    base = ["eval", str(model), "--bench", f"pope={pope}", "--budgets", "500", "--max-new-tokens", "2", "--limit", "2"]
+    for out in (model, mine, tmp_path / "a-file"):
+        for force in ([], ["--force"]):
+            assert main([*base, "--out", str(out), *force]) == 2
+            refused = capsys.readouterr().err
+            assert refused.startswith(f"eval: {out} is a") and "Traceback" not in refused, refused
+    assert files_of(tmp_path) == before  # the model, the user's folder and file, byte for byte; nothing beside them
+
+    out = tmp_path / "eval"
+    assert main([*base, "--out", str(out)]) == 0
+    first = files_of(out)
+    assert main([*base, "--out", str(out)]) == 2
+    assert "holds an earlier `lt-opd eval` output; pass --force to replace it" in capsys.readouterr().err
+    assert files_of(out) == first
+    (out / "results.json").write_text("an earlier result")
+    assert main([*base, "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "results.json").read_text())["model"] == str(model)
+    assert files_of(tmp_path / "model") == files_of(tiny_dirs["qwen3_5"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+@pytest.mark.parametrize("source, message", [
+    ("missing.jsonl", "missing.jsonl: not found"),
+    ("a-folder", "a-folder: not a source this command reads"),
+    ("image.png", "image.png: not a source this command reads"),
+])
+def test_data_names_a_source_that_is_missing_or_not_a_source_and_leaves_nothing(tmp_path, capsys, source, message):
+    from lt_opd_ray.cli.main import main
+
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["data", str(tmp_path / source), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no out/, no out.incoming/
