@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming what is wrong and where."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +245,63 @@ def test_an_unforeseen_error_is_one_line_and_its_traceback_is_kept_in_the_run_fo
     log = tmp_path / "run" / "error.log"
     assert err == f"error: ZeroDivisionError: a bug nobody foresaw (traceback in {log}; `--resume` continues from the newest checkpoint)\n"
     assert "Traceback (most recent call last)" in log.read_text() and "in fails" in log.read_text()
+
+
+# command line -> a fragment of the one sentence it must print (argparse's own refusals print the usage above it)
+BAD_COMMAND_LINES = [
+    ("eval {tmp}/nomodel --bench pope={pope} --out {tmp}/e", "eval: model.path '{tmp}/nomodel': no config.json there"),
+    ("eval tiny:qwen3_5 --bench pope={pope} --budgets 20000 --out {tmp}/e", "argument --budgets: 20000 is out of range: from 1 to 10000"),
+    ("eval tiny:qwen3_5 --bench pope={pope} --limit -1 --out {tmp}/e", "argument --limit: -1 is out of range: 1 or more"),
+    ("plan jobs/train_qwen35.yaml --gpus 3", "plan: no split of 3 A100-80GB SXM GPUs holds the learner's states"),
+    ("plan jobs/train_qwen35.yaml --gpus 0", "argument --gpus: 0 is out of range: 1 or more"),
+    ("plan jobs/train_qwen35.yaml --gpus -4", "argument --gpus: -4 is out of range: 1 or more"),
+    ("plan jobs/train_qwen35.yaml --gpus 8 --efficiency link=7", "plan: --efficiency 'link=7': a fraction, more than 0 and at most 1"),
+    ("efficiency {tmp}/llama", "efficiency: {tmp}/llama/config.json: model_type 'llama' has no visual-token pruning support; supported:"),
+    ("efficiency --preset qwen3.5-4b --budgets 0 20000", "argument --budgets: 0 is out of range: from 1 to 10000"),
+    ("efficiency --preset qwen3.5-4b --text-tokens -5", "argument --text-tokens: -5 is out of range: 0 or more"),
+    ("timeline {run} --out {tmp}/missing/t.png", "timeline: {tmp}/missing does not exist; --out names a PNG file in an existing folder"),
+    ("timeline {run} --out {tmp}", "timeline: {tmp} is a folder; --out names the PNG file to draw"),
+    ("timeline {run} --out {tmp}/notes.png", "timeline: {tmp}/notes.png exists and is not a chart lt-opd timeline drew: it is left alone"),
+    ("timeline {run} --last 0", "argument --last: 0 is out of range: 1 or more"),
+    ("timeline {run} --last -3", "argument --last: -3 is out of range: 1 or more"),
+    ("check-cluster jobs/train_tiny.yaml {tmp}/nocluster.yaml", "check-cluster: {tmp}/nocluster.yaml: no such file or directory"),
+    ("serve {tmp} --port 99999", "argument --port: 99999 is out of range: from 1 to 65535"),
+    ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows 0", "argument --shard-rows: 0 is out of range: 1 or more"),
+    ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows -2", "argument --shard-rows: -2 is out of range: 1 or more"),
+    ("export jobs/train_tiny.yaml --out {tmp}/x --step -1", "argument --step: -1 is out of range: 1 or more"),
+    ("validate jobs/train_tiny.yaml --set sampling.temperature=1000000", "sampling.temperature (--set): Input should be less than or equal to 10"),
+    ("validate {tmp}/twice.yaml", "seed (lines {seed} and {seed_again}): given twice; keep one"),
+]
+
+
+def test_every_command_refuses_bad_input_in_a_sentence_without_a_traceback(tmp_path, capsys, monkeypatch):
+    """Each bad command line: exit 2 (`validate`: 1, a job that does not validate), its sentence on stderr, no
+    traceback, nothing written. No pool starts: the table runs in seconds."""
+    from test_benchmarks import fixture
+
+    from lt_opd_ray.cli.main import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the lines name the repository's jobs/
+    pope, _, _ = fixture("pope", tmp_path)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "notes.png").write_bytes(random_image(0).tobytes())
+    run = tmp_path / "run"
+    run.mkdir()
+    span = {"role": "rollout", "actor": "rollout-0", "label": "u0", "start": 0.0, "end": 1.0}
+    (run / "steps.jsonl").write_text(json.dumps({"step": 0, "phases": {"step": 1.0}, "timeline": [span]}) + "\n")
+    lines = Path("jobs/train_tiny.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("seed:"))
+    (tmp_path / "twice.yaml").write_text("\n".join([*lines[:at], "seed: 3", *lines[at:]]) + "\n")
+    where = {"tmp": str(tmp_path), "pope": str(pope), "run": str(run), "seed": at + 1, "seed_again": at + 2}
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for line, fragment in BAD_COMMAND_LINES:
+        argv = line.format(**where).split()
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse's refusal of an option's value
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert code == (1 if argv[0] == "validate" else 2), (line, code, err)
+        assert fragment.format(**where) in err and "Traceback" not in err, (line, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written beside the inputs

@@ -150,8 +150,12 @@ def cmd_check_cluster(args) -> int:
         return 2
     failed = 0
     for path in args.clusters:
-        with open(path) as handle:
-            problems = check_cluster_file(yaml.safe_load(handle), job, path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            print(f"check-cluster: {path}: {exc.strerror.lower() if exc.strerror else exc}", file=sys.stderr)
+            return 2
+        problems = check_cluster_file(yaml.safe_load(text), job, path)
         for problem in problems:
             print(problem, file=sys.stderr)
         print(f"{path}: {'ok' if not problems else f'{len(problems)} problem(s)'} for {args.job}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lt_opd_ray.cli.options import load_job_or_report
+from lt_opd_ray.cli.options import BUDGET_BPS, load_job_or_report, whole_number
 from lt_opd_ray.core.samples import DEFAULT_FRAMES
 from lt_opd_ray.planning.presets import PRESETS
 
@@ -53,7 +53,7 @@ def cmd_eval(args) -> int:
     try:
         run_eval(args.model, files, args.budgets, args.selectors, args.out, args.k_min, args.max_new_tokens, args.limit, frames=args.frames,
                  force=args.force)
-    except OutputFolderError as exc:
+    except (OutputFolderError, FileNotFoundError) as exc:
         print(f"eval: {exc}", file=sys.stderr)
         return 2
     except (BenchmarkError, InputError, ValueError) as exc:
@@ -99,6 +99,7 @@ def cmd_efficiency(args) -> int:
     import json
 
     from lt_opd_ray.core.compression import learnable_merge
+    from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.planning.efficiency import clip_text_tokens, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
@@ -112,6 +113,11 @@ def cmd_efficiency(args) -> int:
             print(f"efficiency: {path} not found (give a model folder or --preset)", file=sys.stderr)
             return 2
         config = json.loads(path.read_text())
+        try:
+            family_of_config(config, str(path))
+        except UnsupportedArchitectureError as exc:
+            print(f"efficiency: {exc}", file=sys.stderr)
+            return 2
     try:
         height, width = (int(v) for v in args.image.lower().split("x"))
     except ValueError:
@@ -155,20 +161,20 @@ def register(sub) -> None:
     data.add_argument("source", help="LT-14K folder, datasets save_to_disk folder, or .jsonl/.parquet file")
     data.add_argument("--out", required=True, help="output folder (manifest.json is written last)")
     data.add_argument("--images", default=None, help="folder of a JSONL/parquet source's images and videos (default: its folder)")
-    data.add_argument("--shard-rows", type=int, default=1000)
-    data.add_argument("--max-shards", type=int, default=None, help="stop after N new shards (run again to continue)")
+    data.add_argument("--shard-rows", type=whole_number(1), default=1000, help="rows per parquet shard (default 1000)")
+    data.add_argument("--max-shards", type=whole_number(1), default=None, help="stop after N new shards (run again to continue)")
     data.set_defaults(func=cmd_data)
 
     evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
     evaluate.add_argument("model", help="model folder (or tiny:<family>, toy:<task>)")
     evaluate.add_argument("--bench", action="append", required=True, metavar="NAME=FILE",
                           help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench, muirbench, mvbench")
-    evaluate.add_argument("--budgets", type=int, nargs="+", default=[500, 1000, 2500], help="budgets in basis points")
-    evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"])
-    evaluate.add_argument("--k-min", type=int, default=1)
-    evaluate.add_argument("--max-new-tokens", type=int, default=16)
-    evaluate.add_argument("--limit", type=int, default=None, help="first N items of each benchmark")
-    evaluate.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="frames each video is sampled to (default 16, as MVBench)")
+    evaluate.add_argument("--budgets", type=BUDGET_BPS, nargs="+", default=[500, 1000, 2500], help="budgets in basis points, 1-10000 (default 500 1000 2500: 5%%, 10%%, 25%%)")
+    evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"], help="token selectors to score (default cdpruner; also divprune, random, uniform)")
+    evaluate.add_argument("--k-min", type=whole_number(1), default=1, help="visual tokens kept per image at the least (default 1)")
+    evaluate.add_argument("--max-new-tokens", type=whole_number(1), default=16, help="longest answer generated (default 16)")
+    evaluate.add_argument("--limit", type=whole_number(1), default=None, help="first N items of each benchmark (default: all)")
+    evaluate.add_argument("--frames", type=whole_number(1), default=DEFAULT_FRAMES, help="frames each video is sampled to (default 16, as MVBench)")
     evaluate.add_argument("--out", default="runs/eval", help="output folder (default runs/eval); refused when it holds anything but an earlier eval's results")
     evaluate.add_argument("--force", action="store_true", help="replace the results an earlier `lt-opd eval` wrote in --out (never another folder)")
     evaluate.set_defaults(func=cmd_eval)
@@ -176,14 +182,14 @@ def register(sub) -> None:
     export = sub.add_parser("export", help="write the trained student as a Hugging Face folder + its compression config")
     export.add_argument("job", help="the job YAML the student was trained with")
     export.add_argument("--out", required=True, help="output folder (assembled beside it, renamed into place)")
-    export.add_argument("--step", type=int, default=None, help="export checkpoint step-N (default: <checkpoint.dir>/final)")
+    export.add_argument("--step", type=whole_number(1), default=None, help="export checkpoint step-N (default: <checkpoint.dir>/final)")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve an exported student at its budget (vLLM, OpenAI-compatible); -- passes vLLM options")
     serve.add_argument("model", help="exported model folder")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.set_defaults(func=cmd_serve)
@@ -191,11 +197,11 @@ def register(sub) -> None:
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
     efficiency.add_argument("model", nargs="?", default=None, help="model folder (its config.json)")
     efficiency.add_argument("--preset", choices=list(PRESETS), default=None, help="a built-in config instead of a folder")
-    efficiency.add_argument("--text-tokens", type=int, default=84, help="text tokens of the prompt (default 84)")
+    efficiency.add_argument("--text-tokens", type=whole_number(0), default=84, help="text tokens of the prompt (default 84)")
     efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
-    efficiency.add_argument("--images", type=int, default=None, help="images per prompt, each of --image's size (default 1; 0 with --frames)")
-    efficiency.add_argument("--frames", type=int, default=0, help="a clip of this many frames of --image's size (MVBench: 16)")
-    efficiency.add_argument("--budgets", type=int, nargs="+", default=[2500, 1000, 500], help="budgets in basis points")
-    efficiency.add_argument("--k-min", type=int, default=1)
+    efficiency.add_argument("--images", type=whole_number(0), default=None, help="images per prompt, each of --image's size (default 1; 0 with --frames)")
+    efficiency.add_argument("--frames", type=whole_number(0), default=0, help="a clip of this many frames of --image's size (MVBench: 16)")
+    efficiency.add_argument("--budgets", type=BUDGET_BPS, nargs="+", default=[2500, 1000, 500], help="budgets in basis points, 1-10000 (default 2500 1000 500)")
+    efficiency.add_argument("--k-min", type=whole_number(1), default=1, help="visual tokens kept per image at the least (default 1)")
     efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
     efficiency.set_defaults(func=cmd_efficiency)

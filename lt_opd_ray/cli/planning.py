@@ -5,19 +5,22 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lt_opd_ray.cli.options import SET_HELP
+from lt_opd_ray.cli.options import SET_HELP, whole_number
 from lt_opd_ray.planning.presets import PRESETS
 
 
 def cmd_timeline(args) -> int:
-    from lt_opd_ray.tools.timeline import busy_lines, draw, read_steps
+    from lt_opd_ray.tools.timeline import busy_lines, draw, out_problem, read_steps
 
+    out = Path(args.out or Path(args.run) / "timeline.png")
     try:
         steps = read_steps(args.run, args.last)
     except (FileNotFoundError, ValueError) as exc:
         print(f"timeline: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or Path(args.run) / "timeline.png")
+    if problem := out_problem(out):
+        print(f"timeline: {problem}", file=sys.stderr)
+        return 2
     draw(steps, out)
     print("\n".join(busy_lines(steps)))
     print(f"wrote {out}")
@@ -67,7 +70,14 @@ def cmd_plan(args) -> int:
         if name not in efficiency:
             print(f"plan: --efficiency {item!r}: unknown name (known: {', '.join(efficiency)})", file=sys.stderr)
             return 2
-        efficiency[name] = float(value)
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = None
+        if fraction is None or not 0 < fraction <= 1:
+            print(f"plan: --efficiency {item!r}: a fraction, more than 0 and at most 1", file=sys.stderr)
+            return 2
+        efficiency[name] = fraction
     try:
         height, width = (int(v) for v in args.image.lower().split("x"))
     except ValueError:
@@ -78,8 +88,13 @@ def cmd_plan(args) -> int:
         return 2
     gpu, shapes = GPUS[args.gpu], shapes_of(job, args.text_tokens, (height, width), args.frames)
     split = job_split(job)
-    if sum(split) != args.gpus:
-        split = best_split(config, shapes, gpu, args.gpus, efficiency, "staleness 1").split
+    try:
+        if sum(split) != args.gpus:
+            split = best_split(config, shapes, gpu, args.gpus, efficiency, "staleness 1").split
+        best = [(f"best for {name}", best_split(config, shapes, gpu, args.gpus, efficiency, name)) for name in SCHEDULES]
+    except ValueError as exc:  # "no split of 3 GPUs holds the learner's states ..."
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
     print(f"ESTIMATE (analytic, not measured) for {args.job} on {args.gpus}x {gpu.name}; model {source}; {shapes.prompts} prompts x"
           f" {shapes.n} responses of up to {shapes.max_new_tokens} tokens (mean {efficiency['mean_response_fraction']:.0%}),"
           f" budget {shapes.budget_bps / 100:g}%; each prompt shows "
@@ -93,7 +108,7 @@ def cmd_plan(args) -> int:
           f" ({job.pools.rollout.backend}); teacher on {shapes.teacher_backend}"
           + (" (the prompt once per prompt)" if shapes.teacher_backend == "transformers" else " (the prompt prefilled with every response)"))
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
-    rows += [(f"best for {name}", best_split(config, shapes, gpu, args.gpus, efficiency, name)) for name in SCHEDULES]
+    rows += best
     print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "
           + " ".join(f"{name + ' s/upd':>19}" for name in SCHEDULES))
     for label, p in rows:
@@ -120,19 +135,19 @@ def register(sub) -> None:
     """This module's subcommands on the `lt-opd` parser."""
     timeline = sub.add_parser("timeline", help="draw a run's per-update timeline (steps.jsonl) as a Gantt chart PNG; pool busy fractions")
     timeline.add_argument("run", help="the run's checkpoint.dir (holds steps.jsonl)")
-    timeline.add_argument("--last", type=int, default=0, help="only the last K updates (default: all)")
-    timeline.add_argument("--out", default=None, help="PNG path (default: RUN/timeline.png)")
+    timeline.add_argument("--last", type=whole_number(1), default=None, help="only the last K updates (default: all)")
+    timeline.add_argument("--out", default=None, help="PNG path (default: RUN/timeline.png); a chart timeline drew is redrawn, any other file is left alone")
     timeline.set_defaults(func=cmd_timeline)
 
     planner = sub.add_parser("plan", help="estimate seconds per update of a job on N GPUs per schedule, and a pool split (analytic)")
     planner.add_argument("job", help="job YAML")
-    planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    planner.add_argument("--gpus", type=whole_number(1), required=True, help="GPUs in all")
     planner.add_argument("--gpu", choices=["a100", "a100-40gb", "h100", "h200"], default="a100")
     planner.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="the model's layout when its config.json is not at hand (default: the preset model.path names, if any)")
     planner.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help=SET_HELP)
-    planner.add_argument("--text-tokens", type=int, default=84, help="text tokens of a prompt (default 84)")
+    planner.add_argument("--text-tokens", type=whole_number(0), default=84, help="text tokens of a prompt (default 84)")
     planner.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
-    planner.add_argument("--frames", type=int, default=0, help="a clip of this many frames of --image's size per prompt instead of one image")
+    planner.add_argument("--frames", type=whole_number(0), default=0, help="a clip of this many frames of --image's size per prompt instead of one image")
     planner.add_argument("--efficiency", nargs="*", default=[], metavar="NAME=VALUE", help="override an assumed efficiency (see lt_opd_ray/planning/planner.py)")
     planner.set_defaults(func=cmd_plan)

@@ -39,6 +39,24 @@ def _yaml_line(root: yaml.Node | None, path: tuple) -> int | None:
     return line
 
 
+def _keys_given_twice(node: yaml.Node | None, path: tuple = ()) -> list[tuple[str, str]]:
+    """Every mapping key the YAML gives twice (YAML loaders keep the last silently), with both lines."""
+    problems = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            if key.value in first:
+                dotted = ".".join((*path, str(key.value)))
+                problems.append((f"{dotted} (lines {first[key.value]} and {line})", "given twice; keep one"))
+            first.setdefault(key.value, line)
+            problems += _keys_given_twice(value, (*path, str(key.value)))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            problems += _keys_given_twice(item, (*path, str(index)))
+    return problems
+
+
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...], source: str) -> dict:
     """`data` with each `dotted.path=value` set (the value read as YAML: numbers, booleans, lists); sections on the
     path are created as needed, and the schema then judges the result as it judges the file."""
@@ -75,6 +93,8 @@ def parse_job(text: str, source: str = "<job>", overrides: list[str] | tuple[str
         raise JobConfigError(source, [("yaml", "nested too deeply to be a job (a job is at most four levels deep)")]) from None
     if not isinstance(data, dict):
         raise JobConfigError(source, [("<top>", "a job YAML must be a mapping of sections")])
+    if twice := _keys_given_twice(root):
+        raise JobConfigError(source, twice)
     data = apply_overrides(data, overrides, source)
     overridden = [o.partition("=")[0].strip() for o in overrides]
     try:

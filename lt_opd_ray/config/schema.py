@@ -164,8 +164,8 @@ class SamplingConfig(StrictModel):
     """Prompts per rollout batch (one optimizer step per batch)."""
     n: int = Field(8, ge=1, le=MAX_RESPONSES_PER_PROMPT)
     """Responses sampled per prompt."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature of the rollout policy."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature of the rollout policy (above ~2 a policy samples noise; 10 is far past any use)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus mass of the rollout policy."""
     max_new_tokens: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)

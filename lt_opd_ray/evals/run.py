@@ -34,13 +34,14 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
 
     destination = OutputFolder(Path(out), "eval", force)
     destination.check()  # before any model runs
+    model_dir = resolve_model_dir(model_path)  # a missing model folder is named before anything is read
     for name in selectors:
         build_selector(name)  # unknown selectors fail before anything runs
     suites = {}
     for name, path in files.items():
         adapter = benchmark(name)
         suites[name] = (adapter, adapter.load(path)[:limit])
-    model_dir, model = load_vlm(resolve_model_dir(model_path))
+    model_dir, model = load_vlm(model_dir)
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir, frames=frames)
 
     def score(adapter, items, budget_bps, selector):

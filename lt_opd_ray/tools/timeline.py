@@ -16,7 +16,7 @@ ROLE_COLOURS = {"rollout": "tab:blue", "teacher": "tab:orange", "learner": "tab:
 ROW_ORDER = ["rollout", "teacher", "learner", "sync", "checkpoint", "eval"]
 
 
-def read_steps(run_dir: str | Path, last: int = 0) -> list[dict]:
+def read_steps(run_dir: str | Path, last: int | None = None) -> list[dict]:
     """The run's step records (the last `last`, or all), each checked to carry a timeline."""
     path = Path(run_dir) / "steps.jsonl"
     if not path.exists():
@@ -57,8 +57,30 @@ def draw(steps: list[dict], out: str | Path) -> None:
     ax.set_xlabel("seconds since the first span shown (bars of alternate updates alternate in shade)")
     ax.set_title(f"updates {steps[0]['step']}-{steps[-1]['step']}")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, metadata={"Software": DRAWN_BY})
     plt.close(fig)
+
+
+DRAWN_BY = "lt-opd timeline"  # the PNG's Software text: a chart this command may redraw
+
+
+def out_problem(out: Path) -> str | None:
+    """Why `out` may not be written (a folder, a folder that does not exist, a file the command did not draw), or None."""
+    if out.is_dir():
+        return f"{out} is a folder; --out names the PNG file to draw"
+    if not out.parent.is_dir():
+        return f"{out.parent} does not exist; --out names a PNG file in an existing folder"
+    if out.exists():
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(out) as image:
+                drawn = image.info.get("Software") == DRAWN_BY
+        except (OSError, UnidentifiedImageError):
+            drawn = False
+        if not drawn:
+            return f"{out} exists and is not a chart lt-opd timeline drew: it is left alone; choose another --out"
+    return None
 
 
 POOLS = ("rollout", "teacher", "learner")
