@@ -65,8 +65,10 @@ def problems_of(text):
 
 def test_unknown_key_is_an_error_with_path_and_line():
     problems, message = problems_of(MINIMAL + "budget:\n  start_bps: 2500\n  warmup: 3\n")
-    assert problems == [("budget.warmup (line 7)", "unknown key")]
+    assert problems == [("budget.warmup (line 7)", "unknown key; did you mean warm_steps?")]  # the nearest key there
     assert message.startswith("job.yaml: 1 problem(s)")
+    problems, _ = problems_of(MINIMAL + "pools:\n  rollout: {wokers: 2}\nbudget: {zzz: 1}\n")
+    assert problems == [("pools.rollout.wokers (line 6)", "unknown key; did you mean workers?"), ("budget.zzz (line 7)", "unknown key")]
 
 
 def test_every_bad_field_is_reported_at_once():

@@ -53,6 +53,10 @@ def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(ti
 
     job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
     out = tmp_path / "student"
+    with pytest.raises(ExportError, match=f"no run at {tmp_path / 'run'} \\(the job's checkpoint.dir\\): nothing to export"):
+        export_student(job, out)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "steps.jsonl").write_text("")  # a run that has not finished
     with pytest.raises(ExportError, match="no finished student.*available: none"):
         export_student(job, out)
     assert not out.exists() and not list(tmp_path.glob(".student.incoming-*"))

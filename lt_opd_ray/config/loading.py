@@ -39,6 +39,23 @@ def _yaml_line(root: yaml.Node | None, path: tuple) -> int | None:
     return line
 
 
+def _unknown_key(path: tuple) -> str:
+    """"unknown key", with the nearest key the schema has at that place when one is near (a misspelling)."""
+    import difflib
+
+    from pydantic import BaseModel
+
+    model = JobConfig
+    for key in path[:-1]:
+        field = model.model_fields.get(str(key))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return "unknown key"
+        model = annotation
+    near = difflib.get_close_matches(str(path[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return f"unknown key; did you mean {near[0]}?" if near else "unknown key"
+
+
 def _keys_given_twice(node: yaml.Node | None, path: tuple = ()) -> list[tuple[str, str]]:
     """Every mapping key the YAML gives twice (YAML loaders keep the last silently), with both lines."""
     problems = []
@@ -109,7 +126,7 @@ def parse_job(text: str, source: str = "<job>", overrides: list[str] | tuple[str
                 line, where = 0, f"{dotted} (--set)"
             else:
                 where = f"{dotted} (line {line})" if line else dotted
-            reason = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            reason = _unknown_key(path) if err["type"] == "extra_forbidden" else err["msg"]
             located.append((line or 0, where, reason))
         located.sort(key=lambda item: item[0])  # in file order; fields missing from the file first
         raise JobConfigError(source, [(where, reason) for _, where, reason in located]) from None

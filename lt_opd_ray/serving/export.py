@@ -25,12 +25,14 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
     """Write the job's student to `out_dir`: from `<checkpoint.dir>/final`, or from checkpoint `step-<step>`."""
     from lt_opd_ray.core.storage import RunStorage
 
+    storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
+    if not storage.names():
+        raise ExportError(f"no run at {job.checkpoint.dir} (the job's checkpoint.dir): nothing to export")
     destination = OutputFolder(Path(out_dir), "export", force)
     try:
         staging = destination.staging()  # refuses a destination export may not write, before any work
     except OutputFolderError as exc:
         raise ExportError(str(exc)) from None
-    storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
     try:
         if step is None:
             if storage.read_text("final/config.json") is None:  # written last: a final/ without it is unfinished
