@@ -266,6 +266,7 @@ BAD_COMMAND_LINES = [
     ("timeline {run} --last -3", "argument --last: -3 is out of range: 1 or more"),
     ("check-cluster jobs/train_tiny.yaml {tmp}/nocluster.yaml", "check-cluster: {tmp}/nocluster.yaml: no such file or directory"),
     ("serve {tmp} --port 99999", "argument --port: 99999 is out of range: from 1 to 65535"),
+    ("serve {toy}", "attention head size 16; vLLM's CPU attention runs head sizes 32, 64,"),  # refused before vLLM starts
     ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows 0", "argument --shard-rows: 0 is out of range: 1 or more"),
     ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows -2", "argument --shard-rows: -2 is out of range: 1 or more"),
     ("export jobs/train_tiny.yaml --out {tmp}/x --step -1", "argument --step: -1 is out of range: 1 or more"),
@@ -280,6 +281,7 @@ def test_every_command_refuses_bad_input_in_a_sentence_without_a_traceback(tmp_p
     from test_benchmarks import fixture
 
     from lt_opd_ray.cli.main import main
+    from lt_opd_ray.sources.resolve import resolve_model_dir
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the lines name the repository's jobs/
     pope, _, _ = fixture("pope", tmp_path)
@@ -293,7 +295,8 @@ def test_every_command_refuses_bad_input_in_a_sentence_without_a_traceback(tmp_p
     lines = Path("jobs/train_tiny.yaml").read_text().splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("seed:"))
     (tmp_path / "twice.yaml").write_text("\n".join([*lines[:at], "seed: 3", *lines[at:]]) + "\n")
-    where = {"tmp": str(tmp_path), "pope": str(pope), "run": str(run), "seed": at + 1, "seed_again": at + 2}
+    toy = resolve_model_dir("toy:circles")  # the README's first run's teacher and student shape (head size 16)
+    where = {"tmp": str(tmp_path), "pope": str(pope), "run": str(run), "seed": at + 1, "seed_again": at + 2, "toy": toy}
     before = sorted(p.name for p in tmp_path.iterdir())
     for line, fragment in BAD_COMMAND_LINES:
         argv = line.format(**where).split()

@@ -424,6 +424,18 @@ def check_architecture(model_dir: Path) -> None:
             " regardless, vLLM only when it is true (so its engine would drop them and sample another model). The"
             " releases set it: add \"attention_bias\": true to text_config"
         )
+    if not torch.cuda.is_available():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        text = config.get("text_config", config)
+        head_size = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if head_size not in supported:
+            raise UnsupportedArchitectureError(
+                f"{config_path}: attention head size {head_size}; vLLM's CPU attention runs head sizes"
+                f" {', '.join(map(str, supported))} only: serve or sample it on a GPU; a job can run it on this machine"
+                " with the transformers engine (pools.rollout.backend and pools.teacher.backend: transformers)"
+            )
 
 
 def _pop_selections(worker, nonces):
