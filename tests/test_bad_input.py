@@ -166,7 +166,8 @@ def test_prepare_refuses_an_out_that_is_a_file_or_a_full_folder_before_any_work(
 
 def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tmp_path, capsys):
     """What `train` would stop on later (a folder as data, a file of another kind, a prepared folder whose manifest is
-    damaged, missing images, fewer rows than an update's prompts) and absurd sizes are named by `validate`."""
+    damaged, missing images, fewer rows than an update's prompts, a missing model folder, eval rows that cannot be
+    scored) and absurd sizes are named by `validate`."""
     from lt_opd_ray.cli.main import main
 
     job = tmp_path / "job.yaml"
@@ -184,9 +185,12 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         "sampling.n=1000000000": "sampling.n (--set): Input should be less than or equal to 1024",
         "pools.rollout.workers=1000000": "pools.rollout.workers (--set): Input should be less than or equal to 4096",
         "sampling.prompts_per_step=65": "sampling.prompts_per_step (65) is more than the 64 rows of data.path 'synthetic:64'",
+        f"model.path={tmp_path / 'nomodel'}": f"model.path '{tmp_path / 'nomodel'}': no config.json there",  # train's preflight: the same check
+        f"eval.data={tmp_path / 'a-rows.jsonl'}": f"1 of the 1 rows of eval.data '{tmp_path / 'a-rows.jsonl'}' carry no reference answer (a)",
     }
+    (tmp_path / "a-rows.jsonl").write_text(json.dumps({"sample_uid": "a", "image": "a.png", "question": "Q?"}) + "\n")
     for override, expected in cases.items():
-        extra = [f"data.path={tmp_path / 'rows.jsonl'}"] if "image_root" in override else []
+        extra = [f"data.path={tmp_path / 'rows.jsonl'}"] if "image_root" in override else [f"data.image_root={tmp_path}"] if "eval.data" in override else []
         assert main(["validate", str(job), "--set", override, *(f"--set={e}" for e in extra)]) == 1, override
         err = capsys.readouterr().err
         assert expected in err, (override, err)

@@ -5,11 +5,12 @@ no Ray."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.families import Family
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.sources.resolve import generated_rows, load_samples
+from lt_opd_ray.sources.resolve import embedded_model, generated_rows, load_samples, resolve_model_dir
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class JobInputs:
     samples: list[Sample] | None  # the rows themselves; None where not drawn (validate) or unreadable
     eval_samples: list[Sample] | None  # None: no eval.data, not drawn, or unreadable
     benchmarks: dict[str, list]  # name -> items (evals.benchmarks.Item); a file that does not read is left out
+    model_dir: Path | None  # model.path's folder; None where it is missing, or embedded and not built (validate)
 
 
 def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInputs, list[str]]:
@@ -51,6 +53,16 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
                         f" rows of data.path {job.data.path!r} carry none ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}):"
                         " give each row a `response`, or train on the teacher's (sequence_kd, teacher_prefix)")
     eval_samples = attempt(lambda: rows_of(job.eval.data)) if job.eval.data else None
+    if eval_samples is not None and (unscorable := [s.uid for s in eval_samples if s.answer is None]):
+        problems.append(f"{len(unscorable)} of the {len(eval_samples)} rows of eval.data {job.eval.data!r} carry no reference answer"
+                        f" ({', '.join(unscorable[:3])}{', ...' if len(unscorable) > 3 else ''}): an evaluation scores each"
+                        " row's answer, so give each an `answer`")
+    model_dir = None
+    if draw_generated or not embedded_model(job.model.path):  # validate names a missing folder; it builds no embedded model
+        try:
+            model_dir = resolve_model_dir(job.model.path)  # builds an embedded model once, not in every actor
+        except FileNotFoundError as exc:
+            problems.append(str(exc))
     if samples is None and generated is not None and generated.images > job.data.max_images:  # not drawn (validate)
         problems.append(f"data.path {job.data.path!r} shows {generated.images} images per row, more than data.max_images"
                         f" ({job.data.max_images}): raise data.max_images")
@@ -67,7 +79,7 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
             problems.append(f"{shown}, but data.max_videos is 0 and pools.{' and pools.'.join(vllm)} run vLLM, whose engines reserve"
                             " room for a clip only when asked: set data.max_videos: 1")
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
-    return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}), problems
+    return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}, model_dir), problems
 
 
 def family_problems(job: JobConfig, family: Family, inputs: JobInputs) -> list[str]:

@@ -24,7 +24,6 @@ from lt_opd_ray.runtime.resources import (
     check_memory,
     check_resources,
 )
-from lt_opd_ray.sources.resolve import resolve_model_dir
 
 
 class PreflightError(ValueError):
@@ -49,15 +48,15 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     if note := autoscaling_note(job, cluster):
         print(note, flush=True)
     attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
-    model_dir = attempt(lambda: resolve_model_dir(job.model.path))  # builds an embedded model (tiny:, toy:) once, not in every actor
+    inputs, input_problems = read_job_inputs(job)  # the data, benchmark and model files, as `validate` reads them
+    problems += input_problems
+    model_dir = inputs.model_dir
     if model_dir is not None:
         attempt(lambda: check_checkpoint_names(model_dir))
         attempt(lambda: check_token_merge(job, model_dir))
         model_config = json.loads((Path(model_dir) / "config.json").read_text())
         attempt(lambda: check_learner_memory(job, model_config, ray.nodes()))
         attempt(lambda: check_engine_memory(job, model_config, ray.nodes()))
-    inputs, input_problems = read_job_inputs(job)
-    problems += input_problems
     if model_dir is not None:
         problems += family_problems(job, family_of_config(model_config), inputs)
     problems += [f"tracking.backends names {name!r} but {name} is not installed: pip install 'lt-opd-ray[tracking]'"

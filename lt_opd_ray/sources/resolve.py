@@ -83,6 +83,11 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list
     return read_rows(spec, image_root)
 
 
+def embedded_model(path: str) -> bool:
+    """Whether `model.path` names a model the package builds (`tiny:`, `toy:`) rather than a folder."""
+    return path.startswith(("tiny:", "toy:"))
+
+
 def resolve_model_dir(path: str) -> Path:
     """The local folder `model.path` names, built or trained first where it is embedded (`tiny:`, `toy:`)."""
     from lt_opd_ray.models.loading import model_folder
