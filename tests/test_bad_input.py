@@ -247,7 +247,7 @@ def test_an_unforeseen_error_is_one_line_and_its_traceback_is_kept_in_the_run_fo
     assert main(["train", str(job)]) == 1
     err = capsys.readouterr().err
     log = tmp_path / "run" / "error.log"
-    assert err == f"error: ZeroDivisionError: a bug nobody foresaw (traceback in {log}; `--resume` continues from the newest checkpoint)\n"
+    assert err == f"error: ZeroDivisionError: a bug nobody foresaw (traceback in {log}; no checkpoint was written, so a new run starts from the beginning)\n"
     assert "Traceback (most recent call last)" in log.read_text() and "in fails" in log.read_text()
 
 

@@ -66,3 +66,28 @@ def test_an_actor_stuck_inside_a_working_step_is_named_with_the_step_not_its_wai
 def test_short_steps_for_longer_than_the_bound_are_progress(cluster, monkeypatch):
     monkeypatch.setattr(waits, "LIVENESS_TICK_S", 0.25)
     assert watched_run({"rank-0": (12, 0.5), "rank-1": (12, 0.5)}) > 2 * LIVENESS_S
+
+
+@ray.remote(num_cpus=0)
+class Evaluator:
+    def evaluate(self):
+        raise ValueError("samples without a reference answer cannot be scored: a, b")
+
+
+def test_an_error_raised_inside_an_actor_is_told_as_its_own_line_not_rays_wrapper(cluster, tmp_path):
+    """`lt-opd train`'s one line for an unforeseen error: the actor's exception and method, without the remote
+    traceback and colour codes Ray's wrapper carries; `--resume` offered only where a checkpoint exists."""
+    from conftest import job_for
+
+    from lt_opd_ray.cli.jobs import _in_words, _resume_hint
+
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(Evaluator.remote().evaluate.remote())
+    assert "\x1b[" in str(info.value)  # what was printed before
+    assert _in_words(info.value) == "ValueError in Evaluator.evaluate: samples without a reference answer cannot be scored: a, b"
+    assert _in_words(KeyError("x")) == "KeyError: 'x'"
+    job = job_for("tiny:qwen3_5", tmp_path / "run")
+    assert _resume_hint(job) == "no checkpoint was written, so a new run starts from the beginning"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").write_text("step-4")
+    assert _resume_hint(job) == "`--resume` continues from step-4"

@@ -71,14 +71,44 @@ def cmd_train(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RESUMABLE
     except KeyboardInterrupt:  # Ctrl-C, or a second SIGTERM: stopped at once, the pools stopped on the way out
-        print("stopped at once (Ctrl-C or a second SIGTERM); `--resume` continues from the newest checkpoint", file=sys.stderr)
+        print(f"stopped at once (Ctrl-C or a second SIGTERM); {_resume_hint(job)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug or an environment we did not foresee: one line here, the traceback in the run folder
         log = _keep_traceback(job)
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(f"error: {type(exc).__name__}: {first} (traceback in {log}; `--resume` continues from the newest checkpoint)", file=sys.stderr)
+        print(f"error: {_in_words(exc)} (traceback in {log}; {_resume_hint(job)})", file=sys.stderr)
         return EXIT_UNEXPECTED
     return EXIT_DONE
+
+
+def _in_words(exc: BaseException) -> str:
+    """One line for an error: the exception an actor raised, named with the actor's method, not Ray's wrapper (whose
+    text carries the remote traceback and terminal colour codes)."""
+    import re
+
+    import ray
+
+    def plain(text: str) -> str:
+        return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+    where = ""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        called = re.search(r"ray::([\w.]+)\(", plain(str(exc)))  # Ray's first line: "ray::RolloutWorker.evaluate() (pid=..."
+        where, exc = f" in {called[1]}" if called else "", exc.cause
+    first = plain((str(exc).strip().splitlines() or [""])[0])[:300]
+    return f"{type(exc).__name__}{where}: {first}"
+
+
+def _resume_hint(job) -> str:
+    """What `--resume` would continue from: the newest checkpoint, or that there is none to continue."""
+    from lt_opd_ray.core.storage import RunStorage
+
+    try:
+        latest = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).read_text("latest")
+    except Exception:  # an unreachable storage: say nothing it cannot tell
+        latest = None
+    if latest:
+        return f"`--resume` continues from {latest.strip()}"
+    return "no checkpoint was written, so a new run starts from the beginning"
 
 
 def _keep_traceback(job) -> str:
