@@ -4,6 +4,7 @@ the flags; --force replaces only the command's own earlier output; nothing is le
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from test_benchmarks import fixture
@@ -102,3 +103,46 @@ def test_data_names_a_source_that_is_missing_or_not_a_source_and_leaves_nothing(
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no out/, no out.incoming/
+
+
+def test_a_new_study_needs_a_new_or_empty_out_and_a_folder_of_the_users_is_left_alone(tmp_path, capsys, monkeypatch):
+    """`lt-opd ablation` writes its runs and report into --out as they finish: a new study never writes over another's
+    results or anyone's files (refused before the teacher is evaluated); --resume continues a study."""
+    from lt_opd_ray.cli.main import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "results.json").write_text('{"runs": []}')
+    (tmp_path / "a-file").write_text("keep me too")
+    before = files_of(tmp_path)
+    for out, message in [(mine, f"{mine} holds files of its own; a new study needs a new or empty --out"),
+                         (study, f"{study} holds an earlier study (--resume continues it); a new study needs a new or empty --out"),
+                         (tmp_path / "a-file", f"{tmp_path / 'a-file'} is a file; --out names the study's folder")]:
+        assert main(["ablation", "jobs/toy_circles.yaml", "--out", str(out)]) == 2
+        assert f"ablation: {message}" in capsys.readouterr().err
+    assert files_of(tmp_path) == before
+
+
+def test_a_run_folder_keeps_the_users_files_and_force_moves_an_earlier_run_aside_whole(tmp_path, capsys):
+    """`lt-opd train` into checkpoint.dir: a folder without a run is used as it is (its files stay); one that holds an
+    earlier run is refused, and with --force moved aside whole, every file in it byte for byte."""
+    from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep me")
+    claim_run_folder(run, resume=False, force=False)
+    assert files_of(run) == {Path("notes.txt"): b"keep me"}
+    (run / "steps.jsonl").write_text('{"step": 0}\n')
+    (run / "run.json").write_text('{"run_id": "r1"}')
+    before = files_of(run)
+    with pytest.raises(RunFolderError, match="holds an earlier run"):
+        claim_run_folder(run, resume=False, force=False)
+    assert files_of(run) == before
+    claim_run_folder(run, resume=False, force=True)
+    assert not run.exists() and files_of(tmp_path / "run-r1") == before
+    assert "moved the earlier run" in capsys.readouterr().out

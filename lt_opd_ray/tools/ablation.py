@@ -128,6 +128,11 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
     out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file; --out names the study's folder")
+    if not resume and out_dir.is_dir() and any(out_dir.iterdir()):  # a study's results and runs are never written over
+        held = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
+        raise ValueError(f"{out_dir} holds {held}; a new study needs a new or empty --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     from lt_opd_ray.sources.resolve import resolve_model_dir
