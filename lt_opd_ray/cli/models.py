@@ -183,7 +183,7 @@ def register(sub) -> None:
     export.add_argument("job", help="the job YAML the student was trained with")
     export.add_argument("--out", required=True, help="output folder (assembled beside it, renamed into place)")
     export.add_argument("--step", type=whole_number(1), default=None, help="export checkpoint step-N (default: <checkpoint.dir>/final)")
-    export.add_argument("--force", action="store_true", help="replace an existing output folder")
+    export.add_argument("--force", action="store_true", help="replace an earlier `lt-opd export` in --out (never another folder)")
     export.set_defaults(func=cmd_export)
 
     serve = sub.add_parser("serve", help="serve an exported student at its budget (vLLM, OpenAI-compatible); -- passes vLLM options")
@@ -191,7 +191,7 @@ def register(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     serve.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
-    serve.add_argument("--max-model-len", type=int, default=8192)
+    serve.add_argument("--max-model-len", type=whole_number(1), default=8192, help="longest prompt + answer in tokens (default 8192, or the model's own limit if lower)")
     serve.set_defaults(func=cmd_serve)
 
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
