@@ -172,6 +172,35 @@ def test_a_checkpoint_pickle_that_runs_code_is_refused_at_resume_and_export(fini
     assert (export_student(job, tmp_path / "out2", step=2) / "config.json").exists()
 
 
+def test_a_file_planted_beside_an_honest_manifest_is_refused_by_name_and_its_pickle_never_runs(finished, tmp_path, tiny_dirs):
+    """DeepSpeed's loader opens every *_model_states.pt in the folder, not only those the manifest names."""
+    folder = copy_of(finished, tmp_path)
+    marker = tmp_path / "pwned"
+    planted = folder / "step-3" / "a_model_states.pt"
+    torch.save({"module": RunsCode(marker)}, planted)
+    job = small_job(tiny_dirs["qwen3_5"], folder)
+    tag, passed = CheckpointStore(job).choose()
+    assert tag == "step-2" and [p.tag for p in passed] == ["step-3"]
+    assert f"{planted}: not named by the checkpoint's manifest (1 such file(s))" in str(passed[0])
+    with pytest.raises(ExportError, match=f"{planted}: not named by the checkpoint's manifest"):
+        export_student(job, tmp_path / "out", step=3)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("pointer", ["../outside", "/tmp/elsewhere", "step-1/../../outside", "step-2\n../x", "final"])
+def test_a_latest_pointer_that_is_no_checkpoint_name_is_refused_and_moves_nothing(finished, tmp_path, tiny_dirs, pointer):
+    """`latest` is read as a checkpoint's name only when it is one a run writes (step-N): a path would be renamed to
+    *.damaged, or downloaded over, as if it were a checkpoint."""
+    folder = copy_of(finished, tmp_path)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "keep.txt").write_text("mine")
+    (folder / "latest").write_text(pointer)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(CheckpointError, match=f"{folder / 'latest'} names .* not a checkpoint name a run writes \\(step-N\\)"):
+        CheckpointStore(small_job(tiny_dirs["qwen3_5"], folder)).choose()
+    assert sorted(p.name for p in folder.iterdir()) == before and (tmp_path / "outside" / "keep.txt").read_text() == "mine"
+
+
 def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_dirs, tmp_path, finished):
     # a real disk that fills: a tmpfs sized for one and a half checkpoints (mounting needs root, as CI runs)
     one = sum(p.stat().st_size for p in (finished / "step-1").rglob("*") if p.is_file())

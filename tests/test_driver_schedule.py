@@ -34,7 +34,10 @@ def fake_job(tmp_path, staleness=0, ranks=2, workers=2, prompts=4, total=5, ever
              wait_timeout_s=20, liveness_timeout_s=1, name="fake"):
     schedule = (f"schedule: {{max_staleness: {staleness}, group_prompts: {group_prompts}, wait_timeout_s: {wait_timeout_s},"
                 f" liveness_timeout_s: {liveness_timeout_s}}}")
-    return job_for(tmp_path / "no-model", tmp_path / "run", ranks=ranks, workers=workers, prompts=prompts, total=total, every=every,
+    model = tmp_path / "fake-model"  # the fake roles load no model; the inputs' check wants a folder with a config
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return job_for(model, tmp_path / "run", ranks=ranks, workers=workers, prompts=prompts, total=total, every=every,
                    zero_stage=zero_stage, name=name, extra=schedule)
 
 

@@ -79,13 +79,14 @@ def test_an_error_raised_inside_an_actor_is_told_as_its_own_line_not_rays_wrappe
     traceback and colour codes Ray's wrapper carries; `--resume` offered only where a checkpoint exists."""
     from conftest import job_for
 
-    from lt_opd_ray.cli.jobs import _in_words, _resume_hint
+    from lt_opd_ray.cli.jobs import _resume_hint
+    from lt_opd_ray.runtime.waits import in_words
 
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         ray.get(Evaluator.remote().evaluate.remote())
     assert "\x1b[" in str(info.value)  # what was printed before
-    assert _in_words(info.value) == "ValueError in Evaluator.evaluate: samples without a reference answer cannot be scored: a, b"
-    assert _in_words(KeyError("x")) == "KeyError: 'x'"
+    assert in_words(info.value) == "ValueError in Evaluator.evaluate: samples without a reference answer cannot be scored: a, b"
+    assert in_words(KeyError("x")) == "KeyError: 'x'"
     job = job_for("tiny:qwen3_5", tmp_path / "run")
     assert _resume_hint(job) == "no checkpoint was written, so a new run starts from the beginning"
     (tmp_path / "run").mkdir()

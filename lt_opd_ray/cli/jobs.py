@@ -52,7 +52,7 @@ def cmd_train(args) -> int:
     from lt_opd_ray.runtime.preflight import PreflightError
     from lt_opd_ray.runtime.resources import InsufficientResourcesError
     from lt_opd_ray.runtime.run_lock import RunLockedError
-    from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
+    from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, in_words
 
     if (job := load_job_or_report(args.job, args.set)) is None:
         return EXIT_REFUSED
@@ -75,27 +75,9 @@ def cmd_train(args) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug or an environment we did not foresee: one line here, the traceback in the run folder
         log = _keep_traceback(job)
-        print(f"error: {_in_words(exc)} (traceback in {log}; {_resume_hint(job)})", file=sys.stderr)
+        print(f"error: {in_words(exc)} (traceback in {log}; {_resume_hint(job)})", file=sys.stderr)
         return EXIT_UNEXPECTED
     return EXIT_DONE
-
-
-def _in_words(exc: BaseException) -> str:
-    """One line for an error: the exception an actor raised, named with the actor's method, not Ray's wrapper (whose
-    text carries the remote traceback and terminal colour codes)."""
-    import re
-
-    import ray
-
-    def plain(text: str) -> str:
-        return re.sub(r"\x1b\[[0-9;]*m", "", text)
-
-    where = ""
-    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        called = re.search(r"ray::([\w.]+)\(", plain(str(exc)))  # Ray's first line: "ray::RolloutWorker.evaluate() (pid=..."
-        where, exc = f" in {called[1]}" if called else "", exc.cause
-    first = plain((str(exc).strip().splitlines() or [""])[0])[:300]
-    return f"{type(exc).__name__}{where}: {first}"
 
 
 def _resume_hint(job) -> str:

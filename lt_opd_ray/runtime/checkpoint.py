@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -169,8 +170,16 @@ class CheckpointStore:
         return Manifest.parse(self.storage.read_text(f"{tag}/{MANIFEST}"), self.storage.describe(f"{tag}/{MANIFEST}"))
 
     def _pointer(self) -> str | None:
+        """The tag `latest` names. Only a name this store writes (`step-N`) is taken: a path, `..` or anything else
+        would be renamed or downloaded over as if it were a checkpoint, so it is refused by name."""
         pointer = self.storage.read_text("latest")
-        return pointer.strip() if pointer is not None else None
+        if pointer is None:
+            return None
+        tag = pointer.strip()
+        if not re.fullmatch(r"step-[0-9]+", tag):
+            raise CheckpointError(f"{self.storage.describe('latest')} names {tag[:200]!r}, not a checkpoint name a run writes (step-N);"
+                                  " fix or remove the file")
+        return tag
 
     def latest(self) -> str | None:
         """The tag `latest` names (this process wrote it or it is complete), or None."""

@@ -128,6 +128,12 @@ def damage(folder: Path, only: set[str] | None = None) -> str | None:
         return str(exc)
     if only is not None:
         manifest = Manifest(manifest.run_id, manifest.step, manifest.written_at, {n: v for n, v in manifest.files.items() if n in only})
+    else:  # DeepSpeed's loaders open every *_states.pt in the folder: a file the run did not write is never trusted
+        unnamed = sorted(rel for p in folder.rglob("*") if p.is_file() and (rel := p.relative_to(folder).as_posix()) != MANIFEST
+                         and rel not in manifest.files)
+        if unnamed:
+            return (f"{folder / unnamed[0]}: not named by the checkpoint's manifest ({len(unnamed)} such file(s)); a checkpoint"
+                    " folder holds only the files its run wrote")
     for name, (size, _) in manifest.files.items():
         path = folder / name
         if not path.is_file():

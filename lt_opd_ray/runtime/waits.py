@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,3 +166,18 @@ def _first_dead(watched: list[Watched], pings: dict, objects: ObjectStore, timeo
         except ray.exceptions.GetTimeoutError:
             continue
     return None
+
+
+def in_words(exc: BaseException) -> str:
+    """One line for an error: the exception an actor raised, named with the actor's method, not Ray's wrapper (whose
+    text carries the remote traceback and terminal colour codes)."""
+
+    def plain(text: str) -> str:
+        return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+    where = ""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        called = re.search(r"ray::([\w.]+)\(", plain(str(exc)))  # Ray's first line: "ray::RolloutWorker.evaluate() (pid=..."
+        where, exc = f" in {called[1]}" if called else "", exc.cause
+    first = plain((str(exc).strip().splitlines() or [""])[0])[:300]
+    return f"{type(exc).__name__}{where}: {first}"
