@@ -349,19 +349,20 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     base = tmp_path / "toy_circles.yaml"  # the study's job, evaluated on 64 held-out items instead of 512 (for time)
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64")
                     .replace("export_port: 8091", "export_port: 8096"))  # not the port of a study running on this machine
-    first = run_ablation(str(base), str(tmp_path), seeds=[0], steps=2, arms=["sft"])
-    saved = json.loads((tmp_path / "results.json").read_text())
+    study = tmp_path / "study"  # a new study's --out is new or empty
+    first = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft"])
+    saved = json.loads((study / "results.json").read_text())
     assert saved["complete"] and [(r["arm"], r["seed"]) for r in saved["runs"]] == [("sft", 0)]
     assert saved["teacher"]["full"] == first["teacher"]["full"] >= 0.95 and saved["eval_items"] == 64
     with pytest.raises(ValueError, match=r"another study \(steps 2 \(now 3\)\)"):
-        run_ablation(str(base), str(tmp_path), seeds=[0], steps=3, arms=["sft", "lt_opd"], resume=True)
-    resumed = run_ablation(str(base), str(tmp_path), seeds=[0], steps=2, arms=["sft", "lt_opd"], resume=True)
-    final = json.loads((tmp_path / "results.json").read_text())
+        run_ablation(str(base), str(study), seeds=[0], steps=3, arms=["sft", "lt_opd"], resume=True)
+    resumed = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft", "lt_opd"], resume=True)
+    final = json.loads((study / "results.json").read_text())
     assert resumed["runs"][:1] == saved["runs"] and [(r["arm"], r["seed"]) for r in final["runs"]] == [("sft", 0), ("lt_opd", 0)]
     assert resumed["seconds"] > saved["seconds"] and final["complete"]
     assert all([p["step"] for p in r["curve"]] == [1, 2] and set(r["final"]) == {"cdpruner", "divprune"} for r in final["runs"])
     assert [r["arm"] for r in retain_rows(final)] == ["untrained", "untrained", "sft", "sft", "lt_opd", "lt_opd"]
-    assert (tmp_path / "curves.png").stat().st_size > 0 and "LT-OPD" in (tmp_path / "retain_table.md").read_text()
+    assert (study / "curves.png").stat().st_size > 0 and "LT-OPD" in (study / "retain_table.md").read_text()
 
 
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
