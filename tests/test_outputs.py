@@ -4,6 +4,7 @@ the flags; --force replaces only the command's own earlier output; nothing is le
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,9 @@ def test_an_out_is_written_only_when_new_empty_or_the_commands_own_with_force(tm
     (staging / "results.json").write_text("new")
     assert destination.publish(staging) == out
     assert (out / "results.json").read_text() == "new" and json.loads((out / MARKER).read_text()) == {"command": "eval"}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # as a folder made with mkdir, not mkdtemp's owner-only 0700
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or replaced folder left beside it
 
 

@@ -56,7 +56,11 @@ class OutputFolder:
         """A new empty folder beside the destination, for the command to assemble its output in."""
         self.check()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{self.path.name}.incoming-", dir=self.path.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.incoming-", dir=self.path.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the published folder its owner's alone
+        return staging
 
     def publish(self, staging: Path) -> Path:
         """Mark `staging` as this command's and rename it into place; an earlier output of the command (checked

@@ -72,10 +72,10 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
     staging = destination.staging()
     try:
         _write(results, selectors, budgets, staging)
+        destination.publish(staging)
     except BaseException:
         destination.discard(staging)
         raise
-    destination.publish(staging)
     return results
 
 

@@ -48,13 +48,13 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
             _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
         _check_loadable(staging)
+        return destination.publish(staging)
     except OSError as exc:  # shutil.Error too: a full disk, a folder it may not write
         destination.discard(staging)
         raise ExportError(f"writing {staging} failed ({_first_os_error(exc)}); nothing was left there") from exc
     except BaseException:
         destination.discard(staging)
         raise
-    return destination.publish(staging)
 
 
 def _first_os_error(exc: OSError) -> str:
