@@ -125,10 +125,15 @@ class LearnerActor:
         gathering to the last bucket, so the learners' own group stays in step, then raises."""
         begin = time.perf_counter()
         bucket_bytes = int(self.job.pools.learner.sync_bucket_mb * 2**20)
-        if self.rank == 0:  # the learner is the sync's source (weight_sync/ends.WeightSource)
-            nbytes = self.sync.send(self.learner, version, bucket_bytes)
-        else:
-            nbytes = self.learner.stream_weights(None, bucket_bytes)  # its part of each ZeRO-3 gather
+        mark, before = self.learner.progress.mark, self.learner.progress.read()  # a step may be waiting (inside_step)
+        mark(f"v{version} weight broadcast", working=False)  # paced by the slowest receiver: waiting, not stuck
+        try:
+            if self.rank == 0:  # the learner is the sync's source (weight_sync/ends.WeightSource)
+                nbytes = self.sync.send(self.learner, version, bucket_bytes)
+            else:
+                nbytes = self.learner.stream_weights(None, bucket_bytes)  # its part of each ZeRO-3 gather
+        finally:
+            mark(before.doing, before.working)
         seconds = time.perf_counter() - begin
         if self.rank == 0:
             self.metrics.record_sync(seconds, nbytes)
