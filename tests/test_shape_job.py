@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from lt_opd_ray.config.loading import load_job
+from lt_opd_ray.core.microbatch import Packer, Sequence
 from lt_opd_ray.core.wire import payload_bytes_per_position
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import WORKER_ENV
@@ -39,8 +40,17 @@ def test_one_update_of_the_paper_shaped_job(tmp_path, monkeypatch):
         ray.shutdown()
     assert vocab == 248320
     assert log.sequences == 8 and 8 <= log.tokens <= 8 * 1024
-    # each rank's 4 responses of ~1,090 positions do not fit one 4,096-token micro-batch
-    assert log.micro_batches >= 4 and log.filler_micro_batches >= 0
+    # the learners ran the packer's micro-batches on the lengths they logged (each rank's 4 sequences of ~1,090
+    # positions do not fit one 4,096-token micro-batch), and the ranks in lockstep: each rank as many passes as the
+    # busiest, the difference zero-weighted fillers
+    counts = []
+    for prompts in log.sequence_lengths:
+        packer = Packer(job.pools.learner.micro_batch_tokens)
+        batches = [batch for p, lengths in enumerate(prompts) for batch in packer.add([Sequence(i, p, n) for i, n in enumerate(lengths)])]
+        counts.append(len(batches + packer.flush()))
+    assert [sum(len(lengths) for lengths in prompts) for prompts in log.sequence_lengths] == [4, 4]
+    assert log.micro_batches == sum(counts) >= 4, (counts, log.sequence_lengths)
+    assert log.filler_micro_batches == len(counts) * max(counts) - sum(counts)
     # the payload, byte for byte: per position top-100 int32 ids, their fp32 log-probs and 101 requested log-probs;
     # per sequence one int32 length
     per_position = payload_bytes_per_position(job.objective.top_k, job.pools.teacher.payload_dtype)

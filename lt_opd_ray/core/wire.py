@@ -247,6 +247,7 @@ class LearnerStepResult:
     payload_bytes: int = 0
     payload_tokens: int = 0
     teacher_retries: int = 0  # scoring requests sent again because the replica serving them died
+    sequence_lengths: tuple[tuple[int, ...], ...] = ()  # per prompt, in the order packed: its sequences' tokens (reduced prompt + response)
     spans: tuple[Span, ...] = ()  # this rank's groups' rollout and scoring spans, then its micro-batches
 
 

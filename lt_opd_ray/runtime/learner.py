@@ -99,6 +99,7 @@ class MicroBatchStream:
         self._firsts: list[int] = []  # per group: the index of its first sequence
         self._owners: list[int] = []  # per sequence: its group
         self._scores: dict[int, list[TeacherScore]] = {}  # per group, once waited for
+        self.lengths: list[tuple[int, ...]] = []  # per prompt, in the order packed: its sequences' tokens
 
     def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore]:
         """The teacher's scores of these sequences, waiting for each of their groups' answers the first time."""
@@ -121,6 +122,7 @@ class MicroBatchStream:
                 length = reduced_length(self.prompts[r.prompt_index], r.selected) + r.response_ids.numel()
                 by_prompt.setdefault(r.prompt_index, []).append(Sequence(i, r.prompt_index, length))
             for sequences in by_prompt.values():
+                self.lengths.append(tuple(s.tokens for s in sequences))
                 yield from self.packer.add(sequences)
         yield from self.packer.flush()
 
@@ -220,7 +222,8 @@ class Learner:
             loss=stats.loss, divergence=stats.divergence, importance_weight=stats.importance_weight,
             top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(stream.prompts),
             micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
-            grad_norm=float(self.engine.get_global_grad_norm() or 0.0), seconds=sum(s.seconds for s in spans), spans=tuple(spans),
+            grad_norm=float(self.engine.get_global_grad_norm() or 0.0), seconds=sum(s.seconds for s in spans),
+            sequence_lengths=tuple(stream.lengths), spans=tuple(spans),
         )
 
     @property

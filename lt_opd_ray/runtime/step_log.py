@@ -26,6 +26,7 @@ class StepLog:
     micro_batches: int = 0  # learner forward/backward passes with sequences, over all ranks
     filler_micro_batches: int = 0  # zero-weighted passes that keep the ranks' backward counts equal
     vision_forwards: int = 0  # learner vision-tower passes: one per prompt when its group fits a micro-batch
+    sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
     timeline: list[Span] = field(default_factory=list)  # every piece of this update's work (`lt-opd timeline` draws it)
@@ -79,6 +80,7 @@ def summarize(
         micro_batches=total("micro_batches"),
         filler_micro_batches=total("filler_micro_batches"),
         vision_forwards=total("vision_forwards"),
+        sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
         eval_accuracy=accuracy,
         eval_scores=scores,
         timeline=sorted([*rollout_spans, *teacher_spans, *learner_spans, *spans], key=lambda s: s.start),
