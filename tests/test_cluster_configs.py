@@ -145,3 +145,52 @@ def test_every_kuberay_pod_mounts_the_runs_volume_and_the_job_writes_there():
                 assert {"name": volume["name"], "mountPath": "/mnt/lt-opd"} in container["volumeMounts"], (name, container["name"])
     entrypoint = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")["spec"]["entrypoint"]
     assert "--set checkpoint.dir=/mnt/lt-opd/" in entrypoint  # outputs outlive the job's cluster
+
+
+def kuberay_pods(name: str) -> list[dict]:
+    doc = load(REPO / "cluster" / "kuberay" / name)
+    spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def test_the_kuberay_clusters_take_jobs_only_with_the_token_from_the_pods_the_network_policy_admits():
+    policy = load(REPO / "cluster" / "kubernetes" / "networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    own, submit, metrics = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selected}}]}  # the cluster's pods, among themselves
+    assert submit["ports"] == [{"port": 8265, "protocol": "TCP"}] and metrics["ports"] == [{"port": 8090, "protocol": "TCP"}]
+    rayjob = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")
+    assert {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": rayjob["metadata"]["name"]}}} in submit["from"]
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        doc = load(REPO / "cluster" / "kuberay" / name)
+        spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+        assert spec["authOptions"] == {"mode": "token"}
+        assert all(pod["metadata"]["labels"].items() >= selected.items() for pod in kuberay_pods(name)), name
+
+
+def test_every_kuberay_pod_runs_unprivileged_without_a_service_account_token():
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        for pod in kuberay_pods(name):
+            spec = pod["spec"]
+            assert spec["automountServiceAccountToken"] is False
+            assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            for container in spec["containers"]:
+                assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, (name, container["name"])
+    for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
+        users = re.findall(r"^USER (\S+)", (REPO / "cluster" / dockerfile).read_text(), re.M)
+        assert users and users[-1] == "1000", dockerfile  # the uid the pods' runAsUser names, not root
+
+
+def test_a_cluster_without_token_auth_is_named():
+    cluster = load(REPO / "cluster/kuberay/raycluster.yaml")
+    del cluster["spec"]["authOptions"]
+    assert check_cluster_file(cluster, RECIPE, "raycluster.yaml") == [
+        "raycluster.yaml: spec.authOptions: token auth is off, so anyone who reaches the head can run a job on the cluster; "
+        "set authOptions: {mode: token} (KubeRay >= 1.5.1)"]
+    launcher = load(REPO / "cluster/ray-cluster.yaml")
+    assert launcher["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"  # the token every node reads
+    launcher["worker_start_ray_commands"][-1] = launcher["worker_start_ray_commands"][-1].replace("RAY_AUTH_MODE=token ", "")
+    (problem,) = check_cluster_file(launcher, RECIPE, "ray-cluster.yaml")
+    assert problem.startswith("ray-cluster.yaml: worker_start_ray_commands: 'ray start --address=") and "without token auth" in problem

@@ -146,15 +146,24 @@ def test_reference_flag_runs_the_single_process_update(tmp_path):
 
 @pytest.mark.slow
 def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
+    """The README's cluster quick start: `ray start` with token auth on; `ray job submit` and `lt-opd submit` carrying
+    the token run the job, and without it the job API refuses both (`lt-opd submit` in one line, with the way out)."""
+    import secrets
     import tempfile
 
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    token = tmp_path / "auth_token"  # the test's own, not ~/.ray/auth_token (which `ray start` would otherwise make)
+    token.write_text(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes
+    token.chmod(0o600)
     env = {
-        "RAY_AUTH_MODE": "disabled",  # Ray 2.60 turns on token auth for `ray start` clusters
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
         "LT_OPD_CACHE": str(tmp_path / "cache"),
         "RAY_TMPDIR": ray_tmp,
     }
+    anyone = {**{k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN_PATH"}, "RAY_AUTH_MODE": "disabled"}  # reaches the port, no token
+    guessed = {**env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # a token, not the cluster's (RAY_AUTH_TOKEN comes first)
     from lt_opd_ray.runtime.learner_group import free_port
 
     gcs, dashboard = free_port(), free_port()
@@ -167,6 +176,13 @@ def test_ray_job_submit_and_lt_opd_submit_against_a_ray_start_cluster(tmp_path):
     assert started.returncode == 0, started.stderr[-3000:]
     address = f"http://127.0.0.1:{dashboard}"
     try:
+        for stranger in (anyone, guessed):
+            refused = run([str(BIN / "ray"), "job", "submit", "--address", address, "--", "touch", str(tmp_path / "ran")], env=stranger)
+            assert refused.returncode != 0 and "authentication token" in refused.stderr + refused.stdout, refused.stdout[-2000:] + refused.stderr[-2000:]
+            refused = run([str(BIN / "lt-opd"), "submit", "jobs/train_tiny.yaml", "--address", address], env=stranger)
+            assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+            assert refused.stderr.startswith(f"error: the cluster at {address} refused the job (") and "set RAY_AUTH_MODE=token" in refused.stderr
+        assert not (tmp_path / "ran").exists()
         submitted = run(
             [str(BIN / "ray"), "job", "submit", "--address", address, "--runtime-env", "cluster/runtime_env.yaml",
              "--working-dir", ".", "--", "lt-opd", "train", "jobs/train_tiny.yaml", "--steps", "1"],

@@ -32,24 +32,44 @@ def test_a_live_holder_is_named_and_a_dead_one_is_taken_over(tmp_path):
 
 
 def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_path):
-    """Recorded as (pid, start time): a process still running under that pid since that time is the dead run's and is
-    stopped; a pid now running another process (reused: its start time differs) is left alone."""
+    """A listed process is stopped only where it proves it is the dead run's Ray cluster: the recorded start time, and
+    the recorded session folder (named after the dead driver's pid, as Ray names it) in its command line (Ray's node
+    processes) or among its open files (its agents). A process the lock merely lists, as a planted lock would list
+    one, is left running with a warning saying why; so is a pid now running another process, and every listed pid when
+    the session folder is not one the dead driver started."""
     from lt_opd_ray.runtime.run_lock import _start_time
 
     folder = tmp_path / "run"
-    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    session = tmp_path / "ray" / f"session_2026-12-05_02-48-46_055166_{dead_pid}"
+    (session / "logs").mkdir(parents=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    node_process = subprocess.Popen([*sleep, f"--session-dir={session}"])  # as gcs_server, raylet, log_monitor
+    agent = subprocess.Popen(sleep, stdout=open(session / "logs" / "raylet.out", "w"))  # as the dashboard agent
+    unrelated = subprocess.Popen(sleep)  # the user's own process, named by the lock
+    reused = subprocess.Popen([*sleep, f"--session-dir={session}"])  # its pid recorded with another start time
+    processes = (node_process, agent, unrelated, reused)
     try:
         time.sleep(0.2)
-        dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
-        record = {"host": socket.gethostname(), "pid": int(dead_pid), "started": "0",
-                  "ray_processes": [[leftover.pid, _start_time(leftover.pid)], [bystander.pid, "1"]]}
-        (tmp_path / ".run.lock").write_text(json.dumps(record))
-        RunLock.acquire(folder, "resume").release()
-        assert leftover.wait(timeout=10) == -9
-        assert bystander.poll() is None
+        listed = [[p.pid, _start_time(p.pid)] for p in (node_process, agent, unrelated)] + [[reused.pid, "1"]]
+
+        def take_over(session_folder: str) -> list:
+            record = {"host": socket.gethostname(), "pid": dead_pid, "started": "0", "ray_session": session_folder, "ray_processes": listed}
+            (tmp_path / ".run.lock").write_text(json.dumps(record))
+            with pytest.warns(UserWarning) as warned:
+                RunLock.acquire(folder, "resume").release()
+            return [str(w.message) for w in warned]
+
+        # a session folder another process started (a planted lock naming a live run's cluster): nothing is stopped
+        other = str(session.with_name(f"session_2026-12-05_02-48-46_055166_{os.getpid()}"))
+        assert len(take_over(other)) == 3 and all(p.poll() is None for p in processes)
+        (message,) = take_over(str(session))
+        assert message == (f"{tmp_path / '.run.lock'} names pid {unrelated.pid}, which is not a process of the dead run's Ray "
+                           f"cluster (session {session}): left running")
+        assert node_process.wait(timeout=10) == -9 and agent.wait(timeout=10) == -9
+        assert unrelated.poll() is None and reused.poll() is None
     finally:
-        for process in (leftover, bystander):
+        for process in processes:
             process.kill()
             process.wait()
 

@@ -34,7 +34,9 @@ def cmd_validate(args) -> int:
         if args.print:
             import yaml
 
-            print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="")
+            from lt_opd_ray.core.redact import redact_values
+
+            print(yaml.safe_dump(redact_values(job.model_dump(mode="json")), sort_keys=False), end="")
     return 1 if failed else 0
 
 
@@ -46,6 +48,7 @@ def cmd_train(args) -> int:
     """Every run-ending error is one line on stderr: refused input (2), a role that died or stopped answering (3,
     with the checkpoint `--resume` continues from), anything else (1, its traceback kept in the run's error.log)."""
     from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.core.redact import redact
     from lt_opd_ray.core.storage import StorageError
     from lt_opd_ray.runtime.checkpoint_files import CheckpointError
     from lt_opd_ray.runtime.launch import RunFolderError
@@ -65,17 +68,17 @@ def cmd_train(args) -> int:
             train(job, steps=args.steps, resume=args.resume, address=args.address, force=args.force)
     except (InputError, CheckpointError, PreflightError, RunFolderError, RunLockedError, InsufficientResourcesError, StorageError,
             FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_REFUSED
     except (RoleDiedError, NoAnswerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return EXIT_RESUMABLE
     except KeyboardInterrupt:  # Ctrl-C, or a second SIGTERM: stopped at once, the pools stopped on the way out
         print(f"stopped at once (Ctrl-C or a second SIGTERM); {_resume_hint(job)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug or an environment we did not foresee: one line here, the traceback in the run folder
         log = _keep_traceback(job)
-        print(f"error: {in_words(exc)} (traceback in {log}; {_resume_hint(job)})", file=sys.stderr)
+        print(redact(f"error: {in_words(exc)} (traceback in {log}; {_resume_hint(job)})"), file=sys.stderr)
         return EXIT_UNEXPECTED
     return EXIT_DONE
 
@@ -100,9 +103,10 @@ def _keep_traceback(job) -> str:
     import time
     import traceback
 
+    from lt_opd_ray.core.redact import redact
     from lt_opd_ray.core.storage import RunStorage
 
-    text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} lt-opd train {job.name}\n{traceback.format_exc()}\n"
+    text = redact(f"{time.strftime('%Y-%m-%d %H:%M:%S')} lt-opd train {job.name}\n{traceback.format_exc()}\n")
     try:
         folder = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).local
         folder.mkdir(parents=True, exist_ok=True)
@@ -147,10 +151,14 @@ def _train_reference(job, steps: int) -> None:
 def cmd_submit(args) -> int:
     if load_job_or_report(args.job, args.set) is None:  # refuse a bad YAML here, not after the upload
         return 2
-    from lt_opd_ray.runtime.submit import submit
+    from lt_opd_ray.runtime.submit import ClusterRefusedError, submit
 
     train_args = [*(f"--set={override}" for override in args.set), *args.train_args]
-    return submit(args.job, args.address, args.runtime_env, args.working_dir, train_args, wait=not args.no_wait)
+    try:
+        return submit(args.job, args.address, args.runtime_env, args.working_dir, train_args, wait=not args.no_wait)
+    except ClusterRefusedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_check_cluster(args) -> int:

@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from lt_opd_ray.core.redact import redact
+
 URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")  # what pyarrow.fs.FileSystem.from_uri opens
 
@@ -42,7 +44,7 @@ def check_location(location: str) -> str:
     """A plain path, or a URI of a scheme pyarrow opens (the storage itself is reached at preflight)."""
     match = URI.match(location)
     if match and match.group(1).lower() not in SCHEMES:
-        raise ValueError(f"{location!r}: unknown storage scheme {match.group(1)!r}; use a path or one of {', '.join(s + '://' for s in SCHEMES[:-1])}")
+        raise ValueError(f"{redact(location)!r}: unknown storage scheme {match.group(1)!r}; use a path or one of {', '.join(s + '://' for s in SCHEMES[:-1])}")
     return location
 
 
@@ -63,7 +65,7 @@ class RunStorage:
             try:
                 self.fs, self.base = pafs.FileSystem.from_uri(location)
             except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... : all mean "cannot open"
-                raise StorageError(f"cannot open {location}: {str(exc).splitlines()[0]}") from None
+                raise StorageError(redact(f"cannot open {location}: {str(exc).splitlines()[0]}")) from None
             self.base = self.base.rstrip("/")
             self.local = Path(staging) if staging else default_staging(location)
         else:
@@ -76,10 +78,10 @@ class RunStorage:
         return self.fs is not None
 
     def describe(self, rel: str = "") -> str:
-        """Where `rel` lives, for messages: the URI or the local path."""
+        """Where `rel` lives, for messages: the URI (its credentials hidden) or the local path."""
         if not self.remote:
             return str(self.local / rel) if rel else str(self.local)
-        return f"{self.location.rstrip('/')}/{rel}" if rel else self.location
+        return redact(f"{self.location.rstrip('/')}/{rel}" if rel else self.location)
 
     def _path(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
@@ -91,7 +93,7 @@ class RunStorage:
             try:
                 self.fs.get_file_info(self.base)
             except Exception as exc:  # noqa: BLE001
-                raise StorageError(f"{self.location}: not reachable ({str(exc).splitlines()[0][:200]})") from None
+                raise StorageError(redact(f"{self.location}: not reachable ({str(exc).splitlines()[0][:200]})")) from None
 
     def names(self) -> list[str]:
         """The names at the top of the run's folder."""
@@ -206,4 +208,4 @@ class RunStorage:
         pafs.copy_files(self.base, aside, source_filesystem=self.fs, destination_filesystem=self.fs, use_threads=True)
         self.fs.delete_dir(self.base)  # object stores cannot rename a folder: copied, then removed
         shutil.rmtree(self.local, ignore_errors=True)
-        return f"{self.location.rstrip('/')}{suffix}"
+        return redact(f"{self.location.rstrip('/')}{suffix}")

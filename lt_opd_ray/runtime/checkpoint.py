@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from lt_opd_ray.config.schema import JobConfig
+from lt_opd_ray.core.redact import redact_values
 from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
 from lt_opd_ray.core.wire import Rollout, RolloutGroup, Span
 from lt_opd_ray.runtime.checkpoint_files import (
@@ -77,7 +78,7 @@ class CheckpointStore:
         self.storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
         self.root = self.storage.local  # where this process writes (for a URI: the staging folder)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.storage.write_text("job.yaml", yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+        self.storage.write_text("job.yaml", yaml.safe_dump(redact_values(job.model_dump(mode="json")), sort_keys=False))  # no credentials
         self.run_id = uuid.uuid4().hex[:12]  # a resume continues the run it restores (restore sets it)
 
     # ------------------------------------------------------------------ writing

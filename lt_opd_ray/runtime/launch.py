@@ -117,6 +117,7 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
     if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
     storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
+    storage.check_reachable()  # before the lease is written there: a storage that does not answer is named as such
     lock = RunLock.acquire(storage.local, f"lt-opd train {job.name}")
     try:
         lease = RemoteLease.acquire(storage, f"lt-opd train {job.name}") if storage.remote else None  # other hosts, same URI

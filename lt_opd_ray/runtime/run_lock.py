@@ -2,11 +2,15 @@
 last (beside it, not in it: `--force` moves an earlier run's folder aside under the lock).
 
 The lock is created atomically (O_CREAT | O_EXCL) and names its holder: host, pid, the process's start time (so a
-reused pid is not mistaken for the holder) and, once its local Ray cluster is up, that cluster's process ids. A
-driver refreshes the file's mtime every HEARTBEAT_S. A lock whose holder is gone is taken over: on the same host when
-the pid no longer runs that process, from any host when the heartbeat is older than STALE_S. A killed driver's local
-Ray cluster outlives it by a minute or more (its dashboard agent holding the metrics port), so the run that takes
-over its lock stops those processes first.
+reused pid is not mistaken for the holder) and, once its local Ray cluster is up, that cluster's session folder and
+process ids. A driver refreshes the file's mtime every HEARTBEAT_S. A lock whose holder is gone is taken over: on the
+same host when the pid no longer runs that process, from any host when the heartbeat is older than STALE_S. A killed
+driver's local Ray cluster outlives it by a minute or more (its dashboard agent holding the metrics port), so the run
+that takes over its lock stops those processes first. Anyone who can write the parent folder can write a lock, so a
+listed pid is stopped only where the process proves it is that cluster's: it runs as this user since the recorded
+start time, and its command line or one of its open files is in the recorded session folder, which Ray names after
+the process that started it (`session_<time>_<pid>`: the dead holder). Any other listed pid is left alone, with a
+warning that says why.
 
 A run folder at a URI (`s3://...`) is written from a staging folder on each host, so a lock there guards only one host:
 `RemoteLease` holds `.<name>.lock.json` beside the folder in the store itself, refreshed every HEARTBEAT_S and taken
@@ -23,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 
 HEARTBEAT_S = 10.0
@@ -40,6 +45,14 @@ def _start_time(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _runs(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, exited and not yet reaped by its parent, holds no port)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -106,18 +119,29 @@ class RunLock:
             self._stop_ray_of(held)
         self.path.unlink(missing_ok=True)
 
-    @staticmethod
-    def _stop_ray_of(held: dict) -> None:
-        """The dead driver's local Ray cluster: each recorded process still running (the same pid and start time, so
-        a reused pid is left alone) is SIGKILLed, and waited for, so its ports are free for this run."""
-        alive = [pid for pid, started in held.get("ray_processes", []) if _start_time(pid) == started]
+    def _stop_ray_of(self, held: dict) -> None:
+        """The dead driver's local Ray cluster: each recorded process that proves it is that cluster's (see the
+        module) is SIGKILLed, and waited for, so its ports are free for this run."""
+        session = held.get("ray_session")
+        if not isinstance(session, str) or not Path(session).name.startswith("session_") or not session.endswith(f"_{held.get('pid')}"):
+            session = None  # not a session folder the dead holder started: no process can prove it belongs to it
+        alive = []
+        for entry in held.get("ray_processes") or []:
+            pid, started = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
+            if not isinstance(pid, int) or _start_time(pid) != started:
+                continue  # gone, or the pid now runs another process
+            if session is not None and _in_session(pid, session):
+                alive.append(pid)
+            else:
+                warnings.warn(f"{self.path} names pid {pid}, which is not a process of the dead run's Ray cluster "
+                              f"(session {session or 'not recorded'}): left running", stacklevel=2)
         for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + 10.0
-        while any(_start_time(pid) is not None for pid in alive) and time.monotonic() < deadline:
+        while any(_runs(pid) for pid in alive) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def record_ray(self) -> None:
@@ -130,6 +154,7 @@ class RunLock:
         if node is None:
             return
         pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None]
+        self.record["ray_session"] = node.get_session_dir_path()
         self.record["ray_processes"] = [[pid, started] for pid in pids + _children(pids) if (started := _start_time(pid)) is not None]
         staged = self.path.with_name(self.path.name + ".tmp")
         staged.write_text(json.dumps(self.record))
@@ -160,7 +185,7 @@ class RemoteLease:
         self.storage = storage
         base = PurePosixPath(storage.base)
         self.path = str(base.parent / f".{base.name}.lock.json")
-        self.where = f"{storage.location.rstrip('/')}"
+        self.where = storage.describe()
         self.record = {**record, "token": f"{record['host']}:{record['pid']}:{time.time_ns()}"}
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="run-lease-heartbeat", daemon=True)
@@ -225,6 +250,28 @@ class RemoteLease:
                 self.storage.fs.delete_file(self.path)
         except OSError:
             pass
+
+
+def _in_session(pid: int, session: str) -> bool:
+    """The process runs as this user and names the Ray session folder `session` in an argument or an open file (Ray's
+    node processes take it on their command lines; its agents, which rename themselves, hold its log files open)."""
+    inside = lambda path: path == session or path.startswith(session + "/")  # noqa: E731
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        if any(inside(argument.split("=", 1)[-1]) for argument in arguments):
+            return True
+        return any(inside(_link(f"/proc/{pid}/fd/{fd}")) for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed since it was listed
+        return ""
 
 
 def _children(parents: list[int]) -> list[int]:

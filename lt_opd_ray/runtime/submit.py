@@ -9,19 +9,36 @@ from pathlib import Path
 
 import yaml
 
+from lt_opd_ray.core.redact import redact
+
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
+class ClusterRefusedError(Exception):
+    """The cluster's job API refused the request: its token auth is on and the token sent was missing or wrong."""
+
+
 def submit(job_path: str, address: str | None, runtime_env_path: str, working_dir: str, train_args: list[str], wait: bool = True) -> int:
+    """Ray's client sends the cluster's token where RAY_AUTH_MODE=token (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token); a cluster that refuses it raises ClusterRefusedError, saying how to pass it."""
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     address = address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
     runtime_env = yaml.safe_load(Path(runtime_env_path).read_text()) or {} if Path(runtime_env_path).exists() else {}
     runtime_env = {**runtime_env, "working_dir": working_dir}
     entrypoint = shlex.join(["lt-opd", "train", job_path, *train_args])
-    client = JobSubmissionClient(address)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
-    print(f"submitted {job_id}: {entrypoint}")
+    try:
+        client = JobSubmissionClient(address)
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    except AuthenticationError as exc:
+        reason = str(exc).strip().splitlines()[0]
+        raise ClusterRefusedError(
+            f"the cluster at {address} refused the job ({reason}): it takes jobs with its token only; set RAY_AUTH_MODE=token "
+            "and give the token in ~/.ray/auth_token, a file named by RAY_AUTH_TOKEN_PATH, or RAY_AUTH_TOKEN "
+            '(docs/operating.md, "Security")'
+        ) from None
+    print(redact(f"submitted {job_id}: {entrypoint}"))
     if not wait:
         return 0
     shown = 0

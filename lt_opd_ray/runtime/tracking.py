@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
+
+from lt_opd_ray.core.redact import redact_values
 
 
 class Tracker(Protocol):
@@ -97,6 +100,20 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def _credentials_to_environment(uri: str) -> str:
+    """An MLflow server URI's `user:password@` moved to MLflow's own variables (MLFLOW_TRACKING_USERNAME / _PASSWORD),
+    so the URI MLflow keeps and prints ("View run at ...") carries none."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.username is None:
+        return uri
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username)
+    if parts.password is not None:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 class MLflowTracker:
     def __init__(self, uri: str, experiment: str, run_name: str, artifacts: Path | None):
         """`artifacts`: where a new experiment keeps its files (with the local sqlite store: beside it, not in the
@@ -104,7 +121,7 @@ class MLflowTracker:
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(uri)
+        mlflow.set_tracking_uri(_credentials_to_environment(uri))
         if artifacts is not None and mlflow.get_experiment_by_name(experiment) is None:
             mlflow.create_experiment(experiment, artifact_location=artifacts.resolve().as_uri())
         mlflow.set_experiment(experiment)
@@ -172,7 +189,7 @@ class Trackers:
             else:
                 self.backends.append(WandbTracker(folder, settings.project, settings.wandb_mode, job.name))
         for backend in self.backends:
-            backend.config(job.model_dump(mode="json"))
+            backend.config(redact_values(job.model_dump(mode="json")))  # the trackers store it: no credentials
 
     def step(self, log) -> None:
         metrics, rows = step_metrics(log), eval_rows(log)

@@ -6,7 +6,8 @@ strict field validation would report them). Capacity: every pool that pins itsel
 with `node_resource` finds nodes advertising that resource, with enough units and
 GPUs at the groups' maximum size, and the pools together fit the cluster's GPUs and CPUs (at the
 sizes a job starts with: autoscaling headroom never refuses a cluster); a node resource named `lt_opd_<pool>` for a pool
-that does not exist is an error. Imports no Ray.
+that does not exist is an error. Access: the cluster turns Ray's token auth on (every port of a Ray node runs code
+on request), KubeRay through `authOptions`, the launcher in every `ray start` it runs. Imports no Ray.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LAUNCHER_NODE_REQUIRED = {"resources", "node_config", "max_workers"}
 
 RAYCLUSTER_SPEC = {
     "rayVersion", "enableInTreeAutoscaling", "autoscalerOptions", "headGroupSpec", "workerGroupSpecs",
-    "headServiceAnnotations", "suspend", "managedBy", "gcsFaultToleranceOptions", "upgradeStrategy",
+    "headServiceAnnotations", "suspend", "managedBy", "gcsFaultToleranceOptions", "upgradeStrategy", "authOptions",
 }
 HEAD_GROUP = {"rayStartParams", "template", "serviceType", "headService", "enableIngress", "suspend", "resources", "labels"}
 WORKER_GROUP = {
@@ -54,6 +55,10 @@ def launcher_capacity(config: dict, source: str) -> tuple[Capacity, list[str]]:
         problems += [f"{source}: available_node_types.{name}: missing {key}" for key in sorted(LAUNCHER_NODE_REQUIRED - set(node))]
         count = max(int(node.get("max_workers", 0)), 1 if name == config.get("head_node_type") else 0)
         capacity[name] = {r: float(v) * count for r, v in (node.get("resources") or {}).items()}
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for command in config.get(key) or []:
+            if "ray start" in command and "RAY_AUTH_MODE=token" not in command:
+                problems.append(f"{source}: {key}: {command!r} starts Ray without token auth, so anyone who reaches the node can run a job on it; start it as RAY_AUTH_MODE=token ray start ...")
     return capacity, problems
 
 
@@ -81,6 +86,8 @@ def _group_capacity(group: dict, where: str) -> tuple[dict[str, float], list[str
 
 def raycluster_capacity(spec: dict, where: str) -> tuple[Capacity, list[str]]:
     problems = _unknown(spec, RAYCLUSTER_SPEC, where)
+    if (spec.get("authOptions") or {}).get("mode") != "token":
+        problems.append(f"{where}.authOptions: token auth is off, so anyone who reaches the head can run a job on the cluster; set authOptions: {{mode: token}} (KubeRay >= 1.5.1)")
     if "headGroupSpec" not in spec:
         problems.append(f"{where}.headGroupSpec: missing")
     else:

@@ -1,0 +1,81 @@
+"""Credentials given in URIs never leave the process: the run's files, its trackers' stores and every line a command
+prints show `***` where a URI's userinfo or secret query values were (docs/operating.md, "Security")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import job_for
+from test_tracking import logs
+
+from lt_opd_ray.cli.main import main
+from lt_opd_ray.core.redact import redact
+from lt_opd_ray.core.storage import RunStorage
+from lt_opd_ray.runtime.checkpoint import CheckpointStore
+from lt_opd_ray.runtime.tracking import Trackers, _credentials_to_environment
+
+REPO = Path(__file__).resolve().parents[1]
+SECRETS = ("AKIALEAKEDKEY", "s3-SeCrEt", "mlflow-pw-leak", "lt-user")
+STORE = "s3://AKIALEAKEDKEY:s3-SeCrEt%2Fleak@bucket/runs/t?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"
+TRACKER = "https://lt-user:mlflow-pw-leak@mlflow.internal:5000"
+
+
+@pytest.mark.parametrize("given, shown", [
+    (STORE, "s3://***@bucket/runs/t?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"),
+    (TRACKER, "https://***@mlflow.internal:5000"),
+    ("https://ghp_token@host/repo", "https://***@host/repo"),
+    ("gs://bucket/run?access_key=AK&secret_key=SK&region=eu", "gs://bucket/run?access_key=***&secret_key=***&region=eu"),
+    (f"cannot open '{STORE}': denied", "cannot open 's3://***@bucket/runs/t?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1': denied"),
+    ("gs://bucket/runs/model@v2", "gs://bucket/runs/model@v2"),  # an "@" in a path is not userinfo
+    ("/data/rows@2x.png and mailto:me@example.org", "/data/rows@2x.png and mailto:me@example.org"),
+])
+def test_a_uris_userinfo_and_secret_query_values_are_hidden_and_nothing_else(given, shown):
+    assert redact(given) == shown
+
+
+def test_an_mlflow_servers_credentials_go_to_mlflows_variables_not_its_uri(monkeypatch):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, "")  # restored (removed) after the test, whatever the function set
+    assert _credentials_to_environment("https://lt-user:pw%40leak@mlflow.internal:5000/x") == "https://mlflow.internal:5000/x"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "lt-user" and os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw@leak"
+    assert _credentials_to_environment("sqlite:///runs/t/mlflow.db") == "sqlite:///runs/t/mlflow.db"
+
+
+def test_no_credential_of_a_job_is_written_or_printed(tmp_path, capfd):
+    """A job whose checkpoint.dir and MLflow server carry credentials: `validate --print`, the run folder's job.yaml,
+    every tracker's store of the job, and `train` against a store that does not answer (its error line, and nothing
+    written to its staging folder) show none of them."""
+    tracking = f'tracking: {{backends: [tensorboard, mlflow, wandb], project: tests, dir: "{tmp_path / "tracking"}", mlflow_uri: "{TRACKER}"}}\n'
+    (tmp_path / "job.yaml").write_text((REPO / "jobs" / "train_tiny.yaml").read_text() + tracking)
+    assert main(["validate", str(tmp_path / "job.yaml"), "--print", "--schema-only", "--set", f"checkpoint.dir={STORE}"]) == 0
+
+    job = job_for("tiny:qwen3_5", tmp_path / "run", extra=f'tracking: {{mlflow_uri: "{TRACKER}"}}\n')
+    CheckpointStore(job)
+    assert "mlflow_uri: https://***@mlflow.internal:5000" in (tmp_path / "run" / "job.yaml").read_text()
+    # every tracker keeps the job; MLflow on its own store here (no MLflow server on this machine), the two URIs in
+    # fields each store copies
+    stored = job.model_copy(update={
+        "data": job.data.model_copy(update={"path": STORE}), "model": job.model.model_copy(update={"path": TRACKER}),
+        "tracking": job.tracking.model_copy(update={"backends": ["tensorboard", "mlflow", "wandb"], "dir": str(tmp_path / "tracking"), "mlflow_uri": None}),
+    })
+    trackers = Trackers(stored, RunStorage(str(tmp_path / "run")))
+    for log in logs():
+        trackers.step(log)
+    trackers.close()
+    assert any(b"***@bucket" in path.read_bytes() for path in (tmp_path / "tracking").rglob("*") if path.is_file())
+
+    train = subprocess.run([str(Path(sys.executable).parent / "lt-opd"), "train", str(tmp_path / "job.yaml"), "--set", f"checkpoint.dir={STORE}",
+                            "--set", f"checkpoint.staging_dir={tmp_path / 'stage'}"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert train.returncode == 2 and train.stderr.startswith("error: s3://***@bucket/runs/t?endpoint_override=127.0.0.1:9"), train.stderr
+    assert "not reachable" in train.stderr and not (tmp_path / "stage").exists()
+
+    printed = capfd.readouterr()
+    shown = printed.out + printed.err + train.stdout + train.stderr
+    assert "dir: s3://***@bucket/runs/t" in printed.out
+    leaks = [(str(path), secret) for path in tmp_path.rglob("*") if path.is_file() for secret in SECRETS if secret.encode() in path.read_bytes()
+             and path != tmp_path / "job.yaml"]  # the job as the user wrote it
+    assert not leaks and not [secret for secret in SECRETS if secret in shown], (leaks, shown[-3000:])
