@@ -90,20 +90,24 @@ def _free_port() -> int:
 FUZZED_REQUESTS = 40
 
 
-def _refused(url: str, body: dict) -> str:
-    """The error text of a request the server must answer 400."""
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+API_KEY = "lt-opd-test-key-0123456789"  # every test server takes requests with it only (serve --api-key-file)
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+
+
+def _refused(url: str, body: dict | bytes, code: int = 400, headers: dict = HEADERS) -> str:
+    """The error text of a request the server must answer `code` (400: naming the problem)."""
+    request = urllib.request.Request(url, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
     try:
         urllib.request.urlopen(request, timeout=120)
     except urllib.error.HTTPError as error:
         text = error.read().decode()
-        assert error.code == 400, f"HTTP {error.code}: {text[:2000]}"
+        assert error.code == code, f"HTTP {error.code}: {text[:2000]}"
         return text
     raise AssertionError("the request was answered 200")
 
 
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(url, json.dumps(body).encode(), HEADERS)
     try:
         return json.loads(urllib.request.urlopen(request, timeout=120).read())
     except urllib.error.HTTPError as error:
@@ -136,8 +140,10 @@ class serving:
     def __enter__(self) -> serving:
         self.port = _free_port()
         self.log = open(self.tmp_path / "server.log", "w")
+        (self.tmp_path / "api_key").write_text(API_KEY + "\n")
         self.server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli.main", "serve", str(self.student), "--port", str(self.port),
-                                        "--max-model-len", "1024", *self.extra, "--", "--trust-request-mm-kwargs"],
+                                        "--max-model-len", "1024", "--api-key-file", str(self.tmp_path / "api_key"), *self.extra,
+                                        "--", "--trust-request-mm-kwargs"],
                                        stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.time() + 300
         while True:
@@ -207,7 +213,7 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
     n = int((prompt.mm_token_type_ids == 1).sum())
     full_length = prompt.input_ids.numel()
 
-    with serving(student, tmp_path) as server:
+    with serving(student, tmp_path, "--max-body-mb", "2", "--max-media-mb", "1", "--max-image-pixels", "1000000") as server:
         port = server.port
         body, content = image_question(student, image, question, port, 2500, 2)  # the compression config's budget
         # a request may set its own budget where the server trusts request mm kwargs (a vLLM option)
@@ -225,13 +231,30 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         assert "remote image URLs are off" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": remote}]})
         bomb = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(bomb_png()).decode()}}, content[1]]
         assert "decompression bomb" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": bomb}]})
+        # what a server reachable beyond this host must refuse: no key or a wrong one (401), a body over --max-body-mb
+        # (413), media over --max-media-mb, an image of more pixels than --max-image-pixels (from its header, not
+        # decoded), what vLLM would fetch however its scheme is spelt, local files
+        plain = json.dumps({**body, "mm_processor_kwargs": {}}).encode()
+        for headers in ({"Content-Type": "application/json"}, {**HEADERS, "Authorization": "Bearer guessed"}):
+            assert "Unauthorized" in _refused(url, plain, 401, headers)
+        assert "refused: this server takes at most 2097152 (2 MiB; lt-opd serve --max-body-mb)" in _refused(url, b" " * 2**21 + plain, 413)
+        def asking(url_of_image: str) -> dict:
+            return {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url_of_image}}, content[1]]}]}
+        big = "data:image/png;base64," + base64.b64encode(os.urandom(1_100_000)).decode()  # 1.05 MiB encoded, in a body under 2 MiB
+        assert "more than this server's 1 MiB (lt-opd serve --max-media-mb)" in _refused(url, asking(big))
+        wide = "data:image/png;base64," + base64.b64encode(bomb_png(1100)).decode()  # a header claiming 1100 x 1100
+        assert "1210000 pixels) exceed the maximum of 1000000 pixels" in _refused(url, asking(wide))
+        for fetched in ("HTTP://127.0.0.1:9/cat.png", "httpx://127.0.0.1:9/cat.png"):
+            assert "remote image URLs are off" in _refused(url, asking(fetched)), fetched
+        assert "file: URLs are off" in _refused(url, asking(f"file://{student / 'config.json'}"))
         # fuzzed selection settings: each answered 200 or 400, never a dead engine
         rng = random.Random(0)
         values = [None, True, -1, 0, 1, 500, 10_000, 10_001, 2**64, 1.5, "7", "cdpruner", "nope", [], [1, 2], [vocab], [-5], {"a": 1}]
         fields = ["lt_opd_budget_bps", "lt_opd_k_min", "lt_opd_selector", "lt_opd_seed", "lt_opd_nonce", "lt_opd_query_ids", "lt_opd_x"]
         for _ in range(FUZZED_REQUESTS):
             settings = {rng.choice(fields): rng.choice(values) for _ in range(rng.randint(1, 3))}
-            request = urllib.request.Request(url, json.dumps({**body, "mm_processor_kwargs": settings}).encode(), {"Content-Type": "application/json"})
+            request = urllib.request.Request(url, json.dumps({**body, "mm_processor_kwargs": settings}).encode(), HEADERS)
             try:
                 status = urllib.request.urlopen(request, timeout=120).status
             except urllib.error.HTTPError as error:
@@ -247,3 +270,28 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         patches, rest = divmod(full_clip - pruned_clip, 6 - tokens_to_keep(6, 2500, 2))
         assert patches == 5 and rest == 0  # 20 frames at 4 fps, sampled at 2 fps: 10 frames, 5 patches
         assert server.alive()
+
+
+def test_serving_beyond_loopback_without_a_key_is_warned_and_a_key_file_is_checked(tiny_dirs, tmp_path, capsys):
+    """The server's environment: the key from its file (never on a command line), the limits, redirects off."""
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.serve import serve_command
+
+    student = tiny_dirs["qwen3_vl"]
+    serve_command(student, host="127.0.0.1")
+    serve_command(student, host="::1")
+    assert "warning" not in capsys.readouterr().err
+    argv, env = serve_command(student, host="0.0.0.0", port=8123)
+    assert "warning: serving on 0.0.0.0 without an API key: anyone who reaches port 8123 can use the model" in capsys.readouterr().err
+    assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0" and argv[argv.index("--middleware") + 1] == "lt_opd_ray.serving.limits.BodyLimit"
+    assert (env["LT_OPD_MAX_BODY_BYTES"], env["LT_OPD_MAX_MEDIA_BYTES"], env["VLLM_MAX_IMAGE_PIXELS"]) == (str(32 * 2**20), str(24 * 2**20), "50000000")
+    (tmp_path / "key").write_text("s3cret-key\n")
+    argv, env = serve_command(student, host="0.0.0.0", api_key_file=tmp_path / "key", limits=ServeLimits(body_bytes=1000))
+    assert env["VLLM_API_KEY"] == "s3cret-key" and "s3cret-key" not in argv and env["LT_OPD_MAX_BODY_BYTES"] == "1000"
+    assert "warning" not in capsys.readouterr().err
+    for text, problem in (("", "holds nothing"), ("a\nb\n", "holds more than one line")):
+        (tmp_path / "key").write_text(text)
+        with pytest.raises(ValueError, match=f"--api-key-file {tmp_path / 'key'}: {problem}"):
+            serve_command(student, api_key_file=tmp_path / "key")
+    with pytest.raises(ValueError, match="cannot be read"):
+        serve_command(student, api_key_file=tmp_path / "missing")

@@ -146,3 +146,96 @@ def test_training_reads_a_prepared_folder_in_a_resumable_order(tiny_dirs, tmp_pa
     resumed = batches(samples, 2, job.data.shuffle_seed, cursor=4)
     assert [[s.uid for s in next(resumed)] for _ in range(2)] == order[2:]
     assert math.isfinite(ReferenceTrainer(job).update(batches(samples, 2, job.data.shuffle_seed).__next__()).stats.loss)
+
+
+class ImageHost:
+    """An HTTP server on 127.0.0.1 that records every request: /x.png answers a PNG, /hop redirects to localhost."""
+
+    def __enter__(self) -> ImageHost:
+        import http.server
+        import threading
+
+        host = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                host.requests.append(self.path)
+                if self.path == "/hop":
+                    self.send_response(302)
+                    self.send_header("Location", f"http://localhost:{host.port}/x.png")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(host.png)))
+                self.end_headers()
+                self.wfile.write(host.png)
+
+            def log_message(self, *args):
+                pass
+
+        self.requests, self.png = [], _png(9)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_rows_read_only_their_folder_and_fetch_only_from_named_hosts_without_redirects(tmp_path):
+    """A row naming a file outside its folder (`..`, an absolute path) or a URL is refused by row, and no request
+    leaves the machine, a datasets folder's image paths included (datasets' own decoding would fetch them); with
+    `--allow-outside-root` and `--allowed-media-domains 127.0.0.1` they are read, and a redirect is still refused."""
+    import datasets
+
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.evals.benchmarks import benchmark as benchmark_format
+    from lt_opd_ray.sources.prepare import MediaAccess
+    from lt_opd_ray.sources.rows import read_rows
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "0.png").write_bytes(_png(0))
+    (tmp_path / "outside.png").write_bytes(_png(1))
+    with ImageHost() as host:
+        url = f"http://127.0.0.1:{host.port}/x.png"
+        names = ["0.png", "../outside.png", str(tmp_path / "outside.png"), url]
+        (tmp_path / "data" / "rows.jsonl").write_text("".join(json.dumps({"sample_uid": f"r{i}", "question": "q", "image": name}) + "\n"
+                                                             for i, name in enumerate(names)))
+        with pytest.raises(DataError) as refused:
+            prepare(tmp_path / "data" / "rows.jsonl", tmp_path / "out")
+        assert "3 problem(s), nothing written" in str(refused.value)
+        assert "r1: image: path '../outside.png' climbs out of the data folder with ..; keep the files under it" in str(refused.value)
+        assert f"r2: image: path '{tmp_path / 'outside.png'}' is an absolute path, outside the data folder" in str(refused.value)
+        assert f"r3: image: {url} is on 127.0.0.1, and remote images are fetched only from hosts named with --allowed-media-domains" in str(refused.value)
+        with pytest.raises(InputError, match=r"line 2: image '\.\./outside\.png' climbs out of the data folder with \.\.; .*data\.allow_outside_root"):
+            read_rows(tmp_path / "data" / "rows.jsonl", tmp_path / "data")  # training reads the same rows by the same rule
+
+        # a datasets folder whose image feature holds a URL: saved as a plain struct, then declared an Image (saving an
+        # Image feature here would fetch and embed it: a folder made elsewhere keeps the URL)
+        plain = {"bytes": datasets.Value("binary"), "path": datasets.Value("string")}
+        datasets.Dataset.from_dict({"sample_uid": ["h0"], "question": ["q"], "image": [{"path": url, "bytes": None}]},
+                                   features=datasets.Features({"sample_uid": datasets.Value("string"), "question": datasets.Value("string"),
+                                                               "image": plain})).save_to_disk(str(tmp_path / "hf"))
+        info = json.loads((tmp_path / "hf" / "dataset_info.json").read_text())
+        info["features"]["image"] = {"_type": "Image"}
+        (tmp_path / "hf" / "dataset_info.json").write_text(json.dumps(info))
+        assert isinstance(datasets.load_from_disk(str(tmp_path / "hf")).features["image"], datasets.Image)
+        with pytest.raises(DataError, match=f"h0: image: {url} is on 127.0.0.1"):
+            prepare(tmp_path / "hf", tmp_path / "out")
+        benchmark = tmp_path / "data" / "pope.jsonl"
+        benchmark.write_text(json.dumps({"question_id": "b0", "text": "Is there a cat?", "image": "../outside.png", "label": "no"}) + "\n")
+        with pytest.raises(ValueError, match=r"b0: file '\.\./outside\.png' climbs out of the benchmark's folder with \.\.: a benchmark reads only its own folder"):
+            benchmark_format("pope").load(benchmark)
+        assert host.requests == []  # nothing was fetched
+
+        allowed = MediaAccess(allowed_domains=("127.0.0.1",), outside_root=True)
+        assert prepare(tmp_path / "data" / "rows.jsonl", tmp_path / "out", access=allowed)["rows"] == 4
+        assert [s.images[0].read() for s in read_prepared(tmp_path / "out")][1:] == [_png(1), _png(1), host.png]
+        with pytest.raises(InputError, match=f"line 4: image '{url}' is a URL, not a file under the data folder"):
+            read_rows(tmp_path / "data" / "rows.jsonl", tmp_path / "data", allow_outside_root=True)  # training fetches nothing
+        (tmp_path / "data" / "hop.jsonl").write_text(json.dumps({"sample_uid": "r0", "question": "q", "image": f"http://127.0.0.1:{host.port}/hop"}) + "\n")
+        with pytest.raises(DataError, match=f"r0: image: http://127.0.0.1:{host.port}/hop redirects \\(302\\) to http://localhost:{host.port}/x.png: redirects are not followed"):
+            prepare(tmp_path / "data" / "hop.jsonl", tmp_path / "hopped", access=allowed)
+        assert host.requests == ["/x.png", "/hop"]  # the redirect's target was never asked

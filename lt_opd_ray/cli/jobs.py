@@ -133,7 +133,7 @@ def _train_reference(job, steps: int) -> None:
 
     transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
     transformers.logging.disable_progress_bar()
-    samples = load_samples(job.data.path, job.data.image_root, job.seed)
+    samples = load_samples(job.data.path, job.data.image_root, job.seed, job.data.allow_outside_root)
     trainer = ReferenceTrainer(job)
     print(f"{job.name}: {len(samples)} samples, {steps} updates, single-process reference update")
     for _, batch in zip(range(steps), batches(samples, job.sampling.prompts_per_step, job.data.shuffle_seed)):

@@ -14,14 +14,15 @@ def cmd_data(args) -> int:
     from tqdm import tqdm
 
     from lt_opd_ray.core.errors import InputError
-    from lt_opd_ray.sources.prepare import DataError, prepare
+    from lt_opd_ray.sources.prepare import DataError, MediaAccess, prepare
 
     with tqdm(desc="rows", unit="row") as bar:
         def progress(done: int) -> None:
             bar.update(done - bar.n)
 
         try:
-            manifest = prepare(args.source, args.out, args.images, args.shard_rows, args.max_shards, progress)
+            access = MediaAccess(tuple(args.allowed_media_domains), args.allow_outside_root)
+            manifest = prepare(args.source, args.out, args.images, args.shard_rows, args.max_shards, progress, access)
         except (DataError, InputError) as exc:
             bar.close()
             print(f"data: {exc}", file=sys.stderr)
@@ -85,10 +86,13 @@ def cmd_export(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
+    from lt_opd_ray.serving.limits import MIB, ServeLimits
     from lt_opd_ray.serving.serve import serve_command
 
+    limits = ServeLimits(args.max_body_mb * MIB, args.max_media_mb * MIB, args.max_image_pixels)
     try:
-        argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args)
+        argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args,
+                                  api_key_file=args.api_key_file, limits=limits)
     except (FileNotFoundError, ValueError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
@@ -163,6 +167,10 @@ def register(sub) -> None:
     data.add_argument("--images", default=None, help="folder of a JSONL/parquet source's images and videos (default: its folder)")
     data.add_argument("--shard-rows", type=whole_number(1), default=1000, help="rows per parquet shard (default 1000)")
     data.add_argument("--max-shards", type=whole_number(1), default=None, help="stop after N new shards (run again to continue)")
+    data.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                      help="hosts whose image URLs in the rows are fetched (default: none, a URL is refused; redirects are never followed)")
+    data.add_argument("--allow-outside-root", action="store_true",
+                      help="let rows name files outside the source's folder (absolute paths, or climbing out with ..)")
     data.set_defaults(func=cmd_data)
 
     evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
@@ -192,6 +200,10 @@ def register(sub) -> None:
     serve.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
     serve.add_argument("--max-model-len", type=whole_number(1), default=8192, help="longest prompt + answer in tokens (default 8192, or the model's own limit if lower)")
+    serve.add_argument("--api-key-file", default=None, help="a file holding the API key every request must send as `Authorization: Bearer KEY`")
+    serve.add_argument("--max-body-mb", type=whole_number(1, 4096), default=32, help="largest request body in MiB (default 32)")
+    serve.add_argument("--max-media-mb", type=whole_number(1, 4096), default=24, help="largest image or clip in MiB, inline or fetched (default 24)")
+    serve.add_argument("--max-image-pixels", type=whole_number(1), default=50_000_000, help="most pixels in one image, checked before it is decoded (default 50,000,000)")
     serve.set_defaults(func=cmd_serve)
 
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")

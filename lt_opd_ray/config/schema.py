@@ -51,6 +51,9 @@ class DataConfig(StrictModel):
     or `synthetic-video:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
+    allow_outside_root: bool = False
+    """Let rows name images and videos outside `image_root` (absolute paths, or climbing out with `..`); off, such a
+    row is refused by line: a data file reads only the folder it was given."""
     min_pixels: int = Field(3136, gt=0, le=MAX_PIXELS)
     """Images smaller than this many pixels are upscaled (Qwen smart-resize rule)."""
     max_pixels: int = Field(1_003_520, gt=0, le=MAX_PIXELS)

@@ -29,6 +29,17 @@ class Problems:
 
 
 # ----------------------------------------------------------------------------- helpers
+def outside(name: str) -> str | None:
+    """Why a path a row names does not stay under the benchmark file's folder (a URL, absolute, climbing out with
+    `..`): a benchmark reads only its own folder (a link placed in it is the user's to make); None where it stays."""
+    from lt_opd_ray.sources.rows import path_problem
+
+    problem = path_problem("file", name)
+    if problem is None:
+        return None
+    return problem.replace("the data folder", "the benchmark's folder") + ": a benchmark reads only its own folder"
+
+
 def image_of(value, folder: Path, row_id, problems: Problems):
     """bytes of a base64 image, or the path of an image file, that decodes; None (and a problem) otherwise."""
     from lt_opd_ray.models.processor import ImageError, decode_image
@@ -39,6 +50,9 @@ def image_of(value, folder: Path, row_id, problems: Problems):
     text = str(value)
     candidate = folder / text
     if len(text) < 512 and candidate.exists():
+        if problem := outside(text):  # a file, but not the benchmark's (base64 may begin with "/": only files are judged)
+            problems.add(row_id, problem)
+            return None
         image = candidate
     else:
         try:
@@ -67,6 +81,9 @@ def video_of(value, folder: Path, row_id, problems: Problems, fps: float = 1.0):
 
     if not value or not isinstance(value, str):
         problems.add(row_id, "no video")
+        return None
+    if problem := outside(value):
+        problems.add(row_id, problem)
         return None
     path = folder / value
     if path.is_dir():

@@ -40,7 +40,7 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
     def rows_of(spec: str) -> list[Sample] | None:
         if not draw_generated and generated_rows(spec) is not None:
             return None
-        return load_samples(spec, job.data.image_root, job.seed)
+        return load_samples(spec, job.data.image_root, job.seed, job.data.allow_outside_root)
 
     samples = attempt(lambda: rows_of(job.data.path))
     generated = generated_rows(job.data.path)  # its shape was checked by the schema

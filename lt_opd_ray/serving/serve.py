@@ -8,13 +8,16 @@ otherwise. A request may set its own selection (`mm_processor_kwargs` with
 `lt_opd_budget_bps`, ...) only when the server is started with vLLM's
 `--trust-request-mm-kwargs` (`lt-opd serve DIR -- --trust-request-mm-kwargs`); each setting is
 checked in the front end (a bad one is a 400 naming it). Images and clips are
-taken inline (data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`); a clip is sampled by
-vLLM's video loader and processor, by the family's own rule (Qwen3-VL: 2 frames a second), and pruned per temporal
-patch.
+taken inline (data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`, redirects never
+followed); a clip is sampled by vLLM's video loader and processor, by the family's own rule (Qwen3-VL: 2 frames a
+second), and pruned per temporal patch. A request's body, each image or clip's bytes and each image's pixels are
+capped (`ServeLimits`). With an API key (vLLM's own check, the key given in a file so it is not on a command line)
+every request must carry it as a bearer token; serving beyond loopback without one is warned about.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sys
@@ -22,9 +25,12 @@ from pathlib import Path
 
 import torch
 
+from lt_opd_ray.serving.limits import ServeLimits
+
 
 def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
-                  max_model_len: int = 8192, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+                  max_model_len: int = 8192, extra: list[str] | None = None, api_key_file: str | Path | None = None,
+                  limits: ServeLimits = ServeLimits()) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the server process for `model_dir`."""
     from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.core.families import family_of_config
@@ -48,10 +54,17 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         "--max-model-len", str(min(max_model_len, positions)),
         "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1}),
         *([] if on_gpu else ["--enforce-eager"]),
+        "--middleware", "lt_opd_ray.serving.limits.BodyLimit",
         *(extra or []),
     ]
-    env = dict(os.environ)
+    env = {**os.environ, **limits.environment()}
+    if api_key_file is not None:
+        env["VLLM_API_KEY"] = _read_key(Path(api_key_file))
+    elif not _loopback(host) and not env.get("VLLM_API_KEY") and "--api-key" not in (extra or []):
+        print(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use the model"
+              " (pass --api-key-file; docs/operating.md, \"Security\")", file=sys.stderr, flush=True)
     env.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)  # inline images only, unless --allowed-media-domains
+    env.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")  # an allowed host cannot send the fetch on to another
     if not on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
@@ -59,3 +72,22 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     budget += ", kept tokens merged with their discarded neighbours (learnable token merge)" if merging else ""
     print(f"serving {model_dir} on http://{host}:{port}/v1 with {budget}", flush=True)
     return argv, env
+
+
+def _read_key(path: Path) -> str:
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: cannot be read ({exc.strerror})") from None
+    if not key or "\n" in key:
+        raise ValueError(f"--api-key-file {path}: holds {'nothing' if not key else 'more than one line'}; put the key alone in it")
+    return key
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere

@@ -28,7 +28,6 @@ and nothing is written under `<out>`.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -50,6 +49,29 @@ class DataError(ValueError):
     """A source that cannot be prepared; the message lists every bad row."""
 
 
+@dataclass(frozen=True)
+class MediaAccess:
+    """What a source's rows may read besides their embedded bytes and the files under the source's folder: web hosts
+    to fetch from (none: a URL is refused), and paths outside the folder (absolute, or climbing out with `..`)."""
+
+    allowed_domains: tuple[str, ...] = ()
+    outside_root: bool = False
+
+    def read(self, name: str, folder: Path) -> bytes:
+        """The bytes a row's path or URL names, under these rules; FileNotFoundError or ValueError saying why not."""
+        from lt_opd_ray.sources.fetch import fetch
+        from lt_opd_ray.sources.rows import OUTSIDE_WAY_OUT, URL, path_problem
+
+        if URL.match(name):
+            return fetch(name, self.allowed_domains)
+        if not self.outside_root and (problem := path_problem("path", name)):
+            raise ValueError(f"{problem}; {OUTSIDE_WAY_OUT}")
+        file = folder / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found")
+        return file.read_bytes()
+
+
 @dataclass
 class SourceRow:
     uid: str
@@ -65,8 +87,8 @@ class SourceRow:
 
 
 # ------------------------------------------------------------------------------ sources
-def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
-    from lt_opd_ray.sources.rows import read_rows_raw
+def _lt14k_rows(folder: Path, access: MediaAccess) -> Iterator[SourceRow]:
+    from lt_opd_ray.sources.rows import OUTSIDE_WAY_OUT, path_problem, read_rows_raw
 
     media = {str(entry.get("sample_uid")): entry for _, entry in read_rows_raw(folder / "media.jsonl")}
     archives: dict[str, tarfile.TarFile] = {}
@@ -75,6 +97,8 @@ def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
         def read() -> bytes:
             if entry.get("access") == "url":
                 raise FileNotFoundError(f"media is a url ({entry.get('url')}); fetch it into a bundled archive first (no network here)")
+            if not access.outside_root and (problem := path_problem("archive", str(entry.get("archive") or ""))):
+                raise ValueError(f"{problem}; {OUTSIDE_WAY_OUT}")
             archive = folder / str(entry.get("archive") or "")
             if not archive.is_file():
                 raise FileNotFoundError(f"archive {entry.get('archive')!r} not found")
@@ -100,12 +124,19 @@ def _lt14k_rows(folder: Path) -> Iterator[SourceRow]:
                         response=row.get("response"))
 
 
-def _hf_rows(folder: Path) -> Iterator[SourceRow]:
+def _hf_rows(folder: Path, access: MediaAccess) -> Iterator[SourceRow]:
     import datasets
 
     data = datasets.load_from_disk(str(folder))
     if isinstance(data, datasets.DatasetDict):
         data = data["train"]
+    for column in ("image", "images"):  # read as stored ({bytes, path}): datasets' decoding would fetch any URL in them
+        if column in data.features:
+            feature = data.features[column]
+            if isinstance(feature, datasets.Image):
+                data = data.cast_column(column, datasets.Image(decode=False))
+            elif isinstance(getattr(feature, "feature", None), datasets.Image):
+                data = data.cast_column(column, datasets.List(datasets.Image(decode=False)))
     for index, row in enumerate(data):
         images = row["images"] if row.get("images") is not None else [row.get("image")]
 
@@ -113,12 +144,12 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
             def read() -> bytes:
                 if image is None:
                     raise FileNotFoundError("no image")
+                if isinstance(image, bytes):
+                    return image
                 if isinstance(image, dict) and image.get("bytes"):
                     return image["bytes"]
-                if hasattr(image, "save"):
-                    buffer = io.BytesIO()
-                    image.save(buffer, format=image.format or "PNG")
-                    return buffer.getvalue()
+                if isinstance(image, dict) and image.get("path"):
+                    return access.read(image["path"], folder)
                 raise ValueError(f"image of type {type(image).__name__} holds no bytes")
 
             return read
@@ -127,7 +158,7 @@ def _hf_rows(folder: Path) -> Iterator[SourceRow]:
                         _recorded(row.get("sha256")), response=row.get("response"))
 
 
-def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
+def _file_rows(path: Path, images: Path, access: MediaAccess) -> Iterator[SourceRow]:
     from lt_opd_ray.sources.rows import images_problem, read_records, row_images, video_problem
 
     for number, row, problem in read_records(path):
@@ -136,13 +167,7 @@ def _file_rows(path: Path, images: Path) -> Iterator[SourceRow]:
             continue
 
         def reader(name):
-            def read() -> bytes:
-                file = images / str(name)
-                if not file.is_file():
-                    raise FileNotFoundError(f"{file} not found")
-                return file.read_bytes()
-
-            return read
+            return lambda: access.read(str(name), images)
 
         video = row.get("video")
         yield SourceRow(str(row.get("sample_uid") or f"row {number}"), row.get("question"), row.get("answer"),
@@ -163,13 +188,13 @@ def _missing(reason: str):
     return read
 
 
-def source_rows(source: Path, images: Path | None = None) -> Iterator[SourceRow]:
+def source_rows(source: Path, images: Path | None = None, access: MediaAccess = MediaAccess()) -> Iterator[SourceRow]:
     if source.is_dir() and (source / "train.parquet").exists() and (source / "media.jsonl").exists():
-        return _lt14k_rows(source)
+        return _lt14k_rows(source, access)
     if source.is_dir() and ((source / "dataset_info.json").exists() or (source / "dataset_dict.json").exists()):
-        return _hf_rows(source)
+        return _hf_rows(source, access)
     if source.is_file() and source.suffix in (".jsonl", ".parquet"):
-        return _file_rows(source, images or source.parent)
+        return _file_rows(source, images or source.parent, access)
     raise DataError(
         f"{source}: not a source this command reads (an LT-14K folder with train.parquet + media.jsonl,"
         " a datasets save_to_disk folder, or a .jsonl / .parquet file)"
@@ -269,7 +294,7 @@ def _fingerprint(source: Path) -> str:
 
 
 def prepare(source: str | Path, out: str | Path, images: str | Path | None = None, shard_rows: int = 1000,
-            max_shards: int | None = None, progress=None) -> dict | None:
+            max_shards: int | None = None, progress=None, access: MediaAccess = MediaAccess()) -> dict | None:
     """Prepare `source` into `out`; returns the manifest, or None when `max_shards` stopped it early (run again)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -281,7 +306,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
         raise DataError(f"{out} is {'a file' if not out.is_dir() else 'a folder that is not empty'}; --out must be a new or empty folder")
     if not source.exists():
         raise DataError(f"{source}: not found")
-    rows = source_rows(source, Path(images) if images else None)  # a path that is no source is named before anything is written
+    rows = source_rows(source, Path(images) if images else None, access)  # a path that is no source is named before anything is written
     staging = out.with_name(out.name + ".incoming")
     fingerprint = _fingerprint(source)
     state = {"source": str(source), "fingerprint": fingerprint, "shards": [], "uids": []}

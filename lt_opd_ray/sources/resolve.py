@@ -62,7 +62,7 @@ def generated_rows(spec: str) -> GeneratedRows | None:
     return rows
 
 
-def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list[Sample]:
+def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0, allow_outside_root: bool = False) -> list[Sample]:
     """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size, `synthetic:<n>*<I>` with
     I images per row, the question naming one), `synthetic-video:<n>` (16-frame clips whose board changes once, the
     question asking about its start or end),
@@ -80,7 +80,7 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0) -> list
         from lt_opd_ray.sources.prepare import read_prepared
 
         return read_prepared(spec)
-    return read_rows(spec, image_root)
+    return read_rows(spec, image_root, allow_outside_root)
 
 
 def embedded_model(path: str) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.core.samples import Clip, Sample
@@ -15,6 +16,7 @@ from lt_opd_ray.core.samples import Clip, Sample
 DATA_SUFFIXES = (".jsonl", ".parquet")  # the row files `load_samples` reads
 PREPARED_MANIFEST = "manifest.json"  # what marks a folder `lt-opd data` prepared (written last)
 MAX_QUESTION_CHARS = 65_536  # a question is a sentence or a page, never a document: longer is refused per row
+URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 REQUIRED_FIELDS = ("sample_uid", "question")  # and an image (`image`: one path, or `images`: a list of paths) or a `video`
 
 
@@ -99,14 +101,14 @@ def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
     return [(number, record) for number, record, _ in entries]
 
 
-def read_rows(path: str | Path, image_root: str | Path = ".") -> list[Sample]:
-    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question. Every problem of the file
-    is named in one InputError."""
+def read_rows(path: str | Path, image_root: str | Path = ".", allow_outside_root: bool = False) -> list[Sample]:
+    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question, its files under
+    `image_root` unless `allow_outside_root`. Every problem of the file is named in one InputError."""
     path = Path(path)
     where = "row" if path.suffix == ".parquet" else "line"
     samples, numbers, seen, problems = [], [], {}, []
     for number, row, problem in read_records(path):
-        if problem := problem or _row_problem(row, seen, where):
+        if problem := problem or _row_problem(row, seen, where) or outside_problem(row, allow_outside_root):
             problems.append(f"{where} {number}: {problem}")
             continue
         uid = str(row["sample_uid"])
@@ -168,6 +170,36 @@ def video_problem(row: dict) -> str | None:
         return f"`video` frames {', '.join(empty)} are not paths"
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
         return f"`fps` must be a positive number, got {fps!r}"
+    return None
+
+
+def outside_problem(row: dict, allowed: bool = False) -> str | None:
+    """The first of a row's image and video paths that does not stay under its data folder (`path_problem`), with
+    the way out; a URL is refused even where paths outside the folder are `allowed` (training rows fetch nothing)."""
+    video = row.get("video")
+    named = [("image", p) for p in row_images(row)] + ([("video", video)] if isinstance(video, str) else [("video frame", f) for f in video or []])
+    for kind, name in named:
+        if isinstance(name, str) and (problem := path_problem(kind, name)):
+            if URL.match(name):
+                return f"{problem}; fetch it into the folder first (`lt-opd data --allowed-media-domains HOST` does while preparing)"
+            if not allowed:
+                return f"{problem}; {OUTSIDE_WAY_OUT}"
+    return None
+
+
+OUTSIDE_WAY_OUT = "keep the files under it, or allow this (data.allow_outside_root: true; lt-opd data --allow-outside-root)"
+
+
+def path_problem(kind: str, name: str) -> str | None:
+    """Why a path a row names does not stay under its data folder: a URL, an absolute path, or one climbing out with
+    `..`; None where it stays (the folder is what the user gave; a link placed in it is theirs to make)."""
+    path = PurePosixPath(name.replace("\\", "/"))
+    if URL.match(name):
+        return f"{kind} {name!r} is a URL, not a file under the data folder"
+    if path.is_absolute() or PureWindowsPath(name).is_absolute():
+        return f"{kind} {name!r} is an absolute path, outside the data folder"
+    if ".." in path.parts:
+        return f"{kind} {name!r} climbs out of the data folder with .."
     return None
 
 

@@ -75,7 +75,7 @@ def eval_sets(job: JobConfig) -> dict[str, list]:
     from lt_opd_ray.sources.resolve import generated_rows, load_samples
     from lt_opd_ray.sources.toy.tasks import toy_task
 
-    samples = load_samples(job.eval.data, job.data.image_root, job.seed)
+    samples = load_samples(job.eval.data, job.data.image_root, job.seed, job.data.allow_outside_root)
     rows = generated_rows(job.eval.data)
     task = toy_task(rows.toy_task) if rows is not None and rows.toy_task is not None else None
     if task is None or task.kind_of(samples[0]) is None:
