@@ -134,8 +134,8 @@ def mp4_clip(frames: int) -> bytes:
 class serving:
     """`lt-opd serve FOLDER` on a free port, up (its /health answers) inside the block, stopped after it."""
 
-    def __init__(self, student, tmp_path, *extra: str):
-        self.student, self.tmp_path, self.extra = student, tmp_path, extra
+    def __init__(self, student, tmp_path, *extra: str, vllm_options: tuple[str, ...] = ("--trust-request-mm-kwargs",)):
+        self.student, self.tmp_path, self.extra, self.vllm_options = student, tmp_path, extra, vllm_options
 
     def __enter__(self) -> serving:
         self.port = _free_port()
@@ -143,7 +143,7 @@ class serving:
         (self.tmp_path / "api_key").write_text(API_KEY + "\n")
         self.server = subprocess.Popen([sys.executable, "-m", "lt_opd_ray.cli.main", "serve", str(self.student), "--port", str(self.port),
                                         "--max-model-len", "1024", "--api-key-file", str(self.tmp_path / "api_key"), *self.extra,
-                                        "--", "--trust-request-mm-kwargs"],
+                                        *(["--", *self.vllm_options] if self.vllm_options else [])],
                                        stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.time() + 300
         while True:
@@ -295,3 +295,56 @@ def test_serving_beyond_loopback_without_a_key_is_warned_and_a_key_file_is_check
             serve_command(student, api_key_file=tmp_path / "key")
     with pytest.raises(ValueError, match="cannot be read"):
         serve_command(student, api_key_file=tmp_path / "missing")
+    # a model vLLM cannot run here (the toy's head size 16): the transformers engine, unless vLLM is asked for
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    toy = resolve_model_dir("toy:circles")
+    argv, env = serve_command(toy)
+    assert argv[1:3] == ["-m", "lt_opd_ray.serving.transformers_server"] and "vLLM cannot run it on this machine" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="attention head size 16"):
+        serve_command(toy, engine="vllm")
+    with pytest.raises(ValueError, match="options after -- are vLLM's \\(--trust-request-mm-kwargs\\); the transformers engine takes none"):
+        serve_command(toy, extra=["--trust-request-mm-kwargs"])
+
+
+def test_the_transformers_engine_keeps_the_servers_rules(tmp_path):
+    """The engine that serves what vLLM cannot run here refuses what vLLM's server under `lt-opd serve` refuses: no
+    key (401), a body over the limit (413), a URL that is not inline data, an image of too many pixels, a bad field
+    (400, named); a good request is answered at the student's budget."""
+    from starlette.testclient import TestClient
+
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.transformers_server import TransformersStudent, build_app
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    shutil.copytree(resolve_model_dir("toy:circles"), tmp_path / "student")
+    CompressionConfig("cdpruner", 500, 4).write(tmp_path / "student")
+    client = TestClient(build_app(TransformersStudent(tmp_path / "student"), API_KEY, ServeLimits(body_bytes=200_000, image_pixels=100_000)))
+    png = io.BytesIO()
+    random_image(1).save(png, format="PNG")
+
+    def asking(url: str, **fields) -> dict:
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Which colour?"}]}],
+                **fields}
+
+    inline = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    post = lambda body, headers=HEADERS: client.post("/v1/chat/completions", json=body, headers=headers)  # noqa: E731
+    assert post(asking(inline), {}).status_code == 401 and post(asking(inline), {"Authorization": "Bearer guessed"}).status_code == 401
+    assert client.post("/v1/chat/completions", content=b" " * 200_001, headers=HEADERS).status_code == 413
+    for body, expected in ((asking("http://127.0.0.1:9/cat.png"), "remote image URLs and http: URLs are off"),
+                           (asking(f"file://{tmp_path / 'student' / 'config.json'}"), "file: URLs are off"),
+                           (asking("data:image/png;base64," + base64.b64encode(bomb_png(400)).decode()), "(160000 pixels) refused, more than this server's 100000"),
+                           (asking(inline, max_tokens="4"), "max_tokens: expected an integer, got str"),
+                           (asking(inline, stop=["a", 1]), "stop: a string or a list of at most 4 non-empty strings"),
+                           ({"messages": [{"role": "assistant", "content": "hi"}]}, "this engine answers one user message")):
+        answered = post(body)
+        assert answered.status_code == 400 and expected in answered.json()["error"]["message"], (expected, answered.text)
+    answered = post(asking(inline, max_tokens=3, temperature=0)).json()
+    assert answered["usage"]["completion_tokens"] <= 3 and answered["choices"][0]["finish_reason"] in ("stop", "length")
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.models.processor import VLMProcessor, question_messages
+
+    prompt = VLMProcessor(tmp_path / "student").encode(question_messages("Which colour?"), [png.getvalue()])
+    visual = int((prompt.mm_token_type_ids == 1).sum())
+    assert answered["usage"]["prompt_tokens"] == prompt.input_ids.numel() - visual + tokens_to_keep(visual, 500, 4)

@@ -40,7 +40,47 @@ def test_readme_first_run_climbs_from_the_untrained_retain(tmp_path):
     retains = [float(r) for r in re.findall(r"step +\d+/60 .*acc\[cdpruner\] [0-9.]+ retain ([0-9.]+)", printed)]
     assert len(retains) == 6, printed[-3000:]
     assert sum(retains[-3:]) / 3 >= float(before[3]) + FIRST_RUN_MARGIN, (before[0], retains)
-    assert (tmp_path / "run" / "final" / "config.json").exists()
+    served_as_evaluated(tmp_path / "run" / "final", tmp_path)
+
+
+def served_as_evaluated(student, tmp_path) -> None:
+    """The README's next step on the first run's student: `lt-opd serve` on its final/ (vLLM's CPU build has no
+    kernel for the toy's head size 16, so the transformers engine serves it) answers a held-out question at the
+    trained budget, with the prompt the selection left and the very answer the evaluation path gives."""
+    import base64
+    import io
+
+    from test_export_serve import _post, serving
+
+    from lt_opd_ray.config.loading import load_job
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.core.curriculum import tokens_to_keep
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.evaluation import generate_responses
+    from lt_opd_ray.models.loading import load_vlm
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+    from lt_opd_ray.sources.toy.tasks import toy_task
+
+    job = load_job(REPO / "jobs" / "toy_circles_quick.yaml")
+    assert CompressionConfig.read(student) == CompressionConfig("cdpruner", job.budget.target_bps, job.budget.k_min)
+    sample = toy_task("circles").samples(1, "test")[0]
+    png = io.BytesIO()
+    sample.images[0].read().save(png, format="PNG")
+    sample = type(sample)(sample.uid, (png.getvalue(),), sample.question, sample.answer)
+    messages = [*([{"role": "system", "content": job.data.system_prompt}] if job.data.system_prompt else []), {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+        {"type": "text", "text": sample.question}]}]
+    with serving(student, tmp_path, vllm_options=()) as server:
+        answer = _post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                       {"model": str(student), "messages": messages, "max_tokens": 32, "temperature": 0, "stop": "</answer>"})
+    assert "the transformers engine serves it" in (tmp_path / "server.log").read_text()
+    processor = VLMProcessor(student)
+    (prompt,) = encode_samples(processor, [sample], job.data.system_prompt)
+    visual = int((prompt.mm_token_type_ids == 1).sum())
+    assert answer["usage"]["prompt_tokens"] == prompt.input_ids.numel() - visual + tokens_to_keep(visual, job.budget.target_bps, job.budget.k_min)
+    (expected,) = generate_responses(QwenVLM(load_vlm(student)[1].eval()), processor, [sample], job.budget.target_bps, "cdpruner",
+                                     job.budget.k_min, job.data.system_prompt, max_new_tokens=32, stop=("</answer>",))
+    assert answer["choices"][0]["message"]["content"] == expected.removesuffix("</answer>"), (answer, expected)
 
 
 # Measured (docs/ablation/README.md, "The first run across seeds and machines"): the mean of the last three

@@ -92,7 +92,7 @@ def cmd_serve(args) -> int:
     limits = ServeLimits(args.max_body_mb * MIB, args.max_media_mb * MIB, args.max_image_pixels)
     try:
         argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args,
-                                  api_key_file=args.api_key_file, limits=limits)
+                                  api_key_file=args.api_key_file, limits=limits, engine=args.engine)
     except (FileNotFoundError, ValueError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
@@ -200,6 +200,8 @@ def register(sub) -> None:
     serve.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
     serve.add_argument("--max-model-len", type=whole_number(1), default=8192, help="longest prompt + answer in tokens (default 8192, or the model's own limit if lower)")
+    serve.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto",
+                       help="auto (default): vLLM, or transformers where vLLM cannot run the model on this machine (the toy models' head size on CPU)")
     serve.add_argument("--api-key-file", default=None, help="a file holding the API key every request must send as `Authorization: Bearer KEY`")
     serve.add_argument("--max-body-mb", type=whole_number(1, 4096), default=32, help="largest request body in MiB (default 32)")
     serve.add_argument("--max-media-mb", type=whole_number(1, 4096), default=24, help="largest image or clip in MiB, inline or fetched (default 24)")

@@ -269,6 +269,8 @@ class Learner:
         import shutil
         from pathlib import Path
 
+        from lt_opd_ray.core.compression import CompressionConfig
+
         state = self.full_state_dict()
         if self.rank != 0:
             return
@@ -278,6 +280,7 @@ class Learner:
         self.module.model.save_pretrained(staging, state_dict=state)
         self.processor.tokenizer.save_pretrained(staging)
         self.processor.image_processor.save_pretrained(staging)
+        CompressionConfig.from_job(self.job).write(staging)  # `lt-opd serve` on final/ serves it at the budget it was trained for
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from lt_opd_ray.engines.vllm.media import MAX_MEDIA_ENV, MIB
 
 MAX_BODY_ENV = "LT_OPD_MAX_BODY_BYTES"
+PIXELS_ENV = "VLLM_MAX_IMAGE_PIXELS"  # vLLM's own name; the transformers engine reads it too
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,17 @@ class ServeLimits:
 
     def environment(self) -> dict[str, str]:
         """What the server process reads them from (ours, and vLLM's own pixel limit)."""
-        return {MAX_BODY_ENV: str(self.body_bytes), MAX_MEDIA_ENV: str(self.media_bytes), "VLLM_MAX_IMAGE_PIXELS": str(self.image_pixels)}
+        return {MAX_BODY_ENV: str(self.body_bytes), MAX_MEDIA_ENV: str(self.media_bytes), PIXELS_ENV: str(self.image_pixels)}
+
+    @classmethod
+    def from_environment(cls) -> ServeLimits:
+        return cls(int(os.environ[MAX_BODY_ENV]), int(os.environ[MAX_MEDIA_ENV]), int(os.environ[PIXELS_ENV]))
 
 
 class BodyLimit:
-    def __init__(self, app):
+    def __init__(self, app, limit: int | None = None):
         self.app = app
-        self.limit = int(os.environ[MAX_BODY_ENV])
+        self.limit = int(os.environ[MAX_BODY_ENV]) if limit is None else limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -1,4 +1,5 @@
-"""`lt-opd serve`: vLLM's OpenAI-compatible server on an exported student, at its budget.
+"""`lt-opd serve`: vLLM's OpenAI-compatible server on an exported student, at its budget (or, for a student vLLM
+cannot run on this machine, the transformers engine behind the same API: serving/transformers_server.py).
 
 The server is vLLM's own (`vllm.entrypoints.openai.api_server`); our plugin loads in
 its engine process through the `vllm.general_plugins` entry point and applies the
@@ -28,24 +29,66 @@ import torch
 from lt_opd_ray.serving.limits import ServeLimits
 
 
+ENGINES = ("auto", "vllm", "transformers")
+
+
 def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
                   max_model_len: int = 8192, extra: list[str] | None = None, api_key_file: str | Path | None = None,
-                  limits: ServeLimits = ServeLimits()) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) of the server process for `model_dir`."""
+                  limits: ServeLimits = ServeLimits(), engine: str = "auto") -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the server process for `model_dir`: vLLM's server, or (`engine` transformers, or auto
+    where vLLM cannot run the model on this machine) the transformers engine's (serving/transformers_server.py)."""
     from lt_opd_ray.core.compression import CompressionConfig
-    from lt_opd_ray.core.families import family_of_config
+    from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.engines.vllm.engine import check_architecture
-    from lt_opd_ray.engines.vllm.media import CONNECTOR_NAME
+    from lt_opd_ray.serving.transformers_server import API_KEY_ENV
 
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
     model_dir = Path(model_dir).resolve()
-    check_architecture(model_dir)
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
     config = json.loads((model_dir / "config.json").read_text())
+    family = family_of_config(config, str(model_dir))  # a family neither engine runs is refused here
+    if engine != "transformers":
+        try:
+            check_architecture(model_dir)
+            engine = "vllm"
+        except UnsupportedArchitectureError as exc:
+            if engine == "vllm":
+                raise
+            print(f"the transformers engine serves it, one request at a time: vLLM cannot run it on this machine ({exc})",
+                  file=sys.stderr, flush=True)
+            engine = "transformers"
+    key = _read_key(Path(api_key_file)) if api_key_file is not None else None
+    env = {**os.environ, **limits.environment()}
+    if key is None and not _loopback(host) and not env.get("VLLM_API_KEY") and "--api-key" not in (extra or []):
+        print(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use the model"
+              " (pass --api-key-file; docs/operating.md, \"Security\")", file=sys.stderr, flush=True)
+    if engine == "transformers":
+        if extra:
+            raise ValueError(f"options after -- are vLLM's ({' '.join(extra)}); the transformers engine takes none")
+        argv = [sys.executable, "-m", "lt_opd_ray.serving.transformers_server", str(model_dir), "--host", host, "--port", str(port)]
+        env.pop(API_KEY_ENV, None)
+        if key is not None:
+            env[API_KEY_ENV] = key
+    else:
+        argv = _vllm_argv(model_dir, config, family, host, port, dtype, max_model_len, extra or [])
+        if key is not None:
+            env["VLLM_API_KEY"] = key
+        _vllm_environment(env)
+    merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
+    budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"
+    budget += ", kept tokens merged with their discarded neighbours (learnable token merge)" if merging else ""
+    print(f"serving {model_dir} on http://{host}:{port}/v1 ({engine}) with {budget}", flush=True)
+    return argv, env
+
+
+def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtype: str | None, max_model_len: int,
+               extra: list[str]) -> list[str]:
     on_gpu = torch.cuda.is_available()
     if dtype is None:  # vLLM's CPU kernels run Qwen3.5's Gated DeltaNet only in bf16
-        dtype = "bfloat16" if family_of_config(config, str(model_dir)).linear_attention and not on_gpu else "auto"
+        dtype = "bfloat16" if family.linear_attention and not on_gpu else "auto"
     positions = int(config.get("text_config", config).get("max_position_embeddings", max_model_len))
-    argv = [
+    return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--host", host,
@@ -55,23 +98,17 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1}),
         *([] if on_gpu else ["--enforce-eager"]),
         "--middleware", "lt_opd_ray.serving.limits.BodyLimit",
-        *(extra or []),
+        *extra,
     ]
-    env = {**os.environ, **limits.environment()}
-    if api_key_file is not None:
-        env["VLLM_API_KEY"] = _read_key(Path(api_key_file))
-    elif not _loopback(host) and not env.get("VLLM_API_KEY") and "--api-key" not in (extra or []):
-        print(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use the model"
-              " (pass --api-key-file; docs/operating.md, \"Security\")", file=sys.stderr, flush=True)
+
+
+def _vllm_environment(env: dict[str, str]) -> None:
+    from lt_opd_ray.engines.vllm.media import CONNECTOR_NAME
+
     env.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)  # inline images only, unless --allowed-media-domains
     env.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")  # an allowed host cannot send the fetch on to another
-    if not on_gpu:
+    if not torch.cuda.is_available():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
-    budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"
-    budget += ", kept tokens merged with their discarded neighbours (learnable token merge)" if merging else ""
-    print(f"serving {model_dir} on http://{host}:{port}/v1 with {budget}", flush=True)
-    return argv, env
 
 
 def _read_key(path: Path) -> str:

@@ -1,0 +1,227 @@
+"""`lt-opd serve --engine transformers`: an exported student on transformers behind the OpenAI-style chat API.
+
+For a student vLLM cannot run here (vLLM's CPU attention has no kernel for the toy models' head size 16) and for
+checking one without vLLM. Each request runs the evaluation path (`models/evaluation`): the folder's compression
+config (`lt_opd_compression.json`: selector, budget, k_min) applied with the question of the request's own prompt
+as the selector's query, then greedy decoding or sampling, one request at a time. The front end keeps the rules of
+vLLM's server under `lt-opd serve`: the API key, the body, media and pixel limits (`ServeLimits`), images inline
+only (`data:` URLs), every refusal a 4xx naming the field. The API key and the limits come from the environment
+`serve_command` sets (`LT_OPD_API_KEY`, `ServeLimits.environment`), never from a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import io
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+API_KEY_ENV = "LT_OPD_API_KEY"
+DEFAULT_MAX_TOKENS = 256
+
+
+class RequestError(ValueError):
+    """A request the server refuses (400), naming the field."""
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    question: str
+    images: tuple[bytes, ...]
+    system_prompt: str | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, body: object, limits) -> ChatRequest:
+        """The one user turn this server answers (its text and inline images; a system message before it), checked."""
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError("messages: a non-empty list of message objects is required")
+        system = [m for m in messages if m.get("role") == "system"]
+        turns = [m for m in messages if m.get("role") != "system"]
+        if len(turns) != 1 or turns[0].get("role") != "user" or len(system) > 1:
+            raise RequestError("messages: this engine answers one user message (after at most one system message); "
+                               f"got roles {[m.get('role') for m in messages]}")
+        texts, images = [], []
+        content = turns[0].get("content")
+        for index, part in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content or []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url" and isinstance(part.get("image_url"), dict):
+                images.append(_inline_image(str(part["image_url"].get("url", "")), limits, f"messages[-1].content[{index}]"))
+            else:
+                raise RequestError(f"messages[-1].content[{index}]: a text or image_url part is expected, got {kind!r}")
+        if not images:
+            raise RequestError("messages[-1].content: no image: this server answers questions about an image")
+        question = "\n".join(texts).strip()
+        if not question:
+            raise RequestError("messages[-1].content: no question text")
+        system_prompt = system[0].get("content") if system else None
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise RequestError("messages[0].content: the system message must be text")
+        stop = body.get("stop")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
+        if stop is None or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("stop: a string or a list of at most 4 non-empty strings")
+        return cls(question, tuple(images), system_prompt, _number(body, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, 65536),
+                   _number(body, "temperature", float, 1.0, 0.0, 10.0), _number(body, "top_p", float, 1.0, 1e-6, 1.0),
+                   _number(body, "seed", int, 0, 0, 2**63 - 1), stop)
+
+
+def _number(body: dict, name: str, kind: type, default, low, high):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise RequestError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RequestError(f"{name}: {value} is outside [{low}, {high}]")
+    return kind(value)
+
+
+def _inline_image(url: str, limits, where: str) -> bytes:
+    """A `data:` URL's image, within the media and pixel limits (its header read before anything is decoded)."""
+    from PIL import Image
+
+    if url[:5].lower() != "data:":
+        scheme = url.split(":", 1)[0] if ":" in url else "no scheme"
+        raise RequestError(f"{where}: remote image URLs and {scheme}: URLs are off on this server: send the image inline (a data: URL with base64)")
+    header, comma, data = url[5:].partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise RequestError(f"{where}: only base64 data URLs are read")
+    if len(data) > 4 * (limits.media_bytes + 2) // 3:
+        raise RequestError(f"{where}: media refused, more than this server's {limits.media_bytes / 2**20:g} MiB (lt-opd serve --max-media-mb)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+        with Image.open(io.BytesIO(raw)) as image:  # the header only
+            width, height = image.size
+    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as exc:
+        raise RequestError(f"{where}: not an image this server reads ({type(exc).__name__}: {exc})") from None
+    if width * height > limits.image_pixels:
+        raise RequestError(f"{where}: image of {width}x{height} ({width * height} pixels) refused, more than this server's "
+                           f"{limits.image_pixels} (lt-opd serve --max-image-pixels)")
+    return raw
+
+
+class TransformersStudent:
+    """The student folder loaded for answering: its model, processor and compression config."""
+
+    def __init__(self, model_dir: Path):
+        import torch
+
+        from lt_opd_ray.core.compression import CompressionConfig
+        from lt_opd_ray.core.selectors import build_selector
+        from lt_opd_ray.models.adapter import QwenVLM
+        from lt_opd_ray.models.loading import load_vlm
+        from lt_opd_ray.models.processor import VLMProcessor
+
+        torch.set_grad_enabled(False)
+        self.compression = CompressionConfig.read(model_dir)
+        merge = self.compression is not None and self.compression.merge == "learnable"
+        model_dir, model = load_vlm(model_dir, token_merge=merge)
+        self.name, self.vlm, self.processor = str(model_dir), QwenVLM(model.eval()), VLMProcessor(model_dir)
+        self.choose = build_selector(self.compression.selector) if self.compression else None
+        self.lock = threading.Lock()  # one request at a time: the model is not shared across threads
+
+    def answer(self, request: ChatRequest) -> dict:
+        """The OpenAI-style completion: the text, its finish reason, and the prompt's tokens as the model saw them (the
+        kept visual tokens only)."""
+        from lt_opd_ray.core.samples import Sample
+        from lt_opd_ray.models.processor import encode_samples
+        from lt_opd_ray.models.sampler import SamplingParams, sample
+
+        sample_uid = f"request-{uuid.uuid4().hex[:12]}"
+        params = SamplingParams(max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-6), top_p=request.top_p,
+                                greedy=request.temperature == 0, top_k_logprobs=1, stop=request.stop, eos_token_ids=self.processor.eos_token_ids)
+        with self.lock:
+            (prompt,) = encode_samples(self.processor, [Sample(sample_uid, request.images, request.question)], request.system_prompt)
+            features = self.vlm.visual_features(prompt)
+            if self.compression is None:
+                kept = self.vlm.keep_all(features)
+            else:
+                kept = self.vlm.select(prompt, features, self.choose, self.compression.budget_bps, self.compression.k_min, seed=request.seed)
+            reduced = self.vlm.reduce(prompt, features, kept)
+            (completion,) = sample(self.vlm, [reduced], params, [request.seed], self.processor.tokenizer)
+        text = self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        if completion.finish_reason == "stop":  # as OpenAI's API and vLLM answer: without the stop string
+            text = text[: max(text.rfind(s) for s in request.stop)]
+        prompt_tokens, completion_tokens = int(reduced.inputs_embeds.shape[0]), int(completion.token_ids.numel())
+        return {
+            "id": f"chatcmpl-{sample_uid}", "object": "chat.completion", "created": int(time.time()), "model": self.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop" if completion.finish_reason in ("eos", "stop") else "length"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+
+def build_app(student: TransformersStudent, api_key: str | None, limits):
+    """The ASGI app: /health, /v1/models, /v1/chat/completions, behind the body limit and the API key."""
+    import json
+
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from lt_opd_ray.serving.limits import BodyLimit
+
+    def error(status: int, message: str, kind: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+    def authorised(request) -> bool:
+        return api_key is None or request.headers.get("authorization", "") == f"Bearer {api_key}"
+
+    async def health(request):
+        return JSONResponse({})
+
+    async def models(request):
+        if not authorised(request):
+            return error(401, "Unauthorized: send the server's API key as `Authorization: Bearer KEY`", "Unauthorized")
+        return JSONResponse({"object": "list", "data": [{"id": student.name, "object": "model", "owned_by": "lt-opd"}]})
+
+    async def chat(request):
+        if not authorised(request):
+            return error(401, "Unauthorized: send the server's API key as `Authorization: Bearer KEY`", "Unauthorized")
+        try:
+            parsed = ChatRequest.parse(json.loads(await request.body()), limits)
+            return JSONResponse(await run_in_threadpool(student.answer, parsed))
+        except json.JSONDecodeError as exc:
+            return error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        except ValueError as exc:  # RequestError, and what the processor refuses about the request's images
+            return error(400, str(exc), "BadRequestError")
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    app.add_middleware(BodyLimit, limit=limits.body_bytes)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from lt_opd_ray.serving.limits import ServeLimits
+
+    parser = argparse.ArgumentParser(prog="python -m lt_opd_ray.serving.transformers_server")
+    parser.add_argument("model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    limits = ServeLimits.from_environment()
+    app = build_app(TransformersStudent(Path(args.model)), os.environ.get(API_KEY_ENV) or None, limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
