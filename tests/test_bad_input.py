@@ -270,7 +270,8 @@ BAD_COMMAND_LINES = [
     ("timeline {run} --last -3", "argument --last: -3 is out of range: 1 or more"),
     ("check-cluster jobs/train_tiny.yaml {tmp}/nocluster.yaml", "check-cluster: {tmp}/nocluster.yaml: no such file or directory"),
     ("serve {tmp} --port 99999", "argument --port: 99999 is out of range: from 1 to 65535"),
-    ("serve {toy}", "attention head size 16; vLLM's CPU attention runs head sizes 32, 64,"),  # refused before vLLM starts
+    ("serve {toy} --engine vllm", "attention head size 16; vLLM's CPU attention runs head sizes 32, 64,"),  # refused before vLLM starts
+    ("serve {toy} -- --trust-request-mm-kwargs", "options after -- are vLLM's (--trust-request-mm-kwargs); the transformers engine takes none"),
     ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows 0", "argument --shard-rows: 0 is out of range: 1 or more"),
     ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows -2", "argument --shard-rows: -2 is out of range: 1 or more"),
     ("export jobs/train_tiny.yaml --out {tmp}/x --step -1", "argument --step: -1 is out of range: 1 or more"),

@@ -162,6 +162,7 @@ def test_the_kuberay_clusters_take_jobs_only_with_the_token_from_the_pods_the_ne
     assert submit["ports"] == [{"port": 8265, "protocol": "TCP"}] and metrics["ports"] == [{"port": 8090, "protocol": "TCP"}]
     rayjob = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")
     assert {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": rayjob["metadata"]["name"]}}} in submit["from"]
+    assert {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}} in submit["from"]
     for name in ("raycluster.yaml", "rayjob.yaml"):
         doc = load(REPO / "cluster" / "kuberay" / name)
         spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
@@ -192,5 +193,7 @@ def test_a_cluster_without_token_auth_is_named():
     launcher = load(REPO / "cluster/ray-cluster.yaml")
     assert launcher["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"  # the token every node reads
     launcher["worker_start_ray_commands"][-1] = launcher["worker_start_ray_commands"][-1].replace("RAY_AUTH_MODE=token ", "")
-    (problem,) = check_cluster_file(launcher, RECIPE, "ray-cluster.yaml")
-    assert problem.startswith("ray-cluster.yaml: worker_start_ray_commands: 'ray start --address=") and "without token auth" in problem
+    launcher["head_start_ray_commands"][-1] = launcher["head_start_ray_commands"][-1].replace("RAY_AUTH_MODE=token ", "RAY_AUTH_MODE=token; ")
+    worker, head = sorted(check_cluster_file(launcher, RECIPE, "ray-cluster.yaml"), reverse=True)
+    assert worker.startswith("ray-cluster.yaml: worker_start_ray_commands: 'ray start --address=") and "without token auth" in worker
+    assert head.startswith("ray-cluster.yaml: head_start_ray_commands: 'RAY_AUTH_MODE=token; ray start") and "without token auth" in head  # a shell variable, not the command's

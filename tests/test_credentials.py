@@ -30,6 +30,12 @@ TRACKER = "https://lt-user:mlflow-pw-leak@mlflow.internal:5000"
     ("https://ghp_token@host/repo", "https://***@host/repo"),
     ("gs://bucket/run?access_key=AK&secret_key=SK&region=eu", "gs://bucket/run?access_key=***&secret_key=***&region=eu"),
     (f"cannot open '{STORE}': denied", "cannot open 's3://***@bucket/runs/t?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1': denied"),
+    ("https://u:p@ss@mlflow:5000/x", "https://***@mlflow:5000/x"),  # an "@" in the password: split at the last
+    ("s3://KEY:wJal/rXU@bucket/run", "s3://***@bucket/run"),  # a raw "/" in the secret (pyarrow then refuses the URI, quoting it)
+    ("abfs://c@acct.dfs.core.windows.net/p?client_id=app&client_secret=S3CR3T&tenant_id=t",
+     "abfs://***@acct.dfs.core.windows.net/p?client_id=app&client_secret=***&tenant_id=t"),
+    ("https://b.s3.amazonaws.com/o?X-Amz-Credential=AK%2F1&X-Amz-Signature=abc&X-Amz-Expires=60",
+     "https://b.s3.amazonaws.com/o?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=60"),
     ("gs://bucket/runs/model@v2", "gs://bucket/runs/model@v2"),  # an "@" in a path is not userinfo
     ("/data/rows@2x.png and mailto:me@example.org", "/data/rows@2x.png and mailto:me@example.org"),
 ])
@@ -52,6 +58,13 @@ def test_no_credential_of_a_job_is_written_or_printed(tmp_path, capfd):
     tracking = f'tracking: {{backends: [tensorboard, mlflow, wandb], project: tests, dir: "{tmp_path / "tracking"}", mlflow_uri: "{TRACKER}"}}\n'
     (tmp_path / "job.yaml").write_text((REPO / "jobs" / "train_tiny.yaml").read_text() + tracking)
     assert main(["validate", str(tmp_path / "job.yaml"), "--print", "--schema-only", "--set", f"checkpoint.dir={STORE}"]) == 0
+    validated = capfd.readouterr()
+    assert "dir: s3://***@bucket/runs/t" in validated.out
+    # Ray keeps a submitted job's entrypoint and working directory for every token holder to read: refused before any upload
+    assert main(["submit", str(tmp_path / "job.yaml"), "--address", "http://127.0.0.1:9"]) == 2
+    assert main(["submit", "jobs/train_tiny.yaml", "--address", "http://127.0.0.1:9", "--set", f"checkpoint.dir={STORE}"]) == 2
+    submitted = capfd.readouterr()
+    assert submitted.err.count("carries credentials in a URI; Ray keeps a job's entrypoint") == 2
 
     job = job_for("tiny:qwen3_5", tmp_path / "run", extra=f'tracking: {{mlflow_uri: "{TRACKER}"}}\n')
     CheckpointStore(job)
@@ -74,8 +87,7 @@ def test_no_credential_of_a_job_is_written_or_printed(tmp_path, capfd):
     assert "not reachable" in train.stderr and not (tmp_path / "stage").exists()
 
     printed = capfd.readouterr()
-    shown = printed.out + printed.err + train.stdout + train.stderr
-    assert "dir: s3://***@bucket/runs/t" in printed.out
+    shown = "".join([validated.out, validated.err, submitted.out, submitted.err, printed.out, printed.err, train.stdout, train.stderr])
     leaks = [(str(path), secret) for path in tmp_path.rglob("*") if path.is_file() for secret in SECRETS if secret.encode() in path.read_bytes()
              and path != tmp_path / "job.yaml"]  # the job as the user wrote it
     assert not leaks and not [secret for secret in SECRETS if secret in shown], (leaks, shown[-3000:])

@@ -237,6 +237,11 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         plain = json.dumps({**body, "mm_processor_kwargs": {}}).encode()
         for headers in ({"Content-Type": "application/json"}, {**HEADERS, "Authorization": "Bearer guessed"}):
             assert "Unauthorized" in _refused(url, plain, 401, headers)
+        for route in ("/invocations", "/tokenize"):  # routes vLLM's own key check does not cover
+            assert "Unauthorized" in _refused(f"http://127.0.0.1:{port}{route}", plain, 401, {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30)  # the health check stays open
         assert "refused: this server takes at most 2097152 (2 MiB; lt-opd serve --max-body-mb)" in _refused(url, b" " * 2**21 + plain, 413)
         def asking(url_of_image: str) -> dict:
             return {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": [
@@ -283,7 +288,7 @@ def test_serving_beyond_loopback_without_a_key_is_warned_and_a_key_file_is_check
     assert "warning" not in capsys.readouterr().err
     argv, env = serve_command(student, host="0.0.0.0", port=8123)
     assert "warning: serving on 0.0.0.0 without an API key: anyone who reaches port 8123 can use the model" in capsys.readouterr().err
-    assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0" and argv[argv.index("--middleware") + 1] == "lt_opd_ray.serving.limits.BodyLimit"
+    assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0" and argv[argv.index("--middleware") + 1] == "lt_opd_ray.serving.limits.RequestGuard"
     assert (env["LT_OPD_MAX_BODY_BYTES"], env["LT_OPD_MAX_MEDIA_BYTES"], env["VLLM_MAX_IMAGE_PIXELS"]) == (str(32 * 2**20), str(24 * 2**20), "50000000")
     (tmp_path / "key").write_text("s3cret-key\n")
     argv, env = serve_command(student, host="0.0.0.0", api_key_file=tmp_path / "key", limits=ServeLimits(body_bytes=1000))
@@ -331,6 +336,7 @@ def test_the_transformers_engine_keeps_the_servers_rules(tmp_path):
     inline = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     post = lambda body, headers=HEADERS: client.post("/v1/chat/completions", json=body, headers=headers)  # noqa: E731
     assert post(asking(inline), {}).status_code == 401 and post(asking(inline), {"Authorization": "Bearer guessed"}).status_code == 401
+    assert client.get("/v1/models").status_code == 401 and client.get("/health").status_code == 200
     assert client.post("/v1/chat/completions", content=b" " * 200_001, headers=HEADERS).status_code == 413
     for body, expected in ((asking("http://127.0.0.1:9/cat.png"), "remote image URLs and http: URLs are off"),
                            (asking(f"file://{tmp_path / 'student' / 'config.json'}"), "file: URLs are off"),

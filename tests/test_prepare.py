@@ -215,11 +215,13 @@ def test_rows_read_only_their_folder_and_fetch_only_from_named_hosts_without_red
         # a datasets folder whose image feature holds a URL: saved as a plain struct, then declared an Image (saving an
         # Image feature here would fetch and embed it: a folder made elsewhere keeps the URL)
         plain = {"bytes": datasets.Value("binary"), "path": datasets.Value("string")}
-        datasets.Dataset.from_dict({"sample_uid": ["h0"], "question": ["q"], "image": [{"path": url, "bytes": None}]},
+        thumb = f"http://127.0.0.1:{host.port}/thumb.png"  # a column prepare does not read: never decoded, never fetched
+        datasets.Dataset.from_dict({"sample_uid": ["h0"], "question": ["q"], "image": [{"path": url, "bytes": None}],
+                                    "thumb": [{"path": thumb, "bytes": None}]},
                                    features=datasets.Features({"sample_uid": datasets.Value("string"), "question": datasets.Value("string"),
-                                                               "image": plain})).save_to_disk(str(tmp_path / "hf"))
+                                                               "image": plain, "thumb": plain})).save_to_disk(str(tmp_path / "hf"))
         info = json.loads((tmp_path / "hf" / "dataset_info.json").read_text())
-        info["features"]["image"] = {"_type": "Image"}
+        info["features"]["image"] = info["features"]["thumb"] = {"_type": "Image"}
         (tmp_path / "hf" / "dataset_info.json").write_text(json.dumps(info))
         assert isinstance(datasets.load_from_disk(str(tmp_path / "hf")).features["image"], datasets.Image)
         with pytest.raises(DataError, match=f"h0: image: {url} is on 127.0.0.1"):

@@ -2,6 +2,7 @@
 (its local Ray cluster's processes stopped first), or when another host's holder stopped beating."""
 
 import json
+from pathlib import Path
 import os
 import socket
 import subprocess
@@ -53,8 +54,8 @@ def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_pat
         time.sleep(0.2)
         listed = [[p.pid, _start_time(p.pid)] for p in (node_process, agent, unrelated)] + [[reused.pid, "1"]]
 
-        def take_over(session_folder: str) -> list:
-            record = {"host": socket.gethostname(), "pid": dead_pid, "started": "0", "ray_session": session_folder, "ray_processes": listed}
+        def take_over(session_folder: str, holder: int = dead_pid) -> list:
+            record = {"host": socket.gethostname(), "pid": holder, "started": "0", "ray_session": session_folder, "ray_processes": listed}
             (tmp_path / ".run.lock").write_text(json.dumps(record))
             with pytest.warns(UserWarning) as warned:
                 RunLock.acquire(folder, "resume").release()
@@ -63,6 +64,15 @@ def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_pat
         # a session folder another process started (a planted lock naming a live run's cluster): nothing is stopped
         other = str(session.with_name(f"session_2026-12-05_02-48-46_055166_{os.getpid()}"))
         assert len(take_over(other)) == 3 and all(p.poll() is None for p in processes)
+        # a lock naming a live driver (its start time wrong, so the lock looks abandoned) and that driver's own session:
+        # the session's driver runs, so nothing of its cluster is stopped
+        Path(other).mkdir()
+        live_run = subprocess.Popen([*sleep, f"--session-dir={other}"])  # a process of the live driver's cluster
+        processes += (live_run,)
+        time.sleep(0.2)
+        listed.append([live_run.pid, _start_time(live_run.pid)])
+        assert len(take_over(other, holder=os.getpid())) == 4 and all(p.poll() is None for p in processes)
+        listed.pop()
         (message,) = take_over(str(session))
         assert message == (f"{tmp_path / '.run.lock'} names pid {unrelated.pid}, which is not a process of the dead run's Ray "
                            f"cluster (session {session}): left running")

@@ -11,6 +11,7 @@ from lt_opd_ray.core.families import FAMILIES
 
 def cmd_validate(args) -> int:
     from lt_opd_ray.config.loading import JobConfigError, load_job
+    from lt_opd_ray.core.redact import redact
     from lt_opd_ray.runtime.job_inputs import read_job_inputs
 
     failed = 0
@@ -18,10 +19,10 @@ def cmd_validate(args) -> int:
         try:
             job = load_job(path, args.set)
         except JobConfigError as exc:
-            print(exc, file=sys.stderr)
+            print(redact(str(exc)), file=sys.stderr)
             failed += 1
             continue
-        summary = f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name}"
+        summary = redact(f"{path}: ok ({job.name}: {job.model.path}, {job.budget.total_steps} steps, selector {job.selector.name}")
         if args.schema_only:
             print(summary + "; schema only, inputs not read)")
         else:
@@ -149,11 +150,19 @@ def _train_reference(job, steps: int) -> None:
 
 
 def cmd_submit(args) -> int:
-    if load_job_or_report(args.job, args.set) is None:  # refuse a bad YAML here, not after the upload
+    from lt_opd_ray.core.redact import redact, redact_values
+
+    if (job := load_job_or_report(args.job, args.set)) is None:  # refuse a bad YAML here, not after the upload
         return 2
     from lt_opd_ray.runtime.submit import ClusterRefusedError, submit
 
     train_args = [*(f"--set={override}" for override in args.set), *args.train_args]
+    dumped = job.model_dump(mode="json")
+    if redact_values(dumped) != dumped or any(redact(a) != a for a in train_args):
+        print(f"error: {args.job} (with its --set values) carries credentials in a URI; Ray keeps a job's entrypoint and working"
+              " directory where every holder of the cluster's token can read them: pass them through the environment"
+              ' (an instance role, a secret; docs/operating.md, "Security")', file=sys.stderr)
+        return 2
     try:
         return submit(args.job, args.address, args.runtime_env, args.working_dir, train_args, wait=not args.no_wait)
     except ClusterRefusedError as exc:

@@ -12,11 +12,12 @@ SET_HELP = "override a field of the job, e.g. --set optimizer.lr.language_model=
 def load_job_or_report(path: str, overrides: list[str] = ()):
     """The validated job (`--set` overrides applied), or None after printing every problem of the YAML."""
     from lt_opd_ray.config.loading import JobConfigError, load_job
+    from lt_opd_ray.core.redact import redact
 
     try:
         return load_job(path, overrides)
     except JobConfigError as exc:
-        print(exc, file=sys.stderr)
+        print(redact(str(exc)), file=sys.stderr)  # a refused value may be a URI with credentials
         return None
 
 

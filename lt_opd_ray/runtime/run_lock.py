@@ -9,8 +9,8 @@ driver's local Ray cluster outlives it by a minute or more (its dashboard agent 
 that takes over its lock stops those processes first. Anyone who can write the parent folder can write a lock, so a
 listed pid is stopped only where the process proves it is that cluster's: it runs as this user since the recorded
 start time, and its command line or one of its open files is in the recorded session folder, which Ray names after
-the process that started it (`session_<time>_<pid>`: the dead holder). Any other listed pid is left alone, with a
-warning that says why.
+the process that started it (`session_<time>_<pid>`: the dead holder, whose pid must no longer run); the lock file
+and the session folder belong to this user. Any other listed pid is left alone, with a warning that says why.
 
 A run folder at a URI (`s3://...`) is written from a staging folder on each host, so a lock there guards only one host:
 `RemoteLease` holds `.<name>.lock.json` beside the folder in the store itself, refreshed every HEARTBEAT_S and taken
@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import warnings
@@ -125,6 +126,8 @@ class RunLock:
         session = held.get("ray_session")
         if not isinstance(session, str) or not Path(session).name.startswith("session_") or not session.endswith(f"_{held.get('pid')}"):
             session = None  # not a session folder the dead holder started: no process can prove it belongs to it
+        elif _runs(held["pid"]) or not _owned_by_me(self.path) or not _owned_by_me(Path(session)):
+            session = None  # its driver lives (a lock claiming otherwise lies), or the lock or the session is another user's
         alive = []
         for entry in held.get("ray_processes") or []:
             pid, started = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
@@ -156,8 +159,10 @@ class RunLock:
         pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None]
         self.record["ray_session"] = node.get_session_dir_path()
         self.record["ray_processes"] = [[pid, started] for pid in pids + _children(pids) if (started := _start_time(pid)) is not None]
-        staged = self.path.with_name(self.path.name + ".tmp")
-        staged.write_text(json.dumps(self.record))
+        handle, staged = tempfile.mkstemp(prefix=self.path.name, suffix=".tmp", dir=self.path.parent)  # a new file: never a planted link
+        with os.fdopen(handle, "w") as out:
+            json.dump(self.record, out)
+        os.chmod(staged, 0o644)
         os.replace(staged, self.path)
 
     def _heartbeat(self) -> None:
@@ -263,6 +268,13 @@ def _in_session(pid: int, session: str) -> bool:
         if any(inside(argument.split("=", 1)[-1]) for argument in arguments):
             return True
         return any(inside(_link(f"/proc/{pid}/fd/{fd}")) for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def _owned_by_me(path: Path) -> bool:
+    try:
+        return path.lstat().st_uid == os.getuid()
     except OSError:
         return False
 

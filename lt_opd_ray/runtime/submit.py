@@ -34,7 +34,7 @@ def submit(job_path: str, address: str | None, runtime_env_path: str, working_di
     except AuthenticationError as exc:
         reason = str(exc).strip().splitlines()[0]
         raise ClusterRefusedError(
-            f"the cluster at {address} refused the job ({reason}): it takes jobs with its token only; set RAY_AUTH_MODE=token "
+            f"the cluster at {redact(address)} refused the job ({reason}): it takes jobs with its token only; set RAY_AUTH_MODE=token "
             "and give the token in ~/.ray/auth_token, a file named by RAY_AUTH_TOKEN_PATH, or RAY_AUTH_TOKEN "
             '(docs/operating.md, "Security")'
         ) from None

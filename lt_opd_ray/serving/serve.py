@@ -40,7 +40,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.engines.vllm.engine import check_architecture
-    from lt_opd_ray.serving.transformers_server import API_KEY_ENV
+    from lt_opd_ray.serving.limits import API_KEY_ENV
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
@@ -59,8 +59,10 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
                   file=sys.stderr, flush=True)
             engine = "transformers"
     key = _read_key(Path(api_key_file)) if api_key_file is not None else None
+    if key is None and "--api-key" in (extra or []) and extra.index("--api-key") + 1 < len(extra):
+        key = extra[extra.index("--api-key") + 1]  # vLLM's own option: our guard checks it on every route too
     env = {**os.environ, **limits.environment()}
-    if key is None and not _loopback(host) and not env.get("VLLM_API_KEY") and "--api-key" not in (extra or []):
+    if key is None and not _loopback(host) and not env.get("VLLM_API_KEY"):
         print(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use the model"
               " (pass --api-key-file; docs/operating.md, \"Security\")", file=sys.stderr, flush=True)
     if engine == "transformers":
@@ -97,7 +99,7 @@ def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtyp
         "--max-model-len", str(min(max_model_len, positions)),
         "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1}),
         *([] if on_gpu else ["--enforce-eager"]),
-        "--middleware", "lt_opd_ray.serving.limits.BodyLimit",
+        "--middleware", "lt_opd_ray.serving.limits.RequestGuard",
         *extra,
     ]
 

@@ -22,7 +22,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-API_KEY_ENV = "LT_OPD_API_KEY"
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -168,7 +167,8 @@ class TransformersStudent:
 
 
 def build_app(student: TransformersStudent, api_key: str | None, limits):
-    """The ASGI app: /health, /v1/models, /v1/chat/completions, behind the body limit and the API key."""
+    """The ASGI app: /health, /v1/models, /v1/chat/completions, behind the request guard (the API key on every route
+    but /health, then the body limit)."""
     import json
 
     from starlette.applications import Starlette
@@ -176,25 +176,18 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from lt_opd_ray.serving.limits import BodyLimit
+    from lt_opd_ray.serving.limits import RequestGuard
 
     def error(status: int, message: str, kind: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-    def authorised(request) -> bool:
-        return api_key is None or request.headers.get("authorization", "") == f"Bearer {api_key}"
 
     async def health(request):
         return JSONResponse({})
 
     async def models(request):
-        if not authorised(request):
-            return error(401, "Unauthorized: send the server's API key as `Authorization: Bearer KEY`", "Unauthorized")
         return JSONResponse({"object": "list", "data": [{"id": student.name, "object": "model", "owned_by": "lt-opd"}]})
 
     async def chat(request):
-        if not authorised(request):
-            return error(401, "Unauthorized: send the server's API key as `Authorization: Bearer KEY`", "Unauthorized")
         try:
             parsed = ChatRequest.parse(json.loads(await request.body()), limits)
             return JSONResponse(await run_in_threadpool(student.answer, parsed))
@@ -204,14 +197,14 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
             return error(400, str(exc), "BadRequestError")
 
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
-    app.add_middleware(BodyLimit, limit=limits.body_bytes)
+    app.add_middleware(RequestGuard, limit=limits.body_bytes, api_key=api_key or "")
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.limits import API_KEY_ENV, ServeLimits
 
     parser = argparse.ArgumentParser(prog="python -m lt_opd_ray.serving.transformers_server")
     parser.add_argument("model")

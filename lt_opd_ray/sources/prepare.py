@@ -130,14 +130,10 @@ def _hf_rows(folder: Path, access: MediaAccess) -> Iterator[SourceRow]:
     data = datasets.load_from_disk(str(folder))
     if isinstance(data, datasets.DatasetDict):
         data = data["train"]
-    for column in ("image", "images"):  # read as stored ({bytes, path}): datasets' decoding would fetch any URL in them
-        if column in data.features:
-            feature = data.features[column]
-            if isinstance(feature, datasets.Image):
-                data = data.cast_column(column, datasets.Image(decode=False))
-            elif isinstance(getattr(feature, "feature", None), datasets.Image):
-                data = data.cast_column(column, datasets.List(datasets.Image(decode=False)))
-    for index, row in enumerate(data):
+    # every column read as stored (an image as {bytes, path}), never decoded: datasets' decoding of an Image, Audio or
+    # Video feature opens any path and fetches any URL in it
+    rows = (row for batch in data.with_format("arrow").iter(batch_size=64) for row in batch.to_pylist())
+    for index, row in enumerate(rows):
         images = row["images"] if row.get("images") is not None else [row.get("image")]
 
         def reader(image):

@@ -13,6 +13,7 @@ on request), KubeRay through `authOptions`, the launcher in every `ray start` it
 from __future__ import annotations
 
 import json
+import re
 
 from lt_opd_ray.config.schema import JobConfig
 
@@ -57,7 +58,7 @@ def launcher_capacity(config: dict, source: str) -> tuple[Capacity, list[str]]:
         capacity[name] = {r: float(v) * count for r, v in (node.get("resources") or {}).items()}
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         for command in config.get(key) or []:
-            if "ray start" in command and "RAY_AUTH_MODE=token" not in command:
+            if "ray start" in command and not re.search(r"(^|[\s;&|(])RAY_AUTH_MODE=token\s+ray start\b", command):
                 problems.append(f"{source}: {key}: {command!r} starts Ray without token auth, so anyone who reaches the node can run a job on it; start it as RAY_AUTH_MODE=token ray start ...")
     return capacity, problems
 
