@@ -354,3 +354,35 @@ def test_the_transformers_engine_keeps_the_servers_rules(tmp_path):
     prompt = VLMProcessor(tmp_path / "student").encode(question_messages("Which colour?"), [png.getvalue()])
     visual = int((prompt.mm_token_type_ids == 1).sum())
     assert answered["usage"]["prompt_tokens"] == prompt.input_ids.numel() - visual + tokens_to_keep(visual, 500, 4)
+
+
+def test_a_student_cut_short_is_named_by_export_eval_and_serve_before_anything_loads(tiny_dirs, tmp_path, capsys):
+    """final/ lists its files and sizes (the learner writes it; export writes its own): a model.safetensors cut to
+    100 KB is named by `export`, `eval` and `serve`, each exit 2 before a loader meets it; a folder from elsewhere,
+    without the list, still has its safetensors headers read."""
+    from lt_opd_ray.cli.main import main
+    from lt_opd_ray.core.model_files import FILE_LIST, check_model_folder, write_file_list
+    from lt_opd_ray.serving.export import ExportError, export_student
+
+    job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
+    final = tmp_path / "run" / "final"
+    shutil.copytree(tiny_dirs["qwen3_vl"], final)
+    write_file_list(final)  # as the learner leaves final/
+    student = export_student(job, tmp_path / "student")
+    check_model_folder(student)
+    assert json.loads((student / FILE_LIST).read_text())["files"]["lt_opd_compression.json"] > 0  # the export's own list
+    weights = final / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(100_000)
+    with pytest.raises(ExportError, match=f"{final}/model.safetensors: 100000 bytes, lt_opd_files.json says [0-9]+ \\(cut short or overwritten\\)"):
+        export_student(job, tmp_path / "again")
+    shutil.copy(weights, student / "model.safetensors")
+    pope = tmp_path / "pope.jsonl"
+    pope.write_text(json.dumps({"question_id": 0, "text": "Is there a cat?", "image": "x.png", "label": "no"}) + "\n")
+    random_image(0).save(tmp_path / "x.png")
+    for argv in (["eval", str(student), "--bench", f"pope={pope}", "--out", str(tmp_path / "scores")], ["serve", str(student)]):
+        assert main(argv) == 2
+        assert f"{student}/model.safetensors: 100000 bytes, lt_opd_files.json says" in capsys.readouterr().err, argv
+    (student / FILE_LIST).unlink()  # a folder from elsewhere: its header says what is missing
+    with pytest.raises(ValueError, match="model.safetensors: its tensors end at byte [0-9]+, the file has 100000: cut short"):
+        check_model_folder(student)

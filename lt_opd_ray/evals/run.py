@@ -30,6 +30,7 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
     from lt_opd_ray.models.evaluation import generate_responses
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.models.processor import VLMProcessor
+    from lt_opd_ray.core.model_files import check_model_folder
     from lt_opd_ray.sources.resolve import resolve_model_dir
 
     destination = OutputFolder(Path(out), "eval", force)
@@ -41,6 +42,7 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
     for name, path in files.items():
         adapter = benchmark(name)
         suites[name] = (adapter, adapter.load(path)[:limit])
+    check_model_folder(model_dir)  # a file cut short is named here, not met inside the loader
     model_dir, model = load_vlm(model_dir)
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir, frames=frames)
 

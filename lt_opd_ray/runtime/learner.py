@@ -270,6 +270,7 @@ class Learner:
         from pathlib import Path
 
         from lt_opd_ray.core.compression import CompressionConfig
+        from lt_opd_ray.core.model_files import write_file_list
 
         state = self.full_state_dict()
         if self.rank != 0:
@@ -281,6 +282,7 @@ class Learner:
         self.processor.tokenizer.save_pretrained(staging)
         self.processor.image_processor.save_pretrained(staging)
         CompressionConfig.from_job(self.job).write(staging)  # `lt-opd serve` on final/ serves it at the budget it was trained for
+        write_file_list(staging)  # what export, eval and serve check it against
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
 

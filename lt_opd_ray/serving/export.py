@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from lt_opd_ray.core.compression import CompressionConfig
+from lt_opd_ray.core.model_files import ModelFolderError, check_model_folder, write_file_list
 from lt_opd_ray.core.outputs import OutputFolder, OutputFolderError
 
 
@@ -42,11 +43,14 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
                 )
             if storage.remote:
                 storage.get("final", into=staging)
+                _check_final(staging, storage.describe("final"))
             else:
+                _check_final(storage.local / "final", storage.describe("final"))
                 shutil.copytree(storage.local / "final", staging, dirs_exist_ok=True)
         else:
             _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
+        write_file_list(staging)
         _check_loadable(staging)
         return destination.publish(staging)
     except OSError as exc:  # shutil.Error too: a full disk, a folder it may not write
@@ -55,6 +59,13 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
     except BaseException:
         destination.discard(staging)
         raise
+
+
+def _check_final(folder: Path, where: str) -> None:
+    try:
+        check_model_folder(folder)
+    except ModelFolderError as exc:
+        raise ExportError(f"{where} is damaged: {str(exc).replace(str(folder), where)}; export a checkpoint with --step instead") from None
 
 
 def _first_os_error(exc: OSError) -> str:

@@ -39,12 +39,14 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     where vLLM cannot run the model on this machine) the transformers engine's (serving/transformers_server.py)."""
     from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
+    from lt_opd_ray.core.model_files import check_model_folder
     from lt_opd_ray.engines.vllm.engine import check_architecture
     from lt_opd_ray.serving.limits import API_KEY_ENV
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
     model_dir = Path(model_dir).resolve()
+    check_model_folder(model_dir)  # its listed files at their sizes, its safetensors headers whole
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
     config = json.loads((model_dir / "config.json").read_text())
     family = family_of_config(config, str(model_dir))  # a family neither engine runs is refused here
