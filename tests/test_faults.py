@@ -6,6 +6,7 @@ running. (A rollout worker killed between updates: tests/test_runtime.py; a SIGK
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -74,7 +75,7 @@ def wait_until(condition, timeout_s: float = 60.0) -> bool:
     return condition()
 
 
-def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path):
+def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys):
     driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-kill"))
     driver.run_step()
     pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
@@ -86,6 +87,7 @@ def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(
         driver.shutdown()
         raise
     assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
+    assert re.search(r"teacher: \d+ scoring request\(s\) of learner-\d in update 1 sent again: the replica serving them died", capsys.readouterr().out)
     assert_same_weights(run_to_end(driver), uninterrupted[STEPS])
 
 
@@ -155,9 +157,12 @@ def test_rollout_workers_lost_inside_an_update_are_done_without_then_replaced_an
         log = driver.run_step()
         out = capsys.readouterr().out
         assert log.step == 1 and driver.metrics.restart_counts.get("rollout") == 3, driver.metrics.restart_counts
-        assert "rollout-1 lost inside update 1: prompts 1-1 sampled again by rollout-0" in out, out
-        assert "rollout-0, rollout-1 lost inside update 1 with no other worker: replaced, given weights v1 by learner-0" in out, out
-        assert "rollout-0 lost inside update 1: prompts 1-1 sampled again by rollout-1" in out, out
+        assert re.search(r"rollout-1 lost inside update 1 \(silent for \d+ s while sampling prompts 1-1 of update 1\): prompts 1-1 sampled"
+                         r" again by rollout-0", out), out
+        assert ("rollout-0, rollout-1 lost inside update 1 with no other worker (rollout-0 died while sampling prompts 1-1 of update 1):"
+                " replaced, given weights v1 by learner-0") in out, out
+        assert "rollout-0 lost inside update 1 (died while sampling prompts 1-1 of update 1): prompts 1-1 sampled again by rollout-1" in out, out
+        assert "rollout-0 replaced by a new worker (stopped inside update 1); the next broadcast gives it the weights" in out, out
         assert_same_weights(driver.learners.full_state_dict(), uninterrupted[2])
         assert set(driver.rollouts.checksums()) == {(2, driver.learners.weights_checksum())}
 

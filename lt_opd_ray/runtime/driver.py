@@ -116,13 +116,18 @@ class Driver:
         if self.job.schedule.max_staleness and update + 1 < self.job.budget.total_steps:
             self.next = self.submit(update + 1)  # sampled by weights v(update) while the learners train on update
         ranks = self.learners.wait(training, f"learner step of update {update}", upstream=self.samplers(current))
-        for _ in range(sum(r.teacher_retries for r in ranks)):
-            self.metrics.record_restart("teacher")
+        for rank, result in enumerate(ranks):
+            for _ in range(result.teacher_retries):
+                self.metrics.record_restart("teacher")
+            if result.teacher_retries:
+                print(f"teacher: {result.teacher_retries} scoring request(s) of learner-{rank} in update {update} sent again: the replica"
+                      " serving them died (Serve replaced it)", flush=True)
         self.step += 1
         self.cursor += len(current.batch)
         summaries = self.rollouts.wait([g.summary for g in current.groups], self.group_workers(current), f"rollout summaries of update {update}")
         lost = self.settle(self.next) if self.next else []
-        self.replace_workers(self.lost_workers | {self.next.groups[i].worker for i in lost})
+        self.replace_workers({**{i: f"stopped inside update {update}" for i in self.lost_workers},
+                              **{self.next.groups[i].worker: f"died sampling update {update + 1}" for i in lost}})
         with Stopwatch() as sync_watch:
             sync = self.broadcast(version=self.step)  # before any rollout of the next weights
         if lost:
@@ -172,13 +177,14 @@ class Driver:
                 lost.append(i)
         return lost
 
-    def replace_workers(self, indices: set[int]) -> None:
-        """New workers in place of those stopped inside the update (`indices`) and any other that died meanwhile;
-        they join the sync group, and the broadcast that follows gives them the weights."""
-        indices = indices | set(self.rollouts.dead_workers())
+    def replace_workers(self, lost: dict[int, str]) -> None:
+        """New workers in place of those `lost` (index -> what happened to it) and any other that died meanwhile;
+        they join the sync group, and the broadcast that follows gives them the weights. One line each."""
+        indices = {index: "died" for index in self.rollouts.dead_workers()} | lost
         for index in sorted(indices):
             self.rollouts.replace(index)
             self.metrics.record_restart("rollout")
+            print(f"{self.rollouts.names[index]} replaced by a new worker ({indices[index]}); the next broadcast gives it the weights", flush=True)
         if indices:
             self.sync.connect()
         self.lost_workers.clear()
@@ -237,22 +243,23 @@ class Driver:
         except RayError:
             return False
 
-    def sample_elsewhere(self, flight: InFlight, lost: int) -> bool:
+    def sample_elsewhere(self, flight: InFlight, lost: int, why: str) -> bool:
         """Worker `lost` died or stopped answering inside the update: it is stopped and its unfinished groups are
         sampled again (the same rollouts: sampling is seeded by update, sample and response, not by worker) and
         scored, each going to its learner rank in place of the lost one. By the live workers, the lost one replaced
-        after the update; where none lives, by replacements started now (`replace_inside`). False where neither can be."""
+        after the update; where none lives, by replacements started now (`replace_inside`). False where neither can be.
+        `why`: what happened to it (died, or silent for how long, while doing what), for the line this prints."""
         survivors = [i for i in range(len(self.rollouts.names)) if i != lost and i not in self.lost_workers]
         if not survivors:
-            return self.replace_inside(flight, lost)
+            return self.replace_inside(flight, lost, why)
         self.rollouts.stop(lost)
         self.lost_workers.add(lost)
         again = self.sample_again(flight, {lost}, survivors)
-        print(f"{self.rollouts.names[lost]} lost inside update {flight.update}: prompts {', '.join(again) or '(none left)'} sampled again by"
-              f" {', '.join(self.rollouts.names[i] for i in survivors)}; it is replaced after the update", flush=True)
+        print(f"{self.rollouts.names[lost]} lost inside update {flight.update} ({why}): prompts {', '.join(again) or '(none left)'} sampled"
+              f" again by {', '.join(self.rollouts.names[i] for i in survivors)}; it is replaced after the update", flush=True)
         return True
 
-    def replace_inside(self, flight: InFlight, lost: int) -> bool:
+    def replace_inside(self, flight: InFlight, lost: int, why: str) -> bool:
         """No worker lives: every lost one is replaced now, given the learners' weights while their step waits (learner
         rank 0 sends them from a second thread: it holds whole weights only under ZeRO 0-2, so False under ZeRO-3)
         and samples the unfinished groups. A worker replaced more than REPLACE_ATTEMPTS times inside one update (a
@@ -272,9 +279,9 @@ class Driver:
         self.sync.connect()
         self.sync.broadcast_inside_step(version=self.step)  # the weights the update's rollouts are sampled by
         again = self.sample_again(flight, set(gone), gone)
-        print(f"{', '.join(self.rollouts.names[i] for i in gone)} lost inside update {flight.update} with no other worker: replaced,"
-              f" given weights v{self.step} by learner-0 while the learners wait, and prompts {', '.join(again) or '(none left)'} sampled"
-              f" again", flush=True)
+        print(f"{', '.join(self.rollouts.names[i] for i in gone)} lost inside update {flight.update} with no other worker"
+              f" ({self.rollouts.names[lost]} {why}): replaced, given weights v{self.step} by learner-0 while the learners wait, and"
+              f" prompts {', '.join(again) or '(none left)'} sampled again", flush=True)
         return True
 
     def sample_again(self, flight: InFlight, lost: set[int], by: list[int]) -> list[str]:

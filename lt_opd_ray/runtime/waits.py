@@ -71,13 +71,13 @@ class ProgressMark:
 class Watched:
     """An actor a wait depends on: `ping()` starts a call it answers from its control thread while its long call
     runs (with a Progress where the actor reports one, otherwise anything); `doing()` says what the wait needs from it, or None once it needs nothing more (then it is not pinged);
-    `recover()`, where the actor can be done without, stops it and hands its work elsewhere or to a replacement
-    (True), or says it cannot (False)."""
+    `recover(why)`, where the actor can be done without, stops it and hands its work elsewhere or to a replacement
+    (True), or says it cannot (False); `why` is what happened to it, for the line the recovery prints."""
 
     name: str
     ping: Callable[[], object]  # () -> ObjectRef
     doing: Callable[[], str | None]
-    recover: Callable[[], bool] | None = None
+    recover: Callable[[str], bool] | None = None
 
 
 def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watched: list[Watched], liveness_s: float,
@@ -115,7 +115,7 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                 try:
                     answer = objects.get(pings[w.name])
                 except ray.exceptions.RayActorError as exc:
-                    if w.recover is not None and w.recover():
+                    if w.recover is not None and w.recover(f"died while {doing}"):
                         _recovered(watched, last, pings)
                         continue
                     raise RoleDiedError(f"{w.name} died while {_doing(doing, what)}") from exc
@@ -127,7 +127,7 @@ def wait_watched(refs: list, names: list[str], timeout_s: float, what: str, watc
                     elif now - since > liveness_s:
                         stuck.append(f"{w.name} ({answer.doing})")
             elif now - last[w.name] > liveness_s:
-                if w.recover is not None and w.recover():
+                if w.recover is not None and w.recover(f"silent for {now - last[w.name]:.0f} s while {doing}"):
                     _recovered(watched, last, pings)
                     continue
                 raise NoAnswerError(f"{w.name} stopped answering while {_doing(doing, what)}; last answer {now - last[w.name]:.0f} s ago"
