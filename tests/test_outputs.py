@@ -57,6 +57,25 @@ def test_an_out_is_written_only_when_new_empty_or_the_commands_own_with_force(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or replaced folder left beside it
 
 
+def test_the_working_directory_is_no_out_and_a_link_names_its_folder(tmp_path, monkeypatch):
+    """`--out .` (or a folder holding the working directory) is refused: replacing it would pull the folder from under
+    the shell. `--out LINK` writes the folder the link names, and the link still names it."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    for out, held in ((".", ""), ("..", " or holds it")):
+        with pytest.raises(OutputFolderError, match=f"is the working directory{held}: --out names a folder the command creates"):
+            OutputFolder(Path(out), "eval", force=True).staging()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / MARKER).write_text(json.dumps({"command": "eval"}))
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    destination = OutputFolder(tmp_path / "link", "eval", force=True)
+    staging = destination.staging()
+    (staging / "results.json").write_text("new")
+    assert destination.publish(staging) == tmp_path / "real"
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link" / "results.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "work"]
+
+
 def test_eval_out_keeps_the_model_and_any_folder_of_the_users_and_replaces_its_own_results_only_with_force(tiny_dirs, tmp_path, capsys):
     """`lt-opd eval MODEL --out MODEL` once removed the model it was evaluating."""
     from lt_opd_ray.cli.main import main

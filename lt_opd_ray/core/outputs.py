@@ -38,9 +38,16 @@ class OutputFolder:
     command: str
     force: bool = False
 
+    def __post_init__(self):  # the folder itself: `.` and a link name the folder they stand for
+        object.__setattr__(self, "path", Path(self.path).resolve())
+
     def check(self) -> None:
         """Refuse, before any work, a destination the command may not write."""
         out = self.path
+        here = Path.cwd().resolve()
+        if out == here or out in here.parents:
+            raise OutputFolderError(f"{out} is the working directory{'' if out == here else ' or holds it'}: --out names a folder"
+                                    f" the command creates or replaces, such as ./{self.command}-out")
         if out.exists() and not out.is_dir():
             raise OutputFolderError(f"{out} is a file; --out names the folder `lt-opd {self.command}` writes")
         if not out.is_dir() or not any(out.iterdir()):
