@@ -127,8 +127,15 @@ def cmd_plan(args) -> int:
     print(f"learner ZeRO stage for this split: {advice}" + (f"; the job sets {shapes.zero_stage}" if best_stage != shapes.zero_stage else ""))
     for name in SCHEDULES:
         busy = ", ".join(f"{pool} {fraction:.0%}" for pool, fraction in chosen.busy[name].items())
-        print(f"busy ({rows[0][0]}, {name}): {busy}; {PAPER_SECONDS_PER_UPDATE / chosen.step[name]:.1f}x the paper's {PAPER_SECONDS_PER_UPDATE} s/update")
+        print(f"busy ({rows[0][0]}, {name}): {busy}; {chosen.step[name]:.0f} s/update, {_against_paper(chosen.step[name])}")
     return 0
+
+
+def _against_paper(seconds: float) -> str:
+    """An update's time next to the paper's, in words: faster or slower, and by how much."""
+    ratio = PAPER_SECONDS_PER_UPDATE / seconds
+    return (f"{ratio:.1f}x faster than the paper's {PAPER_SECONDS_PER_UPDATE} s" if ratio >= 1
+            else f"{1 / ratio:.1f}x slower than the paper's {PAPER_SECONDS_PER_UPDATE} s")
 
 
 def register(sub) -> None:
