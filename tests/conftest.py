@@ -27,6 +27,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def autograd_left_on():
+    """A test that turns autograd off for the process (`torch.set_grad_enabled(False)` outside a context) fails here,
+    not every gradient test after it."""
+    yield
+    assert torch.is_grad_enabled(), "this test left autograd off for the whole process"
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     from lt_opd_ray.models.tiny import build_tiny_model

@@ -119,15 +119,12 @@ class TransformersStudent:
     """The student folder loaded for answering: its model, processor and compression config."""
 
     def __init__(self, model_dir: Path):
-        import torch
-
         from lt_opd_ray.core.compression import CompressionConfig
         from lt_opd_ray.core.selectors import build_selector
         from lt_opd_ray.models.adapter import QwenVLM
         from lt_opd_ray.models.loading import load_vlm
         from lt_opd_ray.models.processor import VLMProcessor
 
-        torch.set_grad_enabled(False)
         self.compression = CompressionConfig.read(model_dir)
         merge = self.compression is not None and self.compression.merge == "learnable"
         model_dir, model = load_vlm(model_dir, token_merge=merge)
@@ -138,6 +135,8 @@ class TransformersStudent:
     def answer(self, request: ChatRequest) -> dict:
         """The OpenAI-style completion: the text, its finish reason, and the prompt's tokens as the model saw them (the
         kept visual tokens only)."""
+        import torch
+
         from lt_opd_ray.core.samples import Sample
         from lt_opd_ray.models.processor import encode_samples
         from lt_opd_ray.models.sampler import SamplingParams, sample
@@ -145,7 +144,7 @@ class TransformersStudent:
         sample_uid = f"request-{uuid.uuid4().hex[:12]}"
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-6), top_p=request.top_p,
                                 greedy=request.temperature == 0, top_k_logprobs=1, stop=request.stop, eos_token_ids=self.processor.eos_token_ids)
-        with self.lock:
+        with self.lock, torch.inference_mode():  # grad mode is per thread: this request's thread, not the process
             (prompt,) = encode_samples(self.processor, [Sample(sample_uid, request.images, request.question)], request.system_prompt)
             features = self.vlm.visual_features(prompt)
             if self.compression is None:
