@@ -271,6 +271,10 @@ BAD_COMMAND_LINES = [
     ("check-cluster jobs/train_tiny.yaml {tmp}/nocluster.yaml", "check-cluster: {tmp}/nocluster.yaml: no such file or directory"),
     ("serve {tmp} --port 99999", "argument --port: 99999 is out of range: from 1 to 65535"),
     ("serve {toy} --engine vllm", "attention head size 16; vLLM's CPU attention runs head sizes 32, 64,"),  # refused before vLLM starts
+    ("serve {toy} --engine tgi", "argument --engine: invalid choice: 'tgi'"),
+    ("serve {toy} --api-key-file {tmp}/no-key", "--api-key-file {tmp}/no-key: cannot be read"),
+    ("serve {toy} --max-body-mb 0", "argument --max-body-mb: 0 is out of range"),
+    ("data {tmp}/notes.png --out {tmp}/d --allowed-media-domains", "argument --allowed-media-domains: expected at least one argument"),
     ("serve {toy} -- --trust-request-mm-kwargs", "options after -- are vLLM's (--trust-request-mm-kwargs); the transformers engine takes none"),
     ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows 0", "argument --shard-rows: 0 is out of range: 1 or more"),
     ("data {tmp}/rows.jsonl --out {tmp}/d --shard-rows -2", "argument --shard-rows: -2 is out of range: 1 or more"),
