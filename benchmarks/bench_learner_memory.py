@@ -39,7 +39,7 @@ def rank_main(rank: int, world: int, port: int, partitioned: bool, out) -> None:
 
     torch.set_num_threads(1)
     job = load_job(JOB)
-    init_process_group(rank, world, "127.0.0.1", port)
+    init_process_group(rank, world, "127.0.0.1", port, job.collective_timeout_s)
     config = deepspeed_config(job)
     _, model = load_vlm(resolve_model_dir(job.model.path), zero3_config=config if partitioned else None)
     tensors = [getattr(p, "ds_tensor", p) for p in model.parameters()]  # a partitioned parameter's own part

@@ -40,7 +40,7 @@ def synthetic_share(model_dir: str, prompts: int, n: int, response_tokens: int, 
     import torch
 
     from lt_opd_ray.core.curriculum import tokens_to_keep
-    from lt_opd_ray.core.wire import Rollout, TeacherScore
+    from lt_opd_ray.core.wire import Rollout, TeacherScore, token_ids32
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
     from lt_opd_ray.sources.resolve import load_samples
 
@@ -56,7 +56,7 @@ def synthetic_share(model_dir: str, prompts: int, n: int, response_tokens: int, 
         kept = torch.randperm(visual, generator=g)[: tokens_to_keep(visual, budget_bps, k_min)].sort().values
         for _ in range(n):
             ids = torch.randint(0, vocab, (response_tokens,), generator=g)
-            rollouts.append(Rollout(index, ids, torch.full((response_tokens,), -12.0), torch.randint(0, vocab, (response_tokens, top_k), generator=g),
+            rollouts.append(Rollout(index, ids, torch.full((response_tokens,), -12.0), token_ids32(torch.randint(0, vocab, (response_tokens, top_k), generator=g)),
                                     [kept], budget_bps, "length"))
             top = torch.log_softmax(torch.randn(response_tokens, top_k + 1, generator=g), -1) - 3.0  # < 0, mass < 1
             scores.append(TeacherScore(torch.randint(0, vocab, (response_tokens, top_k), generator=g).to(torch.int32), top[:, :top_k],

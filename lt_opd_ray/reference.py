@@ -48,15 +48,15 @@ class ReferenceTrainer:
         torch.manual_seed(job.seed)
         self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.student = QwenVLM(model.train())
-        teacher_model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.teacher = QwenVLM(teacher_model)
+        compute = getattr(torch, job.model.dtype)  # frozen copies in the compute dtype, as the system's teacher and rollout engines
+        self.teacher = QwenVLM(copy.deepcopy(model).to(compute).eval().requires_grad_(False))
         self.optimizer, self.scheduler = build_optimizer(model, job.optimizer)
         self.schedule = BudgetSchedule.from_config(job.budget)
         self.selector = build_selector(job.selector.name, job.selector.scope)
         self.params = sampling_params(job, self.processor)
         self.step_index = 0  # optimizer steps completed: the curriculum's c
         # max_staleness 1: the weights one optimizer step behind, which sample the rollouts
-        self.lagged = QwenVLM(copy.deepcopy(model).eval().requires_grad_(False)) if job.schedule.max_staleness else None
+        self.lagged = QwenVLM(copy.deepcopy(model).to(compute).eval().requires_grad_(False)) if job.schedule.max_staleness else None
 
     def encode(self, samples: list[Sample]):
         return encode_samples(self.processor, samples, self.job.data.system_prompt)

@@ -41,9 +41,9 @@ from lt_opd_ray.core.wire import (
     TeacherScore,
     pack_scores,
 )
-from lt_opd_ray.runtime.group_receiver import GroupReceiver, Substitutes
+from lt_opd_ray.runtime.group_receiver import GroupReceiver, ScoreRequests, Substitutes
 from lt_opd_ray.runtime.job_inputs import read_job_inputs
-from lt_opd_ray.runtime.learner_group import rank_work
+from lt_opd_ray.runtime.learner_group import rank_requests, rank_work
 from lt_opd_ray.runtime.preflight import PreflightError
 from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef, deal, group_bounds
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, Watched, wait_for, wait_watched
@@ -209,6 +209,7 @@ class FakeWorker(FakeActor):
             version, digest = self.version, self.digest
             samples = self.roles.objects.get(samples_ref)
             with Stopwatch() as watch:
+                self.roles.sampling_allowed.wait()
                 time.sleep(self.roles.sample_seconds)
             out = []
             for start, stop, rank in groups:
@@ -305,14 +306,23 @@ class FakeRolloutPool:
 
 
 class FakeTeacher:
+    """One replica with `roles.teacher_slots` request slots (Serve's max_ongoing_requests): `request` returns once a
+    slot is free, and the request holds it until its group is sampled and scored, as a Serve request does."""
+
     app_name = "fake-teacher"
 
     def __init__(self, roles: FakeRoles, job):
         self.roles, self.job = roles, job
-        self.replica = FakeActor("teacher", threads=8)  # Serve: requests answered concurrently, each as its group is sampled
+        self.replica = FakeActor("teacher", threads=roles.teacher_slots)  # requests answered concurrently, each as its group is sampled
+        self.slots = threading.Semaphore(roles.teacher_slots)
+        self.admitted = 0
 
-    def async_score(self, samples_ref, groups: list[GroupRef]) -> list[Future]:
-        return [self.replica.call(self.score, g.group)[0] for g in groups]
+    def request(self, scoring, group_ref, update: int, start: int, stop: int) -> Future:
+        self.slots.acquire()  # admission
+        self.admitted += 1
+        (ref,) = self.replica.call(self.score, group_ref)
+        ref.add_done_callback(lambda _: self.slots.release())
+        return ref
 
     def score(self, group_ref) -> object:
         group = self.roles.objects.get(group_ref, timeout=self.job.schedule.wait_timeout_s)
@@ -344,6 +354,7 @@ class FakeLearnerGroup:
         self.roles, self.job = roles, job
         self.actors = [FakeActor(f"learner-{r}") for r in range(job.pools.learner.ranks)]
         self.substitutes = [Substitutes() for _ in self.actors]
+        self.score_requests = [ScoreRequests(roles.teacher_role.request) for _ in self.actors]
         self.version, self.digest = 0, INITIAL
         self.history = {0: INITIAL}  # version -> digest, as the weights moved in this process (and as loaded)
         self.trained: dict[int, list[tuple]] = {}  # update -> its records, sorted
@@ -364,14 +375,19 @@ class FakeLearnerGroup:
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]:
         return split_evenly(prompts, len(self.actors))
 
-    def async_train_step(self, batch, groups, payload_refs, worker_names, version, scoring) -> list[Future]:
-        work = rank_work(groups, payload_refs, worker_names, len(self.actors))
+    def request_scores(self, scoring, groups: list[GroupRef]) -> None:
+        for requests, mine in zip(self.score_requests, rank_requests(groups, len(self.actors))):
+            for group_ref, update, start, stop in mine:
+                requests.ask(scoring, group_ref, update, start, stop)
+
+    def async_train_step(self, batch, groups, worker_names, version, scoring) -> list[Future]:
+        work = rank_work(groups, worker_names, len(self.actors))
         self.step_records = []
         barrier = threading.Barrier(len(self.actors), action=lambda: self.land(version), timeout=self.job.schedule.wait_timeout_s)
         return [actor.call(self.train_rank, rank, batch, work[rank], version, scoring, barrier)[0] for rank, actor in enumerate(self.actors)]
 
     def train_rank(self, rank: int, batch, work: list, version: int, scoring, barrier: threading.Barrier) -> LearnerStepResult:
-        receiver = GroupReceiver(work, version, self.job, rank, VOCAB, scoring, self.substitutes[rank], self.roles.objects)
+        receiver = GroupReceiver(work, version, self.job, rank, VOCAB, scoring, self.substitutes[rank], self.score_requests[rank], self.roles.objects)
         records, tokens, groups = [], 0, 0
         for streamed in receiver:
             streamed.wait_scores()  # the real unpack_scores checks the payload against the rollouts
@@ -460,10 +476,15 @@ class FakeBroadcaster:
 class FakeRoles:
     """Where a driver under test gets its roles (runtime/roles.Roles); `faults` are consumed as they strike."""
 
-    def __init__(self, faults: list[Fault] = (), concurrent: bool = False, sample_seconds: float = 0.0, learners_fail_to_start: bool = False):
+    def __init__(self, faults: list[Fault] = (), concurrent: bool = False, sample_seconds: float = 0.0, learners_fail_to_start: bool = False,
+                 teacher_slots: int = 8):
         self.objects = LocalObjects()
         self.faults = list(faults)
         self.concurrent, self.sample_seconds, self.learners_fail_to_start = concurrent, sample_seconds, learners_fail_to_start
+        self.teacher_slots = teacher_slots
+        self.sampling_allowed = threading.Event()  # cleared: every worker holds its groups until it is set
+        self.sampling_allowed.set()
+        self.teacher_role: FakeTeacher | None = None  # made before the learners, who send it their groups
         self.stopped: list[str] = []  # pools shut down, in order
         self.job = None
 
@@ -481,7 +502,8 @@ class FakeRoles:
         return FakeLearnerGroup(self, job)
 
     def teacher(self, job) -> FakeTeacher:
-        return FakeTeacher(self, job)
+        self.teacher_role = FakeTeacher(self, job)
+        return self.teacher_role
 
     def broadcaster(self, learners, rollouts, timeout_s: float) -> FakeBroadcaster:
         return FakeBroadcaster(self, learners, rollouts, timeout_s)

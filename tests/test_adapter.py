@@ -224,7 +224,7 @@ def test_each_token_is_drawn_as_often_as_its_probability_and_tokens_outside_top_
     """20,000 draws over 7 tokens against the probabilities written out by hand: softmax(logits / T), the smallest
     prefix of the sorted tokens whose mass reaches top_p kept and renormalised. Each count within 5 binomial standard
     deviations; a token outside the nucleus is never drawn."""
-    from lt_opd_ray.models.sampler import _choose
+    from lt_opd_ray.models.sampler import choose_tokens
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0, 0.0, 1.0])
     log_probs = torch.log_softmax(logits, -1)
@@ -239,9 +239,9 @@ def test_each_token_is_drawn_as_often_as_its_probability_and_tokens_outside_top_
     expected = torch.zeros(7, dtype=torch.float64)
     expected[kept] = p[kept] / p[kept].sum()
     draws = 20_000
-    generator = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([_choose(log_probs, SamplingParams(temperature=temperature, top_p=top_p), generator)
-                                          for _ in range(draws)]), minlength=7).double()
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    drawn = choose_tokens(log_probs.expand(draws, 7), SamplingParams(temperature=temperature, top_p=top_p), uniforms)
+    counts = torch.bincount(drawn, minlength=7).double()
     spread = 5 * (draws * expected * (1 - expected)).sqrt()
     assert ((counts - draws * expected).abs() <= spread + 1e-9).all(), (counts.tolist(), (draws * expected).tolist())
     assert (counts[expected == 0] == 0).all()

@@ -63,6 +63,26 @@ def problems_of(text):
     return info.value.problems, str(info.value)
 
 
+def test_the_learners_collectives_outwait_every_bound_the_driver_allows_a_peer():
+    base = parse_job(MINIMAL)
+    assert base.collective_timeout_s == 1800.0 + 120.0  # the update's bound, plus one micro-batch
+    slow_sync = parse_job(MINIMAL + "schedule: {wait_timeout_s: 60, liveness_timeout_s: 30}\npools: {learner: {sync_timeout_s: 900}}\n")
+    assert slow_sync.collective_timeout_s == 900.0 + 30.0  # rank 0 waiting on a slow receiver inside ZeRO-3's gather
+
+
+@pytest.mark.parametrize(("prompts", "ranks", "group_prompts", "staleness"), [(80, 2, 1, 0), (7, 3, 2, 1), (5, 2, 4, 0)])
+def test_the_requests_in_flight_are_the_groups_the_rollout_pool_makes(prompts, ranks, group_prompts, staleness):
+    from lt_opd_ray.core.microbatch import split_evenly
+    from lt_opd_ray.runtime.rollout_pool import group_bounds
+
+    job = parse_job(MINIMAL + f"sampling: {{prompts_per_step: {prompts}}}\npools: {{learner: {{ranks: {ranks}}}}}\n"
+                    f"schedule: {{group_prompts: {group_prompts}, max_staleness: {staleness}}}\n")
+    groups = len(group_bounds(split_evenly(prompts, ranks), group_prompts))
+    assert job.teacher_requests_in_flight == groups * (1 + staleness)
+    slots = 2 * job.pools.teacher.max_batch_size  # one replica
+    assert (job.teacher_admission_note() is None) == (slots >= groups * (1 + staleness))
+
+
 def test_unknown_key_is_an_error_with_path_and_line():
     problems, message = problems_of(MINIMAL + "budget:\n  start_bps: 2500\n  warmup: 3\n")
     assert problems == [("budget.warmup (line 7)", "unknown key; did you mean warm_steps?")]  # the nearest key there

@@ -71,6 +71,38 @@ def test_each_update_trains_on_what_the_schedule_says(tmp_path, staleness, ranks
     assert [log.sequences for log in logs] == [4 * job.sampling.n] * 5
 
 
+def test_submitting_an_update_returns_while_the_teacher_admits_fewer_requests_than_it_has_groups(tmp_path):
+    """A teacher with 2 request slots and an update of 8 groups: a request holds its slot until its group is sampled,
+    so sending all 8 from the driver would wait for 6 groups to be sampled. `submit` returns with none sampled (the
+    workers hold them here); the ranks send the other 6 as slots free, and the update trains on every group."""
+    import threading
+    import time
+
+    job = fake_job(tmp_path, prompts=8)
+    roles = FakeRoles(teacher_slots=2)
+    roles.sampling_allowed.clear()
+    driver = Driver(job, roles=roles)
+    try:
+        flights = []
+        submitting = threading.Thread(target=lambda: flights.append(driver.submit(0)), daemon=True)
+        submitting.start()
+        submitting.join(timeout=30)  # a bound for a failing run only: it returns at once or never
+        assert flights, "submit waited for the teacher to admit every group's request"
+        assert not any(driver.sampled(g) for g in flights[0].groups) and len(flights[0].groups) == 8
+        for _ in range(3000):  # the ranks' sender threads send the first two (bounded wait, 30 s)
+            if roles.teacher_role.admitted == 2:
+                break
+            time.sleep(0.01)
+        assert roles.teacher_role.admitted == 2  # and no more while nothing is sampled: the rest wait with their ranks
+        roles.sampling_allowed.set()
+        driver.next = flights[0]
+        log = driver.run_step()
+    finally:
+        driver.shutdown()
+    assert roles.teacher_role.admitted == 8 and log.sequences == 8 * job.sampling.n
+    matches_reference(driver, 1)
+
+
 def test_the_reference_tells_one_behind_from_on_policy(tmp_path):
     """The check above can fail: the two schedules train on different rollouts from update 2 on (update 1 is sampled
     by the initial weights in both: one behind it has no older weights)."""

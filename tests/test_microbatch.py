@@ -185,6 +185,31 @@ def test_prompt_prefixes_run_ahead_give_the_teachers_scores_bit_for_bit(updates)
     assert set(engine.prefixes) == {(4, 0)}  # at most two updates are in flight: update 2's were scored elsewhere
 
 
+def test_frozen_engines_hold_the_compute_dtype_and_the_teacher_scores_as_fp32_weights_under_autocast(updates):
+    """A bf16 job's teacher and transformers rollout engine (and its frozen copy that writes prefixes) hold bf16
+    weights, half the bytes (autocast would re-cast fp32 weights on every op: it caches casts only of weights that
+    require grad). The teacher's scores equal those of fp32 weights under bf16 autocast up to the bf16 rounding of
+    what autocast leaves in fp32 (norms, the residual stream)."""
+    from lt_opd_ray.engines.rollout_engines import TransformersRolloutEngine
+    from lt_opd_ray.engines.teacher_engines import TransformersTeacherEngine
+    from lt_opd_ray.sources.resolve import load_samples
+
+    trainer, _, rollouts, _ = updates["qwen3_5"]
+    bf16 = trainer.job.model_copy(update={"model": trainer.job.model.model_copy(update={"dtype": "bfloat16"}),
+                                          "objective": trainer.job.objective.model_copy(update={"mode": "teacher_prefix"})})
+    teacher, rollout_engine = TransformersTeacherEngine(bf16), TransformersRolloutEngine(bf16)
+    for vlm in (teacher.vlm, rollout_engine.vlm, rollout_engine.behaviour):
+        assert {p.dtype for p in vlm.model.parameters()} == {torch.bfloat16}
+    samples = dict(enumerate(load_samples("synthetic:4")[:2]))
+    held = teacher.score(samples, rollouts, update=0)
+    teacher.vlm.model.float()  # fp32 weights: what the teacher held before, computing in bf16 under autocast
+    autocast = teacher.score(samples, rollouts, update=0)
+    print("largest log-prob difference", max(float((a.requested_logp - b.requested_logp).abs().max()) for a, b in zip(held, autocast)))
+    for a, b in zip(held, autocast):
+        torch.testing.assert_close(a.requested_logp, b.requested_logp, rtol=0.0, atol=0.1)
+        torch.testing.assert_close(a.top_logp, b.top_logp, rtol=0.0, atol=0.1)
+
+
 def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(updates):
     """pools.learner.activation_checkpointing: each decoder and vision block runs again in the backward; same gradients."""
     trainer, prompts, rollouts, scores = updates["qwen3_5"]

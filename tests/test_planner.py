@@ -131,6 +131,7 @@ def test_plan_command_prints_an_estimate_and_names_bad_input():
     assert "learner memory per GPU (job's split, 2 ZeRO-2 ranks): 62.4 GB of 141 GB, fits (the job's stage)" in out.stdout
     assert "learner ZeRO stage for this split: ZeRO-2 (fits, and gathers no parameters)" in out.stdout
     assert "train_mfu 0.35: MFU of the learner's forward + backward; assumed" in out.stdout  # every efficiency with its source
+    assert "note: the teacher admits 64 scoring requests at once (pools.teacher.replicas 2 x 32, twice max_batch_size) and 80 rollout groups" in out.stdout
     small = subprocess.run([*cli, "--gpu", "a100-40gb", "--preset", "qwen3.5-4b"], cwd=REPO, capture_output=True, text=True)
     assert "55.9 GB of 40 GB, DOES NOT FIT" in small.stdout and "more learner ranks" in small.stdout  # p4d.24xlarge
     bad = subprocess.run([*cli, "--preset", "qwen3.5-4b", "--efficiency", "mfu=0.5"], cwd=REPO, capture_output=True, text=True)

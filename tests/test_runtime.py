@@ -192,11 +192,11 @@ def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_
         assert_reproduces(Trajectory([7e-5, 1.001e-2], [norm, 0.3], [start, stepped(rounded), start]), reference, eps)
 
 
-def equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, workers=1):
+def equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, workers=1, teacher_batch=4):
     return job_for(
         tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, workers=workers, prompts=prompts, warmup=warmup,
         name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}{warmup}", micro_batch_tokens=micro_batch_tokens,
-        activation_checkpointing=checkpointing,
+        activation_checkpointing=checkpointing, teacher_batch=teacher_batch,
     )
 
 
@@ -217,17 +217,19 @@ def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> N
 
 
 @pytest.mark.parametrize(
-    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup",
-    [(1, 2, 16384, 2, False, 1), (2, 2, 40, 3, False, 1), (2, 3, 16384, 2, True, 1)],
+    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch",
+    [(1, 2, 16384, 2, False, 1, 4), (2, 2, 40, 3, False, 1, 1), (2, 3, 16384, 2, True, 1, 4)],
 )
 def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
-                                                    warmup):
+                                                    warmup, teacher_batch):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
-    (fillers) and split vision groups. The last case (ZeRO-3, one micro-batch per rank) also recomputes activations
-    in the backward; the same case without recompute adds nothing the others do not check, and the suite's time is
-    budgeted. (ZeRO-3 with split groups and a warmed-up learning rate: the next test.)"""
-    job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup)
+    (fillers) and split vision groups; there the teacher admits 2 requests at once (max_batch_size 1) for the 3
+    groups, so a rank's request waits in its sender thread for a slot. The last case (ZeRO-3, one micro-batch per
+    rank) also recomputes activations in the backward; the same case without recompute adds nothing the others do
+    not check, and the suite's time is budgeted. (ZeRO-3 with split groups and a warmed-up learning rate: the next test.)"""
+    job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch=teacher_batch)
+    assert (job.teacher_admission_note() is not None) == (teacher_batch == 1)
     reference = reference_trajectory(job, STEPS)
     logs, run = driver_trajectory(job, STEPS)
     assert_equality_case(job, logs, run, reference)
@@ -480,9 +482,10 @@ def test_a_broadcast_that_times_out_names_the_late_worker(cluster):
 
 
 @ray.remote(num_cpus=1)
-def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, float, float, list[str]]:
+def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, float, float, list[str], dict[str, float]]:
     """One learner rank (world 1) trains on one group whose teacher scores are handed over only when asked for:
-    (language-model forwards run before they were asked for, the rank's loss, the reference loss, span names)."""
+    (language-model forwards run before they were asked for, the rank's loss, the reference loss, span names,
+    seconds each of the rank's process groups waits in a collective)."""
     from lt_opd_ray.engines.transformers.rollout import rollout
     from lt_opd_ray.engines.transformers.teacher import teacher_scores
     from lt_opd_ray.models.loss import student_loss
@@ -495,8 +498,10 @@ def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, floa
     prompts = trainer.encode(samples)
     rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 2500, 2, trainer.params, 2, 0, 0)
     scores = teacher_scores(trainer.teacher, prompts, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk)
-    init_process_group(0, 1, "127.0.0.1", free_port())
+    init_process_group(0, 1, "127.0.0.1", free_port(), job.collective_timeout_s)
     learner = Learner(job, 0, 1)
+    world = torch.distributed.distributed_c10d._world
+    timeouts = {world.pg_names[g]: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in world.pg_map}
     forwards, before_scores = [], []
     learner.module.model.model.language_model.register_forward_hook(lambda *_: forwards.append(1))
 
@@ -506,18 +511,69 @@ def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, floa
 
     result = learner.train_step(dict(enumerate(samples)), iter([StreamedGroup(rollouts, wait_scores)]), len(rollouts), 0)
     reference, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
-    return before_scores[0], result.loss, float(reference), [s.what for s in result.spans]
+    return before_scores[0], result.loss, float(reference), [s.what for s in result.spans], timeouts
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_the_learner_runs_its_forward_before_it_waits_for_the_teachers_scores(cluster, tiny_dirs, tmp_path, zero_stage):
     """The forward of a micro-batch needs only its rollouts, so a rank computes it while the teacher scores; the
-    loss on it (a second engine call: ZeRO-3 gathers the head for it) equals the one-call loss."""
+    loss on it (a second engine call: ZeRO-3 gathers the head for it) equals the one-call loss.
+
+    Every process group of the rank, DeepSpeed's data-parallel group (ZeRO's reduce and gathers) included, waits
+    in a collective past the longest its peer may be away waiting for its own inputs (`collective_timeout_s`:
+    1,800 s + 120 s here). torch gives a group made without a timeout its backend's default (gloo 30 min, NCCL
+    10 min) whatever the default group's."""
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1)
-    forwards_before_scores, loss, reference, spans = ray.get(learner_step_with_scores_waited_for.remote(job, zero_stage))
+    forwards_before_scores, loss, reference, spans, timeouts = ray.get(learner_step_with_scores_waited_for.remote(job, zero_stage))
     assert forwards_before_scores == 1
     assert loss == pytest.approx(reference, rel=1e-6)
     assert spans == ["u0 mb0 forward", "u0 mb0", "u0 optimizer"]
+    assert job.collective_timeout_s == job.schedule.wait_timeout_s + job.schedule.liveness_timeout_s == 1920.0
+    assert len(timeouts) >= 2, timeouts  # the default group and DeepSpeed's
+    assert set(timeouts.values()) == {1920.0}, timeouts
+
+
+@ray.remote(num_cpus=1, max_calls=1)
+def accumulated_gradient_error(config: dict) -> float:
+    """A bf16 DeepSpeed ZeRO-2 engine (world 1) on a Linear, with `config`: the gradient accumulated over 32
+    micro-batches (one of weight 1, then 31 of weight 1/64: the small ones land on a large running sum, as an
+    update's later micro-batches do), against the same sum in fp64 on the same bf16 weights and inputs."""
+    from lt_opd_ray.runtime.learner import import_deepspeed, init_process_group
+    from lt_opd_ray.runtime.learner_group import free_port
+
+    deepspeed = import_deepspeed()
+    init_process_group(0, 1, "127.0.0.1", free_port(), 60.0)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 64, bias=False)
+    engine, *_ = deepspeed.initialize(model=linear, optimizer=torch.optim.AdamW(linear.parameters(), lr=1e-3), config=config)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(8, 256, generator=generator).to(torch.bfloat16) for _ in range(32)]
+    weights = [1.0] + [1 / 64] * 31
+    for k, (x, weight) in enumerate(zip(inputs, weights)):
+        engine.set_gradient_accumulation_boundary(k == len(inputs) - 1)
+        engine.backward(weight * engine(x).float().pow(2).sum(), scale_wrt_gas=False)
+    got = deepspeed.utils.safe_get_full_grad(engine.module.weight).double()
+    w = engine.module.weight.detach().double()
+    exact = sum(weight * 2 * (x.double() @ w.T).T @ x.double() for x, weight in zip(inputs, weights))  # d/dW of |x W^T|^2
+    return float((got - exact).norm() / exact.norm())
+
+
+def test_an_updates_gradients_accumulate_and_reduce_in_fp32_under_bf16(cluster, tiny_dirs, tmp_path):
+    """Under bf16, DeepSpeed accumulates micro-batch gradients (and reduces them over the ranks) in the model's
+    dtype unless told otherwise. Ours stay within one bf16 rounding of each micro-batch's own gradient (2^-8, the
+    backward's precision) of the fp64 sum; DeepSpeed's default, run beside it, rounds the running sum at every add."""
+    from lt_opd_ray.planning.planner import REDUCED_GRADIENT_BYTES
+    from lt_opd_ray.runtime.learner import deepspeed_config
+
+    config = deepspeed_config(job_for(tiny_dirs["qwen3_5"], tmp_path, dtype="bfloat16"))
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"} and config["communication_data_type"] == "fp32"
+    assert REDUCED_GRADIENT_BYTES == 4  # the planner counts the reduce in fp32
+    defaults = {key: value for key, value in config.items() if key not in ("data_types", "communication_data_type")}
+    ours, default = ray.get([accumulated_gradient_error.remote(config), accumulated_gradient_error.remote(defaults)])
+    print(f"accumulated gradient over 32 bf16 micro-batches, relative error to fp64: fp32 accumulation {ours:.2e},"
+          f" DeepSpeed's bf16 default {default:.2e} ({default / ours:.1f}x)")
+    assert ours < 2**-8
+    assert default > 2 * ours
 
 
 def test_teacher_batch_of_groups_equals_scoring_each_group_alone_bit_for_bit(cluster, tiny_dirs, tmp_path):

@@ -140,6 +140,20 @@ def test_payload_round_trip_and_bytes_per_token(dtype, bytes_per_token):
         torch.testing.assert_close(a.top_logp, b.top_logp, atol=tol, rtol=tol)
 
 
+def test_a_rollout_carries_the_students_top_k_ids_as_int32_and_refuses_an_id_int32_cannot_hold():
+    from types import SimpleNamespace
+
+    from lt_opd_ray.core.wire import token_ids32
+
+    top = torch.tensor([[3, 248_319], [0, 7]])  # int64, as both engines return them; Qwen3.5's last id
+    completion = SimpleNamespace(token_ids=torch.tensor([5, 6]), logprobs=torch.zeros(2), top_ids=top, finish_reason="stop")
+    rollout = Rollout.sampled(0, completion, [torch.arange(2)], None, 500)
+    assert rollout.student_top_ids.dtype == torch.int32 and torch.equal(rollout.student_top_ids.long(), top)
+    assert rollout.student_top_ids.nbytes == top.nbytes // 2
+    with pytest.raises(ValueError, match=r"token id 2147483648 does not fit int32"):
+        token_ids32(torch.tensor([[1, 2**31]]))
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [

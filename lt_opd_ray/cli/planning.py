@@ -128,6 +128,8 @@ def cmd_plan(args) -> int:
     for name in SCHEDULES:
         busy = ", ".join(f"{pool} {fraction:.0%}" for pool, fraction in chosen.busy[name].items())
         print(f"busy ({rows[0][0]}, {name}): {busy}; {chosen.step[name]:.0f} s/update, {_against_paper(chosen.step[name])}")
+    if note := job.teacher_admission_note():
+        print(note)
     return 0
 
 

@@ -89,6 +89,12 @@ class TeacherPool(Resources):
     vllm: VLLMSettings = VLLMSettings()
     """The teacher replicas' vLLM engines (backend vllm)."""
 
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Requests a replica admits at once (Serve's max_ongoing_requests): each holds its slot from the moment it
+        is admitted (the replica starts on the group's prompts) until its group is sampled and scored."""
+        return self.max_batch_size * 2
+
     @model_validator(mode="after")
     def _bounds(self) -> TeacherPool:
         if not self.min_replicas <= self.replicas <= self.max_replicas:

@@ -332,6 +332,41 @@ class JobConfig(StrictModel):
     """Experiment tracking (TensorBoard, MLflow, W&B)."""
 
     @property
+    def collective_timeout_s(self) -> float:
+        """How long a learner rank waits in a collective for its peers, in every process group of the learners
+        (DeepSpeed's own included): longer than a peer may legitimately be away from it. Inside an update a peer may
+        wait for its rollouts or its teacher scores (through a worker replacement, a replica restart) until the driver
+        ends the update at schedule.wait_timeout_s; in a weight broadcast rank 0 may wait on a slow receiver for up
+        to pools.learner.sync_timeout_s while the others sit in ZeRO-3's gather; either plus one micro-batch's compute
+        (which schedule.liveness_timeout_s bounds). A shorter timeout would turn the waits the run recovers from into
+        a crash of both ranks (NCCL's watchdog)."""
+        return max(self.schedule.wait_timeout_s, self.pools.learner.sync_timeout_s) + self.schedule.liveness_timeout_s
+
+    @property
+    def teacher_requests_in_flight(self) -> int:
+        """The most scoring requests out at once: one per rollout group (a group never crosses a learner rank's
+        prompts) of every update in flight (1 + schedule.max_staleness)."""
+        from lt_opd_ray.core.microbatch import split_evenly
+
+        ranges = split_evenly(self.sampling.prompts_per_step, self.pools.learner.ranks)
+        groups = sum(-(-(stop - start) // self.schedule.group_prompts) for start, stop in ranges)
+        return groups * (1 + self.schedule.max_staleness)
+
+    def teacher_admission_note(self) -> str | None:
+        """A line for `lt-opd plan` and the start-up output when the teacher's initial replicas admit fewer requests
+        at once than the groups in flight: the learner ranks hold the rest back, so the teacher starts on their
+        prompts only as slots free (nothing waits on it but the teacher's head start)."""
+        teacher, groups = self.pools.teacher, self.teacher_requests_in_flight
+        slots = teacher.replicas * teacher.max_ongoing_requests
+        if slots >= groups:
+            return None
+        return (f"note: the teacher admits {slots} scoring requests at once (pools.teacher.replicas {teacher.replicas} x"
+                f" {teacher.max_ongoing_requests}, twice max_batch_size) and {groups} rollout groups can be out"
+                f"{' (two updates in flight)' if self.schedule.max_staleness else ''}: the learner ranks send the other"
+                f" {groups - slots} as scored groups free slots, so the teacher starts on their prompts only then"
+                " (more replicas, a larger max_batch_size or schedule.group_prompts lift it)")
+
+    @property
     def eval_budget_bps(self) -> int:
         """The budget every evaluation of the student runs at: `eval.budget_bps`, else the curriculum's target."""
         return self.eval.budget_bps or self.budget.target_bps

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -50,6 +51,16 @@ def all_reduce_max(values: list[int], group=None) -> list[int]:
     flags = torch.tensor(values, dtype=torch.int64, device=backend_device(dist.get_backend(group)))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags.tolist()  # to the host: under NCCL this waits for the reduction
+
+
+def hold_every_group_for(seconds: float) -> None:
+    """Every process group of this process waits up to `seconds` in a collective. torch gives a group made by
+    `new_group` without a timeout its backend's default (NCCL 10 min, gloo 30 min), not the default group's, and
+    DeepSpeed makes its data-parallel group (ZeRO's gradient reduce, ZeRO-3's gathers) that way. torch has no public
+    call for an existing group's timeout: `_set_pg_timeout` is the one its own tests use."""
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 # ------------------------------------------------------------------------------------------------- the guard

@@ -66,7 +66,7 @@ class Rollout:
     prompt_index: int  # index into the update's prompt list
     response_ids: torch.Tensor  # [T] long
     old_logp: torch.Tensor  # [T] fp32, sampled token under the rollout (behaviour) policy
-    student_top_ids: torch.Tensor  # [T, k] long
+    student_top_ids: torch.Tensor  # [T, k] int32 (`token_ids32`): the largest field a rollout carries to teacher and learner
     selected: list[torch.Tensor]  # per visual unit (an image, a clip's temporal patch): kept visual-token indices (sorted)
     budget_bps: int
     finish_reason: str
@@ -79,12 +79,20 @@ class Rollout:
             prompt_index=prompt_index,
             response_ids=completion.token_ids,
             old_logp=completion.logprobs,
-            student_top_ids=completion.top_ids,
+            student_top_ids=token_ids32(completion.top_ids),
             selected=selected,
             merge_routes=merge_routes,
             budget_bps=budget_bps,
             finish_reason=completion.finish_reason,
         )
+
+
+def token_ids32(ids: torch.Tensor) -> torch.Tensor:
+    """Token ids as int32, half of int64's bytes on the wire (k = 100: 400 B per response position instead of 800);
+    an id int32 cannot hold is refused, not wrapped."""
+    if ids.numel() and int(ids.max()) > torch.iinfo(torch.int32).max:
+        raise ValueError(f"token id {int(ids.max())} does not fit int32: a vocabulary over 2^31 - 1 ids")
+    return ids.to(torch.int32)
 
 
 @dataclass
@@ -130,7 +138,7 @@ class RolloutSummary:
 
 @dataclass(frozen=True)
 class ScoringRequest:
-    """What a learner needs to ask the teacher again for a group whose scoring replica died: the Serve app and the
+    """What a learner rank needs to ask the teacher to score its groups of an update: the Serve app and the
     update's samples (an ObjectRef)."""
 
     app: str

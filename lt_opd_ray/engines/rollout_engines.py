@@ -72,12 +72,14 @@ class TransformersRolloutEngine:
         from lt_opd_ray.sources.resolve import resolve_model_dir
 
         self.job = job
-        model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
+        # neither copy trains here (the sync writes the learners' weights in the compute dtype): both in that dtype
+        model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable", dtype=job.model.dtype)
         self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)
         teacher_writes = job.objective.prefixes == "teacher"
-        self.behaviour = QwenVLM(load_vlm(resolve_model_dir(job.model.path))[1].eval().requires_grad_(False)) if teacher_writes else None
+        self.behaviour = (QwenVLM(load_vlm(resolve_model_dir(job.model.path), dtype=job.model.dtype)[1].eval().requires_grad_(False))
+                          if teacher_writes else None)
         self.selector = build_selector(job.selector.name, job.selector.scope)
         self.params = sampling_params(job, self.processor)
 

@@ -49,7 +49,7 @@ class TransformersTeacherEngine:
         from lt_opd_ray.sources.resolve import resolve_model_dir
 
         self.job = job
-        model_dir, model = load_vlm(resolve_model_dir(job.model.path))
+        model_dir, model = load_vlm(resolve_model_dir(job.model.path), dtype=job.model.dtype)  # frozen: in the compute dtype
         self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.vlm = QwenVLM(model.eval().requires_grad_(False))
         self.missing_kernels = missing_kernels(model.config.model_type)

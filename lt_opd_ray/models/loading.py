@@ -13,10 +13,14 @@ def model_folder(path: str | Path) -> Path:
     return folder
 
 
-def load_vlm(path: str | Path, device: str | None = None, token_merge: bool = False, zero3_config: dict | None = None):
-    """(model_dir, model) with fp32 parameters on `device` (default: CUDA if present, else CPU).
+def load_vlm(path: str | Path, device: str | None = None, token_merge: bool = False, zero3_config: dict | None = None,
+             dtype: str = "float32"):
+    """(model_dir, model) with `dtype` parameters on `device` (default: CUDA if present, else CPU).
 
-    Compute precision is chosen by the caller (autocast), so master weights stay fp32. A folder whose
+    A model that trains keeps fp32 parameters (its optimizer's masters) and the caller picks the compute precision
+    (autocast). A frozen one (the teacher, a rollout engine's copy, which only receives weights) loads in the job's
+    compute dtype: autocast keeps a cast copy only of weights that require grad, so a frozen fp32 model would be
+    cast again on every op and hold twice the memory. A folder whose
     config names a learnable token merge (ours or the paper's release) gets its trained merge head;
     `token_merge` gives one to a folder without (initialised from the gate rows: models/token_merge.py).
     `zero3_config` (a DeepSpeed ZeRO-3 config): every parameter is created partitioned over the ranks
@@ -43,6 +47,8 @@ def load_vlm(path: str | Path, device: str | None = None, token_merge: bool = Fa
         gate = model.model.language_model.layers[0].mlp.gate_proj.weight  # the head starts from it (no saved head)
         with _gathered([gate, model.lm_head.weight], enabled=zero3_config is not None):
             merging.attach(model, saved)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))  # after the fp32 load: the rounding of one cast, merge head included
     return model_dir, model
 
 

@@ -51,23 +51,23 @@ def written_response(tokenizer, text: str, params: SamplingParams) -> tuple[torc
     return torch.tensor(ids, dtype=torch.long), finish
 
 
-def _choose(log_probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from one row's log-probs [V] under temperature and nucleus (top-p) sampling."""
+def choose_tokens(log_probs: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `log_probs` [B, V] under temperature and nucleus (top-p) sampling, on their device,
+    given one uniform in [0, 1) per row (float64 [B], from the row's own generator): its inverse CDF. One uniform a
+    token: torch.multinomial draws an exponential per vocabulary entry (5.4 ms a token at a 248,320-way vocabulary on
+    one thread, 2.7 ms this way; benchmarks/bench_sampler.py). A token of zero mass owns an empty interval, never
+    drawn."""
     if params.greedy:
-        return int(torch.argmax(log_probs))
+        return log_probs.argmax(-1)
     probs = torch.softmax(log_probs / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # inverse CDF: one uniform draw per token (torch.multinomial draws an exponential per vocabulary entry: 5.4 ms a
-    # token at a 248,320-way vocabulary on one thread, 2.7 ms this way; benchmarks/bench_sampler.py); a token of zero
-    # mass owns an empty interval, never drawn
-    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)  # u rounded up to cdf[-1]: the last token
+        outside = torch.cumsum(sorted_probs, -1) - sorted_probs >= params.top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    u = uniforms.to(cdf.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)  # u rounded up to cdf[-1]: the last token
 
 
 class _StopChecker:
@@ -112,16 +112,22 @@ def sample(
     done = [False] * rows
     top_k = min(params.top_k_logprobs, vlm.lm_head.weight.shape[0])
     for step in range(params.max_new_tokens):
-        log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1).cpu()  # [B, V]
-        top_ids = torch.topk(log_probs, top_k, dim=-1).indices
+        # the step stays on the model's device: only each row's token, its log-prob and its top-k ids come to the host
+        log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1)  # [B, V]
+        uniforms = torch.tensor([0.0 if done[b] or params.greedy else float(torch.rand((), generator=generators[b], dtype=torch.float64))
+                                 for b in range(rows)], dtype=torch.float64)  # a finished row's generator is not advanced
+        chosen = choose_tokens(log_probs, params, uniforms)
+        chosen_logp = log_probs.gather(-1, chosen[:, None])[:, 0]
+        top_ids = torch.topk(log_probs, top_k, dim=-1).indices.cpu()
+        chosen, chosen_logp = chosen.tolist(), chosen_logp.tolist()
         next_ids = []
         for b in range(rows):
             if done[b]:
                 next_ids.append(tokens[b][-1])  # keeps the batch shape; its outputs are ignored
                 continue
-            token = _choose(log_probs[b], params, generators[b])
+            token = chosen[b]
             tokens[b].append(token)
-            logprobs[b].append(float(log_probs[b, token]))
+            logprobs[b].append(chosen_logp[b])
             tops[b].append(top_ids[b])
             next_ids.append(token)
             if token in eos:

@@ -158,11 +158,13 @@ class Work:
     gathered_bytes: float  # the largest parameter a ZeRO-3 rank gathers whole: the bf16 output head / embedding
 
 
-# What a learner rank holds per parameter in DeepSpeed's bf16 mode: (bytes every rank holds whole, bytes partitioned over the ranks)
+# What a learner rank holds per parameter in DeepSpeed's bf16 mode: (bytes every rank holds whole, bytes partitioned over the ranks).
+# The fp32 gradients are where an update's micro-batches accumulate (`runtime/learner.deepspeed_config`: grad_accum_dtype fp32)
 LEARNER_BYTES_PER_PARAM = {
     2: {"bf16 weights": (2, 0), "bf16 gradients": (2, 0), "fp32 master weights": (0, 4), "Adam m and v (fp32)": (0, 8), "fp32 gradients": (0, 4)},
     3: {"bf16 weights": (0, 2), "bf16 gradients": (0, 2), "fp32 master weights": (0, 4), "Adam m and v (fp32)": (0, 8), "fp32 gradients": (0, 4)},
 }
+REDUCED_GRADIENT_BYTES = 4  # the ranks reduce gradients in fp32 (`deepspeed_config`'s communication_data_type)
 LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recompute, allocator slack, NCCL buffers
 # Adam's step per parameter: reads fp32 weight, gradient, m, v (16 B), writes weight, m, v (12 B); then the bf16 copy (reads 4, writes 2)
 OPTIMIZER_BYTES_PER_PARAM = 34
@@ -265,7 +267,7 @@ def learner_seconds(work: Work, shapes: Shapes, gpu: GPU, learner_gpus: int, eff
         micro_batches = math.ceil(work.learner_tokens / learner_gpus / shapes.micro_batch_tokens)
         others = (learner_gpus - 1) / learner_gpus  # the share of a collective's bytes a rank sends or receives
         passes = (4 if shapes.checkpointing else 3) if shapes.zero_stage == 3 else 0  # parameter gathers per micro-batch
-        traffic = micro_batches * (1 + passes) * shapes.dtype_bytes * work.params * others  # gradients reduced, weights gathered
+        traffic = micro_batches * (REDUCED_GRADIENT_BYTES + passes * shapes.dtype_bytes) * work.params * others  # gradients reduced, weights gathered
         seconds += traffic / link_bytes_per_second(gpu, learner_gpus, efficiency)
     return seconds
 

@@ -48,14 +48,14 @@ REPLICA_COUNT_MAX_AGE_S = 10.0
 
 @dataclass
 class InFlight:
-    """One update's submitted work: its prompts, its rollout groups and their teacher payloads (ObjectRefs)."""
+    """One update's submitted work: its prompts and its rollout groups (ObjectRefs); each group's learner rank asks
+    the teacher to score it."""
 
     update: int
     budget_bps: int
     batch: list[Sample]
     samples_ref: object  # ref to `batch`
     groups: list[GroupRef]
-    payloads: list  # refs to each group's TeacherPayload
     replaced: Counter[int] = field(default_factory=Counter)  # per worker: replacements started inside this update
 
 
@@ -111,8 +111,7 @@ class Driver:
     def run_step(self) -> StepLog:
         update = self.step
         current, self.next = self.next or self.submit(update), None
-        scoring = ScoringRequest(self.teacher.app_name, current.samples_ref)
-        training = self.learners.async_train_step(current.batch, current.groups, current.payloads, self.rollouts.names, update, scoring)
+        training = self.learners.async_train_step(current.batch, current.groups, self.rollouts.names, update, self.scoring(current.samples_ref))
         if self.job.schedule.max_staleness and update + 1 < self.job.budget.total_steps:
             self.next = self.submit(update + 1)  # sampled by weights v(update) while the learners train on update
         ranks = self.learners.wait(training, f"learner step of update {update}", upstream=self.samplers(current))
@@ -153,13 +152,18 @@ class Driver:
         return self.checkpoints.storage.describe(tag)
 
     def submit(self, update: int) -> InFlight:
-        """Queue update `update`'s rollout groups on the workers and their scoring on the teacher, all at once."""
+        """Queue update `update`'s rollout groups on the workers and their scoring with their learner ranks, all at
+        once; returns at once, however many requests the teacher can admit (the ranks send them as it does)."""
         batch = next(self.data)
         budget = self.schedule.budget_bps(update)  # c = optimizer steps completed before this update
         samples_ref = self.objects.put(batch)
         ranges = self.learners.prompt_ranges(len(batch))
         groups = self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts)
-        return InFlight(update, budget, batch, samples_ref, groups, self.teacher.async_score(samples_ref, groups))
+        self.learners.request_scores(self.scoring(samples_ref), groups)
+        return InFlight(update, budget, batch, samples_ref, groups)
+
+    def scoring(self, samples_ref) -> ScoringRequest:
+        return ScoringRequest(self.teacher.app_name, samples_ref)
 
     def settle(self, pending: InFlight) -> list[int]:
         """Wait (bounded) until the next update's groups are sampled, so the workers are free for the weights.
@@ -194,7 +198,7 @@ class Driver:
             old = pending.groups[i]
             group = self.rollouts.submit_group(pending.samples_ref, old.start, old.stop, old.learner_rank, pending.budget_bps, old.update, old.worker)
             pending.groups[i] = group
-            pending.payloads[i] = self.teacher.async_score(pending.samples_ref, [group])[0]
+            self.learners.request_scores(self.scoring(pending.samples_ref), [group])
 
     def fetch_groups(self, pending: InFlight | None) -> list[RolloutGroup]:
         """The finished groups of the update in flight, to be kept with a checkpoint."""
@@ -212,8 +216,8 @@ class Driver:
             GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, self.objects.put(g), self.objects.put(g.summary()))
             for g in kept
         ]
-        payloads = self.teacher.async_score(samples_ref, groups)
-        return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups, payloads)
+        self.learners.request_scores(self.scoring(samples_ref), groups)
+        return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups)
 
     def samplers(self, flight: InFlight) -> list[Watched]:
         """Every rollout worker, watched while any of `flight`'s groups on it is still being sampled; one that dies or
@@ -293,9 +297,9 @@ class Driver:
                 continue
             group = self.rollouts.submit_group(flight.samples_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, old.update,
                                                by[len(again) % len(by)])
-            payload = self.teacher.async_score(flight.samples_ref, [group])[0]
-            flight.groups[i], flight.payloads[i] = group, payload
-            self.learners.substitute(old.learner_rank, old.update, old.start, [self.rollouts.names[group.worker], group.group, payload])
+            flight.groups[i] = group
+            self.learners.request_scores(self.scoring(flight.samples_ref), [group])
+            self.learners.substitute(old.learner_rank, old.update, old.start, [self.rollouts.names[group.worker], group.group])
             again.append(f"{old.start}-{old.stop - 1}")
         return again
 

@@ -1,18 +1,21 @@
-"""A learner rank's intake: its groups in prompt order, each waited for (bounded) as the step needs it, checked
-(its update, its rank, the staleness bound), a group whose worker died taken from the driver's substitute, and a
-teacher answer lost with its replica asked for again."""
+"""A learner rank's intake: the teacher asked to score its groups (from a thread of its own, as the driver submits
+them), its groups in prompt order, each waited for (bounded) as the step needs it, checked (its update, its rank,
+the staleness bound), a group whose worker died taken from the driver's substitute, and a teacher answer lost with
+its replica asked for again."""
 
 from __future__ import annotations
 
 import functools
+import queue
 import threading
+from collections.abc import Callable
 
 import ray
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, StaleRolloutError, unpack_scores
 from lt_opd_ray.runtime.objects import RAY_OBJECTS, ObjectStore
-from lt_opd_ray.runtime.waits import wait_one
+from lt_opd_ray.runtime.waits import NoAnswerError, wait_one
 
 TEACHER_RETRIES = 2  # a scoring request is sent again at most this often when its replica dies
 
@@ -36,6 +39,50 @@ class Substitutes:
             return self._refs.pop(key, None)
 
 
+class ScoreRequests:
+    """A learner rank's requests to the teacher, sent in the order asked for from a thread of their own, each as
+    soon as the teacher admits it (a Serve request waits for a replica with a free slot, and holds the slot while
+    the replica awaits its group's rollouts): the driver hands an update's groups over and goes on, and the rank's
+    step takes each answer's ref when it needs the scores. Refs are kept by group (an ObjectRef is equal to its
+    copies) until taken, or dropped with their update (`forget_before`)."""
+
+    def __init__(self, send: Callable[[ScoringRequest, object, int, int, int], object]):
+        self.send = send  # (scoring, group ref, update, start, stop) -> ref to the TeacherPayload; blocks until admitted
+        self._asked: queue.Queue = queue.Queue()
+        self._ready = threading.Condition()
+        self._answers: dict = {}  # group ref -> (update, payload ref, or the error sending it raised)
+        threading.Thread(target=self._sender, name="score-requests", daemon=True).start()
+
+    def ask(self, scoring: ScoringRequest, group_ref, update: int, start: int, stop: int) -> None:
+        self._asked.put((scoring, group_ref, update, start, stop))
+
+    def _sender(self) -> None:
+        while True:
+            scoring, group_ref, update, start, stop = self._asked.get()
+            try:
+                answer = self.send(scoring, group_ref, update, start, stop)
+            except Exception as exc:  # noqa: BLE001 - raised where the step takes it, naming the group
+                answer = exc
+            with self._ready:
+                self._answers[group_ref] = (update, answer)
+                self._ready.notify_all()
+
+    def take(self, group_ref, timeout_s: float):
+        """The payload ref of the group's request, once the teacher has admitted it; None after `timeout_s`."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: group_ref in self._answers, timeout=timeout_s):
+                return None
+            _, answer = self._answers.pop(group_ref)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def forget_before(self, update: int) -> None:
+        """Drop the answers of earlier updates never taken (groups sampled again after their worker died)."""
+        with self._ready:
+            self._answers = {ref: answer for ref, answer in self._answers.items() if answer[0] >= update}
+
+
 class GroupReceiver:
     """A learner rank's groups in prompt order, each one's rollouts and then its teacher scores waited for (bounded)
     as they are needed.
@@ -45,18 +92,19 @@ class GroupReceiver:
     """
 
     def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest,
-                 substitutes: Substitutes, objects: ObjectStore = RAY_OBJECTS):
+                 substitutes: Substitutes, requests: ScoreRequests, objects: ObjectStore = RAY_OBJECTS):
         self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
-        self.substitutes, self.objects = substitutes, objects
+        self.substitutes, self.requests, self.objects = substitutes, requests, objects
         self.max_staleness, self.timeout_s = job.schedule.max_staleness, job.schedule.wait_timeout_s
         self.staleness = self.payload_bytes = self.payload_tokens = self.retries = 0
         self.spans: list = []
+        requests.forget_before(version)
 
     def __iter__(self):
         from lt_opd_ray.runtime.learner import StreamedGroup
 
         me = f"learner-{self.rank}"
-        for worker, start, group_ref, payload_ref in self.work:
+        for worker, start, group_ref in self.work:
             what = f"{me} waiting for a rollout group of update {self.version}"
             while True:
                 try:
@@ -66,14 +114,18 @@ class GroupReceiver:
                     refs = self.substitutes.take((self.version, start), self.timeout_s)
                     if refs is None:
                         raise
-                    worker, group_ref, payload_ref = refs
+                    worker, group_ref = refs
             self.check(group)
             self.spans.append(group.span)
-            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, payload_ref, group_ref))
+            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, group_ref))
 
-    def scores(self, group: RolloutGroup, payload_ref, group_ref) -> list:
+    def scores(self, group: RolloutGroup, group_ref) -> list:
         """The teacher's scores of `group`, waited for (bounded) and checked against its rollouts."""
-        payload = self.payload(payload_ref, group_ref, group, f"learner-{self.rank} waiting for the teacher's scores of {group.worker}'s group")
+        what = f"learner-{self.rank} waiting for the teacher's scores of {group.worker}'s group"
+        payload_ref = self.requests.take(group_ref, self.timeout_s)
+        if payload_ref is None:
+            raise NoAnswerError(f"{what}: the teacher admitted no request for it in {self.timeout_s:.0f} s")
+        payload = self.payload(payload_ref, group_ref, group, what)
         scores = unpack_scores(payload, group.rollouts, self.vocab_size, source=payload.replica or "teacher")
         self.payload_bytes += payload.nbytes
         self.payload_tokens += int(payload.lengths.sum())
@@ -82,11 +134,7 @@ class GroupReceiver:
 
     def payload(self, payload_ref, group_ref, group: RolloutGroup, what: str):
         """The teacher's answer; when the replica serving it died, the request again (Serve restarts replicas), at
-        most TEACHER_RETRIES times."""
-        from ray import serve
-
-        from lt_opd_ray.runtime.teacher import score_request
-
+        most TEACHER_RETRIES times (from this thread: the step waits on it anyway)."""
         for attempt in range(TEACHER_RETRIES + 1):
             try:
                 return wait_one(payload_ref, "teacher", self.timeout_s, what, self.objects)
@@ -94,8 +142,7 @@ class GroupReceiver:
                 if attempt == TEACHER_RETRIES:
                     raise RuntimeError(f"{what}: the teacher replica died {attempt + 1} times on this request ({type(exc).__name__})") from exc
                 self.retries += 1
-                handle = serve.get_app_handle(self.scoring.app)
-                payload_ref = handle.score.remote(score_request(self.scoring.samples_ref, group_ref, group.update, group.start, group.stop))._to_object_ref_sync()
+                payload_ref = self.requests.send(self.scoring, group_ref, group.update, group.start, group.stop)
 
     def check(self, group: RolloutGroup) -> None:
         where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"

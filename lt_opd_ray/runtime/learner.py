@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 
 from lt_opd_ray.config.schema import JobConfig
-from lt_opd_ray.core.collectives import all_reduce_max, install_guard_if_asked
+from lt_opd_ray.core.collectives import all_reduce_max, hold_every_group_for, install_guard_if_asked
 from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
@@ -68,6 +68,11 @@ def deepspeed_config(job: JobConfig) -> dict:
         "gradient_clipping": job.optimizer.grad_clip,
         "zero_optimization": {"stage": job.pools.learner.zero_stage},
         "bf16": {"enabled": job.model.dtype == "bfloat16"},
+        # an update's 20-40 micro-batch gradients add up, and the ranks' sum is reduced, in fp32: DeepSpeed's default
+        # under bf16 is the model's dtype for both, whose 8-bit mantissa drops a small micro-batch's gradient added to
+        # a large running sum (tests/test_runtime.py: the accumulated gradient against fp64)
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,  # our AdamW with per-module groups is a plain torch optimizer
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
@@ -148,6 +153,7 @@ class Learner:
         optimizer, scheduler = build_optimizer(model, job.optimizer)
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         weights_only_checkpoint_engine(self.engine)  # a checkpoint's pickles never run code in the learner
+        hold_every_group_for(job.collective_timeout_s)  # DeepSpeed made its data-parallel group with torch's default timeout
         if zero3:
             deepspeed.zero.register_external_parameter(self.module, model.lm_head.weight)
         self.steps_done = 0
@@ -238,27 +244,34 @@ class Learner:
         named = list(self.module.model.named_parameters())
         return Layout(tuple(n for n, _ in named), tuple(tuple(getattr(p, "ds_shape", p.shape)) for _, p in named), self.wire_dtype)
 
-    def stream_weights(self, send_bucket, bucket_bytes: int) -> int:
-        """Gather the weights one bucket at a time (ZeRO-3: a collective, every rank calls it) and hand each
-        bucket's full tensors to `send_bucket` (rank 0; None elsewhere). Returns the bytes it reported."""
+    def gathered_buckets(self, bucket_bytes: int) -> Iterator[tuple[tuple[str, ...], list[torch.Tensor]]]:
+        """Each bucket's names and full parameters, gathered one bucket at a time (ZeRO-3: a collective, every rank
+        runs the loop to its end; the tensors are valid until the next bucket)."""
         import deepspeed
 
         params = dict(self.module.model.named_parameters())
-        sent = 0
         for bucket in self.wire_layout().buckets(bucket_bytes):
             chosen = [params[n] for n in bucket.names]
             with deepspeed.zero.GatheredParameters(chosen, modifier_rank=None, enabled=self.job.pools.learner.zero_stage == 3):
-                if send_bucket is not None:
-                    sent += send_bucket(chosen)
+                yield bucket.names, chosen
+
+    def stream_weights(self, send_bucket, bucket_bytes: int) -> int:
+        """Hand each gathered bucket's full tensors to `send_bucket` (rank 0; None elsewhere). Returns the bytes it reported."""
+        sent = 0
+        for _, chosen in self.gathered_buckets(bucket_bytes):
+            if send_bucket is not None:
+                sent += send_bucket(chosen)
         return sent
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """All student weights as full fp32 tensors (ZeRO-3 shards gathered: a collective, every rank calls it)."""
-        import deepspeed
-
-        params = list(self.module.model.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.job.pools.learner.zero_stage == 3):
-            return {name: p.detach().clone().float() for name, p in self.module.model.named_parameters()}
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every student weight, whole, in the module's own dtype (the compute dtype: bf16 under bf16, whose fp32
+        masters only the optimizer reads), copied by rank 0 alone; the other ranks take part in ZeRO-3's gathers, a
+        bucket at a time, and answer None."""
+        state = {}
+        for names, chosen in self.gathered_buckets(int(self.job.pools.learner.sync_bucket_mb * 2**20)):
+            if self.rank == 0:
+                state.update((name, p.detach().clone()) for name, p in zip(names, chosen))
+        return state if self.rank == 0 else None
 
     def save_pretrained(self, directory: str) -> None:
         """The student as a Hugging Face folder (weights, config, tokenizer, image processor); rank 0 writes.
@@ -306,8 +319,9 @@ def import_deepspeed():
     return deepspeed
 
 
-def init_process_group(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float = 600.0) -> None:
-    """The learners' default process group: NCCL on GPU, gloo on CPU."""
+def init_process_group(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> None:
+    """The learners' default process group: NCCL on GPU, gloo on CPU; a collective waits up to `timeout_s`
+    (`JobConfig.collective_timeout_s`; `Learner` holds DeepSpeed's own groups to it too)."""
     deepspeed = import_deepspeed()
 
     os.environ.update(

@@ -20,9 +20,10 @@ from lt_opd_ray.core.wire import (
     ScoringRequest,
     WeightsSent,
 )
-from lt_opd_ray.runtime.group_receiver import GroupReceiver, Substitutes
+from lt_opd_ray.runtime.group_receiver import GroupReceiver, ScoreRequests, Substitutes
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import CONTROL
+from lt_opd_ray.runtime.teacher import ask_teacher
 from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for, wait_watched
 
 # The learner's own threads beside the step: "control" (liveness, substitutes, sync aborts) and "sync" (forming the
@@ -37,13 +38,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_work(groups: list, payload_refs: list, worker_names: list[str], ranks: int) -> list[list[tuple]]:
-    """What each rank's step takes as `work`: (worker name, first prompt, group ref, payload ref) of its own groups
+def rank_work(groups: list, worker_names: list[str], ranks: int) -> list[list[tuple]]:
+    """What each rank's step takes as `work`: (worker name, first prompt, group ref) of its own groups
     (`GroupRef.learner_rank`), in prompt order."""
     work = [[] for _ in range(ranks)]
-    for group, payload in sorted(zip(groups, payload_refs), key=lambda pair: pair[0].start):
-        work[group.learner_rank].append((worker_names[group.worker], group.start, group.group, payload))
+    for group in sorted(groups, key=lambda g: g.start):
+        work[group.learner_rank].append((worker_names[group.worker], group.start, group.group))
     return work
+
+
+def rank_requests(groups: list, ranks: int) -> list[list[tuple]]:
+    """What each rank's `request_scores` takes: (group ref, update, first prompt, stop) of its own groups."""
+    requests = [[] for _ in range(ranks)]
+    for group in groups:
+        requests[group.learner_rank].append((group.group, group.update, group.start, group.stop))
+    return requests
 
 
 class LearnerActor:
@@ -61,15 +70,24 @@ class LearnerActor:
         self.sync = None  # rank 0 only: the current weight-sync group
         self.metrics = LearnerMetrics(job.name, f"learner-{rank}")
         self.substitutes = Substitutes()  # groups sampled again after their worker died, by (update, start)
+        self.score_requests = ScoreRequests(ask_teacher)  # this rank's groups, sent to the teacher as it admits them
 
     def pid(self) -> int:
         return os.getpid()
 
     @ray.method(concurrency_group="control")
+    def request_scores(self, scoring: ScoringRequest, groups: list[tuple]) -> None:
+        """Ask the teacher to score these groups of this rank: (ObjectRef[RolloutGroup], update, first prompt, stop)
+        each (nested in a list, so Ray hands the refs over unresolved). Returns at once: the requests go out from
+        the rank's sender thread as the teacher admits them (`ScoreRequests`), and the step takes their answers."""
+        for group_ref, update, start, stop in groups:
+            self.score_requests.ask(scoring, group_ref, update, start, stop)
+
+    @ray.method(concurrency_group="control")
     def substitute(self, update: int, start: int, refs: list) -> None:
         """The group of `update` starting at prompt `start`, sampled again after its worker died: `refs` is
-        [worker name, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload]] (in a list, so Ray hands the refs over
-        unresolved). Answered while a step runs: the step waits for it (GroupReceiver)."""
+        [worker name, ObjectRef[RolloutGroup]] (in a list, so Ray hands the ref over unresolved; its scores are
+        asked for by `request_scores`). Answered while a step runs: the step waits for it (GroupReceiver)."""
         self.substitutes.put((update, start), tuple(refs))
 
     @ray.method(concurrency_group="control")
@@ -85,7 +103,7 @@ class LearnerActor:
         """Join the process group and build the DeepSpeed engine; returns when it was ready (wall clock)."""
         from lt_opd_ray.runtime.learner import Learner, init_process_group
 
-        init_process_group(self.rank, self.world, master_addr, master_port)
+        init_process_group(self.rank, self.world, master_addr, master_port, self.job.collective_timeout_s)
         self.learner = Learner(self.job, self.rank, self.world)
         return time.time()
 
@@ -106,10 +124,11 @@ class LearnerActor:
 
     def train_step(self, samples: dict, work: list, total_sequences: int, version: int, scoring: ScoringRequest) -> LearnerStepResult:
         """One optimizer step (weights `version` -> `version + 1`) on this rank's groups only, streamed: `work` is
-        [(worker name, first prompt, ObjectRef[RolloutGroup], ObjectRef[TeacherPayload])] in prompt order (nested in a list, so
-        Ray hands the refs over unresolved); `samples`: this rank's prompts by index; `scoring`: how to ask again."""
+        [(worker name, first prompt, ObjectRef[RolloutGroup])] in prompt order (nested in a list, so Ray hands the
+        refs over unresolved), their scores asked for by `request_scores`; `samples`: this rank's prompts by index;
+        `scoring`: how to ask again."""
         receiver = GroupReceiver(work, version, self.job, self.rank, self.learner.module.model.config.text_config.vocab_size, scoring,
-                                 self.substitutes)
+                                 self.substitutes, self.score_requests)
         result = self.learner.train_step(samples, iter(receiver), total_sequences, version)
         result = dataclasses.replace(
             result, staleness=receiver.staleness, payload_bytes=receiver.payload_bytes, payload_tokens=receiver.payload_tokens,
@@ -165,9 +184,8 @@ class LearnerActor:
             self.sync.abort()
 
     def full_state_dict(self) -> dict | None:
-        """Rank 0 answers; the other ranks take part in the ZeRO-3 gather and answer None."""
-        state = self.learner.full_state_dict()
-        return state if self.rank == 0 else None
+        """Rank 0 answers; the other ranks take part in the ZeRO-3 gathers and answer None."""
+        return self.learner.full_state_dict()
 
     def save_pretrained(self, directory: str) -> None:
         self.learner.save_pretrained(directory)
@@ -236,11 +254,16 @@ class LearnerGroup:
         self.node_ranks = sorted({node: rank for rank, node in reversed(list(enumerate(nodes)))}.values())  # lowest rank per node
         return ready
 
-    def async_train_step(self, batch: list, groups: list, payload_refs: list, worker_names: list[str], version: int,
-                         scoring: ScoringRequest) -> list:
+    def request_scores(self, scoring: ScoringRequest, groups: list) -> None:
+        """Each rank asks the teacher to score its own groups (`LearnerActor.request_scores`); returns at once."""
+        for actor, mine in zip(self.actors, rank_requests(groups, len(self.actors))):
+            if mine:
+                actor.request_scores.remote(scoring, mine)
+
+    def async_train_step(self, batch: list, groups: list, worker_names: list[str], version: int, scoring: ScoringRequest) -> list:
         """Start one optimizer step (ObjectRef[LearnerStepResult] per rank; `wait` for them); each rank gets only its own
-        prompts' samples, groups (`GroupRef.learner_rank`) and payloads, and trains on each group as it arrives."""
-        work = rank_work(groups, payload_refs, worker_names, len(self.actors))
+        prompts' samples and groups (`GroupRef.learner_rank`), and trains on each group as it arrives."""
+        work = rank_work(groups, worker_names, len(self.actors))
         own_samples = [ray.put({i: batch[i] for i in range(start, stop)}) for start, stop in self.prompt_ranges(len(batch))]
         total = len(batch) * self.job.sampling.n
         return [a.train_step.remote(own, mine, total, version, scoring) for a, own, mine in zip(self.actors, own_samples, work)]

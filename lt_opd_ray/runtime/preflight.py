@@ -45,8 +45,9 @@ def preflight(job: JobConfig) -> tuple[list[Sample], dict, list[Sample] | None]:
     cluster = ray.cluster_resources()
     attempt(lambda: check_resources(job, cluster))
     attempt(lambda: check_memory(job, cluster))
-    if note := autoscaling_note(job, cluster):
-        print(note, flush=True)
+    for note in (autoscaling_note(job, cluster), job.teacher_admission_note()):
+        if note:
+            print(note, flush=True)
     attempt(lambda: RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir).check_reachable())
     inputs, input_problems = read_job_inputs(job)  # the data, benchmark and model files, as `validate` reads them
     problems += input_problems

@@ -46,12 +46,9 @@ class RolloutRole(Protocol):
 
 
 class TeacherRole(Protocol):
-    """The frozen teacher (`runtime/teacher.TeacherService`)."""
+    """The frozen teacher (`runtime/teacher.TeacherService`); the learner ranks send it their groups."""
 
     app_name: str
-
-    def async_score(self, samples_ref, groups: list[GroupRef]) -> list:
-        """A ref to each group's TeacherPayload, requested at once."""
 
     def wait_ready(self) -> float: ...
     def replicas(self, max_age_s: float = 0.0) -> int: ...
@@ -69,7 +66,10 @@ class LearnerRole(Protocol):
     def placements(self) -> list[ActorPlacement]: ...
     def prompt_ranges(self, prompts: int) -> list[tuple[int, int]]: ...
 
-    def async_train_step(self, batch: list[Sample], groups: list[GroupRef], payload_refs: list, worker_names: list[str], version: int,
+    def request_scores(self, scoring: ScoringRequest, groups: list[GroupRef]) -> None:
+        """Each group's learner rank asks the teacher to score it, as the teacher admits requests; returns at once."""
+
+    def async_train_step(self, batch: list[Sample], groups: list[GroupRef], worker_names: list[str], version: int,
                          scoring: ScoringRequest) -> list:
         """Start one optimizer step: a ref to each rank's LearnerStepResult."""
 

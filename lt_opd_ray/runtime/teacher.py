@@ -13,10 +13,12 @@ message naming the problem.
 
 from __future__ import annotations
 
+import functools
+
 from ray import serve
 
 from lt_opd_ray.config.schema import JobConfig
-from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, Span, Stopwatch, TeacherPayload, pack_scores
+from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, ScoringRequest, Span, Stopwatch, TeacherPayload, pack_scores
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import GroupRef
 from lt_opd_ray.runtime.waits import LIVENESS_TICK_S
@@ -115,6 +117,19 @@ def score_request(samples_ref, group_ref, update: int, start: int, stop: int) ->
     return ([samples_ref], [group_ref], (update, start, stop))
 
 
+@functools.cache
+def app_handle(app: str):
+    """One handle (one Serve router) per app in this process."""
+    return serve.get_app_handle(app)
+
+
+def ask_teacher(scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
+    """ObjectRef[TeacherPayload] of one group's request; returns once Serve has admitted it (a replica had a free
+    slot: `max_ongoing_requests`), which may be long after it is asked: call it off any loop that must go on."""
+    request = score_request(scoring.samples_ref, group_ref, update, start, stop)
+    return app_handle(scoring.app).score.remote(request)._to_object_ref_sync()
+
+
 def deployment_options(job: JobConfig) -> dict:
     pool = job.pools.teacher
     actor = {"num_cpus": pool.cpus, "num_gpus": pool.gpus, **({"resources": pool.ray_resources()} if pool.node_resource else {})}
@@ -124,7 +139,7 @@ def deployment_options(job: JobConfig) -> dict:
     # a replica being stopped (scaled down, the run's end) checks for unfinished requests every 0.25 s, not Serve's
     # default 2 s: it still drains what it holds, and an idle one is gone in a quarter second
     draining = {"graceful_shutdown_wait_loop_s": 0.25}
-    options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_batch_size * 2, **liveness, **draining}
+    options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_ongoing_requests, **liveness, **draining}
     if pool.max_replicas > pool.min_replicas:
         options["autoscaling_config"] = {
             "min_replicas": pool.min_replicas,
@@ -169,9 +184,11 @@ class TeacherService:
             time.sleep(SERVE_POLL_S)
 
     def async_score(self, samples_ref, groups: list[GroupRef]) -> list:
-        """ObjectRef[TeacherPayload] per group, sent at once: a replica starts on each group's prompts at once and
-        scores the group when it is finished. The bulk data stays in the object store."""
-        return [self.handle.score.remote(score_request(samples_ref, g.group, g.update, g.start, g.stop))._to_object_ref_sync() for g in groups]
+        """ObjectRef[TeacherPayload] per group, each returned once Serve admits it (`ask_teacher`): a replica starts
+        on each group's prompts at once and scores the group when it is finished. The bulk data stays in the object
+        store. (The run's learner ranks ask from a thread of their own: `group_receiver.ScoreRequests`.)"""
+        scoring = ScoringRequest(self.app_name, samples_ref)
+        return [ask_teacher(scoring, g.group, g.update, g.start, g.stop) for g in groups]
 
     def replicas(self, max_age_s: float = 0.0) -> int:
         """Running replicas of the teacher deployment (moves with autoscaling), as counted at most `max_age_s` ago:
