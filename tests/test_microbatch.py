@@ -210,6 +210,42 @@ def test_frozen_engines_hold_the_compute_dtype_and_the_teacher_scores_as_fp32_we
         torch.testing.assert_close(a.top_logp, b.top_logp, rtol=0.0, atol=0.1)
 
 
+def test_the_steps_health_figures_and_a_masked_cut_response_against_a_count_by_hand(updates):
+    """Per update: the share of importance weights cut to the clip, the mean |learner - rollout| log-prob of the
+    sampled tokens, the responses cut at max_new_tokens and the longest, each against the same count from the
+    learner's own log-probs. `objective.truncated: mask` gives a cut response no loss (or gradient) and leaves the
+    others' terms as they were (the update still divides by all its sequences)."""
+    import dataclasses
+
+    trainer, prompts, rollouts, scores = updates["qwen3_5"]
+    student, objective = trainer.student, trainer.job.objective
+    # the rollout engine's log-probs moved on a few positions, so some ratios pass the clip; two responses cut at the cap
+    rollouts = [dataclasses.replace(r, old_logp=r.old_logp - (3.0 if i % 2 else 0.0), finish_reason="length" if i in (1, 4) else "eos")
+                for i, r in enumerate(rollouts)]
+    with torch.no_grad():
+        loss, stats = student_loss(student, prompts, rollouts, scores, objective)
+        own = [student_loss(student, prompts, [r], [s], objective)[1] for r, s in zip(rollouts, scores)]
+    sampled = [None] * len(rollouts)  # the learner's log-prob of each sampled token, by hand: a full log-softmax per rollout
+    for i, r in enumerate(rollouts):
+        prompt = prompts[r.prompt_index]
+        reduced = student.reduce(prompt, student.visual_features(prompt), r.selected)
+        with torch.no_grad():
+            (hidden,) = student.response_hidden([reduced], [r.response_ids])
+            sampled[i] = torch.log_softmax(hidden @ student.lm_head.weight.T, -1).gather(-1, r.response_ids[:, None])[:, 0]
+    ratios = torch.cat([(lp - r.old_logp).exp() for lp, r in zip(sampled, rollouts)])
+    assert 0 < (ratios >= objective.importance_clip).sum() < ratios.numel()
+    assert stats.clipped == pytest.approx(float((ratios >= objective.importance_clip).double().mean()), abs=1e-6)  # an fp32 mean
+    assert stats.logprob_gap == pytest.approx(float(torch.cat([(lp - r.old_logp).abs() for lp, r in zip(sampled, rollouts)]).mean()), rel=1e-4)
+    assert stats.truncated == 2 and stats.longest == max(r.response_ids.numel() for r in rollouts)
+    masked = objective.model_copy(update={"truncated": "mask"})
+    with torch.no_grad():
+        masked_loss, _ = student_loss(student, prompts, rollouts, scores, masked)
+    kept = sum(o.loss for i, o in enumerate(own) if i not in (1, 4)) / len(rollouts)  # each alone: its token mean / 1
+    # a divergence of near-equal distributions (~1e-4): a batched forward's fp32 rounding shows at ~1e-4 of it
+    assert float(masked_loss) == pytest.approx(kept, rel=1e-3)
+    assert float(loss) - kept > 0.05 * kept  # the two cut responses carried more than the tolerance
+
+
 def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(updates):
     """pools.learner.activation_checkpointing: each decoder and vision block runs again in the backward; same gradients."""
     trainer, prompts, rollouts, scores = updates["qwen3_5"]

@@ -150,6 +150,10 @@ class ObjectiveConfig(StrictModel):
     """Truncation of the detached importance weight min(exp(logp - old_logp), clip)."""
     logsoftmax_chunk: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
+    truncated: Literal["keep", "mask"] = "keep"
+    """A response cut at sampling.max_new_tokens (finish reason `length`): `keep` trains on it as on any other;
+    `mask` gives it no loss (its positions still count in the step's statistics, and the update's loss still
+    divides by all its sequences, so the step shrinks by the share masked). The share cut is in every step line."""
 
     @property
     def prefixes(self) -> Literal["student", "dataset", "teacher"]:

@@ -255,6 +255,10 @@ class LearnerStepResult:
     payload_bytes: int = 0
     payload_tokens: int = 0
     teacher_retries: int = 0  # scoring requests sent again because the replica serving them died
+    clipped_share: float = 0.0  # token-mean share of importance weights cut to the clip
+    logprob_gap: float = 0.0  # token-mean |learner's - rollout engine's log-prob| of the sampled token
+    truncated_sequences: int = 0  # responses cut at sampling.max_new_tokens
+    longest_response: int = 0  # tokens
     sequence_lengths: tuple[tuple[int, ...], ...] = ()  # per prompt, in the order packed: its sequences' tokens (reduced prompt + response)
     spans: tuple[Span, ...] = ()  # this rank's groups' rollout and scoring spans, then its micro-batches
 

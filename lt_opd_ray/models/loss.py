@@ -22,6 +22,10 @@ class LossStats:
     tokens: int
     sequences: int = 0
     vision_forwards: int = 0  # vision tower + merger passes: one per prompt when its group fits one micro-batch
+    clipped: float = 0.0  # token-mean share of importance weights cut to objective.importance_clip
+    logprob_gap: float = 0.0  # token-mean |learner's - rollout engine's log-prob| of the sampled token
+    truncated: int = 0  # responses cut at sampling.max_new_tokens
+    longest: int = 0  # tokens of the longest response
 
     @staticmethod
     def combine(parts: list[LossStats]) -> LossStats:
@@ -37,6 +41,10 @@ class LossStats:
             tokens=tokens,
             sequences=sum(p.sequences for p in parts),
             vision_forwards=sum(p.vision_forwards for p in parts),
+            clipped=weighted("clipped"),
+            logprob_gap=weighted("logprob_gap"),
+            truncated=sum(p.truncated for p in parts),
+            longest=max((p.longest for p in parts), default=0),
         )
 
 
@@ -108,14 +116,15 @@ def loss_on_forward(
     lengths = [h.shape[0] for h in hidden]
     ids_all = torch.cat([ids for ids, _, _ in supports])
     student_logp_all = gather_log_probs(torch.cat(hidden), student.lm_head.weight, ids_all, objective.logsoftmax_chunk)
-    sequence_losses, divs, weights, overlaps = [], [], [], []
+    sequence_losses, divs, weights, overlaps, gaps = [], [], [], [], []
     for student_logp, r, (ids, valid, teacher_logp) in zip(student_logp_all.split(lengths), rollouts, supports):
+        old_logp = r.old_logp.to(device)
         token_loss, div, weight = lt_opd_token_losses(
             student_logp,
             teacher_logp,
             valid,
             sampled_column=ids.shape[1] - 1,
-            old_logp=r.old_logp.to(device),
+            old_logp=old_logp,
             kind=objective.divergence,
             alpha=objective.alpha,
             importance_clip=objective.importance_clip,
@@ -124,9 +133,12 @@ def loss_on_forward(
             token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy of the response's own token (sft, sequence_kd)
         if token_loss.numel() == 0:
             raise ValueError(f"a rollout of prompt {r.prompt_index} has no response tokens: nothing to average")
+        if objective.truncated == "mask" and r.finish_reason == "length":
+            token_loss = token_loss * 0.0  # cut at max_new_tokens: no loss (the same graph, no gradient)
         sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens
         divs.append(div.detach())
         weights.append(weight)
+        gaps.append((student_logp[:, ids.shape[1] - 1].detach() - old_logp).abs())  # the engines' mismatch on the sampled token
         k = r.student_top_ids.shape[1]
         overlaps.append((k - valid[:, k : 2 * k].sum(-1)).float() / k)  # teacher top-k ids already in student top-k
     loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
@@ -138,5 +150,9 @@ def loss_on_forward(
         tokens=int(sum(r.response_ids.numel() for r in rollouts)),
         sequences=len(rollouts),
         vision_forwards=forward.vision_forwards,
+        clipped=float((torch.cat(weights) >= objective.importance_clip).float().mean()),
+        logprob_gap=float(torch.cat(gaps).mean()),
+        truncated=sum(r.finish_reason == "length" for r in rollouts),
+        longest=max(r.response_ids.numel() for r in rollouts),
     )
     return loss, stats

@@ -229,6 +229,7 @@ class Learner:
             top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(stream.prompts),
             micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
             grad_norm=float(self.engine.get_global_grad_norm() or 0.0), seconds=sum(s.seconds for s in spans),
+            clipped_share=stats.clipped, logprob_gap=stats.logprob_gap, truncated_sequences=stats.truncated, longest_response=stats.longest,
             sequence_lengths=tuple(stream.lengths), spans=tuple(spans),
         )
 

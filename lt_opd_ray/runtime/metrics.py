@@ -53,6 +53,11 @@ class LearnerMetrics:
         self.divergence = _gauge("divergence", "Token-mean divergence of the last step")
         self.importance_weight = _gauge("importance_weight", "Token-mean truncated importance weight")
         self.overlap = _gauge("topk_overlap", "Mean fraction of the teacher's top-k inside the student's top-k")
+        self.clipped = _gauge("importance_clipped_share", "Share of response positions whose importance weight was cut to the clip")
+        self.logprob_gap = _gauge("logprob_gap", "Mean |learner's - rollout engine's log-prob| of the sampled tokens")
+        self.response_tokens = metrics.Gauge("lt_opd_response_tokens", description="Response length of the last step on this rank",
+                                             tag_keys=(*TAGS, "stat"))
+        self.truncated = _gauge("truncated_share", "Share of the last step's responses cut at sampling.max_new_tokens")
         self.sync_seconds = _gauge("weight_sync_seconds", "Seconds of the last weight broadcast")
         self.sync_bytes = _counter("weight_sync_bytes", "Bytes broadcast to rollout workers")
 
@@ -63,6 +68,11 @@ class LearnerMetrics:
         self.divergence.set(result.divergence, tags=self.tags)
         self.importance_weight.set(result.importance_weight, tags=self.tags)
         self.overlap.set(result.top_k_overlap, tags=self.tags)
+        self.clipped.set(result.clipped_share, tags=self.tags)
+        self.logprob_gap.set(result.logprob_gap, tags=self.tags)
+        self.response_tokens.set(result.tokens / max(result.sequences, 1), tags={**self.tags, "stat": "mean"})
+        self.response_tokens.set(result.longest_response, tags={**self.tags, "stat": "max"})
+        self.truncated.set(result.truncated_sequences / max(result.sequences, 1), tags=self.tags)
 
     def record_sync(self, seconds: float, nbytes: int) -> None:
         self.sync_seconds.set(seconds, tags=self.tags)

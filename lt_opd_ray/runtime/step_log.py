@@ -26,6 +26,11 @@ class StepLog:
     micro_batches: int = 0  # learner forward/backward passes with sequences, over all ranks
     filler_micro_batches: int = 0  # zero-weighted passes that keep the ranks' backward counts equal
     vision_forwards: int = 0  # learner vision-tower passes: one per prompt when its group fits a micro-batch
+    response_tokens_mean: float = 0.0  # tokens per response
+    response_tokens_max: int = 0
+    truncated_share: float = 0.0  # of the responses, those cut at sampling.max_new_tokens
+    clipped_share: float = 0.0  # of the response positions, those whose importance weight was cut to the clip
+    logprob_gap: float = 0.0  # mean |learner's - rollout engine's log-prob| of the sampled tokens: ~0 on policy unless the engines disagree
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
@@ -80,6 +85,11 @@ def summarize(
         micro_batches=total("micro_batches"),
         filler_micro_batches=total("filler_micro_batches"),
         vision_forwards=total("vision_forwards"),
+        response_tokens_mean=total("tokens") / max(total("sequences"), 1),
+        response_tokens_max=max(r.longest_response for r in ranks),
+        truncated_share=total("truncated_sequences") / max(total("sequences"), 1),
+        clipped_share=by_tokens("clipped_share"),
+        logprob_gap=by_tokens("logprob_gap"),
         sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
         eval_accuracy=accuracy,
         eval_scores=scores,
