@@ -244,6 +244,11 @@ def test_the_steps_health_figures_and_a_masked_cut_response_against_a_count_by_h
     # a divergence of near-equal distributions (~1e-4): a batched forward's fp32 rounding shows at ~1e-4 of it
     assert float(masked_loss) == pytest.approx(kept, rel=1e-3)
     assert float(loss) - kept > 0.05 * kept  # the two cut responses carried more than the tolerance
+    # objective.importance: prefix reaches the loss (weights of the prefix's ratios; the first position's is 1)
+    with torch.no_grad():
+        _, prefix = student_loss(student, prompts, rollouts, scores, objective.model_copy(update={"importance": "prefix"}))
+    firsts = torch.stack([(lp[0] - r.old_logp[0]).exp().clamp(max=objective.importance_clip) for lp, r in zip(sampled, rollouts)])
+    assert prefix.importance_weight != pytest.approx(stats.importance_weight) and bool((firsts != 1).any())
 
 
 def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(updates):

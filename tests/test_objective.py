@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from lt_opd_ray.core.objective import (
+    IMPORTANCE_WEIGHTS,
     divergence,
     gather_log_probs,
     lt_opd_token_losses,
+    prefix_importance_weight,
     top_k_log_probs,
     union_support,
 )
@@ -130,6 +132,39 @@ def test_importance_weight_is_truncated():
     _, _, weight = lt_opd_token_losses(student, t_lp.gather(-1, ids).float(), valid, -1, old_logp, "jsd", 0.5, 2.0)
     expected = torch.exp(torch.tensor([0.0, 0.5, 1.0, 5.0, -2.0, 0.1])).clamp(max=2.0)
     torch.testing.assert_close(weight, expected)
+
+
+def test_the_prefix_weight_is_the_product_of_the_earlier_ratios_truncated():
+    log_ratio = torch.tensor([0.5, -1.0, 2.0, 0.3])
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    weight = prefix_importance_weight(logp, logp - log_ratio, clip=2.0)
+    by_hand = [1.0, math.exp(0.5), math.exp(0.5 - 1.0), min(math.exp(0.5 - 1.0 + 2.0), 2.0)]
+    torch.testing.assert_close(weight, torch.tensor(by_hand))
+
+
+def test_on_two_steps_enumerated_the_prefix_weight_recovers_the_current_policys_expected_divergence():
+    """Two positions over two tokens. The rollouts come from an older policy mu; the loss wants the current policy
+    pi's expected divergence, d1 at the first state plus d2(y1) at the second, which depends on the first token.
+    Every response is enumerated with its probability under mu and weighted by our `IMPORTANCE_WEIGHTS` (clip
+    large enough not to bind): `prefix` gives pi's expectation exactly; `token` (the paper's) gives mu's, because
+    the ratio of the token sampled at a state averages to 1 over mu's draws there."""
+    mu_first, pi_first = torch.tensor([0.7, 0.3]), torch.tensor([0.4, 0.6])
+    mu_second, pi_second = torch.tensor([[0.5, 0.5], [0.9, 0.1]]), torch.tensor([[0.2, 0.8], [0.6, 0.4]])  # [y1, y2]
+    d1, d2 = 0.25, torch.tensor([1.0, 3.0])  # the divergence at s_1, and at s_2 after each first token
+    target = d1 + float((pi_first * d2).sum())  # E_pi[D(s_1) + D(s_2)]
+    behaviour = d1 + float((mu_first * d2).sum())  # E_mu[...]: what no weighting does
+    got = {}
+    for name, weigh in IMPORTANCE_WEIGHTS.items():
+        total = 0.0
+        for y1 in range(2):
+            for y2 in range(2):
+                old = torch.log(torch.stack([mu_first[y1], mu_second[y1, y2]]))
+                new = torch.log(torch.stack([pi_first[y1], pi_second[y1, y2]]))
+                w = weigh(new, old, clip=1e6)
+                total += float(mu_first[y1] * mu_second[y1, y2]) * float(w[0] * d1 + w[1] * d2[y1])
+        got[name] = total
+    assert got["prefix"] == pytest.approx(target, rel=1e-6)
+    assert got["token"] == pytest.approx(behaviour, rel=1e-6) and abs(behaviour - target) > 0.1
 
 
 @pytest.mark.parametrize("kind", KINDS)

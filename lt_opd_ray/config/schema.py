@@ -148,6 +148,12 @@ class ObjectiveConfig(StrictModel):
     """Size of the student and teacher top-k sets that form the support U."""
     importance_clip: float = Field(2.0, gt=0.0)
     """Truncation of the detached importance weight min(exp(logp - old_logp), clip)."""
+    importance: Literal["token", "prefix"] = "token"
+    """What the importance weight at position t is the ratio of. `token` (the paper's): the token sampled at t.
+    `prefix` (beyond the paper): the response before t, Π_{j<t} exp(logp_j - old_logp_j), truncated at
+    importance_clip. The divergence at t depends on the prefix only, so under staleness (rollouts of older
+    weights) only `prefix` weights the states by the current policy's chance of reaching them; `token` leaves their
+    distribution the rollout policy's and adds variance. On policy both are 1 (core/objective.py)."""
     logsoftmax_chunk: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
     truncated: Literal["keep", "mask"] = "keep"

@@ -147,8 +147,22 @@ def divergence(
 
 
 def truncated_importance_weight(logp: torch.Tensor, old_logp: torch.Tensor, clip: float) -> torch.Tensor:
-    """min(exp(logp_θ - old_logp), clip), detached: it reweights, it is not optimised."""
+    """min(exp(logp_θ - old_logp), clip) per position of one response [T], detached: it reweights, it is not optimised."""
     return torch.exp(logp.detach().float() - old_logp.float()).clamp(max=clip)
+
+
+def prefix_importance_weight(logp: torch.Tensor, old_logp: torch.Tensor, clip: float) -> torch.Tensor:
+    """min(Π_{j<t} exp(logp_θ,j - old_logp_j), clip) per position t of one response [T], detached: the ratio of the
+    prefix y_<t that makes the state s_t = (x, y_<t), 1 at t = 0. The divergence at s_t depends on the state only, so
+    this product, not the ratio of the token sampled at t, is what turns an expectation over states reached by the
+    rollout policy into one over states the current policy reaches (per-decision importance sampling); the clip
+    bounds its variance, at a bias, as the token weight's does."""
+    log_ratio = logp.detach().float() - old_logp.float()
+    before = torch.cumsum(log_ratio, 0) - log_ratio  # Σ_{j<t}
+    return torch.exp(before.clamp(max=math.log(clip)))
+
+
+IMPORTANCE_WEIGHTS = {"token": truncated_importance_weight, "prefix": prefix_importance_weight}
 
 
 def lt_opd_token_losses(
@@ -160,12 +174,14 @@ def lt_opd_token_losses(
     kind: Divergence,
     alpha: float,
     importance_clip: float,
+    importance: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted per-position loss [P], its divergence [P] and importance weights [P].
+    """Weighted per-position loss [P], its divergence [P] and importance weights [P] of one response.
 
     `sampled_column` is the column of U holding the sampled token; it carries the
-    sampled token's log-prob even where the column is masked as a duplicate.
+    sampled token's log-prob even where the column is masked as a duplicate. `importance`: the paper's weight of
+    the token sampled at each position (`token`), or of the prefix before it (`prefix`; `IMPORTANCE_WEIGHTS`).
     """
     div = divergence(student_lp, teacher_lp, valid, kind, alpha)
-    weight = truncated_importance_weight(student_lp[:, sampled_column], old_logp, importance_clip)
+    weight = IMPORTANCE_WEIGHTS[importance](student_lp[:, sampled_column], old_logp, importance_clip)
     return weight * div, div, weight

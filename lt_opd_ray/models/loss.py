@@ -128,6 +128,7 @@ def loss_on_forward(
             kind=objective.divergence,
             alpha=objective.alpha,
             importance_clip=objective.importance_clip,
+            importance=objective.importance,
         )
         if objective.cross_entropy:
             token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy of the response's own token (sft, sequence_kd)
