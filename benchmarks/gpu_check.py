@@ -7,7 +7,8 @@ and 896 x 896 images (784 visual tokens), one process per arm:
    Qwen3.5's linear-attention kernels (`fla`, `causal_conv1d`, where importable) and with them hidden, so
    transformers runs its reference PyTorch loops;
 2. the teacher on transformers (`engines/transformers/teacher.teacher_scores`): response positions per second with the prompt shared
-   by its 8 responses (one prefix, as the code runs) and with every response scored alone (its own prefix);
+   by its 8 responses (one prefix, as the code runs) and with every response scored alone (its own prefix); and
+   with its weights held in bf16 (frozen roles load in the compute dtype) against fp32 cast by autocast on every op;
 3. the loss head's backward before / after: `benchmarks/bench_loss_head.py --device cuda`.
 
     python benchmarks/gpu_check.py [--tokens 450] [--small]
@@ -111,21 +112,23 @@ def teacher_arm(model_dir: Path, tokens: int, device: str) -> dict:
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import compute_precision, load_vlm
 
-    _, model = load_vlm(str(model_dir), device=device)
-    vlm = QwenVLM(model.eval().requires_grad_(False))
     prompt, rollouts, _ = inputs(model_dir, 8, tokens, 100)
+    positions, rates = 8 * tokens, {}
+    for held in ("float32", "bfloat16"):  # weights as the teacher held them before, and as it holds them (frozen: the compute dtype)
+        vlm = QwenVLM(load_vlm(str(model_dir), device=device, dtype=held)[1].eval().requires_grad_(False))
 
-    def shared():
-        with torch.no_grad(), compute_precision("bfloat16", device):
-            teacher_scores(vlm, {0: prompt}, rollouts, 100, 1024)
+        def shared(vlm=vlm):
+            with torch.no_grad(), compute_precision("bfloat16", device):
+                teacher_scores(vlm, {0: prompt}, rollouts, 100, 1024)
 
-    def alone():
-        with torch.no_grad(), compute_precision("bfloat16", device):
-            for r in rollouts:
-                teacher_scores(vlm, {0: prompt}, [r], 100, 1024)
+        def alone(vlm=vlm):
+            with torch.no_grad(), compute_precision("bfloat16", device):
+                for r in rollouts:
+                    teacher_scores(vlm, {0: prompt}, [r], 100, 1024)
 
-    positions = 8 * tokens
-    return {"shared": positions / best_of(2, shared), "alone": positions / best_of(2, alone)}
+        rates[held] = {"shared": positions / best_of(2, shared), "alone": positions / best_of(2, alone)}
+        del vlm
+    return {**rates["bfloat16"], "fp32 weights": rates["float32"]["shared"]}
 
 
 def child(args) -> None:
@@ -167,7 +170,9 @@ def main() -> None:
             print(f"| {'kernels hidden' if hidden else 'as installed'} | {', '.join(result['missing']) or 'none'} | {result['seconds']:.3f} |")
         teacher = run_child("teacher", model, args, False)
         print(f"teacher (transformers) response positions/s: prompt shared by its 8 responses {teacher['shared']:.0f},"
-              f" each response alone {teacher['alone']:.0f} ({teacher['shared'] / teacher['alone']:.2f}x)")
+              f" each response alone {teacher['alone']:.0f} ({teacher['shared'] / teacher['alone']:.2f}x);"
+              f" weights held in bf16 against fp32 under autocast: {teacher['shared']:.0f} / {teacher['fp32 weights']:.0f}"
+              f" ({teacher['shared'] / teacher['fp32 weights']:.2f}x)")
     loss_args = ["--hidden", "64", "--sequences", "2", "--tokens", "16"] if args.small else ["--hidden", "2560", "--sequences", "8", "--tokens", "450"]
     subprocess.run([sys.executable, str(Path(__file__).parent / "bench_loss_head.py"), "--device", args.device, *loss_args], check=True)
 

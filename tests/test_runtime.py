@@ -534,8 +534,8 @@ def test_the_learner_runs_its_forward_before_it_waits_for_the_teachers_scores(cl
 
 
 @ray.remote(num_cpus=1, max_calls=1)
-def accumulated_gradient_error(config: dict) -> float:
-    """A bf16 DeepSpeed ZeRO-2 engine (world 1) on a Linear, with `config`: the gradient accumulated over 32
+def accumulated_gradient_errors(configs: list[dict]) -> list[float]:
+    """Per DeepSpeed config, a bf16 ZeRO-2 engine (world 1) on a Linear: the gradient accumulated over 32
     micro-batches (one of weight 1, then 31 of weight 1/64: the small ones land on a large running sum, as an
     update's later micro-batches do), against the same sum in fp64 on the same bf16 weights and inputs."""
     from lt_opd_ray.runtime.learner import import_deepspeed, init_process_group
@@ -543,19 +543,22 @@ def accumulated_gradient_error(config: dict) -> float:
 
     deepspeed = import_deepspeed()
     init_process_group(0, 1, "127.0.0.1", free_port(), 60.0)
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(256, 64, bias=False)
-    engine, *_ = deepspeed.initialize(model=linear, optimizer=torch.optim.AdamW(linear.parameters(), lr=1e-3), config=config)
-    generator = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(8, 256, generator=generator).to(torch.bfloat16) for _ in range(32)]
-    weights = [1.0] + [1 / 64] * 31
-    for k, (x, weight) in enumerate(zip(inputs, weights)):
-        engine.set_gradient_accumulation_boundary(k == len(inputs) - 1)
-        engine.backward(weight * engine(x).float().pow(2).sum(), scale_wrt_gas=False)
-    got = deepspeed.utils.safe_get_full_grad(engine.module.weight).double()
-    w = engine.module.weight.detach().double()
-    exact = sum(weight * 2 * (x.double() @ w.T).T @ x.double() for x, weight in zip(inputs, weights))  # d/dW of |x W^T|^2
-    return float((got - exact).norm() / exact.norm())
+    errors = []
+    for config in configs:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(256, 64, bias=False)
+        engine, *_ = deepspeed.initialize(model=linear, optimizer=torch.optim.AdamW(linear.parameters(), lr=1e-3), config=config)
+        generator = torch.Generator().manual_seed(1)
+        inputs = [torch.randn(8, 256, generator=generator).to(torch.bfloat16) for _ in range(32)]
+        weights = [1.0] + [1 / 64] * 31
+        for k, (x, weight) in enumerate(zip(inputs, weights)):
+            engine.set_gradient_accumulation_boundary(k == len(inputs) - 1)
+            engine.backward(weight * engine(x).float().pow(2).sum(), scale_wrt_gas=False)
+        got = deepspeed.utils.safe_get_full_grad(engine.module.weight).double()
+        w = engine.module.weight.detach().double()
+        exact = sum(weight * 2 * (x.double() @ w.T).T @ x.double() for x, weight in zip(inputs, weights))  # d/dW of |x W^T|^2
+        errors.append(float((got - exact).norm() / exact.norm()))
+    return errors
 
 
 def test_an_updates_gradients_accumulate_and_reduce_in_fp32_under_bf16(cluster, tiny_dirs, tmp_path):
@@ -569,7 +572,7 @@ def test_an_updates_gradients_accumulate_and_reduce_in_fp32_under_bf16(cluster, 
     assert config["data_types"] == {"grad_accum_dtype": "fp32"} and config["communication_data_type"] == "fp32"
     assert REDUCED_GRADIENT_BYTES == 4  # the planner counts the reduce in fp32
     defaults = {key: value for key, value in config.items() if key not in ("data_types", "communication_data_type")}
-    ours, default = ray.get([accumulated_gradient_error.remote(config), accumulated_gradient_error.remote(defaults)])
+    ours, default = ray.get(accumulated_gradient_errors.remote([config, defaults]))
     print(f"accumulated gradient over 32 bf16 micro-batches, relative error to fp64: fp32 accumulation {ours:.2e},"
           f" DeepSpeed's bf16 default {default:.2e} ({default / ours:.1f}x)")
     assert ours < 2**-8
