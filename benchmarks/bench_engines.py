@@ -15,7 +15,6 @@ given in fp32 (what the tiny job uses) and bf16.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -30,18 +29,9 @@ from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 from lt_opd_ray.models.sampler import SamplingParams
 from lt_opd_ray.models.tiny import tiny_model_dir
 from lt_opd_ray.sources.synthetic import synthetic_sample
+from timing import best_of
 
 BUDGET_BPS, K_MIN, TOP_K = 2500, 2, 16
-
-
-def best_of(repeats: int, run) -> tuple[float, object]:
-    run()  # warm-up
-    times, result = [], None
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        result = run()
-        times.append(time.perf_counter() - begin)
-    return min(times), result
 
 
 def main() -> None:

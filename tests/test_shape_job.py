@@ -43,11 +43,15 @@ def test_one_update_of_the_paper_shaped_job(tmp_path, monkeypatch):
     # the learners ran the packer's micro-batches on the lengths they logged (each rank's 4 sequences of ~1,090
     # positions do not fit one 4,096-token micro-batch), and the ranks in lockstep: each rank as many passes as the
     # busiest, the difference zero-weighted fillers
-    counts = []
+    counts, padded = [], 0
     for prompts in log.sequence_lengths:
         packer = Packer(job.pools.learner.micro_batch_tokens)
         batches = [batch for p, lengths in enumerate(prompts) for batch in packer.add([Sequence(i, p, n) for i, n in enumerate(lengths)])]
-        counts.append(len(batches + packer.flush()))
+        batches += packer.flush()
+        counts.append(len(batches))
+        padded += sum(batch.padded_tokens for batch in batches)
+    real = sum(n for prompts in log.sequence_lengths for lengths in prompts for n in lengths)
+    assert log.padding_share == pytest.approx(1 - real / padded)  # rows x longest per micro-batch, counted by hand
     assert [sum(len(lengths) for lengths in prompts) for prompts in log.sequence_lengths] == [4, 4]
     assert log.micro_batches == sum(counts) >= 4, (counts, log.sequence_lengths)
     assert log.filler_micro_batches == len(counts) * max(counts) - sum(counts)

@@ -185,7 +185,7 @@ class Learner:
             raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
         filler = MicroBatch((0,), (stream.rollouts[0].prompt_index,), 0)  # any real sequence, weighted 0
         normaliser = total_sequences / self.world
-        parts, spans, real, passes = [], [], 0, 0
+        parts, spans, real, passes, padded = [], [], 0, 0, 0
         while True:
             mark(f"u{version} lockstep with the other ranks", working=False)
             (any_current,) = all_reduce_max([current is not None])  # before the forward: ZeRO-3 gathers in it
@@ -214,6 +214,7 @@ class Learner:
                 else:
                     parts.append(stats)
                     real += 1
+                    padded += batch.padded_tokens
                 self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
             spans.append(watch.span("learner", f"learner-{self.rank}", label))
             passes += 1
@@ -230,7 +231,7 @@ class Learner:
             micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
             grad_norm=float(self.engine.get_global_grad_norm() or 0.0), seconds=sum(s.seconds for s in spans),
             clipped_share=stats.clipped, logprob_gap=stats.logprob_gap, truncated_sequences=stats.truncated, longest_response=stats.longest,
-            sequence_lengths=tuple(stream.lengths), spans=tuple(spans),
+            sequence_lengths=tuple(stream.lengths), padded_tokens=padded, spans=tuple(spans),
         )
 
     @property

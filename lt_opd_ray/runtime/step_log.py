@@ -31,6 +31,7 @@ class StepLog:
     truncated_share: float = 0.0  # of the responses, those cut at sampling.max_new_tokens
     clipped_share: float = 0.0  # of the response positions, those whose importance weight was cut to the clip
     logprob_gap: float = 0.0  # mean |learner's - rollout engine's log-prob| of the sampled tokens: ~0 on policy unless the engines disagree
+    padding_share: float = 0.0  # of the positions the learners' forwards computed (rows x longest per micro-batch), those that were padding
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
@@ -68,6 +69,8 @@ def summarize(
     def by_tokens(key: str) -> float:
         return sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)
 
+    computed_tokens = sum(n for r in ranks for prompt in r.sequence_lengths for n in prompt)  # real positions of the micro-batches
+
     return StepLog(
         step=update,
         budget_bps=budget_bps,
@@ -90,6 +93,7 @@ def summarize(
         truncated_share=total("truncated_sequences") / max(total("sequences"), 1),
         clipped_share=by_tokens("clipped_share"),
         logprob_gap=by_tokens("logprob_gap"),
+        padding_share=1 - computed_tokens / total("padded_tokens") if total("padded_tokens") else 0.0,
         sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
         eval_accuracy=accuracy,
         eval_scores=scores,

@@ -64,7 +64,7 @@ def step_metrics(log) -> dict[str, float]:
     metrics = {f"train/{name}": float(getattr(log, name)) for name in (
         "loss", "divergence", "importance_weight", "top_k_overlap", "tokens", "grad_norm", "staleness", "sequences",
         "micro_batches", "payload_bytes_per_token", "sync_bytes", "response_tokens_mean", "response_tokens_max", "truncated_share",
-        "clipped_share", "logprob_gap")}
+        "clipped_share", "logprob_gap", "padding_share")}
     metrics["train/budget_percent"] = log.budget_bps / 100
     metrics |= {f"time/{phase}": float(seconds) for phase, seconds in asdict(log.phases).items() if phase != "busy"}
     metrics |= {f"busy/{pool}": float(fraction) for pool, fraction in log.phases.busy.items()}
