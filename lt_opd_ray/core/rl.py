@@ -1,0 +1,60 @@
+"""The paper's RL baselines as losses: group-relative advantages and the clipped policy-gradient objectives of GRPO,
+DAPO and GSPO (Ray-free; tests/test_rl.py checks values and gradients against per-sequence loops).
+
+Shapes: `logprobs`, `old_logprobs`, `mask` are [B, T] (B responses, right-padded to T; `mask` 1 on response
+tokens), `advantages` is [B] (one per response). `old_logprobs` are the policy that sampled the responses, as the
+rollout engine reported them; `logprobs` the learner's, with gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+PolicyLoss = Literal["grpo", "dapo", "gspo"]
+# Each paper's clip range (1 - low, 1 + high) on its ratio: PPO's symmetric 0.2; DAPO's "clip-higher"; GSPO's on a
+# sequence's length-normalised ratio, which stays much closer to 1 than a token's.
+CLIP_RANGES: dict[str, tuple[float, float]] = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Each reward minus its group's mean, over groups of `group_size` consecutive responses (one prompt's); divided
+    by the group's standard deviation (unbiased, as torch.std) plus eps when `scale` (GRPO), not divided when not
+    (Dr. GRPO). A group whose rewards are all equal gets zero advantages either way."""
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    groups = rewards.view(-1, group_size).float()
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale and group_size > 1:  # a group of one has no spread: its advantage is 0 either way
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                kind: PolicyLoss, clip_low: float, clip_high: float) -> torch.Tensor:
+    """The scalar loss to minimise.
+
+    grpo: per token ratio r = exp(logprobs - old), -min(r A, clip(r, 1 - low, 1 + high) A), averaged over each
+          response's tokens, then over responses.
+    dapo: the same per-token term averaged over every token of the batch (a long response weighs by its length).
+    gspo: one ratio per response, s = exp(mean over its tokens of logprobs - old), -min(s A, clip(s) A), averaged
+          over responses.
+    """
+    mask = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()):
+        raise ValueError(f"response(s) {(lengths == 0).nonzero().flatten().tolist()} have no tokens under the mask")
+    if kind == "gspo":
+        ratio = torch.exp((log_ratio * mask).sum(dim=1) / lengths)  # [B]
+        clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+        return -torch.minimum(ratio * advantages, clipped * advantages).mean()
+    ratio = torch.exp(log_ratio)
+    a = advantages[:, None]
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a) * mask
+    if kind == "grpo":
+        return (per_token.sum(dim=1) / lengths).mean()
+    if kind == "dapo":
+        return per_token.sum() / lengths.sum()
+    raise ValueError(f"unknown policy loss {kind!r}: one of grpo, dapo, gspo")

@@ -1,0 +1,97 @@
+"""The RL baselines' losses (`core/rl.py`) against per-response loops written from the papers' formulas."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from lt_opd_ray.core.rl import CLIP_RANGES, group_advantages, policy_loss
+
+
+def test_group_advantages_are_each_groups_centred_rewards_over_its_sample_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, -1.0, 0.0, 3.0])
+    for scale in (True, False):
+        got = group_advantages(rewards, 4, scale=scale)
+        expected = []
+        for g in range(3):
+            group = rewards[4 * g : 4 * g + 4].tolist()
+            mean, std = statistics.fmean(group), statistics.stdev(group)  # unbiased, as torch.std
+            expected += [(r - mean) / (std + 1e-6) if scale else r - mean for r in group]
+        torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[4:8], torch.zeros(4))  # a group whose rewards are all equal teaches nothing
+    assert torch.equal(group_advantages(torch.tensor([3.0, 1.0]), 1), torch.zeros(2))  # one response per prompt
+    with pytest.raises(ValueError, match=r"rewards of shape \(5,\) do not split into groups of 2"):
+        group_advantages(torch.ones(5), 2)
+
+
+def brute_force(logprobs, old, advantages, lengths, kind, low, high) -> torch.Tensor:
+    """Response by response, token by token, as the papers write them."""
+    terms, all_tokens = [], []
+    for i, length in enumerate(lengths):
+        a = advantages[i]
+        if kind == "gspo":
+            s = torch.exp(sum(logprobs[i, t] - old[i, t] for t in range(length)) / length)
+            terms.append(-torch.minimum(s * a, torch.clamp(s, 1 - low, 1 + high) * a))
+            continue
+        tokens = []
+        for t in range(length):
+            r = torch.exp(logprobs[i, t] - old[i, t])
+            tokens.append(-torch.minimum(r * a, torch.clamp(r, 1 - low, 1 + high) * a))
+        terms.append(sum(tokens) / length)
+        all_tokens += tokens
+    if kind == "dapo":
+        return sum(all_tokens) / sum(lengths)
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dapo", "gspo"])
+def test_each_loss_and_its_gradient_equal_the_papers_formula_response_by_response(kind):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 2, 7, 3]
+    B, T = len(lengths), max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    old = -torch.rand(B, T, generator=g) * 3
+    spread = 0.5 if kind != "gspo" else 2e-3  # ratios on both sides of the clip range
+    logprobs = (old + torch.randn(B, T, generator=g) * spread).requires_grad_(True)
+    advantages = torch.tensor([1.5, -0.7, 0.3, -1.2])
+    low, high = CLIP_RANGES[kind]
+    loss = policy_loss(logprobs, old, advantages, mask, kind=kind, clip_low=low, clip_high=high)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    reference_input = logprobs.detach().double().requires_grad_(True)
+    reference = brute_force(reference_input, old.double(), advantages.double(), lengths, kind, low, high)
+    (reference_grad,) = torch.autograd.grad(reference, reference_input)
+    assert float(loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-5)
+    torch.testing.assert_close(grad.double(), reference_grad, rtol=1e-4, atol=1e-7)
+    assert torch.equal(grad[mask == 0], torch.zeros_like(grad[mask == 0]))  # padding gets no gradient
+    ratios = torch.exp(logprobs.detach() - old)
+    if kind != "gspo":  # the clip binds somewhere: a token pushed past 1 + high with A > 0 gets no gradient
+        binding = (ratios > 1 + high) & (advantages[:, None] > 0) & (mask > 0)
+        assert bool(binding.any()) and torch.equal(grad[binding], torch.zeros_like(grad[binding]))
+
+
+def test_on_policy_every_loss_is_the_policy_gradient_of_its_average():
+    """Ratio 1 everywhere (one minibatch, staleness 0): the loss is -mean A (per response, or per token for DAPO) and
+    its gradient on a token's log-prob is -A_i / (B T_i) for GRPO, -A_i / Σ T for DAPO, -A_i / (B T_i) for GSPO."""
+    lengths, advantages = [4, 1, 3], torch.tensor([2.0, -1.0, 0.5])
+    B, T = 3, 4
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    old = -torch.rand(B, T, generator=torch.Generator().manual_seed(1))
+    for kind, per_token in (("grpo", lambda i: 1 / (B * lengths[i])), ("dapo", lambda i: 1 / sum(lengths)), ("gspo", lambda i: 1 / (B * lengths[i]))):
+        logprobs = old.clone().requires_grad_(True)
+        low, high = CLIP_RANGES[kind]
+        loss = policy_loss(logprobs, old, advantages, mask, kind=kind, clip_low=low, clip_high=high)
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        expected_loss = -sum(a * n for a, n in zip(advantages.tolist(), lengths)) / sum(lengths) if kind == "dapo" else -float(advantages.mean())
+        assert float(loss.detach()) == pytest.approx(expected_loss, rel=1e-6), kind
+        expected = torch.tensor([[-float(advantages[i]) * per_token(i) if t < lengths[i] else 0.0 for t in range(T)] for i in range(B)])
+        torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_a_response_with_no_tokens_or_an_unknown_loss_is_refused():
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"response\(s\) \[1\] have no tokens under the mask"):
+        policy_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2), mask, kind="grpo", clip_low=0.2, clip_high=0.2)
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), kind="ppo", clip_low=0.2, clip_high=0.2)
