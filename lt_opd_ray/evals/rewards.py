@@ -1,0 +1,84 @@
+"""Rewards for the RL baselines, as a seam: a reward takes the prompts' rows and the sampled responses and gives one
+float per response. Built-ins score the response's answer against the row's (`answer`, `answer_normalised`,
+`choice`) or its form (`format`); a job may name its own as `module:function`. Every reward's output is checked
+(`checked_rewards`): one finite number per response, or a RewardError naming the reward and the row."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from collections.abc import Callable, Sequence
+
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.evals.scoring import LETTERS, choice_letter, exact_match
+from lt_opd_ray.models.evaluation import ANSWER, parse_answer
+
+Reward = Callable[[Sequence[Sample], Sequence[str]], Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward that could not be loaded, or gave something other than one finite number per response."""
+
+
+def _answers(samples: Sequence[Sample]) -> list[str]:
+    missing = [s.uid for s in samples if s.answer is None]
+    if missing:
+        raise RewardError(f"rows without a reference answer cannot be rewarded by their answer: {', '.join(missing[:5])}")
+    return [str(s.answer).strip() for s in samples]
+
+
+def answer_exact(samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+    """1 where the response's <answer> equals the row's answer (case and surrounding space aside), else 0."""
+    return [float(parse_answer(r) == a.lower()) for r, a in zip(responses, _answers(samples), strict=True)]
+
+
+def answer_normalised(samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+    """1 where the response's <answer> equals the row's after the VQA normalisation (punctuation, articles, number words)."""
+    return [float((p := parse_answer(r)) is not None and exact_match(p, a)) for r, a in zip(responses, _answers(samples), strict=True)]
+
+
+def answer_choice(samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+    """1 where the option letter the response commits to is the row's answer letter (A-J)."""
+    answers = _answers(samples)
+    bad = [s.uid for s, a in zip(samples, answers) if a.upper() not in LETTERS]
+    if bad:
+        raise RewardError(f"reward choice: rows whose answer is not an option letter A-J: {', '.join(bad[:5])}")
+    return [float(choice_letter(r, [""] * len(LETTERS)) == a.upper()) for r, a in zip(responses, answers, strict=True)]
+
+
+def answer_format(samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+    """1 where the response gives its answer inside <answer>...</answer>, else 0."""
+    return [float(ANSWER.search(r) is not None) for r in responses]
+
+
+BUILT_IN: dict[str, Reward] = {"answer": answer_exact, "answer_normalised": answer_normalised, "choice": answer_choice,
+                               "format": answer_format}
+
+
+def load_reward(name: str) -> Reward:
+    """A built-in reward by name, or `module:function` importable where the job runs."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    module, _, function = name.partition(":")
+    if not module or not function:
+        raise RewardError(f"reward {name!r}: one of {', '.join(BUILT_IN)}, or module:function")
+    try:
+        found = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise RewardError(f"reward {name!r} cannot be loaded: {exc}") from exc
+    if not callable(found):
+        raise RewardError(f"reward {name!r} is not callable")
+    return found
+
+
+def checked_rewards(name: str, reward: Reward, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+    """`reward`'s values for `responses` (the i-th answering `samples[i]`), each a finite number, else a RewardError
+    naming the reward and the first row at fault."""
+    values = list(reward(samples, responses))
+    if len(values) != len(responses):
+        raise RewardError(f"reward {name}: {len(values)} values for {len(responses)} responses")
+    for i, value in enumerate(values):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):  # ints, floats, numpy scalars
+            raise RewardError(f"reward {name}: response {i} (row {samples[i].uid}) got {value!r}, not a finite number")
+    return [float(v) for v in values]

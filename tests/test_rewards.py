@@ -1,0 +1,59 @@
+"""The RL baselines' rewards (`evals/rewards.py`): each built-in on responses written by hand, a user's own, and every
+way a reward can be wrong named with the reward and the row."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from lt_opd_ray.core.samples import Sample
+from lt_opd_ray.evals.rewards import BUILT_IN, RewardError, checked_rewards, load_reward
+
+
+def rows(*answers):
+    return [Sample(f"row-{i}", (b"png",), "q?", answer) for i, answer in enumerate(answers)]
+
+
+@pytest.mark.parametrize(("name", "answers", "responses", "expected"), [
+    ("answer", ("Red", "2"), ["<answer> red </answer>", "<answer>two</answer>"], [1.0, 0.0]),
+    ("answer_normalised", ("2", "the cat"), ["<answer>Two.</answer>", "<answer>a cat</answer>"], [1.0, 1.0]),
+    ("answer_normalised", ("2",), ["2"], [0.0]),  # no <answer>: nothing committed to
+    ("choice", ("B", "c"), ["<answer>(B)</answer>", "The answer is D."], [1.0, 0.0]),
+    ("format", ("x", "y"), ["<think>..</think><answer>y</answer>", "y"], [1.0, 0.0]),
+])
+def test_each_built_in_reward_on_responses_written_by_hand(name, answers, responses, expected):
+    assert checked_rewards(name, load_reward(name), rows(*answers), responses) == expected
+
+
+def test_a_users_own_reward_is_named_as_module_and_function(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("import numpy as np\ndef length(samples, responses):\n"
+                                            "    return [np.float32(len(r)) for r in responses]\nnot_callable = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert checked_rewards("my_rewards:length", load_reward("my_rewards:length"), rows("a", "b"), ["xy", "xyz"]) == [2.0, 3.0]
+    with pytest.raises(RewardError, match="reward 'my_rewards:nothing' cannot be loaded"):
+        load_reward("my_rewards:nothing")
+    with pytest.raises(RewardError, match="reward 'my_rewards:not_callable' is not callable"):
+        load_reward("my_rewards:not_callable")
+    with pytest.raises(RewardError, match=r"reward 'exactish': one of answer, answer_normalised, choice, format, or module:function"):
+        load_reward("exactish")
+    sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ([1.0], "reward r: 1 values for 2 responses"),
+    ([1.0, float("nan")], r"reward r: response 1 \(row row-1\) got nan, not a finite number"),
+    ([1.0, "1"], r"reward r: response 1 \(row row-1\) got '1', not a finite number"),
+    ([np.inf, 0.0], r"reward r: response 0 \(row row-0\) got inf"),
+])
+def test_a_reward_that_gives_anything_but_one_finite_number_per_response_is_named(values, message):
+    with pytest.raises(RewardError, match=message):
+        checked_rewards("r", lambda samples, responses: values, rows("a", "b"), ["x", "y"])
+
+
+def test_answer_rewards_refuse_rows_without_an_answer_and_choice_rows_without_a_letter():
+    with pytest.raises(RewardError, match="rows without a reference answer cannot be rewarded by their answer: row-1"):
+        BUILT_IN["answer"](rows("a", None), ["x", "y"])
+    with pytest.raises(RewardError, match="reward choice: rows whose answer is not an option letter A-J: row-0"):
+        BUILT_IN["choice"](rows("blue"), ["x"])
