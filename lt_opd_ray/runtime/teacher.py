@@ -117,17 +117,22 @@ def score_request(samples_ref, group_ref, update: int, start: int, stop: int) ->
     return ([samples_ref], [group_ref], (update, start, stop))
 
 
+def ask(handle, samples_ref, group_ref, update: int, start: int, stop: int):
+    """ObjectRef[TeacherPayload] of one group's request through `handle`; returns once Serve has admitted it (a
+    replica had a free slot: `max_ongoing_requests`), which may be long after it is asked: call it off any loop that
+    must go on."""
+    return handle.score.remote(score_request(samples_ref, group_ref, update, start, stop))._to_object_ref_sync()
+
+
 @functools.cache
-def app_handle(app: str):
-    """One handle (one Serve router) per app in this process."""
+def _app_handle(app: str):
     return serve.get_app_handle(app)
 
 
 def ask_teacher(scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
-    """ObjectRef[TeacherPayload] of one group's request; returns once Serve has admitted it (a replica had a free
-    slot: `max_ongoing_requests`), which may be long after it is asked: call it off any loop that must go on."""
-    request = score_request(scoring.samples_ref, group_ref, update, start, stop)
-    return app_handle(scoring.app).score.remote(request)._to_object_ref_sync()
+    """`ask` through one handle (one Serve router) per app in this process: for a process that lives no longer than
+    the app, as a learner rank lives no longer than its run."""
+    return ask(_app_handle(scoring.app), scoring.samples_ref, group_ref, update, start, stop)
 
 
 def deployment_options(job: JobConfig) -> dict:
@@ -184,11 +189,10 @@ class TeacherService:
             time.sleep(SERVE_POLL_S)
 
     def async_score(self, samples_ref, groups: list[GroupRef]) -> list:
-        """ObjectRef[TeacherPayload] per group, each returned once Serve admits it (`ask_teacher`): a replica starts
+        """ObjectRef[TeacherPayload] per group, each returned once Serve admits it (`ask`): a replica starts
         on each group's prompts at once and scores the group when it is finished. The bulk data stays in the object
         store. (The run's learner ranks ask from a thread of their own: `group_receiver.ScoreRequests`.)"""
-        scoring = ScoringRequest(self.app_name, samples_ref)
-        return [ask_teacher(scoring, g.group, g.update, g.start, g.stop) for g in groups]
+        return [ask(self.handle, samples_ref, g.group, g.update, g.start, g.stop) for g in groups]
 
     def replicas(self, max_age_s: float = 0.0) -> int:
         """Running replicas of the teacher deployment (moves with autoscaling), as counted at most `max_age_s` ago:
