@@ -77,17 +77,24 @@ def wait_until(condition, timeout_s: float = 60.0) -> bool:
 
 def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys):
     driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-kill"))
-    driver.run_step()
-    pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
     try:
-        driver.next = driver.submit(1)  # update 1's scoring requests wait in the replica for their groups ...
-        os.kill(pid, signal.SIGKILL)  # ... when it dies
+        driver.run_step()
+        pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
+        workers = [ray.get(w.pid.remote()) for w in driver.rollouts.workers]
+        for worker in workers:
+            os.kill(worker, signal.SIGSTOP)  # update 1's groups stay unsampled ...
+        driver.next = driver.submit(1)
+        # ... while the learner ranks send their scoring requests and the replica holds them, waiting for the groups
+        assert wait_until(lambda: driver.teacher.handle.holding.remote().result(timeout_s=60) == 2)
+        os.kill(pid, signal.SIGKILL)  # then it dies
+        for worker in workers:
+            os.kill(worker, signal.SIGCONT)
         log = driver.run_step()
+        assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
+        assert re.search(r"teacher: \d+ scoring request\(s\) of learner-\d in update 1 sent again: the replica serving them died", capsys.readouterr().out)
     except BaseException:
-        driver.shutdown()
+        driver.shutdown()  # a failed check leaves nothing holding the cluster's CPUs for the next test
         raise
-    assert log.step == 1 and driver.metrics.restart_counts.get("teacher", 0) >= 1
-    assert re.search(r"teacher: \d+ scoring request\(s\) of learner-\d in update 1 sent again: the replica serving them died", capsys.readouterr().out)
     assert_same_weights(run_to_end(driver), uninterrupted[STEPS])
 
 

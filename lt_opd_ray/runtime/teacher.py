@@ -76,6 +76,7 @@ class TeacherDeployment:
 
         self.model = TeacherModel(job, name=f"teacher-{os.getpid()}")
         self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
+        self.held = 0  # scoring requests admitted and not yet answered (each holds one of max_ongoing_requests)
 
     # The groups finished within a few ms of the first join its batch: a worker's groups of one static batch come back
     # together, but each request resumes from its own await, so with no wait the first would be scored alone. Groups
@@ -107,8 +108,16 @@ class TeacherDeployment:
         # request: `score_request`. The head start runs before the group is awaited, while it is sampled; awaiting
         # the group here, before the batch forms, lets a batch take the groups that are finished, not the first submitted.
         (samples_ref,), (group_ref,), (update, start, stop) = request
-        self.model.prefill(await samples_ref, update, start, stop)
-        return await self.score_batch((samples_ref, await group_ref))
+        self.held += 1
+        try:
+            self.model.prefill(await samples_ref, update, start, stop)
+            return await self.score_batch((samples_ref, await group_ref))
+        finally:
+            self.held -= 1
+
+    async def holding(self) -> int:
+        """Scoring requests this replica holds now (admitted, not yet answered)."""
+        return self.held
 
 
 def score_request(samples_ref, group_ref, update: int, start: int, stop: int) -> tuple:
