@@ -1,7 +1,7 @@
 """The transformers rollout backend's per-token draw at a real vocabulary: one token per row of a decode step.
 
-`models/sampler.choose_tokens` draws every row at once by inverse CDF (a float64 cumulative sum and one uniform per
-row); torch.multinomial, what it drew with before, draws one exponential per vocabulary entry, row by row. Both run
+`models/sampler.choose_tokens` draws a decode step's rows by inverse CDF (a float64 cumulative sum and one uniform per
+row: on the CPU a row at a time, on a GPU all at once); torch.multinomial draws one exponential per vocabulary entry. Both run
 on the same log-probs, the same number of times, side by side; the mean of many draws of each is the same
 distribution (tests/test_adapter.py checks the frequencies against the exact probabilities).
 
@@ -45,7 +45,7 @@ def main() -> None:
     print(f"V = {args.vocab:,}, {args.rows} row(s) a step, {args.threads} thread(s), mean of {args.repeats} steps")
     print(f"{'draw':<34} {'ms / token':>10}")
     print(f"{'torch.multinomial, row by row':<34} {multinomial:>10.3f}")
-    print(f"{'inverse CDF, rows at once':<34} {inverse_cdf:>10.3f}")
+    print(f"{'inverse CDF (choose_tokens)':<34} {inverse_cdf:>10.3f}")
     print(f"speed-up: {multinomial / inverse_cdf:.1f}x; a 1,024-token response of 8 rows: {8 * 1024 * multinomial / 1000:.1f} s"
           f" -> {8 * 1024 * inverse_cdf / 1000:.1f} s of drawing")
 
