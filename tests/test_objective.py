@@ -140,6 +140,9 @@ def test_the_prefix_weight_is_the_product_of_the_earlier_ratios_truncated():
     weight = prefix_importance_weight(logp, logp - log_ratio, clip=2.0)
     by_hand = [1.0, math.exp(0.5), math.exp(0.5 - 1.0), min(math.exp(0.5 - 1.0 + 2.0), 2.0)]
     torch.testing.assert_close(weight, torch.tensor(by_hand))
+    assert float(weight[3]) == 2.0  # exactly the clip where it binds: the clipped share counts it
+    far = prefix_importance_weight(torch.zeros(3), torch.full((3,), -100.0), clip=2.0)  # a ratio past float32's range
+    assert far.tolist() == [1.0, 2.0, 2.0]
 
 
 def test_on_two_steps_enumerated_the_prefix_weight_recovers_the_current_policys_expected_divergence():

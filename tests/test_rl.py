@@ -89,6 +89,21 @@ def test_on_policy_every_loss_is_the_policy_gradient_of_its_average():
         torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("kind", ["grpo", "dapo", "gspo"])
+def test_padding_that_holds_minus_infinity_changes_neither_the_loss_nor_its_gradient(kind):
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, -float("inf")], [-0.5, -float("inf"), -float("inf")]])
+    logprobs = torch.tensor([[-0.9, -2.1, -float("inf")], [-0.6, -float("inf"), -float("inf")]], requires_grad=True)
+    low, high = CLIP_RANGES[kind]
+    loss = policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask, kind=kind, clip_low=low, clip_high=high)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    finite = lambda t: torch.where(mask > 0, t.detach(), torch.zeros(())).requires_grad_(t.requires_grad)  # noqa: E731
+    same_input = finite(logprobs)
+    same = policy_loss(same_input, finite(old), torch.tensor([1.0, -1.0]), mask, kind=kind, clip_low=low, clip_high=high)
+    assert torch.isfinite(loss) and float(loss.detach()) == pytest.approx(float(same.detach()))
+    torch.testing.assert_close(grad, torch.autograd.grad(same, same_input)[0])
+
+
 def test_a_response_with_no_tokens_or_an_unknown_loss_is_refused():
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     with pytest.raises(ValueError, match=r"response\(s\) \[1\] have no tokens under the mask"):

@@ -159,7 +159,7 @@ def prefix_importance_weight(logp: torch.Tensor, old_logp: torch.Tensor, clip: f
     bounds its variance, at a bias, as the token weight's does."""
     log_ratio = logp.detach().float() - old_logp.float()
     before = torch.cumsum(log_ratio, 0) - log_ratio  # Σ_{j<t}
-    return torch.exp(before.clamp(max=math.log(clip)))
+    return torch.exp(before).clamp(max=clip)  # exactly the clip where it binds (an overflow to inf included)
 
 
 IMPORTANCE_WEIGHTS = {"token": truncated_importance_weight, "prefix": prefix_importance_weight}

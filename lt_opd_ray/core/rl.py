@@ -42,7 +42,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
           over responses.
     """
     mask = mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs
+    log_ratio = (logprobs - old_logprobs).masked_fill(mask == 0, 0.0)  # padding may hold -inf log-probs: no nan through it
     lengths = mask.sum(dim=1)
     if bool((lengths == 0).any()):
         raise ValueError(f"response(s) {(lengths == 0).nonzero().flatten().tolist()} have no tokens under the mask")

@@ -6,6 +6,7 @@ its replica asked for again."""
 from __future__ import annotations
 
 import functools
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -40,7 +41,8 @@ class Substitutes:
 
 
 class ScoreRequests:
-    """A learner rank's requests to the teacher, sent in the order asked for from a thread of their own, each as
+    """A learner rank's requests to the teacher, sent oldest update first (in the order asked for within one) from a
+    thread of their own, each as
     soon as the teacher admits it (a Serve request waits for a replica with a free slot, and holds the slot while
     the replica awaits its group's rollouts): the driver hands an update's groups over and goes on, and the rank's
     step takes each answer's ref when it needs the scores. Refs are kept by group (an ObjectRef is equal to its
@@ -48,17 +50,18 @@ class ScoreRequests:
 
     def __init__(self, send: Callable[[ScoringRequest, object, int, int, int], object]):
         self.send = send  # (scoring, group ref, update, start, stop) -> ref to the TeacherPayload; blocks until admitted
-        self._asked: queue.Queue = queue.Queue()
+        self._asked: queue.PriorityQueue = queue.PriorityQueue()  # the oldest update's first: a group sampled again
+        self._asked_count = itertools.count()  # for a lost worker goes ahead of the next update's requests
         self._ready = threading.Condition()
         self._answers: dict = {}  # group ref -> (update, payload ref, or the error sending it raised)
         threading.Thread(target=self._sender, name="score-requests", daemon=True).start()
 
     def ask(self, scoring: ScoringRequest, group_ref, update: int, start: int, stop: int) -> None:
-        self._asked.put((scoring, group_ref, update, start, stop))
+        self._asked.put((update, next(self._asked_count), (scoring, group_ref, start, stop)))
 
     def _sender(self) -> None:
         while True:
-            scoring, group_ref, update, start, stop = self._asked.get()
+            update, _, (scoring, group_ref, start, stop) = self._asked.get()
             try:
                 answer = self.send(scoring, group_ref, update, start, stop)
             except Exception as exc:  # noqa: BLE001 - raised where the step takes it, naming the group

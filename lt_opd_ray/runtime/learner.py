@@ -267,12 +267,13 @@ class Learner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every student weight, whole, in the module's own dtype (the compute dtype: bf16 under bf16, whose fp32
-        masters only the optimizer reads), copied by rank 0 alone; the other ranks take part in ZeRO-3's gathers, a
-        bucket at a time, and answer None."""
+        masters only the optimizer reads), copied to host memory by rank 0 alone (no GPU holds a second model, and
+        the driver that reads it needs no GPU); the other ranks take part in ZeRO-3's gathers, a bucket at a time,
+        and answer None."""
         state = {}
         for names, chosen in self.gathered_buckets(int(self.job.pools.learner.sync_bucket_mb * 2**20)):
             if self.rank == 0:
-                state.update((name, p.detach().clone()) for name, p in zip(names, chosen))
+                state.update((name, p.detach().to("cpu", copy=True)) for name, p in zip(names, chosen))
         return state if self.rank == 0 else None
 
     def save_pretrained(self, directory: str) -> None:
