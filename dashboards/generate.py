@@ -46,6 +46,7 @@ PANELS = [
     ("Visual budget (curriculum)", "percent", [(f"ray_lt_opd_budget_bps{{{RUN}, actor=\"driver\"}} / 100", "budget %")]),
     ("Optimizer steps", "short", [(f"ray_lt_opd_step{{{RUN}}}", "step")]),
     ("Loss and divergence", "short", [(f"ray_lt_opd_loss{{{RUN}}}", "loss {{actor}}"), (f"ray_lt_opd_divergence{{{RUN}}}", "divergence {{actor}}")]),
+    ("Mean reward of the update's responses (jobs with a reward)", "short", [(f"ray_lt_opd_reward_mean{{{RUN}}}", "reward")]),
     ("Held-out accuracy at the evaluation budget", "percentunit",
      [(f"ray_lt_opd_eval_accuracy{{{RUN}}}", "{{selector}} at {{budget_bps}} bps")]),
     ("Importance weight", "short", [(f"ray_lt_opd_importance_weight{{{RUN}}}", "{{actor}}")]),

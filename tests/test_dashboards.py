@@ -94,7 +94,7 @@ def scraped_run(tmp_path_factory, tiny_dirs):
         stderr=subprocess.DEVNULL,
     )
     pope, _, _ = fixture("pope", tmp)
-    evaluation = f'eval: {{data: "synthetic:2", every_steps: 1, benchmarks: {{pope: "{pope}"}}}}\n'
+    evaluation = f'eval: {{data: "synthetic:2", every_steps: 1, benchmarks: {{pope: "{pope}"}}}}\nreward: {{name: format}}\n'
     driver = Driver(job_for(tiny_dirs["qwen3_5"], tmp / "ckpt", ranks=1, name=JOB_NAME, extra=evaluation))
     try:
         for _ in range(3):

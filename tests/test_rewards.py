@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.evals.rewards import BUILT_IN, RewardError, checked_rewards, load_reward
+from lt_opd_ray.evals.rewards import BUILT_IN, RewardError, checked_rewards, load_reward, row_problems
 
 
 def rows(*answers):
@@ -57,3 +57,39 @@ def test_answer_rewards_refuse_rows_without_an_answer_and_choice_rows_without_a_
         BUILT_IN["answer"](rows("a", None), ["x", "y"])
     with pytest.raises(RewardError, match="reward choice: rows whose answer is not an option letter A-J: row-0"):
         BUILT_IN["choice"](rows("blue"), ["x"])
+    with pytest.raises(RewardError, match="reward choice: rows whose answer is not an option letter A-J: row-1"):
+        BUILT_IN["choice"](rows("a", "AB"), ["x", "y"])  # two letters are not one option
+
+
+def test_rows_a_reward_cannot_score_are_named_before_the_run_starts():
+    assert row_problems("answer", rows("a", None, None), "rows.jsonl") == [
+        "reward.name answer compares each response with its row's answer, but 2 of the 3 rows of data.path 'rows.jsonl' carry"
+        " none (row-1, row-2): give each row an `answer`"]
+    assert row_problems("choice", rows("B", "blue"), "rows.jsonl") == [
+        "reward.name choice reads option letters, but 1 rows of data.path 'rows.jsonl' answer otherwise (row-1): use answer or"
+        " answer_normalised"]
+    assert row_problems("choice", rows("b", "J"), "x") == row_problems("answer_normalised", rows("2"), "x") == []
+    assert row_problems("format", rows(None), "x") == row_problems("my:reward", rows(None), "x") == []  # neither reads answers
+
+
+def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, capsys):
+    """`lt-opd validate` and train's preflight read the job's inputs alike (runtime/job_inputs.py)."""
+    import json
+
+    from conftest import random_image
+
+    from lt_opd_ray.cli.main import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny.yaml").read())
+    random_image(2).save(tmp_path / "a.png")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"sample_uid": u, "image": "a.png", "question": "Q?", **extra}) + "\n"
+                                                 for u, extra in (("a", {"answer": "red"}), ("b", {}), ("c", {}))))
+    data = [f"--set=data.path={tmp_path / 'rows.jsonl'}", f"--set=data.image_root={tmp_path}", "--set=sampling.prompts_per_step=2"]
+    for reward, expected in (("answer", f"reward.name answer compares each response with its row's answer, but 2 of the 3 rows of"
+                                        f" data.path '{tmp_path / 'rows.jsonl'}' carry none (b, c)"),
+                             ("nowhere:fn", "reward.name: reward 'nowhere:fn' cannot be loaded: No module named 'nowhere'")):
+        assert main(["validate", str(job), *data, f"--set=reward.name={reward}"]) == 1, reward
+        err = capsys.readouterr().err
+        assert expected in err, (reward, err)
+    assert main(["validate", str(job), *data, "--set=reward.name=format"]) == 0  # reads no answer

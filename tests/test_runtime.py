@@ -632,11 +632,14 @@ def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny
 @pytest.mark.parametrize("mode", ["teacher_prefix", "sft"])
 def test_the_baselines_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_path, mode):
     """The baselines: on the teacher's samples (rollout workers sample with their frozen copy) and on the rows' own
-    responses (one per row); the learners match the reference."""
-    one_written = {"n": 1, "max_new_tokens": 16} if mode == "sft" else {}
+    responses (one per row); the learners match the reference. The rows' own responses answer their questions: the
+    workers' answer reward, each response against its own row, is 1 for every one (a response scored against
+    another row's answer scores 0 on most)."""
+    one_written = {"n": 1, "max_new_tokens": 16, "extra": "reward: {name: answer}\n"} if mode == "sft" else {}
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, name=f"mode-{mode}", mode=mode, **one_written)
     reference = reference_trajectory(job, 2)
-    _, run = driver_trajectory(job, 2)
+    logs, run = driver_trajectory(job, 2)
+    assert [log.reward_mean for log in logs] == ([1.0, 1.0] if mode == "sft" else [None, None])
     # fixed-prefix losses start near 0 (student == teacher); fp32 teacher scores batched differently
     # move such a difference of near-equal log-probs by ~1e-9 absolute
     assert_reproduces(run, reference, job.optimizer.eps)

@@ -46,6 +46,15 @@ def test_an_update_is_summarised_as_counted_by_hand():
     assert phases.busy == pytest.approx({"rollout": 2.5 / 10, "teacher": 3.0 / (2 * 10), "learner": (3.0 + 3.0) / (2 * 10)})
     assert len(log.timeline) == 2 + 2 + 3 + 2 and [s.start for s in log.timeline] == sorted(s.start for s in log.timeline)
     assert log.eval_accuracy == {"cdpruner": 0.5}
+    assert log.reward_mean is None  # the job has no reward
+    rewarded = summarize(0, 2500, ranks, rollouts, driver, {"rollout": 1, "teacher": 2, "learner": 2}, period=10.0, sync_bytes=7,
+                         accuracy={}, scores={}, rewards=[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
+    assert rewarded.reward_mean == pytest.approx(4.5 / 8)
+    from lt_opd_ray.runtime.launch import format_step
+    from lt_opd_ray.runtime.tracking import step_metrics
+
+    assert "div 0.17500  reward 0.562  is_w" in format_step(rewarded, 12) and " reward " not in format_step(log, 12)
+    assert step_metrics(rewarded)["train/reward_mean"] == pytest.approx(4.5 / 8) and "train/reward_mean" not in step_metrics(log)
 
 
 def rendered(text: str) -> list[str]:

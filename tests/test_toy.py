@@ -178,7 +178,7 @@ def test_toy_data_specs_name_the_task_and_the_split():
 def test_toy_rows_carry_a_written_response_that_answers_and_fits_the_tasks_response_tokens():
     """What the paper's baselines train on: correct, within a response's token bound, and (where the bound leaves room)
     in other words than the teacher's."""
-    from lt_opd_ray.models.evaluation import parse_answer
+    from lt_opd_ray.core.answers import parse_answer
     from lt_opd_ray.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()  # the toy teachers' tokenizer
@@ -320,7 +320,8 @@ def test_teacher_is_right_at_full_tokens_and_pruning_hurts_but_leaves_much(teach
 @pytest.mark.slow
 @torch.no_grad()
 def test_evaluation_at_full_tokens_agrees_with_transformers_generate(teacher):
-    from lt_opd_ray.models.evaluation import evaluate_answers, parse_answer
+    from lt_opd_ray.core.answers import parse_answer
+    from lt_opd_ray.models.evaluation import evaluate_answers
     from lt_opd_ray.models.processor import question_messages
 
     _, model, processor, vlm, samples = teacher

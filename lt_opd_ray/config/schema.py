@@ -187,6 +187,18 @@ class SamplingConfig(StrictModel):
     """Strings that end a response (besides EOS); the stop string is kept in the response."""
 
 
+class RewardConfig(StrictModel):
+    """How each sampled response is scored, one number per response, on the rollout workers (evals/rewards.py).
+    The update's mean reward is in every step line, steps.jsonl and the trackers."""
+
+    name: str | None = None
+    """`answer` (1 where the response's <answer> equals the row's, case aside), `answer_normalised` (after the VQA
+    normalisation), `choice` (the option letter it commits to), `format` (1 where it answers inside <answer> tags),
+    or your own `module:function`, called with the rows and the responses' texts and returning one number per
+    response (importable where the rollout workers run). None: no reward. The answer rewards need an `answer` on every
+    training row (`lt-opd validate` names the rows without one)."""
+
+
 class LearningRates(StrictModel):
     language_model: float = Field(1e-6, ge=0.0)
     """Learning rate of the language model (and lm_head)."""
@@ -326,6 +338,8 @@ class JobConfig(StrictModel):
     """Distillation objective."""
     sampling: SamplingConfig = SamplingConfig()
     """Rollout sampling."""
+    reward: RewardConfig = RewardConfig()
+    """The responses' reward."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """AdamW with per-module learning rates."""
     pools: PoolsConfig = PoolsConfig()

@@ -71,6 +71,7 @@ class Rollout:
     budget_bps: int
     finish_reason: str
     merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per visual unit (assignment, prior): selector.merge learnable
+    reward: float | None = None  # reward.name's score of the response, given by the worker that sampled it; None: no reward
 
     @classmethod
     def sampled(cls, prompt_index: int, completion, selected, merge_routes, budget_bps: int) -> Rollout:
@@ -125,7 +126,7 @@ class RolloutGroup:
         return sum(r.response_ids.numel() for r in self.rollouts)
 
     def summary(self) -> RolloutSummary:
-        return RolloutSummary(self.tokens, self.span)
+        return RolloutSummary(self.tokens, self.span, tuple(r.reward for r in self.rollouts if r.reward is not None))
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class RolloutSummary:
 
     tokens: int
     span: Span
+    rewards: tuple[float, ...] = ()  # per rollout in group order, where the job has a reward
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class RolloutEngine(Protocol):
     def sink(self) -> WeightSink:
         """Where the weight broadcast writes the student's new weights."""
 
+    processor: object
+    """The model's `VLMProcessor`: its tokenizer turns responses into the text a reward reads (`response_texts`)."""
     runner: str
     """What samples: "transformers", or which of vLLM's model runners."""
     missing_kernels: tuple[str, ...]
@@ -52,6 +54,11 @@ class RolloutEngine(Protocol):
 
     def weights_checksum(self, dtype: torch.dtype) -> str:
         """A digest of the weights the engine holds, comparable with `weights_checksum` of the learner's in `dtype`."""
+
+
+def response_texts(processor, rollouts: list[Rollout]) -> list[str]:
+    """The rollouts' responses as text, special tokens (the end of sequence) left out: what a reward reads."""
+    return processor.tokenizer.batch_decode([r.response_ids.tolist() for r in rollouts], skip_special_tokens=True)
 
 
 class TransformersRolloutEngine:

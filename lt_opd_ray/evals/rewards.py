@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.evals.scoring import LETTERS, choice_letter, exact_match
-from lt_opd_ray.models.evaluation import ANSWER, parse_answer
+from lt_opd_ray.core.answers import ANSWER, parse_answer
 
 Reward = Callable[[Sequence[Sample], Sequence[str]], Sequence[float]]
 
@@ -28,6 +28,11 @@ def _answers(samples: Sequence[Sample]) -> list[str]:
     return [str(s.answer).strip() for s in samples]
 
 
+def _is_letter(answer: str) -> bool:
+    """One option letter A-J (either case)."""
+    return len(answer) == 1 and answer.upper() in LETTERS
+
+
 def answer_exact(samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
     """1 where the response's <answer> equals the row's answer (case and surrounding space aside), else 0."""
     return [float(parse_answer(r) == a.lower()) for r, a in zip(responses, _answers(samples), strict=True)]
@@ -41,7 +46,7 @@ def answer_normalised(samples: Sequence[Sample], responses: Sequence[str]) -> li
 def answer_choice(samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
     """1 where the option letter the response commits to is the row's answer letter (A-J)."""
     answers = _answers(samples)
-    bad = [s.uid for s, a in zip(samples, answers) if a.upper() not in LETTERS]
+    bad = [s.uid for s, a in zip(samples, answers) if not _is_letter(a)]
     if bad:
         raise RewardError(f"reward choice: rows whose answer is not an option letter A-J: {', '.join(bad[:5])}")
     return [float(choice_letter(r, [""] * len(LETTERS)) == a.upper()) for r, a in zip(responses, answers, strict=True)]
@@ -54,6 +59,22 @@ def answer_format(samples: Sequence[Sample], responses: Sequence[str]) -> list[f
 
 BUILT_IN: dict[str, Reward] = {"answer": answer_exact, "answer_normalised": answer_normalised, "choice": answer_choice,
                                "format": answer_format}
+READS_ANSWERS = ("answer", "answer_normalised", "choice")  # the built-ins that compare with each row's `answer`
+
+
+def row_problems(name: str, samples: Sequence[Sample], spec: str) -> list[str]:
+    """Why the rows of data.path `spec` cannot be rewarded by the built-in `name`, one line per kind of fault (rows
+    named); none for a user's own reward, which checks its rows itself."""
+    if name not in READS_ANSWERS:
+        return []
+    shown = lambda uids: f"{', '.join(uids[:3])}{', ...' if len(uids) > 3 else ''}"  # noqa: E731
+    if unanswered := [s.uid for s in samples if s.answer is None]:
+        return [f"reward.name {name} compares each response with its row's answer, but {len(unanswered)} of the {len(samples)}"
+                f" rows of data.path {spec!r} carry none ({shown(unanswered)}): give each row an `answer`"]
+    if name == "choice" and (unlettered := [s.uid for s in samples if not _is_letter(str(s.answer).strip())]):
+        return [f"reward.name choice reads option letters, but {len(unlettered)} rows of data.path {spec!r} answer otherwise"
+                f" ({shown(unlettered)}): use answer or answer_normalised"]
+    return []
 
 
 def load_reward(name: str) -> Reward:

@@ -7,11 +7,11 @@ sees. Budget 10000 bps keeps every visual token (the full-token score).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
+from lt_opd_ray.core.answers import parse_answer
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.seeding import eval_selection_seed
@@ -19,15 +19,6 @@ from lt_opd_ray.core.selectors import build_selector
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 from lt_opd_ray.models.sampler import SamplingParams, sample
-
-ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S)
-
-
-def parse_answer(response: str) -> str | None:
-    """The text inside the first <answer>...</answer>, lower-cased, or None when the response has none."""
-    match = ANSWER.search(response)
-    return match.group(1).strip().lower() if match else None
-
 
 @dataclass
 class Evaluation:

@@ -314,8 +314,10 @@ class Driver:
         end = time.time()
         period, self.last_end = end - self.last_end, end
         sizes = {"rollout": len(self.rollouts.names), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S), "learner": self.learners.ranks}
-        log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores)
-        self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness)
+        log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores,
+                        rewards=[value for s in summaries for value in s.rewards])
+        self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness,
+                            reward_mean=log.reward_mean)
         return log
 
     def _evaluates_now(self) -> bool:

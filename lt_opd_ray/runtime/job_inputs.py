@@ -52,6 +52,8 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
         problems.append(f"objective.mode {job.objective.mode} trains on the rows' own responses, but {len(lacking)} of the {len(samples)}"
                         f" rows of data.path {job.data.path!r} carry none ({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}):"
                         " give each row a `response`, or train on the teacher's (sequence_kd, teacher_prefix)")
+    if job.reward.name is not None:
+        problems += reward_problems(job.reward.name, samples, job.data.path)
     eval_samples = attempt(lambda: rows_of(job.eval.data)) if job.eval.data else None
     if eval_samples is not None and (unscorable := [s.uid for s in eval_samples if s.answer is None]):
         problems.append(f"{len(unscorable)} of the {len(eval_samples)} rows of eval.data {job.eval.data!r} carry no reference answer"
@@ -80,6 +82,18 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
                             " room for a clip only when asked: set data.max_videos: 1")
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}, model_dir), problems
+
+
+def reward_problems(name: str, samples: list[Sample] | None, spec: str) -> list[str]:
+    """Whether reward.name loads where the job starts (a user's module imported) and the rows read carry what it
+    compares with."""
+    from lt_opd_ray.evals.rewards import RewardError, load_reward, row_problems
+
+    try:
+        load_reward(name)
+    except RewardError as exc:
+        return [f"reward.name: {exc}"]
+    return row_problems(name, samples, spec) if samples is not None else []
 
 
 def family_problems(job: JobConfig, family: Family, inputs: JobInputs) -> list[str]:

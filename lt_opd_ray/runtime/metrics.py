@@ -89,6 +89,7 @@ class DriverMetrics:
         )
         self.samples = _counter("learner_samples", "Rollouts (sampled responses) the learners trained on")
         self.staleness = _gauge("staleness", "Weight versions between the learner and the rollouts it trained on (largest in the update)")
+        self.reward = _gauge("reward_mean", "Mean reward (reward.name) of the last update's responses")
         self.pool_busy = metrics.Gauge(
             "lt_opd_pool_busy_fraction", description="Busy seconds of a pool's actors / (actors x seconds per update)", tag_keys=(*TAGS, "pool")
         )
@@ -108,9 +109,12 @@ class DriverMetrics:
             tag_keys=(*TAGS, "benchmark", "selector", "budget_bps"),
         )
 
-    def record(self, step: int, budget_bps: int, phases, samples: int, pool_sizes: dict[str, int], staleness: int) -> None:
-        """`phases`: the update's `wire.PhaseTimes`."""
+    def record(self, step: int, budget_bps: int, phases, samples: int, pool_sizes: dict[str, int], staleness: int,
+               reward_mean: float | None = None) -> None:
+        """`phases`: the update's `wire.PhaseTimes`; `reward_mean` where the job has a reward."""
         self.step.set(step, tags=self.tags)
+        if reward_mean is not None:
+            self.reward.set(reward_mean, tags=self.tags)
         self.budget.set(budget_bps, tags=self.tags)
         self.samples.inc(samples, tags=self.tags)
         self.staleness.set(staleness, tags=self.tags)

@@ -79,11 +79,13 @@ class RolloutWorker:
         import transformers
 
         from lt_opd_ray.engines.rollout_engines import build_rollout_engine
+        from lt_opd_ray.evals.rewards import load_reward
         from lt_opd_ray.runtime.metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
+        self.reward = load_reward(job.reward.name) if job.reward.name is not None else None
         self.weights_version: int | None = 0  # None while an update is half written
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
@@ -110,6 +112,8 @@ class RolloutWorker:
             rollouts = self.engine.rollout([samples[i] for i in prompts], budget_bps, update)
         for r in rollouts:
             r.prompt_index = prompts[r.prompt_index]  # the update's prompt index
+        if self.reward is not None:
+            self.give_rewards(samples, rollouts)
         out = []
         for start, stop, learner_rank in groups:
             span = watch.span("rollout", self.name, f"u{update} p{start}-{stop - 1}")
@@ -117,6 +121,15 @@ class RolloutWorker:
             out += [group.summary(), group]
         self.metrics.record(sum(r.response_ids.numel() for r in rollouts), watch.end - watch.start, budget_bps)
         return tuple(out)
+
+    def give_rewards(self, samples, rollouts) -> None:
+        """Each rollout's reward.name score against its own row (a RewardError names the reward and the row)."""
+        from lt_opd_ray.engines.rollout_engines import response_texts
+        from lt_opd_ray.evals.rewards import checked_rewards
+
+        rows = [samples[r.prompt_index] for r in rollouts]
+        for r, value in zip(rollouts, checked_rewards(self.job.reward.name, self.reward, rows, response_texts(self.engine.processor, rollouts))):
+            r.reward = value
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> EvalResult:
         """Answer accuracy of the current student weights (greedy, exact match) at `budget_bps`."""

@@ -32,6 +32,7 @@ class StepLog:
     clipped_share: float = 0.0  # of the response positions, those whose importance weight was cut to the clip
     logprob_gap: float = 0.0  # mean |learner's - rollout engine's log-prob| of the sampled tokens: ~0 on policy unless the engines disagree
     padding_share: float = 0.0  # of the positions the learners' forwards computed (rows x longest per micro-batch), those that were padding
+    reward_mean: float | None = None  # mean reward.name score of the update's responses; None: the job has no reward
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
@@ -41,9 +42,10 @@ class StepLog:
 def summarize(
     update: int, budget_bps: int, ranks: list[LearnerStepResult], rollout_spans: list[Span], spans: list[Span],
     sizes: dict[str, int], period: float, sync_bytes: int, accuracy: dict[str, float], scores: dict[str, float],
+    rewards: list[float] | None = None,
 ) -> StepLog:
-    """The update's StepLog: `spans` are the driver's own (sync, checkpoint, eval), `sizes` each pool's actors and
-    `period` the seconds since the previous update ended."""
+    """The update's StepLog: `spans` are the driver's own (sync, checkpoint, eval), `sizes` each pool's actors,
+    `period` the seconds since the previous update ended and `rewards` the responses' rewards (the job has one)."""
     teacher_spans = list(dict.fromkeys(s for r in ranks for s in r.spans if s.role == "teacher"))  # each once
     learner_spans = [s for r in ranks for s in r.spans if s.role == "learner"]
 
@@ -94,6 +96,7 @@ def summarize(
         clipped_share=by_tokens("clipped_share"),
         logprob_gap=by_tokens("logprob_gap"),
         padding_share=1 - computed_tokens / total("padded_tokens") if total("padded_tokens") else 0.0,
+        reward_mean=sum(rewards) / len(rewards) if rewards else None,
         sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
         eval_accuracy=accuracy,
         eval_scores=scores,

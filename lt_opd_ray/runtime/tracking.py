@@ -66,6 +66,8 @@ def step_metrics(log) -> dict[str, float]:
         "micro_batches", "payload_bytes_per_token", "sync_bytes", "response_tokens_mean", "response_tokens_max", "truncated_share",
         "clipped_share", "logprob_gap", "padding_share")}
     metrics["train/budget_percent"] = log.budget_bps / 100
+    if log.reward_mean is not None:
+        metrics["train/reward_mean"] = log.reward_mean
     metrics |= {f"time/{phase}": float(seconds) for phase, seconds in asdict(log.phases).items() if phase != "busy"}
     metrics |= {f"busy/{pool}": float(fraction) for pool, fraction in log.phases.busy.items()}
     metrics |= {f"eval/accuracy/{selector}": float(value) for selector, value in log.eval_accuracy.items()}
