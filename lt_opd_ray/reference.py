@@ -20,12 +20,13 @@ from lt_opd_ray.core.curriculum import BudgetSchedule
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.selectors import build_selector
-from lt_opd_ray.engines.rollout_engines import sampling_params
+from lt_opd_ray.engines.rollout_engines import response_texts, sampling_params
 from lt_opd_ray.engines.transformers.rollout import rollout
 from lt_opd_ray.engines.transformers.teacher import teacher_scores
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.loading import compute_precision, load_vlm
-from lt_opd_ray.models.loss import LossStats, student_loss
+from lt_opd_ray.evals.rewards import JobReward
+from lt_opd_ray.models.loss import LossStats, PolicyInputs, group_policy_inputs, student_loss
 from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 from lt_opd_ray.sources.resolve import resolve_model_dir
 
@@ -37,6 +38,7 @@ class StepReport:
     stats: LossStats
     grad_norm: float
     mean_response_tokens: float
+    reward_mean: float | None = None  # where the job has a reward
 
 
 class ReferenceTrainer:
@@ -57,9 +59,22 @@ class ReferenceTrainer:
         self.step_index = 0  # optimizer steps completed: the curriculum's c
         # max_staleness 1: the weights one optimizer step behind, which sample the rollouts
         self.lagged = QwenVLM(copy.deepcopy(model).to(compute).eval().requires_grad_(False)) if job.schedule.max_staleness else None
+        self.reward = JobReward.of(job)  # as the rollout workers give it
 
     def encode(self, samples: list[Sample]):
         return encode_samples(self.processor, samples, self.job.data.system_prompt)
+
+    @staticmethod
+    def policy_inputs(rollouts, on_policy: bool) -> PolicyInputs:
+        """The RL baselines' advantages, each prompt's rollouts as one group (sampled by the weights being updated, or
+        by the lagged copy a version behind)."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rollouts):
+            groups.setdefault(r.prompt_index, []).append(i)
+        advantages = torch.zeros(len(rollouts))
+        for members in groups.values():
+            advantages[members] = group_policy_inputs([rollouts[i] for i in members], on_policy).advantages
+        return PolicyInputs(advantages, [on_policy] * len(rollouts))
 
     def update(self, samples: list[Sample]) -> StepReport:
         c = self.step_index
@@ -84,8 +99,13 @@ class ReferenceTrainer:
             scores = teacher_scores(
                 self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,
                 self.job.pools.teacher.micro_batch_tokens,
-            )
-            loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective)
+            ) if self.job.objective.teacher_scores else None  # the cross-entropy modes and the RL baselines ask no teacher
+            if self.reward is not None:
+                rows = [samples[r.prompt_index] for r in rollouts]
+                for r, value in zip(rollouts, self.reward(rows, response_texts(self.processor, rollouts), [r.response_ids.numel() for r in rollouts])):
+                    r.reward = value
+            policy = self.policy_inputs(rollouts, on_policy=self.lagged is None or c == 0) if self.job.objective.policy_gradient else None
+            loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective, policy=policy)
         if self.lagged is not None:
             self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -100,4 +120,5 @@ class ReferenceTrainer:
             stats=stats,
             grad_norm=float(grad_norm),
             mean_response_tokens=stats.tokens / len(rollouts),
+            reward_mean=sum(r.reward for r in rollouts) / len(rollouts) if self.reward is not None else None,
         )

@@ -1,5 +1,8 @@
 """The single-process reference update on a tiny real Qwen3.5."""
 
+import math
+import statistics
+
 import pytest
 import torch
 from conftest import FAMILIES
@@ -23,7 +26,7 @@ budget: {{start_bps: 2500, target_bps: 1000, warm_steps: 1, decay_end: 3, total_
 objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}}}
 sampling: {{prompts_per_step: 2, n: {overrides.get("n", 2)}, max_new_tokens: {overrides.get("max_new_tokens", 6)}}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0}}
-"""
+""" + (f"reward: {{name: {overrides['reward']}}}\n" if "reward" in overrides else "")
     return parse_job(text)
 
 
@@ -188,12 +191,19 @@ def test_teacher_sampled_rollouts_are_the_teachers_samples_seen_by_the_student(t
 
 @pytest.mark.parametrize("mode", ["sequence_kd", "sft"])
 def test_the_sft_modes_loss_is_the_cross_entropy_of_their_responses(tiny_dirs, samples, mode):
-    """sequence_kd: of the teacher's samples; sft: of the rows' own responses."""
+    """sequence_kd: of the teacher's samples; sft: of the rows' own responses. Their loss reads no teacher scores (such
+    a job starts no teacher pool), and refuses some given; the teacher-scored modes refuse none given."""
     responses = _teacher_sampled if mode == "sequence_kd" else _written
     job, trainer, prompts, rollouts = responses(tiny_dirs, samples[:2], mode)
+    assert not job.objective.teacher_scores
     with torch.no_grad():
         scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16)
-    loss, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
+    with pytest.raises(ValueError, match=f"objective.mode {mode} reads no teacher scores, but some were given"):
+        student_loss(trainer.student, prompts, rollouts, scores, job.objective)
+    with pytest.raises(ValueError, match="objective.mode fixed_prefix reads teacher scores, but none were given"):
+        student_loss(trainer.student, prompts, rollouts, None, job.objective.model_copy(update={"mode": "fixed_prefix"}))
+    loss, stats = student_loss(trainer.student, prompts, rollouts, None, job.objective)
+    assert math.isnan(stats.divergence) and math.isnan(stats.top_k_overlap)  # nothing to compare with
     with torch.no_grad():
         per_sequence = [
             -_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None]).mean()
@@ -287,3 +297,50 @@ def test_the_learning_rate_warms_up_linearly_over_the_default_14_updates_then_ho
         assert {group["name"]: group["lr"] for group in optimizer.param_groups} == pytest.approx(expected, rel=1e-12), update
         optimizer.step()  # no gradients: nothing moves, the schedule advances
         scheduler.step()
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dapo", "gspo"])
+def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs, samples, mode):
+    """Each rollout's advantage within its prompt's group, the student's log-probs from transformers' own forward,
+    and core/rl.py's loss on them (itself checked against the papers' formulas, tests/test_rl.py): the gradient on
+    policy (the old policy is the student's own log-probs, so every ratio is exactly 1), and the value and gradient
+    on rollouts of a policy a version behind (their recorded log-probs, moved so that the clip binds)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from lt_opd_ray.core.rl import CLIP_RANGES, policy_loss
+
+    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format")
+    trainer = ReferenceTrainer(job)
+    _perturbed_student(trainer)
+    batch = samples[:2]
+    prompts = trainer.encode(batch)
+    with torch.no_grad():
+        rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
+                           10_000, 2, trainer.params, 4, job.seed, 0)
+    for i, r in enumerate(rollouts):
+        r.reward = [1.0, 0.0, 0.5, 0.0][i % 4] + 0.25 * r.prompt_index  # varied within each prompt's group
+    by_prompt = [[r.reward for r in rollouts if r.prompt_index == p] for p in (0, 1)]
+    expected = torch.tensor([(v - statistics.fmean(g)) / (statistics.stdev(g) + 1e-6) for g in by_prompt for v in g])
+    lm_head = trainer.student.model.lm_head.weight
+    low, high = CLIP_RANGES[mode]
+    for on_policy in (True, False):
+        policy = ReferenceTrainer.policy_inputs(rollouts, on_policy)
+        torch.testing.assert_close(policy.advantages, expected, rtol=1e-6, atol=1e-6)
+        if not on_policy:  # the lagged policy: its log-probs a little off the student's, some ratios past the clip
+            for r in rollouts:
+                r.old_logp = r.old_logp + 0.3 * torch.randn(r.old_logp.shape, generator=torch.Generator().manual_seed(r.response_ids.numel()))
+        loss, stats = student_loss(trainer.student, prompts, rollouts, None, job.objective, policy=policy)
+        (grad,) = torch.autograd.grad(loss, lm_head)
+        logp = pad_sequence([_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None])[:, 0]
+                             for r in rollouts], batch_first=True)
+        old = logp.detach() if on_policy else pad_sequence([r.old_logp.double() for r in rollouts], batch_first=True)
+        mask = pad_sequence([torch.ones(r.response_ids.numel()) for r in rollouts], batch_first=True)
+        reference = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high)
+        (reference_grad,) = torch.autograd.grad(reference, lm_head)
+        assert float(loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-4, abs=1e-7), on_policy
+        torch.testing.assert_close(grad.double(), reference_grad.double(), rtol=1e-3, atol=1e-7)
+        assert float(grad.norm()) > 0
+        if on_policy:
+            assert stats.importance_weight == 1.0 and stats.clipped == 0.0  # exp(0): one optimizer step per update
+        elif mode != "gspo":
+            assert stats.clipped > 0  # the clip binds somewhere

@@ -31,8 +31,10 @@ METRICS_PORT = 8097
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.update(WORKER_ENV)
+    tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # tests/user_rewards.py
     ray.init(
-        num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}, _metrics_export_port=METRICS_PORT
+        num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}},
+        _metrics_export_port=METRICS_PORT,
     )
     yield ray.get_runtime_context().gcs_address
     from ray import serve
@@ -632,18 +634,43 @@ def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny
 @pytest.mark.parametrize("mode", ["teacher_prefix", "sft"])
 def test_the_baselines_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_path, mode):
     """The baselines: on the teacher's samples (rollout workers sample with their frozen copy) and on the rows' own
-    responses (one per row); the learners match the reference. The rows' own responses answer their questions: the
-    workers' answer reward, each response against its own row, is 1 for every one (a response scored against
-    another row's answer scores 0 on most)."""
+    responses (one per row); the learners match the reference. SFT's loss reads no teacher: its job starts no
+    teacher pool (no Serve app, no teacher actor). The rows' own responses answer their questions: the workers'
+    answer reward, each response against its own row, is 1 for every one (a response scored against another row's
+    answer scores 0 on most)."""
+    from ray import serve
+
     one_written = {"n": 1, "max_new_tokens": 16, "extra": "reward: {name: answer}\n"} if mode == "sft" else {}
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, name=f"mode-{mode}", mode=mode, **one_written)
     reference = reference_trajectory(job, 2)
-    logs, run = driver_trajectory(job, 2)
+    with driven(job, 2) as (driver, logs, run):
+        apps = serve.status().applications
+        roles = sorted({p.actor.split("-")[0] for p in driver.placements})
+    assert (f"mode-{mode}-teacher" in apps, roles) == ((False, ["learner", "rollout"]) if mode == "sft" else (True, ["learner", "rollout", "teacher"]))
     assert [log.reward_mean for log in logs] == ([1.0, 1.0] if mode == "sft" else [None, None])
+    assert [log.divergence is None for log in logs] == [mode == "sft"] * 2  # nothing to compare with
     # fixed-prefix losses start near 0 (student == teacher); fp32 teacher scores batched differently
     # move such a difference of near-equal log-probs by ~1e-9 absolute
     assert_reproduces(run, reference, job.optimizer.eps)
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dapo"])
+def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, mode):
+    """GRPO and DAPO on two ranks (DAPO's token mean counts both ranks' tokens before the first backward), rewarded by a
+    user's own function (`module:function` on the workers' path) with DAPO's overlong punishment: no teacher pool,
+    the workers' rewards are the reference's, and the learners match it."""
+    from ray import serve
+
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, name=f"rl-{mode}", mode=mode,
+                  extra="reward: {name: 'user_rewards:letters', overlong_buffer: 3}\n")
+    reports, _ = reference_run(job, 2)
+    with driven(job, 2) as (driver, logs, run):
+        assert driver.teacher is None and f"rl-{mode}-teacher" not in serve.status().applications
+    assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
+    assert all(log.grad_norm > 0 for log in logs)  # the rewards differ within groups: a gradient to follow
+    assert logs[0].importance_weight == 1.0 and logs[0].divergence is None  # on policy: every ratio exactly 1
+    assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps)
 
 
 def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):

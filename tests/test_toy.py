@@ -204,6 +204,13 @@ def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
     assert arm_job(base, "lt_opd_token_merge", 0, tmp_path).selector.merge == "learnable"
     flat = arm_job(base, "lt_opd_no_curriculum", 0, tmp_path).budget
     assert flat.start_bps == flat.target_bps == base.budget.target_bps and flat.warm_steps == flat.decay_end == 0
+    no_hold = arm_job(base, "lt_opd_no_hold", 0, tmp_path).budget  # the decay ends at the last update: no plateau at the target
+    assert no_hold.model_copy(update={"decay_end": base.budget.decay_end}) == base.budget and no_hold.decay_end == base.budget.total_steps
+    for arm in ("grpo", "dapo", "gspo"):  # the same rollouts, curriculum and sampling; a reward instead of a teacher
+        job = arm_job(base, arm, 0, tmp_path)
+        assert (job.objective.mode, job.reward.name, job.budget, job.sampling) == (arm, "answer", base.budget, base.sampling)
+        assert job.objective.policy_gradient and not job.objective.teacher_scores
+        assert job.reward.overlong_buffer == (round(0.2 * base.sampling.max_new_tokens) if arm == "dapo" else 0)
     short = arm_job(base, "lt_opd", 0, tmp_path, steps=base.budget.total_steps // 2).budget
     assert short.total_steps == base.budget.total_steps // 2 and short.decay_end == round(base.budget.decay_end / 2)
     assert {arm_job(base, "lt_opd", s, tmp_path).checkpoint.dir for s in (0, 1)} == {str(tmp_path / "lt_opd" / "seed0"), str(tmp_path / "lt_opd" / "seed1")}
@@ -369,11 +376,12 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
     from lt_opd_ray.tools.ablation_report import plot_curves
 
-    def curve(offset):
-        return [{"step": s, "loss": 0.1 / s + offset, "eval": {"cdpruner": 0.5 + offset} if s % 2 == 0 else {}} for s in range(1, 5)]
+    def curve(offset, rewarded=False):
+        return [{"step": s, "loss": 0.0 if rewarded else 0.1 / s + offset, "reward": 0.1 * s + offset if rewarded else None,
+                 "eval": {"cdpruner": 0.5 + offset} if s % 2 == 0 else {}} for s in range(1, 5)]
 
-    runs = [{"arm": arm, "seed": seed, "curve": curve(0.01 * seed)} for arm in ("sft", "lt_opd") for seed in (0, 1)]
+    runs = [{"arm": arm, "seed": seed, "curve": curve(0.01 * seed, arm == "grpo")} for arm in ("sft", "lt_opd", "grpo") for seed in (0, 1)]
     results = {"selectors": ["cdpruner"], "teacher": {"full": 0.8, "cdpruner": 0.4}, "runs": runs, "budget_bps": 500, "seeds": [0, 1]}
-    titles = plot_curves(results, tmp_path / "curves.png")
-    assert titles == ["held-out retain ratio (2 seeds: mean, min-max band)", "SFT on the data's responses", "LT-OPD"]
+    titles = plot_curves(results, tmp_path / "curves.png")  # GRPO's loss is 0 by construction: its panel shows its reward
+    assert titles == ["held-out retain ratio (2 seeds: mean, min-max band)", "SFT on the data's responses", "LT-OPD", "GRPO (answer reward)"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -128,18 +128,23 @@ class BudgetConfig(StrictModel):
 
 
 # Who writes the responses each objective mode trains on (`ObjectiveConfig.prefixes`).
-PREFIXES = {"lt_opd": "student", "sft": "dataset", "fixed_prefix": "dataset", "sequence_kd": "teacher", "teacher_prefix": "teacher"}
+PREFIXES = {"lt_opd": "student", "sft": "dataset", "fixed_prefix": "dataset", "sequence_kd": "teacher", "teacher_prefix": "teacher",
+            "grpo": "student", "dapo": "student", "gspo": "student"}
+POLICY_GRADIENT = ("grpo", "dapo", "gspo")  # the RL baselines: a clipped policy gradient on the reward (core/rl.py)
 
 
 class ObjectiveConfig(StrictModel):
-    mode: Literal["lt_opd", "sft", "fixed_prefix", "sequence_kd", "teacher_prefix"] = "lt_opd"
+    mode: Literal["lt_opd", "sft", "fixed_prefix", "sequence_kd", "teacher_prefix", "grpo", "dapo", "gspo"] = "lt_opd"
     """What the student learns from. `lt_opd`: its own rollouts at budget r, scored by the teacher
     (docs/architecture.md §1). The paper's baselines train on the responses that come with the data (each row's
     `response`; a job whose rows lack one is refused, and `sampling.n` must be 1): `sft`, cross-entropy on them;
     `fixed_prefix`, the teacher's distributions on them (with the curriculum). Two more, on responses the frozen
     full-token teacher samples (each rollout worker then holds a frozen copy of the initial weights):
     `sequence_kd`, cross-entropy on them (sequence-level distillation); `teacher_prefix`, the teacher's
-    distributions on them."""
+    distributions on them. The RL baselines train the student's rollouts on `reward.name` instead of a teacher
+    (`sampling.n` responses per prompt, each one's advantage relative to its prompt's group; core/rl.py): `grpo`
+    (PPO-clipped token ratios, each response's token mean), `dapo` (clip-higher, a token mean over the update) and
+    `gspo` (one length-normalised ratio per response, clipped)."""
     divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"
     """Per-position divergence on the top-k union plus a tail bin."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
@@ -171,6 +176,18 @@ class ObjectiveConfig(StrictModel):
         """The loss is the cross-entropy of the responses' tokens (SFT), not a divergence from the teacher's distributions."""
         return self.mode in ("sft", "sequence_kd")
 
+    @property
+    def policy_gradient(self) -> bool:
+        """The loss is an RL baseline's clipped policy gradient on the responses' rewards."""
+        return self.mode in POLICY_GRADIENT
+
+    @property
+    def teacher_scores(self) -> bool:
+        """The loss reads the teacher's distributions on the responses. Where it does not (the cross-entropy modes,
+        the RL baselines), the job starts no teacher pool and its learners ask nothing of one (`sequence_kd`'s
+        responses come from the rollout workers' frozen copy)."""
+        return not (self.cross_entropy or self.policy_gradient)
+
 
 class SamplingConfig(StrictModel):
     prompts_per_step: int = Field(80, ge=1, le=MAX_PROMPTS_PER_STEP)
@@ -197,6 +214,9 @@ class RewardConfig(StrictModel):
     or your own `module:function`, called with the rows and the responses' texts and returning one number per
     response (importable where the rollout workers run). None: no reward. The answer rewards need an `answer` on every
     training row (`lt-opd validate` names the rows without one)."""
+    overlong_buffer: int = Field(0, ge=0, le=MAX_SEQUENCE_TOKENS)
+    """DAPO's soft overlong punishment: a response longer than sampling.max_new_tokens - overlong_buffer loses
+    (length - (max_new_tokens - overlong_buffer)) / overlong_buffer from its reward, 1 at max_new_tokens. 0: none."""
 
 
 class LearningRates(StrictModel):
@@ -382,7 +402,7 @@ class JobConfig(StrictModel):
         prompts only as slots free (nothing waits on it but the teacher's head start)."""
         teacher, groups = self.pools.teacher, self.teacher_requests_in_flight
         slots = teacher.replicas * teacher.max_ongoing_requests
-        if slots >= groups:
+        if slots >= groups or not self.objective.teacher_scores:
             return None
         return (f"note: the teacher admits {slots} scoring requests at once (pools.teacher.replicas {teacher.replicas} x"
                 f" {teacher.max_ongoing_requests}, twice max_batch_size) and {groups} rollout groups can be out"
@@ -400,6 +420,21 @@ class JobConfig(StrictModel):
         if self.selector.scope != "image" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
             raise ValueError(f"selector.scope {self.selector.scope} selects across a prompt's images or frames in the transformers engines;"
                              " vLLM's plugin selects per image: set pools.rollout.backend and pools.teacher.backend to transformers")
+        return self
+
+    @model_validator(mode="after")
+    def _rewarded_groups(self) -> JobConfig:
+        if self.objective.policy_gradient and self.reward.name is None:
+            raise ValueError(f"objective.mode {self.objective.mode} trains on rewards: set reward.name (answer, answer_normalised, choice,"
+                             " format, or module:function)")
+        if self.reward.overlong_buffer and self.reward.name is None:
+            raise ValueError("reward.overlong_buffer shapes a reward: set reward.name")
+        if self.reward.overlong_buffer > self.sampling.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) is longer than sampling.max_new_tokens"
+                             f" ({self.sampling.max_new_tokens})")
+        if self.objective.policy_gradient and self.sampling.n < 2:
+            raise ValueError(f"objective.mode {self.objective.mode} compares each response with the others of its prompt: set"
+                             f" sampling.n to 2 or more (it is {self.sampling.n})")
         return self
 
     @model_validator(mode="after")

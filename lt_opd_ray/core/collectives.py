@@ -53,6 +53,13 @@ def all_reduce_max(values: list[int], group=None) -> list[int]:
     return flags.tolist()  # to the host: under NCCL this waits for the reduction
 
 
+def all_reduce_sum(values: list[int], group=None) -> list[int]:
+    """Element-wise sum of small integers over the group (counts every rank needs whole, as an update's tokens)."""
+    counts = torch.tensor(values, dtype=torch.int64, device=backend_device(dist.get_backend(group)))
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return counts.tolist()
+
+
 def hold_every_group_for(seconds: float) -> None:
     """Every process group of this process waits up to `seconds` in a collective. torch gives a group made by
     `new_group` without a timeout its backend's default (NCCL 10 min, gloo 30 min), not the default group's, and

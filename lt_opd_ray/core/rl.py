@@ -16,6 +16,7 @@ PolicyLoss = Literal["grpo", "dapo", "gspo"]
 # Each paper's clip range (1 - low, 1 + high) on its ratio: PPO's symmetric 0.2; DAPO's "clip-higher"; GSPO's on a
 # sequence's length-normalised ratio, which stays much closer to 1 than a token's.
 CLIP_RANGES: dict[str, tuple[float, float]] = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+TOKEN_MEAN = ("dapo",)  # the losses averaged over the batch's response tokens; the others over its responses
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -31,16 +32,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: bool = Tr
     return centred.reshape(-1)
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                kind: PolicyLoss, clip_low: float, clip_high: float) -> torch.Tensor:
-    """The scalar loss to minimise.
+def sequence_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                   kind: PolicyLoss, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Each response's part of the loss before the batch's normalisation ([B]): the loss is their sum divided by the
+    batch's responses (grpo, gspo) or by its response tokens (dapo: `TOKEN_MEAN`), so micro-batches of one update
+    add up to the update's loss when each divides by the update's count.
 
-    grpo: per token ratio r = exp(logprobs - old), -min(r A, clip(r, 1 - low, 1 + high) A), averaged over each
-          response's tokens, then over responses.
-    dapo: the same per-token term averaged over every token of the batch (a long response weighs by its length).
-    gspo: one ratio per response, s = exp(mean over its tokens of logprobs - old), -min(s A, clip(s) A), averaged
-          over responses.
+    grpo: the mean over the response's tokens of -min(r A, clip(r, 1 - low, 1 + high) A), r = exp(logprobs - old).
+    dapo: the same per-token term summed over its tokens (a long response weighs by its length).
+    gspo: -min(s A, clip(s) A), s = exp(mean over its tokens of logprobs - old), one ratio per response.
     """
+    if kind not in CLIP_RANGES:
+        raise ValueError(f"unknown policy loss {kind!r}: one of grpo, dapo, gspo")
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).masked_fill(mask == 0, 0.0)  # padding may hold -inf log-probs: no nan through it
     lengths = mask.sum(dim=1)
@@ -48,13 +51,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         raise ValueError(f"response(s) {(lengths == 0).nonzero().flatten().tolist()} have no tokens under the mask")
     if kind == "gspo":
         ratio = torch.exp((log_ratio * mask).sum(dim=1) / lengths)  # [B]
-        clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-        return -torch.minimum(ratio * advantages, clipped * advantages).mean()
+        return -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     ratio = torch.exp(log_ratio)
     a = advantages[:, None]
     per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a) * mask
-    if kind == "grpo":
-        return (per_token.sum(dim=1) / lengths).mean()
-    if kind == "dapo":
-        return per_token.sum() / lengths.sum()
-    raise ValueError(f"unknown policy loss {kind!r}: one of grpo, dapo, gspo")
+    return per_token.sum(dim=1) / (1.0 if kind in TOKEN_MEAN else lengths)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                kind: PolicyLoss, clip_low: float, clip_high: float) -> torch.Tensor:
+    """The scalar loss to minimise over one batch: `sequence_terms` summed, over its responses (grpo, gspo: a mean of
+    per-response means) or its response tokens (dapo: a token mean)."""
+    terms = sequence_terms(logprobs, old_logprobs, advantages, mask, kind=kind, clip_low=clip_low, clip_high=clip_high)
+    return terms.sum() / (mask.sum() if kind in TOKEN_MEAN else len(terms))

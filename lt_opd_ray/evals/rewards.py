@@ -62,6 +62,14 @@ BUILT_IN: dict[str, Reward] = {"answer": answer_exact, "answer_normalised": answ
 READS_ANSWERS = ("answer", "answer_normalised", "choice")  # the built-ins that compare with each row's `answer`
 
 
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment of a response of `length` tokens: 0 up to max_new_tokens - buffer, then falling
+    linearly to -1 at max_new_tokens (the longest a response can be)."""
+    if buffer == 0 or length <= max_new_tokens - buffer:
+        return 0.0
+    return -min(length - (max_new_tokens - buffer), buffer) / buffer
+
+
 def row_problems(name: str, samples: Sequence[Sample], spec: str) -> list[str]:
     """Why the rows of data.path `spec` cannot be rewarded by the built-in `name`, one line per kind of fault (rows
     named); none for a user's own reward, which checks its rows itself."""
@@ -103,3 +111,24 @@ def checked_rewards(name: str, reward: Reward, samples: Sequence[Sample], respon
         if not isinstance(value, numbers.Real) or not math.isfinite(value):  # ints, floats, numpy scalars
             raise RewardError(f"reward {name}: response {i} (row {samples[i].uid}) got {value!r}, not a finite number")
     return [float(v) for v in values]
+
+
+class JobReward:
+    """A job's `reward` section as the rollout workers and the reference give it: `reward.name`'s checked score of
+    each response against its own row, plus DAPO's overlong punishment where `reward.overlong_buffer` is set."""
+
+    def __init__(self, name: str, overlong_buffer: int = 0, max_new_tokens: int = 0):
+        self.name, self.reward = name, load_reward(name)
+        self.overlong_buffer, self.max_new_tokens = overlong_buffer, max_new_tokens
+
+    @classmethod
+    def of(cls, job) -> JobReward | None:
+        """The job's reward; None where it has none."""
+        if job.reward.name is None:
+            return None
+        return cls(job.reward.name, job.reward.overlong_buffer, job.sampling.max_new_tokens)
+
+    def __call__(self, rows: Sequence[Sample], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
+        """One reward per response: `texts[i]` (of `lengths[i]` tokens) answering `rows[i]`."""
+        values = checked_rewards(self.name, self.reward, rows, texts)
+        return [value + overlong_penalty(n, self.max_new_tokens, self.overlong_buffer) for value, n in zip(values, lengths, strict=True)]

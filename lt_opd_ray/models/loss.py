@@ -6,8 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, union_support
+from lt_opd_ray.core.rl import CLIP_RANGES, TOKEN_MEAN, group_advantages, sequence_terms
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import TEXT, PromptInputs
@@ -86,52 +88,95 @@ def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list
     return StudentForward(student.response_hidden(reduced, [r.response_ids for r in rollouts]), len(features))
 
 
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What an RL baseline's loss reads besides the student's log-probs, per rollout of a micro-batch."""
+
+    advantages: torch.Tensor  # [B] each rollout's reward relative to its prompt's group (`core.rl.group_advantages`)
+    on_policy: list[bool]  # sampled by the weights this update starts from (staleness 0)
+
+
+def group_policy_inputs(rollouts: list[Rollout], on_policy: bool) -> PolicyInputs:
+    """`PolicyInputs` of one prompt's rollouts (its whole group of sampling.n responses, rewarded)."""
+    return PolicyInputs(group_advantages(torch.tensor([r.reward for r in rollouts]), len(rollouts)), [on_policy] * len(rollouts))
+
+
+def averages_tokens(objective) -> bool:
+    """The update's loss is a mean over its response tokens (DAPO's), not over its responses."""
+    return objective.policy_gradient and objective.mode in TOKEN_MEAN
+
+
+def update_normaliser(objective, sequences: int, tokens: int) -> float:
+    """What an update's summed per-response losses divide by: its responses, or its response tokens (`averages_tokens`)."""
+    return tokens if averages_tokens(objective) else sequences
+
+
 def student_loss(
     student: QwenVLM,
     prompts: Mapping[int, PromptInputs] | list[PromptInputs],
     rollouts: list[Rollout],
-    scores: list[TeacherScore],
+    scores: list[TeacherScore] | None,
     objective,
-    normaliser: int | None = None,
+    normaliser: float | None = None,
+    policy: PolicyInputs | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Σ over these rollouts of each one's token-mean LT-OPD loss, / `normaliser` (differentiable).
+    """Σ over these rollouts of each one's token-mean loss, / `normaliser` (differentiable).
 
     With the default normaliser (the number of rollouts) this is the seq-mean-token-mean of
     the batch. A micro-batch of an update passes the update's sequence count instead, so
     the micro-batch losses add up to the update's seq-mean-token-mean, not to a mean of
-    micro-batch means.
+    micro-batch means. `scores` is None where the objective reads no teacher (the cross-entropy modes, the RL
+    baselines); `policy` is what an RL baseline reads (`update_normaliser`: its normaliser).
     """
-    return loss_on_forward(student, student_forward(student, prompts, rollouts), rollouts, scores, objective, normaliser)
+    return loss_on_forward(student, student_forward(student, prompts, rollouts), rollouts, scores, objective, normaliser, policy)
 
 
 def loss_on_forward(
-    student: QwenVLM, forward: StudentForward, rollouts: list[Rollout], scores: list[TeacherScore], objective, normaliser: int | None = None,
+    student: QwenVLM, forward: StudentForward, rollouts: list[Rollout], scores: list[TeacherScore] | None, objective,
+    normaliser: float | None = None, policy: PolicyInputs | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """`student_loss` from the student's forward on `rollouts` (`student_forward`) and the teacher's scores."""
-    normaliser = normaliser or len(rollouts)
+    """`student_loss` from the student's forward on `rollouts` (`student_forward`) and the teacher's scores, or, where
+    the objective reads none (`scores` None), the cross-entropy of the responses' own tokens: their log-probs alone
+    are computed, and the statistics that compare with the teacher (divergence, top-k overlap) are NaN."""
+    if (scores is not None) != objective.teacher_scores:
+        raise ValueError(f"objective.mode {objective.mode} {'reads' if objective.teacher_scores else 'reads no'} teacher scores, but"
+                         f" {'none were' if scores is None else 'some were'} given")
+    normaliser = normaliser or update_normaliser(objective, len(rollouts), sum(r.response_ids.numel() for r in rollouts))
     hidden = forward.hidden
     device = hidden[0].device
-    supports = [[t.to(device) for t in support(r, s)] for r, s in zip(rollouts, scores)]
+    sampled_only = scores is None
+    if sampled_only:  # one column per position: the response's own token
+        supports = [(r.response_ids[:, None].to(device), None, None) for r in rollouts]
+    else:
+        supports = [[t.to(device) for t in support(r, s)] for r, s in zip(rollouts, scores)]
     # one output-head pass over every response row of the micro-batch (one [V, H] gradient buffer, not one per sequence)
     lengths = [h.shape[0] for h in hidden]
     ids_all = torch.cat([ids for ids, _, _ in supports])
     student_logp_all = gather_log_probs(torch.cat(hidden), student.lm_head.weight, ids_all, objective.logsoftmax_chunk)
+    if objective.policy_gradient:
+        return policy_gradient_loss(student_logp_all.split(lengths), rollouts, forward, objective, normaliser, policy)
     sequence_losses, divs, weights, overlaps, gaps = [], [], [], [], []
     for student_logp, r, (ids, valid, teacher_logp) in zip(student_logp_all.split(lengths), rollouts, supports):
         old_logp = r.old_logp.to(device)
-        token_loss, div, weight = lt_opd_token_losses(
-            student_logp,
-            teacher_logp,
-            valid,
-            sampled_column=ids.shape[1] - 1,
-            old_logp=old_logp,
-            kind=objective.divergence,
-            alpha=objective.alpha,
-            importance_clip=objective.importance_clip,
-            importance=objective.importance,
-        )
-        if objective.cross_entropy:
-            token_loss = -student_logp[:, ids.shape[1] - 1]  # cross-entropy of the response's own token (sft, sequence_kd)
+        sampled_logp = student_logp[:, ids.shape[1] - 1]  # the sampled token's column (the last of the support)
+        if sampled_only:
+            token_loss = -sampled_logp  # cross-entropy of the response's own token (sft, sequence_kd)
+            weight = torch.exp(sampled_logp.detach() - old_logp).clamp(max=objective.importance_clip)  # a health figure only
+            div = overlap = torch.full_like(weight, float("nan"))
+        else:
+            token_loss, div, weight = lt_opd_token_losses(
+                student_logp,
+                teacher_logp,
+                valid,
+                sampled_column=ids.shape[1] - 1,
+                old_logp=old_logp,
+                kind=objective.divergence,
+                alpha=objective.alpha,
+                importance_clip=objective.importance_clip,
+                importance=objective.importance,
+            )
+            k = r.student_top_ids.shape[1]
+            overlap = (k - valid[:, k : 2 * k].sum(-1)).float() / k  # teacher top-k ids already in student top-k
         if token_loss.numel() == 0:
             raise ValueError(f"a rollout of prompt {r.prompt_index} has no response tokens: nothing to average")
         if objective.truncated == "mask" and r.finish_reason == "length":
@@ -139,9 +184,8 @@ def loss_on_forward(
         sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens
         divs.append(div.detach())
         weights.append(weight)
-        gaps.append((student_logp[:, ids.shape[1] - 1].detach() - old_logp).abs())  # the engines' mismatch on the sampled token
-        k = r.student_top_ids.shape[1]
-        overlaps.append((k - valid[:, k : 2 * k].sum(-1)).float() / k)  # teacher top-k ids already in student top-k
+        gaps.append((sampled_logp.detach() - old_logp).abs())  # the engines' mismatch on the sampled token
+        overlaps.append(overlap)
     loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
     stats = LossStats(
         loss=float(loss.detach()),
@@ -153,6 +197,48 @@ def loss_on_forward(
         vision_forwards=forward.vision_forwards,
         clipped=float((torch.cat(weights) >= objective.importance_clip).float().mean()),
         logprob_gap=float(torch.cat(gaps).mean()),
+        truncated=sum(r.finish_reason == "length" for r in rollouts),
+        longest=max(r.response_ids.numel() for r in rollouts),
+    )
+    return loss, stats
+
+
+def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[Rollout], forward: StudentForward, objective,
+                         normaliser: float, policy: PolicyInputs | None) -> tuple[torch.Tensor, LossStats]:
+    """An RL baseline's loss (`core.rl.sequence_terms`, summed, / `normaliser`) on the student's log-probs of the
+    sampled tokens ([T, 1] per rollout). The old policy: for a rollout sampled by the weights this update starts
+    from, the student's own log-probs, detached (exactly the sampling policy, free of the rollout engine's rounding:
+    every ratio is 1, as one optimizer step per update keeps it); for one sampled a version earlier
+    (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy (the clip
+    then bounds the step). The statistics that compare with a teacher are NaN."""
+    if policy is None:
+        raise ValueError(f"objective.mode {objective.mode} needs each rollout's advantage: none was given")
+    device = sampled_logp[0].device
+    logp = pad_sequence([lp[:, 0] for lp in sampled_logp], batch_first=True)  # [B, T]
+    recorded = pad_sequence([r.old_logp.to(device) for r in rollouts], batch_first=True)  # the rollout engine's
+    old = torch.where(torch.tensor(policy.on_policy, device=device)[:, None], logp.detach(), recorded)
+    mask = pad_sequence([torch.ones(lp.shape[0], device=device) for lp in sampled_logp], batch_first=True)
+    low, high = CLIP_RANGES[objective.mode]
+    terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high)
+    if objective.truncated == "mask":
+        terms = terms * torch.tensor([r.finish_reason != "length" for r in rollouts], device=device, dtype=terms.dtype)  # no gradient
+    loss = terms.sum() / normaliser
+    with torch.no_grad():
+        log_ratio = (logp - old) * mask
+        if objective.mode == "gspo":  # one ratio per response, shown at each of its tokens
+            log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)).expand_as(mask)
+        ratio = torch.exp(log_ratio)[mask.bool()]
+        gaps = (logp.detach() - recorded).abs()[mask.bool()]  # the engines' mismatch on the sampled token
+    stats = LossStats(
+        loss=float(loss.detach()),
+        divergence=float("nan"),
+        importance_weight=float(ratio.mean()),
+        top_k_overlap=float("nan"),
+        tokens=int(mask.sum()),
+        sequences=len(rollouts),
+        vision_forwards=forward.vision_forwards,
+        clipped=float(((ratio < 1 - low) | (ratio > 1 + high)).float().mean()),
+        logprob_gap=float(gaps.mean()),
         truncated=sum(r.finish_reason == "length" for r in rollouts),
         longest=max(r.response_ids.numel() for r in rollouts),
     )

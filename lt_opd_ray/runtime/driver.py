@@ -80,13 +80,15 @@ class Driver:
         self.lost_workers: set[int] = set()  # rollout workers stopped inside the update, replaced after it
         try:  # what the run starts, it removes, also when a later pool fails to start
             begin = time.time()  # the three pools start together: each loads its model while the others do
-            self.teacher = roles.teacher(job)  # first: Serve's controller creates its replicas after the deploy
+            if job.objective.teacher_scores:  # the cross-entropy modes' loss reads no teacher: no teacher pool
+                self.teacher = roles.teacher(job)  # first: Serve's controller creates its replicas after the deploy
             self.rollouts = roles.rollout_pool(job)
             self.learners = roles.learner_group(job)
-            self.pools_ready["teacher (Serve)"] = self.teacher.wait_ready() - begin
+            if self.teacher is not None:
+                self.pools_ready["teacher (Serve)"] = self.teacher.wait_ready() - begin
             self.pools_ready["rollout workers"] = self.rollouts.wait_ready() - begin  # as each pool's actors say
             self.pools_ready["learners (DeepSpeed)"] = self.learners.wait_ready() - begin
-            self.placements = self.rollouts.placements() + self.teacher.placements() + self.learners.placements()
+            self.placements = [*self.rollouts.placements(), *(self.teacher.placements() if self.teacher else []), *self.learners.placements()]
             lap("pools")
             self.sync = roles.broadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
             self.metrics = DriverMetrics(job.name)
@@ -159,11 +161,18 @@ class Driver:
         samples_ref = self.objects.put(batch)
         ranges = self.learners.prompt_ranges(len(batch))
         groups = self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts)
-        self.learners.request_scores(self.scoring(samples_ref), groups)
+        self.request_scores(samples_ref, groups)
         return InFlight(update, budget, batch, samples_ref, groups)
 
-    def scoring(self, samples_ref) -> ScoringRequest:
-        return ScoringRequest(self.teacher.app_name, samples_ref)
+    def scoring(self, samples_ref) -> ScoringRequest | None:
+        """How the learner ranks ask the teacher about the update's samples; None where the job has no teacher."""
+        return ScoringRequest(self.teacher.app_name, samples_ref) if self.teacher is not None else None
+
+    def request_scores(self, samples_ref, groups: list[GroupRef]) -> None:
+        """Each group's learner rank asks the teacher to score it (returns at once); nothing where the objective reads
+        no teacher scores."""
+        if self.teacher is not None:
+            self.learners.request_scores(self.scoring(samples_ref), groups)
 
     def settle(self, pending: InFlight) -> list[int]:
         """Wait (bounded) until the next update's groups are sampled, so the workers are free for the weights.
@@ -198,7 +207,7 @@ class Driver:
             old = pending.groups[i]
             group = self.rollouts.submit_group(pending.samples_ref, old.start, old.stop, old.learner_rank, pending.budget_bps, old.update, old.worker)
             pending.groups[i] = group
-            self.learners.request_scores(self.scoring(pending.samples_ref), [group])
+            self.request_scores(pending.samples_ref, [group])
 
     def fetch_groups(self, pending: InFlight | None) -> list[RolloutGroup]:
         """The finished groups of the update in flight, to be kept with a checkpoint."""
@@ -216,7 +225,7 @@ class Driver:
             GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, self.objects.put(g), self.objects.put(g.summary()))
             for g in kept
         ]
-        self.learners.request_scores(self.scoring(samples_ref), groups)
+        self.request_scores(samples_ref, groups)
         return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups)
 
     def samplers(self, flight: InFlight) -> list[Watched]:
@@ -298,7 +307,7 @@ class Driver:
             group = self.rollouts.submit_group(flight.samples_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, old.update,
                                                by[len(again) % len(by)])
             flight.groups[i] = group
-            self.learners.request_scores(self.scoring(flight.samples_ref), [group])
+            self.request_scores(flight.samples_ref, [group])
             self.learners.substitute(old.learner_rank, old.update, old.start, [self.rollouts.names[group.worker], group.group])
             again.append(f"{old.start}-{old.stop - 1}")
         return again
@@ -313,7 +322,7 @@ class Driver:
     ) -> StepLog:
         end = time.time()
         period, self.last_end = end - self.last_end, end
-        sizes = {"rollout": len(self.rollouts.names), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S), "learner": self.learners.ranks}
+        sizes = {"rollout": len(self.rollouts.names), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S) if self.teacher else 0, "learner": self.learners.ranks}
         log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores,
                         rewards=[value for s in summaries for value in s.rewards])
         self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness,

@@ -94,7 +94,7 @@ class GroupReceiver:
     at most `schedule.max_staleness` versions behind the learner's (vocab: not lm_head.shape, a ZeRO-3 shard is empty).
     """
 
-    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest,
+    def __init__(self, work: list, version: int, job: JobConfig, rank: int, vocab_size: int, scoring: ScoringRequest | None,
                  substitutes: Substitutes, requests: ScoreRequests, objects: ObjectStore = RAY_OBJECTS):
         self.work, self.version, self.rank, self.vocab_size, self.scoring = work, version, rank, vocab_size, scoring
         self.substitutes, self.requests, self.objects = substitutes, requests, objects
@@ -118,9 +118,9 @@ class GroupReceiver:
                     if refs is None:
                         raise
                     worker, group_ref = refs
-            self.check(group)
+            lag = self.check(group)
             self.spans.append(group.span)
-            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, group_ref))
+            yield StreamedGroup(group.rollouts, functools.partial(self.scores, group, group_ref) if self.scoring is not None else None, lag)
 
     def scores(self, group: RolloutGroup, group_ref) -> list:
         """The teacher's scores of `group`, waited for (bounded) and checked against its rollouts."""
@@ -147,7 +147,8 @@ class GroupReceiver:
                 self.retries += 1
                 payload_ref = self.requests.send(self.scoring, group_ref, group.update, group.start, group.stop)
 
-    def check(self, group: RolloutGroup) -> None:
+    def check(self, group: RolloutGroup) -> int:
+        """The group's lag (learner version - sampling version), once it is checked."""
         where = f"rollout group of prompts {group.start}-{group.stop - 1} from {group.worker}"
         if group.update != self.version or group.learner_rank != self.rank:
             raise ValueError(f"learner-{self.rank} at update {self.version} was sent the {where} for update {group.update}, rank {group.learner_rank}")
@@ -160,3 +161,4 @@ class GroupReceiver:
                 f" and schedule.max_staleness is {self.max_staleness}"
             )
         self.staleness = max(self.staleness, lag)
+        return lag

@@ -57,11 +57,13 @@ def format_accuracy(accuracy: dict[str, float], full: float | None) -> str:
 
 
 def format_step(log, total: int, full: float | None = None) -> str:
+    """One update's line. Divergence and top-k overlap compare with the teacher: `-` where the job has none."""
     p = log.phases
+    shown = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
     return (
-        f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {log.divergence:.5f}"
+        f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {shown(log.divergence, '.5f')}"
         + (f"  reward {log.reward_mean:.3f}" if log.reward_mean is not None else "")
-        + f"  is_w {log.importance_weight:.3f} (clipped {log.clipped_share:.1%})  gap {log.logprob_gap:.4f}  overlap {log.top_k_overlap:.3f}"
+        + f"  is_w {log.importance_weight:.3f} (clipped {log.clipped_share:.1%})  gap {log.logprob_gap:.4f}  overlap {shown(log.top_k_overlap, '.3f')}"
         f"  tokens {log.tokens} (mean {log.response_tokens_mean:.0f}, max {log.response_tokens_max}, cut {log.truncated_share:.0%};"
         f" learner padding {log.padding_share:.0%})"
         f"  | rollout {p.rollout:.2f}s teacher {p.teacher:.2f}s learner {p.learner:.2f}s sync {p.sync:.2f}s"

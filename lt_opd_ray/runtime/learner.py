@@ -24,13 +24,22 @@ from datetime import timedelta
 import torch
 
 from lt_opd_ray.config.schema import JobConfig
-from lt_opd_ray.core.collectives import all_reduce_max, hold_every_group_for, install_guard_if_asked
+from lt_opd_ray.core.collectives import all_reduce_max, all_reduce_sum, hold_every_group_for, install_guard_if_asked
 from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.loading import compute_precision, load_vlm
-from lt_opd_ray.models.loss import LossStats, StudentForward, loss_on_forward, reduced_length, student_forward
+from lt_opd_ray.models.loss import (
+    LossStats,
+    PolicyInputs,
+    StudentForward,
+    averages_tokens,
+    group_policy_inputs,
+    loss_on_forward,
+    reduced_length,
+    student_forward,
+)
 from lt_opd_ray.models.processor import PromptInputs, VLMProcessor, encode_samples
 from lt_opd_ray.runtime.checkpoint_files import weights_only_checkpoint_engine
 from lt_opd_ray.runtime.waits import ProgressMark
@@ -40,7 +49,8 @@ from lt_opd_ray.sources.resolve import resolve_model_dir
 class StudentObjective(torch.nn.Module):
     """The engine's module, called twice per micro-batch: `forward(prompts, rollouts)` is the student's forward on
     the replayed rollouts (`loss.student_forward`: no teacher scores needed, so it runs while the teacher scores);
-    `forward(computed, rollouts, scores, normaliser)` is the LT-OPD loss on it (`loss.loss_on_forward`).
+    `forward(computed, rollouts, scores, normaliser)` is the loss on it (`loss.loss_on_forward`; scores None where
+    the objective reads none).
 
     The loss reads lm_head.weight outside lm_head's own forward (chunked
     log-softmax), so under ZeRO-3 it is registered as an external parameter of
@@ -53,11 +63,12 @@ class StudentObjective(torch.nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, inputs, rollouts, scores=None, normaliser: float = 1.0) -> StudentForward | tuple[torch.Tensor, LossStats]:
+    def forward(self, inputs, rollouts, scores=None, normaliser: float = 1.0, policy: PolicyInputs | None = None
+                ) -> StudentForward | tuple[torch.Tensor, LossStats]:
         student = QwenVLM(self.model)
-        if scores is None:
+        if not isinstance(inputs, StudentForward):
             return student_forward(student, inputs, rollouts)
-        return loss_on_forward(student, inputs, rollouts, scores, self.objective, normaliser)
+        return loss_on_forward(student, inputs, rollouts, scores, self.objective, normaliser, policy)
 
 
 def deepspeed_config(job: JobConfig) -> dict:
@@ -85,7 +96,8 @@ class StreamedGroup:
     """One rollout group as the learner receives it: its rollouts, and its teacher scores when they are asked for."""
 
     rollouts: list[Rollout]
-    wait_scores: Callable[[], list[TeacherScore]]  # waits (bounded) for the teacher's answer; called once
+    wait_scores: Callable[[], list[TeacherScore]] | None  # waits (bounded) for the teacher's answer; called once. None: no teacher
+    lag: int = 0  # weight versions between the learner and the weights that sampled it
 
 
 class MicroBatchStream:
@@ -95,8 +107,8 @@ class MicroBatchStream:
     Each sequence is its reduced prompt (the replayed selection) plus its response.
     """
 
-    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int):
-        self.groups, self.encode = groups, encode
+    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool = False):
+        self.groups, self.encode, self.policy_gradient = groups, encode, policy_gradient
         self.packer = Packer(token_budget)
         self.rollouts: list[Rollout] = []
         self.prompts: dict[int, PromptInputs] = {}
@@ -105,13 +117,25 @@ class MicroBatchStream:
         self._owners: list[int] = []  # per sequence: its group
         self._scores: dict[int, list[TeacherScore]] = {}  # per group, once waited for
         self.lengths: list[tuple[int, ...]] = []  # per prompt, in the order packed: its sequences' tokens
+        self._policy: dict[int, tuple[float, bool]] = {}  # per sequence (RL baselines): its advantage, sampled by this update's weights
 
-    def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore]:
-        """The teacher's scores of these sequences, waiting for each of their groups' answers the first time."""
-        for g in dict.fromkeys(self._owners[i] for i in sequences):
+    def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore] | None:
+        """The teacher's scores of these sequences, waiting for each of their groups' answers the first time; None
+        where the job asks no teacher (its objective reads no teacher scores)."""
+        owners = dict.fromkeys(self._owners[i] for i in sequences)
+        if any(self._groups[g].wait_scores is None for g in owners):
+            return None
+        for g in owners:
             if g not in self._scores:
                 self._scores[g] = self._groups[g].wait_scores()
         return [self._scores[self._owners[i]][i - self._firsts[self._owners[i]]] for i in sequences]
+
+    def policy(self, sequences: tuple[int, ...]) -> PolicyInputs | None:
+        """What an RL baseline's loss reads of these sequences (their advantages within their prompts' groups); None
+        for the other objectives."""
+        if not self.policy_gradient:
+            return None
+        return PolicyInputs(torch.tensor([self._policy[i][0] for i in sequences]), [self._policy[i][1] for i in sequences])
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for group in self.groups:
@@ -127,6 +151,9 @@ class MicroBatchStream:
                 length = reduced_length(self.prompts[r.prompt_index], r.selected) + r.response_ids.numel()
                 by_prompt.setdefault(r.prompt_index, []).append(Sequence(i, r.prompt_index, length))
             for sequences in by_prompt.values():
+                if self.policy_gradient:  # a prompt's sampling.n rollouts arrive together, in one group
+                    inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], on_policy=group.lag == 0)
+                    self._policy.update({s.index: (float(a), fresh) for s, a, fresh in zip(sequences, inputs.advantages, inputs.on_policy)})
                 self.lengths.append(tuple(s.tokens for s in sequences))
                 yield from self.packer.add(sequences)
         yield from self.packer.flush()
@@ -177,14 +204,20 @@ class Learner:
 
     def _train_step(self, samples, groups: Iterator[StreamedGroup], total_sequences: int, version: int, mark) -> LearnerStepResult:
         encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
-        stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens)
+        objective = self.job.objective
+        stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens, objective.policy_gradient)
         batches = iter(stream)
         mark(f"u{version} waiting for rollouts", working=False)
+        normaliser = total_sequences / self.world  # the ranks' losses are averaged: each divides by its share
+        if averages_tokens(objective):  # a mean over the update's tokens: every rank's rollouts counted first
+            batches = iter(list(batches))
+            mark(f"u{version} lockstep with the other ranks", working=False)
+            (tokens,) = all_reduce_sum([sum(r.response_ids.numel() for r in stream.rollouts)])
+            normaliser = tokens / self.world
         current = next(batches, None)
         if current is None:
             raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
         filler = MicroBatch((0,), (stream.rollouts[0].prompt_index,), 0)  # any real sequence, weighted 0
-        normaliser = total_sequences / self.world
         parts, spans, real, passes, padded = [], [], 0, 0, 0
         while True:
             mark(f"u{version} lockstep with the other ranks", working=False)
@@ -208,7 +241,7 @@ class Learner:
             with Stopwatch() as watch:
                 self.engine.set_gradient_accumulation_boundary(not any_following)
                 with compute_precision(self.job.model.dtype, self.engine.device):
-                    loss, stats = self.engine(computed, chosen, scores, normaliser)
+                    loss, stats = self.engine(computed, chosen, scores, normaliser, stream.policy(batch.sequences))
                 if current is None:
                     loss = loss * 0.0  # a filler: the same graph as a real micro-batch, no contribution
                 else:

@@ -122,7 +122,7 @@ class LearnerActor:
         self.sync = SyncGroup(self.sync_store, 0, world, generation, self.job.pools.learner.sync_timeout_s, device=sync_device())
         return 0
 
-    def train_step(self, samples: dict, work: list, total_sequences: int, version: int, scoring: ScoringRequest) -> LearnerStepResult:
+    def train_step(self, samples: dict, work: list, total_sequences: int, version: int, scoring: ScoringRequest | None) -> LearnerStepResult:
         """One optimizer step (weights `version` -> `version + 1`) on this rank's groups only, streamed: `work` is
         [(worker name, first prompt, ObjectRef[RolloutGroup])] in prompt order (nested in a list, so Ray hands the
         refs over unresolved), their scores asked for by `request_scores`; `samples`: this rank's prompts by index;
@@ -260,7 +260,7 @@ class LearnerGroup:
             if mine:
                 actor.request_scores.remote(scoring, mine)
 
-    def async_train_step(self, batch: list, groups: list, worker_names: list[str], version: int, scoring: ScoringRequest) -> list:
+    def async_train_step(self, batch: list, groups: list, worker_names: list[str], version: int, scoring: ScoringRequest | None) -> list:
         """Start one optimizer step (ObjectRef[LearnerStepResult] per rank; `wait` for them); each rank gets only its own
         prompts' samples and groups (`GroupRef.learner_rank`), and trains on each group as it arrives."""
         work = rank_work(groups, worker_names, len(self.actors))

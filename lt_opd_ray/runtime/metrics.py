@@ -6,6 +6,8 @@ so the dashboards can filter one run and split by worker.
 
 from __future__ import annotations
 
+import math
+
 from ray.util import metrics
 
 TAGS = ("run", "actor")  # not "job": Prometheus owns that label for its scrape job
@@ -65,9 +67,10 @@ class LearnerMetrics:
         """One rank's `wire.LearnerStepResult`."""
         self.step_seconds.set(result.seconds, tags=self.tags)
         self.loss.set(result.loss, tags=self.tags)
-        self.divergence.set(result.divergence, tags=self.tags)
+        if not math.isnan(result.divergence):  # NaN (and the overlap) where the job has no teacher
+            self.divergence.set(result.divergence, tags=self.tags)
+            self.overlap.set(result.top_k_overlap, tags=self.tags)
         self.importance_weight.set(result.importance_weight, tags=self.tags)
-        self.overlap.set(result.top_k_overlap, tags=self.tags)
         self.clipped.set(result.clipped_share, tags=self.tags)
         self.logprob_gap.set(result.logprob_gap, tags=self.tags)
         self.response_tokens.set(result.tokens / max(result.sequences, 1), tags={**self.tags, "stat": "mean"})

@@ -13,10 +13,10 @@ class InsufficientResourcesError(RuntimeError):
 
 
 def pool_sizes(job: JobConfig, largest: bool = False) -> dict[str, int]:
-    """Actors per pool when the job starts (teacher: its initial `replicas`); `largest`: the teacher at
-    `max_replicas`, as Serve's autoscaling may grow it when the cluster has room."""
+    """Actors per pool when the job starts (teacher: its initial `replicas`, none where the objective reads no teacher
+    scores); `largest`: the teacher at `max_replicas`, as Serve's autoscaling may grow it when the cluster has room."""
     p = job.pools
-    teacher = p.teacher.max_replicas if largest else p.teacher.replicas
+    teacher = (p.teacher.max_replicas if largest else p.teacher.replicas) if job.objective.teacher_scores else 0
     return {"rollout": p.rollout.workers, "teacher": teacher, "learner": p.learner.ranks}
 
 
@@ -65,6 +65,8 @@ def check_local_machine(job: JobConfig, cpus: int) -> None:
 def autoscaling_note(job: JobConfig, cluster: dict[str, float]) -> str | None:
     """A line for the start-up output when the teacher cannot autoscale to max_replicas on this cluster."""
     teacher = job.pools.teacher
+    if not job.objective.teacher_scores:
+        return None
     start = pool_demands(job)
     per_replica = {resource: amount / teacher.replicas for resource, amount in start["teacher"].items() if amount}
     free = {resource: cluster.get(resource, 0.0) - sum(d.get(resource, 0.0) for d in start.values()) for resource in per_replica}
@@ -150,7 +152,7 @@ def check_engine_memory(job: JobConfig, model_config: dict, nodes: list[dict]) -
     except KeyError:  # a layout the planner does not know: not checked here
         return
     for role, pool in (("rollout", job.pools.rollout), ("teacher", job.pools.teacher)):
-        if pool.backend != "vllm" or pool.gpus == 0 or gpu is None:
+        if pool.backend != "vllm" or pool.gpus == 0 or gpu is None or (role == "teacher" and not job.objective.teacher_scores):
             continue
         share = pool.vllm.gpu_memory_utilization * gpu
         if weights + kv + state > share:

@@ -70,8 +70,8 @@ class LearnerRole(Protocol):
         """Each group's learner rank asks the teacher to score it, as the teacher admits requests; returns at once."""
 
     def async_train_step(self, batch: list[Sample], groups: list[GroupRef], worker_names: list[str], version: int,
-                         scoring: ScoringRequest) -> list:
-        """Start one optimizer step: a ref to each rank's LearnerStepResult."""
+                         scoring: ScoringRequest | None) -> list:
+        """Start one optimizer step: a ref to each rank's LearnerStepResult (`scoring` None: the job has no teacher)."""
 
     def wait(self, refs: list, what: str, upstream: list[Watched] | None = None) -> list: ...
     def substitute(self, rank: int, update: int, start: int, refs: list) -> None: ...

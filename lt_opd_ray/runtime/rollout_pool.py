@@ -79,13 +79,13 @@ class RolloutWorker:
         import transformers
 
         from lt_opd_ray.engines.rollout_engines import build_rollout_engine
-        from lt_opd_ray.evals.rewards import load_reward
+        from lt_opd_ray.evals.rewards import JobReward
         from lt_opd_ray.runtime.metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
-        self.reward = load_reward(job.reward.name) if job.reward.name is not None else None
+        self.reward = JobReward.of(job)
         self.weights_version: int | None = 0  # None while an update is half written
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
@@ -123,12 +123,12 @@ class RolloutWorker:
         return tuple(out)
 
     def give_rewards(self, samples, rollouts) -> None:
-        """Each rollout's reward.name score against its own row (a RewardError names the reward and the row)."""
+        """Each rollout's reward against its own row (a RewardError names the reward and the row)."""
         from lt_opd_ray.engines.rollout_engines import response_texts
-        from lt_opd_ray.evals.rewards import checked_rewards
 
         rows = [samples[r.prompt_index] for r in rollouts]
-        for r, value in zip(rollouts, checked_rewards(self.job.reward.name, self.reward, rows, response_texts(self.engine.processor, rollouts))):
+        values = self.reward(rows, response_texts(self.engine.processor, rollouts), [r.response_ids.numel() for r in rollouts])
+        for r, value in zip(rollouts, values):
             r.reward = value
 
     def evaluate(self, samples, budget_bps: int, selector: str) -> EvalResult:

@@ -3,6 +3,7 @@ update's work, and the pools' busy fractions (what the CLI prints, `steps.jsonl`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lt_opd_ray.core.wire import LearnerStepResult, PhaseTimes, Span, busy_seconds
@@ -13,9 +14,9 @@ class StepLog:
     step: int
     budget_bps: int
     loss: float
-    divergence: float
+    divergence: float | None  # None (and top_k_overlap) where the job has no teacher: nothing to compare with
     importance_weight: float
-    top_k_overlap: float
+    top_k_overlap: float | None
     tokens: int
     grad_norm: float = 0.0  # global gradient norm before clipping
     staleness: int = 0  # learner version - the oldest sampling version of this update's rollouts
@@ -68,6 +69,9 @@ def summarize(
     def total(key: str):
         return sum(getattr(r, key) for r in ranks)
 
+    def known(value: float) -> float | None:  # the ranks report NaN for what compares with a teacher the job lacks
+        return None if math.isnan(value) else value
+
     def by_tokens(key: str) -> float:
         return sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)
 
@@ -77,9 +81,9 @@ def summarize(
         step=update,
         budget_bps=budget_bps,
         loss=total("loss") / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
-        divergence=by_tokens("divergence"),
+        divergence=known(by_tokens("divergence")),
         importance_weight=by_tokens("importance_weight"),
-        top_k_overlap=by_tokens("top_k_overlap"),
+        top_k_overlap=known(by_tokens("top_k_overlap")),
         tokens=total("tokens"),
         grad_norm=ranks[0].grad_norm,  # global: the same on every rank
         staleness=max(r.staleness for r in ranks),

@@ -62,12 +62,12 @@ def plot_eval_curves(history: list[list], path: Path) -> None:
 def step_metrics(log) -> dict[str, float]:
     """A StepLog as flat, finite scalars: `train/loss`, `time/rollout`, `eval/accuracy/cdpruner`, ..."""
     metrics = {f"train/{name}": float(getattr(log, name)) for name in (
-        "loss", "divergence", "importance_weight", "top_k_overlap", "tokens", "grad_norm", "staleness", "sequences",
+        "loss", "importance_weight", "tokens", "grad_norm", "staleness", "sequences",
         "micro_batches", "payload_bytes_per_token", "sync_bytes", "response_tokens_mean", "response_tokens_max", "truncated_share",
         "clipped_share", "logprob_gap", "padding_share")}
     metrics["train/budget_percent"] = log.budget_bps / 100
-    if log.reward_mean is not None:
-        metrics["train/reward_mean"] = log.reward_mean
+    metrics |= {f"train/{name}": float(getattr(log, name)) for name in ("divergence", "top_k_overlap", "reward_mean")  # where the job has them
+                if getattr(log, name) is not None}
     metrics |= {f"time/{phase}": float(seconds) for phase, seconds in asdict(log.phases).items() if phase != "busy"}
     metrics |= {f"busy/{pool}": float(fraction) for pool, fraction in log.phases.busy.items()}
     metrics |= {f"eval/accuracy/{selector}": float(value) for selector, value in log.eval_accuracy.items()}

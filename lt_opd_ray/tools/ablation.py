@@ -38,7 +38,14 @@ ARMS: dict[str, dict] = {
     "lt_opd": {},
     "lt_opd_reverse_kl": {"objective": {"divergence": "reverse_kl"}},
     "lt_opd_token_merge": {"selector": {"merge": "learnable"}},  # the paper's release: CDPruner + learnable token merge
+    "lt_opd_no_hold": {},  # the cosine decay reaches the target at the last update (set below): no final plateau
+    # the RL baselines on the same rollouts, rewarded by the held-out metric's own check (the row's answer)
+    "grpo": {"objective": {"mode": "grpo"}, "reward": {"name": "answer"}},
+    "dapo": {"objective": {"mode": "dapo"}, "reward": {"name": "answer"}},  # overlong_buffer set below
+    "gspo": {"objective": {"mode": "gspo"}, "reward": {"name": "answer"}},
 }
+# DAPO's soft overlong punishment starts this share of max_new_tokens before it (the paper: 4,096 of 20,480)
+DAPO_OVERLONG_SHARE = 0.2
 STUDY_ARMS = ("sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd", "lt_opd_reverse_kl")  # the paper's ablation table
 
 
@@ -63,6 +70,10 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
     data = _merge(data, ARMS[arm])
     if arm == "lt_opd_no_curriculum":
         data["budget"]["start_bps"] = data["budget"]["target_bps"]
+    if arm == "lt_opd_no_hold":
+        data["budget"]["decay_end"] = data["budget"]["total_steps"]
+    if arm == "dapo":
+        data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
     data.update(name=f"{base.name}-{arm}-s{seed}", seed=seed)
     data["data"]["shuffle_seed"] = seed
     data["checkpoint"]["dir"] = str(out / arm / f"seed{seed}")
@@ -166,7 +177,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 runs.append({
                     "arm": arm, "seed": seed, "seconds": time.perf_counter() - started, "final": final,
                     "curve": [{"step": log.step + 1, "budget_bps": log.budget_bps, "loss": log.loss,
-                               "divergence": log.divergence, "eval": log.eval_accuracy} for log in logs],
+                               "divergence": log.divergence, "reward": log.reward_mean, "eval": log.eval_accuracy} for log in logs],
                 })
                 if len(sets) > 1:  # the trained student on each kind of question
                     runs[-1]["final_by_kind"] = evaluate(str(Path(job.checkpoint.dir) / "final"), job, sets, full_tokens=False)

@@ -17,7 +17,12 @@ LABELS = {
     "lt_opd": "LT-OPD",
     "lt_opd_reverse_kl": "LT-OPD, reverse KL",
     "lt_opd_token_merge": "LT-OPD + learnable token merge",
+    "lt_opd_no_hold": "LT-OPD, no final plateau",
+    "grpo": "GRPO (answer reward)",
+    "dapo": "DAPO (answer reward)",
+    "gspo": "GSPO (answer reward)",
 }
+REWARDED = ("grpo", "dapo", "gspo")  # their loss is ~0 by construction (centred advantages): their panel shows the reward
 
 
 # the paper's ordering at 5% (68.6 < 70.4 < 77.6 < 81.5 <= 82.3)
@@ -127,7 +132,7 @@ def write_report(results: dict, out_dir: Path) -> None:
 
 
 OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "sequence_kd": "cross-entropy", "teacher_prefix": "JSD",
-              "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL"}
+              "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL", "lt_opd_no_hold": "JSD"}
 
 
 def plot_curves(results: dict, path: Path) -> list[str]:
@@ -151,10 +156,14 @@ def plot_curves(results: dict, path: Path) -> list[str]:
         line, = left.plot([0, *evaluated], [untrained, *map(statistics.fmean, per_seed)], marker="o", label=LABELS[arm])
         left.fill_between([0, *evaluated], [untrained, *map(min, per_seed)], [untrained, *map(max, per_seed)], color=line.get_color(), alpha=0.15)
         steps = [p["step"] for p in curves[0]]
-        losses = [[c[i]["loss"] for c in curves] for i in range(len(steps))]
-        loss_axis.plot(steps, list(map(statistics.fmean, losses)), color=line.get_color())
-        loss_axis.fill_between(steps, list(map(min, losses)), list(map(max, losses)), color=line.get_color(), alpha=0.15)
-        loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
+        shown = "reward" if arm in REWARDED else "loss"
+        values = [[c[i][shown] for c in curves] for i in range(len(steps))]
+        loss_axis.plot(steps, list(map(statistics.fmean, values)), color=line.get_color())
+        loss_axis.fill_between(steps, list(map(min, values)), list(map(max, values)), color=line.get_color(), alpha=0.15)
+        if arm in REWARDED:
+            loss_axis.set(xlabel="update", ylabel="mean reward of the update's rollouts", title=LABELS[arm])
+        else:
+            loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
     left.axhline(untrained, color="grey", linestyle=":", label="untrained")
     left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})",
              title=f"held-out retain ratio ({len({r['seed'] for r in results['runs']})} seeds: mean, min-max band)")  # those finished

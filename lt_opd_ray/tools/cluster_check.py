@@ -132,7 +132,7 @@ def check_capacity(capacity: Capacity, job: JobConfig, source: str) -> list[str]
                 problems.append(f"{source}: {group} advertises {resource}, a resource of unknown pool {resource[len(POOL_RESOURCE_PREFIX):]!r} (pools: {', '.join(POOLS)})")
     for pool, size in pool_sizes(job).items():
         spec = getattr(job.pools, pool)
-        if not spec.node_resource:
+        if not spec.node_resource or size == 0:  # no teacher where the objective reads no teacher scores
             continue
         groups = {g: r for g, r in capacity.items() if spec.node_resource in r}
         if not groups:
