@@ -1,6 +1,5 @@
 """The single-process reference update on a tiny real Qwen3.5."""
 
-import math
 import statistics
 
 import pytest
@@ -203,7 +202,7 @@ def test_the_sft_modes_loss_is_the_cross_entropy_of_their_responses(tiny_dirs, s
     with pytest.raises(ValueError, match="objective.mode fixed_prefix reads teacher scores, but none were given"):
         student_loss(trainer.student, prompts, rollouts, None, job.objective.model_copy(update={"mode": "fixed_prefix"}))
     loss, stats = student_loss(trainer.student, prompts, rollouts, None, job.objective)
-    assert math.isnan(stats.divergence) and math.isnan(stats.top_k_overlap)  # nothing to compare with
+    assert stats.divergence is None and stats.top_k_overlap is None  # nothing to compare with
     with torch.no_grad():
         per_sequence = [
             -_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None]).mean()
@@ -342,5 +341,5 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
         assert float(grad.norm()) > 0
         if on_policy:
             assert stats.importance_weight == 1.0 and stats.clipped == 0.0  # exp(0): one optimizer step per update
-        elif mode != "gspo":
-            assert stats.clipped > 0  # the clip binds somewhere
+        else:
+            assert stats.clipped > 0  # the clip binds somewhere (for GSPO, on whole responses)

@@ -52,6 +52,11 @@ def test_a_reward_that_gives_anything_but_one_finite_number_per_response_is_name
         checked_rewards("r", lambda samples, responses: values, rows("a", "b"), ["x", "y"])
 
 
+def test_a_reward_that_raises_is_named_with_the_rows_it_was_given():
+    with pytest.raises(RewardError, match=r"reward mine:f raised KeyError: 'colour' \(rows row-0, row-1\)"):
+        checked_rewards("mine:f", lambda samples, responses: [{}["colour"]], rows("a", "b"), ["x", "y"])
+
+
 def test_answer_rewards_refuse_rows_without_an_answer_and_choice_rows_without_a_letter():
     with pytest.raises(RewardError, match="rows without a reference answer cannot be rewarded by their answer: row-1"):
         BUILT_IN["answer"](rows("a", None), ["x", "y"])

@@ -205,7 +205,11 @@ def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
     flat = arm_job(base, "lt_opd_no_curriculum", 0, tmp_path).budget
     assert flat.start_bps == flat.target_bps == base.budget.target_bps and flat.warm_steps == flat.decay_end == 0
     no_hold = arm_job(base, "lt_opd_no_hold", 0, tmp_path).budget  # the decay ends at the last update: no plateau at the target
-    assert no_hold.model_copy(update={"decay_end": base.budget.decay_end}) == base.budget and no_hold.decay_end == base.budget.total_steps
+    assert no_hold.model_copy(update={"decay_end": base.budget.decay_end}) == base.budget and no_hold.decay_end == base.budget.total_steps - 1
+    from lt_opd_ray.core.curriculum import BudgetSchedule
+
+    schedule = BudgetSchedule.from_config(no_hold)
+    assert schedule.budget_bps(no_hold.total_steps - 1) == no_hold.target_bps < schedule.budget_bps(base.budget.decay_end)  # no plateau
     for arm in ("grpo", "dapo", "gspo"):  # the same rollouts, curriculum and sampling; a reward instead of a teacher
         job = arm_job(base, arm, 0, tmp_path)
         assert (job.objective.mode, job.reward.name, job.budget, job.sampling) == (arm, "answer", base.budget, base.sampling)

@@ -130,6 +130,7 @@ def _train_reference(job, steps: int) -> None:
 
     from lt_opd_ray.core.batch_order import batches
     from lt_opd_ray.reference import ReferenceTrainer
+    from lt_opd_ray.runtime.launch import shown
     from lt_opd_ray.sources.resolve import load_samples
 
     transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
@@ -143,7 +144,7 @@ def _train_reference(job, steps: int) -> None:
         s = report.stats
         print(
             f"step {report.step + 1:4d}/{steps}  budget {report.budget_bps / 100:5.2f}%  loss {s.loss:.5f}"
-            f"  div {s.divergence:.5f}  is_w {s.importance_weight:.3f}  overlap {s.top_k_overlap:.3f}"
+            f"  div {shown(s.divergence, '.5f')}  is_w {s.importance_weight:.3f}  overlap {shown(s.top_k_overlap, '.3f')}"
             f"  tokens {s.tokens}  grad {report.grad_norm:.3f}  {time.perf_counter() - start:.1f}s",
             flush=True,
         )
@@ -265,7 +266,7 @@ def register(sub) -> None:
     ablation.add_argument("--out", default="runs/ablation", help="output folder")
     ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     ablation.add_argument("--updates", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
-    ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also sequence_kd teacher_prefix (on the teacher's samples), lt_opd_token_merge)")
+    ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also sequence_kd teacher_prefix (on the teacher's samples), lt_opd_token_merge, lt_opd_no_hold, and the RL baselines grpo dapo gspo (answer reward))")
     ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)
 

@@ -432,6 +432,9 @@ class JobConfig(StrictModel):
         if self.reward.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) is longer than sampling.max_new_tokens"
                              f" ({self.sampling.max_new_tokens})")
+        if self.objective.policy_gradient and (self.sampling.temperature != 1.0 or self.sampling.top_p != 1.0):
+            raise ValueError(f"objective.mode {self.objective.mode} takes the learner's log-probs of the untempered, untruncated"
+                             " policy as the policy that sampled: set sampling.temperature and sampling.top_p to 1")
         if self.objective.policy_gradient and self.sampling.n < 2:
             raise ValueError(f"objective.mode {self.objective.mode} compares each response with the others of its prompt: set"
                              f" sampling.n to 2 or more (it is {self.sampling.n})")

@@ -242,9 +242,9 @@ class LearnerStepResult:
     """One learner rank's part of an update's optimizer step."""
 
     loss: float  # Σ over this rank's sequences of their token-mean loss / (N / ranks): the mean over ranks is the update's loss
-    divergence: float  # token-mean over this rank's tokens
+    divergence: float | None  # token-mean over this rank's tokens; None (and top_k_overlap) where the job has no teacher
     importance_weight: float  # token-mean
-    top_k_overlap: float  # token-mean
+    top_k_overlap: float | None  # token-mean
     tokens: int
     sequences: int
     prompts: int

@@ -45,8 +45,9 @@ class RolloutEngine(Protocol):
     def sink(self) -> WeightSink:
         """Where the weight broadcast writes the student's new weights."""
 
-    processor: object
-    """The model's `VLMProcessor`: its tokenizer turns responses into the text a reward reads (`response_texts`)."""
+    def response_texts(self, rollouts: list[Rollout]) -> list[str]:
+        """The rollouts' responses as text, special tokens (the end of sequence) left out: what a reward reads."""
+
     runner: str
     """What samples: "transformers", or which of vLLM's model runners."""
     missing_kernels: tuple[str, ...]
@@ -114,6 +115,9 @@ class TransformersRolloutEngine:
                 scope=self.job.selector.scope,
             )
 
+    def response_texts(self, rollouts: list[Rollout]) -> list[str]:
+        return response_texts(self.processor, rollouts)
+
     def sink(self) -> WeightSink:
         from lt_opd_ray.weight_sync.ends import ModuleSink
 
@@ -176,6 +180,10 @@ class VLLMRolloutEngine:
         ]
         results = self.engine.generate(engine_prompts, selections, params, [0] * len(samples))
         return [self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True) for completion, _ in results]
+
+    def response_texts(self, rollouts: list[Rollout]) -> list[str]:
+        with self._encoding:  # the Rust tokenizer the sampling threads encode with
+            return response_texts(self.processor, rollouts)
 
     def sink(self) -> WeightSink:
         return self._sink

@@ -104,7 +104,13 @@ def load_reward(name: str) -> Reward:
 def checked_rewards(name: str, reward: Reward, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
     """`reward`'s values for `responses` (the i-th answering `samples[i]`), each a finite number, else a RewardError
     naming the reward and the first row at fault."""
-    values = list(reward(samples, responses))
+    try:
+        values = list(reward(samples, responses))
+    except RewardError:
+        raise
+    except Exception as exc:  # a user's reward failing: named, with the rows it was given
+        uids = [s.uid for s in samples]
+        raise RewardError(f"reward {name} raised {type(exc).__name__}: {exc} (rows {', '.join(uids[:5])}{', ...' if len(uids) > 5 else ''})") from exc
     if len(values) != len(responses):
         raise RewardError(f"reward {name}: {len(values)} values for {len(responses)} responses")
     for i, value in enumerate(values):

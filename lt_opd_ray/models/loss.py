@@ -18,13 +18,13 @@ from lt_opd_ray.models.processor import TEXT, PromptInputs
 @dataclass
 class LossStats:
     loss: float
-    divergence: float  # token-mean divergence
-    importance_weight: float  # token-mean truncated importance weight
-    top_k_overlap: float  # mean |student top-k ∩ teacher top-k| / k
+    divergence: float | None  # token-mean divergence; None (and top_k_overlap) where the job has no teacher
+    importance_weight: float  # token-mean truncated importance weight (the RL baselines: their ratio)
+    top_k_overlap: float | None  # mean |student top-k ∩ teacher top-k| / k
     tokens: int
     sequences: int = 0
     vision_forwards: int = 0  # vision tower + merger passes: one per prompt when its group fits one micro-batch
-    clipped: float = 0.0  # token-mean share of importance weights cut to objective.importance_clip
+    clipped: float = 0.0  # token-mean share of importance weights cut to objective.importance_clip (RL baselines: tokens the clip stops)
     logprob_gap: float = 0.0  # token-mean |learner's - rollout engine's log-prob| of the sampled token
     truncated: int = 0  # responses cut at sampling.max_new_tokens
     longest: int = 0  # tokens of the longest response
@@ -34,7 +34,12 @@ class LossStats:
         """Stats of consecutive micro-batches of one update: losses add (each is already normalised by the
         update's sequence count), token means are re-weighted by tokens."""
         tokens = sum(p.tokens for p in parts)
-        weighted = lambda key: sum(getattr(p, key) * p.tokens for p in parts) / max(tokens, 1)  # noqa: E731
+
+        def weighted(key: str) -> float | None:
+            if any(getattr(p, key) is None for p in parts):  # no teacher: nothing to compare with
+                return None
+            return sum(getattr(p, key) * p.tokens for p in parts) / max(tokens, 1)
+
         return LossStats(
             loss=sum(p.loss for p in parts),
             divergence=weighted("divergence"),
@@ -137,7 +142,7 @@ def loss_on_forward(
 ) -> tuple[torch.Tensor, LossStats]:
     """`student_loss` from the student's forward on `rollouts` (`student_forward`) and the teacher's scores, or, where
     the objective reads none (`scores` None), the cross-entropy of the responses' own tokens: their log-probs alone
-    are computed, and the statistics that compare with the teacher (divergence, top-k overlap) are NaN."""
+    are computed, and the statistics that compare with the teacher (divergence, top-k overlap) are None."""
     if (scores is not None) != objective.teacher_scores:
         raise ValueError(f"objective.mode {objective.mode} {'reads' if objective.teacher_scores else 'reads no'} teacher scores, but"
                          f" {'none were' if scores is None else 'some were'} given")
@@ -162,7 +167,6 @@ def loss_on_forward(
         if sampled_only:
             token_loss = -sampled_logp  # cross-entropy of the response's own token (sft, sequence_kd)
             weight = torch.exp(sampled_logp.detach() - old_logp).clamp(max=objective.importance_clip)  # a health figure only
-            div = overlap = torch.full_like(weight, float("nan"))
         else:
             token_loss, div, weight = lt_opd_token_losses(
                 student_logp,
@@ -182,16 +186,17 @@ def loss_on_forward(
         if objective.truncated == "mask" and r.finish_reason == "length":
             token_loss = token_loss * 0.0  # cut at max_new_tokens: no loss (the same graph, no gradient)
         sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens
-        divs.append(div.detach())
+        if not sampled_only:
+            divs.append(div.detach())
+            overlaps.append(overlap)
         weights.append(weight)
         gaps.append((sampled_logp.detach() - old_logp).abs())  # the engines' mismatch on the sampled token
-        overlaps.append(overlap)
     loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
     stats = LossStats(
         loss=float(loss.detach()),
-        divergence=float(torch.cat(divs).mean()),
+        divergence=float(torch.cat(divs).mean()) if divs else None,
         importance_weight=float(torch.cat(weights).mean()),
-        top_k_overlap=float(torch.cat(overlaps).mean()),
+        top_k_overlap=float(torch.cat(overlaps).mean()) if overlaps else None,
         tokens=int(sum(r.response_ids.numel() for r in rollouts)),
         sequences=len(rollouts),
         vision_forwards=forward.vision_forwards,
@@ -210,7 +215,7 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
     from, the student's own log-probs, detached (exactly the sampling policy, free of the rollout engine's rounding:
     every ratio is 1, as one optimizer step per update keeps it); for one sampled a version earlier
     (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy (the clip
-    then bounds the step). The statistics that compare with a teacher are NaN."""
+    then bounds the step). The statistics that compare with a teacher are None."""
     if policy is None:
         raise ValueError(f"objective.mode {objective.mode} needs each rollout's advantage: none was given")
     device = sampled_logp[0].device
@@ -228,16 +233,19 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
         if objective.mode == "gspo":  # one ratio per response, shown at each of its tokens
             log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)).expand_as(mask)
         ratio = torch.exp(log_ratio)[mask.bool()]
+        advantage = policy.advantages.to(device)[:, None].expand_as(mask)[mask.bool()]
+        # the clip acts (no gradient through the token) where the ratio passed it in the advantage's direction
+        clipped = ((ratio > 1 + high) & (advantage > 0)) | ((ratio < 1 - low) & (advantage < 0))
         gaps = (logp.detach() - recorded).abs()[mask.bool()]  # the engines' mismatch on the sampled token
     stats = LossStats(
         loss=float(loss.detach()),
-        divergence=float("nan"),
+        divergence=None,
         importance_weight=float(ratio.mean()),
-        top_k_overlap=float("nan"),
+        top_k_overlap=None,
         tokens=int(mask.sum()),
         sequences=len(rollouts),
         vision_forwards=forward.vision_forwards,
-        clipped=float(((ratio < 1 - low) | (ratio > 1 + high)).float().mean()),
+        clipped=float(clipped.float().mean()),
         logprob_gap=float(gaps.mean()),
         truncated=sum(r.finish_reason == "length" for r in rollouts),
         longest=max(r.response_ids.numel() for r in rollouts),

@@ -56,10 +56,14 @@ def format_accuracy(accuracy: dict[str, float], full: float | None) -> str:
     return "".join(f"  | acc[{name}] {value:.3f}" + (f" retain {value / full:.3f}" if full else "") for name, value in accuracy.items())
 
 
+def shown(value: float | None, spec: str) -> str:
+    """A step line's figure; `-` for one the job does not have (divergence and top-k overlap without a teacher)."""
+    return "-" if value is None else format(value, spec)
+
+
 def format_step(log, total: int, full: float | None = None) -> str:
-    """One update's line. Divergence and top-k overlap compare with the teacher: `-` where the job has none."""
+    """One update's line."""
     p = log.phases
-    shown = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
     return (
         f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {shown(log.divergence, '.5f')}"
         + (f"  reward {log.reward_mean:.3f}" if log.reward_mean is not None else "")

@@ -6,8 +6,6 @@ so the dashboards can filter one run and split by worker.
 
 from __future__ import annotations
 
-import math
-
 from ray.util import metrics
 
 TAGS = ("run", "actor")  # not "job": Prometheus owns that label for its scrape job
@@ -67,7 +65,7 @@ class LearnerMetrics:
         """One rank's `wire.LearnerStepResult`."""
         self.step_seconds.set(result.seconds, tags=self.tags)
         self.loss.set(result.loss, tags=self.tags)
-        if not math.isnan(result.divergence):  # NaN (and the overlap) where the job has no teacher
+        if result.divergence is not None:  # None (and the overlap) where the job has no teacher
             self.divergence.set(result.divergence, tags=self.tags)
             self.overlap.set(result.top_k_overlap, tags=self.tags)
         self.importance_weight.set(result.importance_weight, tags=self.tags)

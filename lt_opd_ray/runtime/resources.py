@@ -92,7 +92,9 @@ def shortfalls(demands: dict[str, dict[str, float]], cluster: dict[str, float]) 
 
 def payload_bytes_in_flight(job: JobConfig) -> int:
     """The most teacher-payload bytes the object store holds at once: every response of the updates in flight
-    (1 + max_staleness) at max_new_tokens positions (payloads dwarf the rollouts' token ids)."""
+    (1 + max_staleness) at max_new_tokens positions (payloads dwarf the rollouts' token ids); none without a teacher."""
+    if not job.objective.teacher_scores:
+        return 0
     s = job.sampling
     positions = (1 + job.schedule.max_staleness) * s.prompts_per_step * s.n * s.max_new_tokens
     return positions * payload_bytes_per_position(job.objective.top_k, job.pools.teacher.payload_dtype)

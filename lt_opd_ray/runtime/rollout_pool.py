@@ -14,6 +14,7 @@ neither the worker, the grouping nor the rank count.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class RolloutWorker:
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
         self.reward = JobReward.of(job)
+        self.rewarding = threading.Lock()
         self.weights_version: int | None = 0  # None while an update is half written
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
@@ -123,11 +125,13 @@ class RolloutWorker:
         return tuple(out)
 
     def give_rewards(self, samples, rollouts) -> None:
-        """Each rollout's reward against its own row (a RewardError names the reward and the row)."""
-        from lt_opd_ray.engines.rollout_engines import response_texts
-
+        """Each rollout's reward against its own row (a RewardError names the reward and the row). A vLLM worker
+        samples several calls at once on threads; their rewards are given one call at a time (a user's reward need
+        not be thread-safe)."""
         rows = [samples[r.prompt_index] for r in rollouts]
-        values = self.reward(rows, response_texts(self.engine.processor, rollouts), [r.response_ids.numel() for r in rollouts])
+        texts = self.engine.response_texts(rollouts)
+        with self.rewarding:
+            values = self.reward(rows, texts, [r.response_ids.numel() for r in rollouts])
         for r, value in zip(rollouts, values):
             r.reward = value
 

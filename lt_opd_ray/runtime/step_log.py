@@ -3,7 +3,6 @@ update's work, and the pools' busy fractions (what the CLI prints, `steps.jsonl`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from lt_opd_ray.core.wire import LearnerStepResult, PhaseTimes, Span, busy_seconds
@@ -69,10 +68,9 @@ def summarize(
     def total(key: str):
         return sum(getattr(r, key) for r in ranks)
 
-    def known(value: float) -> float | None:  # the ranks report NaN for what compares with a teacher the job lacks
-        return None if math.isnan(value) else value
-
-    def by_tokens(key: str) -> float:
+    def by_tokens(key: str) -> float | None:  # None: what compares with a teacher the job lacks
+        if any(getattr(r, key) is None for r in ranks):
+            return None
         return sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)
 
     computed_tokens = sum(n for r in ranks for prompt in r.sequence_lengths for n in prompt)  # real positions of the micro-batches
@@ -81,9 +79,9 @@ def summarize(
         step=update,
         budget_bps=budget_bps,
         loss=total("loss") / len(ranks),  # each rank's loss is its Σ over sequences / (N / ranks)
-        divergence=known(by_tokens("divergence")),
+        divergence=by_tokens("divergence"),
         importance_weight=by_tokens("importance_weight"),
-        top_k_overlap=known(by_tokens("top_k_overlap")),
+        top_k_overlap=by_tokens("top_k_overlap"),
         tokens=total("tokens"),
         grad_norm=ranks[0].grad_norm,  # global: the same on every rank
         staleness=max(r.staleness for r in ranks),

@@ -11,6 +11,9 @@ Arms (all at the job's target budget, same teacher, same data):
   lt_opd          LT-OPD (docs/architecture.md §1)
   lt_opd_reverse_kl      LT-OPD with reverse KL instead of JSD
   lt_opd_token_merge     LT-OPD with the release's learnable token merge (not in the paper's table: asked for by name)
+  lt_opd_no_hold  LT-OPD whose cosine decay reaches the target at the last update (the paper's "no final plateau")
+  grpo, dapo, gspo       the RL baselines on the student's rollouts, rewarded by the row's answer (no teacher; DAPO
+                  with its overlong punishment over the last fifth of max_new_tokens)
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
 Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
@@ -70,8 +73,8 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
     data = _merge(data, ARMS[arm])
     if arm == "lt_opd_no_curriculum":
         data["budget"]["start_bps"] = data["budget"]["target_bps"]
-    if arm == "lt_opd_no_hold":
-        data["budget"]["decay_end"] = data["budget"]["total_steps"]
+    if arm == "lt_opd_no_hold":  # update c runs at the budget after c steps: the last, c = total_steps - 1, at the target
+        data["budget"]["decay_end"] = data["budget"]["total_steps"] - 1
     if arm == "dapo":
         data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
     data.update(name=f"{base.name}-{arm}-s{seed}", seed=seed)
