@@ -180,15 +180,13 @@ def loss_on_forward(
                 importance=objective.importance,
             )
             k = r.student_top_ids.shape[1]
-            overlap = (k - valid[:, k : 2 * k].sum(-1)).float() / k  # teacher top-k ids already in student top-k
+            divs.append(div.detach())
+            overlaps.append((k - valid[:, k : 2 * k].sum(-1)).float() / k)  # teacher top-k ids already in student top-k
         if token_loss.numel() == 0:
             raise ValueError(f"a rollout of prompt {r.prompt_index} has no response tokens: nothing to average")
         if objective.truncated == "mask" and r.finish_reason == "length":
             token_loss = token_loss * 0.0  # cut at max_new_tokens: no loss (the same graph, no gradient)
         sequence_losses.append(token_loss.mean())  # mean over the sequence's tokens
-        if not sampled_only:
-            divs.append(div.detach())
-            overlaps.append(overlap)
         weights.append(weight)
         gaps.append((sampled_logp.detach() - old_logp).abs())  # the engines' mismatch on the sampled token
     loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
