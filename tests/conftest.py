@@ -18,24 +18,7 @@ VLLM_FAMILIES = [name for name, family in DESCRIPTIONS.items() if family.vllm_mo
 os.environ.setdefault("LT_OPD_CHECK_COLLECTIVES", "1")
 
 
-# The suite runs in two pytest-xdist lanes (`-n 2 --dist loadgroup` in pyproject.toml): a whole module goes to one
-# lane, so its module-scoped cluster and runs start once. These modules start Ray clusters on fixed ports (a job's
-# metrics port, `ray start`'s client port) or run the README's commands in the repository's own runs/ folder, so they
-# share one lane, one after another; test_schedule reads test_runtime's cluster (its metrics port).
-ONE_LANE = {
-    "cli": {"test_main_job", "test_fake_gpu_nodes", "test_toy", "test_credentials", "test_export_serve", "test_dashboards", "test_setup"},
-    "test_runtime": {"test_runtime", "test_schedule"},
-}
-
-
-def lane_group(module: str) -> str:
-    return next((group for group, modules in ONE_LANE.items() if module in modules), module)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(lane_group(item.module.__name__)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
