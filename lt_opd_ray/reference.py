@@ -2,7 +2,7 @@
 
 One update = student rollouts at budget r(c) with the selector -> teacher top-k
 scores on the full-token prompt -> student loss on the replayed reduced input ->
-one clipped AdamW step. Student and teacher start from the same checkpoint; the
+one clipped AdamW step (one per mini-batch, optimizer.steps_per_update, split as the learner ranks split it). Student and teacher start from the same checkpoint; the
 teacher is frozen. With schedule.max_staleness 1 it runs the lagged schedule of the
 distributed runtime: update c's rollouts are sampled by the weights of update
 c - 1 (the initial weights for c = 0 and 1), kept in a second copy of the student.
@@ -17,6 +17,7 @@ import torch
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BudgetSchedule
+from lt_opd_ray.core.microbatch import update_mini_batches
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.selectors import build_selector
@@ -26,7 +27,16 @@ from lt_opd_ray.engines.transformers.teacher import teacher_scores
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.loading import compute_precision, load_vlm
 from lt_opd_ray.evals.rewards import JobReward
-from lt_opd_ray.models.loss import LossStats, PolicyInputs, group_policy_inputs, student_loss
+from lt_opd_ray.models.loss import (
+    LossStats,
+    PolicyInputs,
+    group_policy_inputs,
+    sampled_log_probs,
+    student_forward,
+    student_loss,
+    update_normaliser,
+    with_old_log_probs,
+)
 from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 from lt_opd_ray.sources.resolve import resolve_model_dir
 
@@ -72,9 +82,13 @@ class ReferenceTrainer:
         for i, r in enumerate(rollouts):
             groups.setdefault(r.prompt_index, []).append(i)
         advantages = torch.zeros(len(rollouts))
+        old_logp: list[torch.Tensor | None] = [None] * len(rollouts)
         for members in groups.values():
-            advantages[members] = group_policy_inputs([rollouts[i] for i in members], on_policy).advantages
-        return PolicyInputs(advantages, [on_policy] * len(rollouts))
+            inputs = group_policy_inputs([rollouts[i] for i in members], on_policy)
+            advantages[members] = inputs.advantages
+            for i, old in zip(members, inputs.old_logp):
+                old_logp[i] = old
+        return PolicyInputs(advantages, old_logp)
 
     def update(self, samples: list[Sample]) -> StepReport:
         c = self.step_index
@@ -105,20 +119,39 @@ class ReferenceTrainer:
                 for r, value in zip(rollouts, self.reward(rows, response_texts(self.processor, rollouts), [r.response_ids.numel() for r in rollouts])):
                     r.reward = value
             policy = self.policy_inputs(rollouts, on_policy=self.lagged is None or c == 0) if self.job.objective.policy_gradient else None
-            loss, stats = student_loss(self.student, prompts, rollouts, scores, self.job.objective, policy=policy)
         if self.lagged is not None:
             self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.student.model.parameters(), self.job.optimizer.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        steps = self.job.optimizer.steps_per_update
+        batches = update_mini_batches(len(samples), self.job.pools.learner.ranks, steps)
+        if policy is not None and steps > 1:  # later steps compare with the weights the update starts from
+            with torch.no_grad(), compute_precision(self.job.model.dtype, self.student.device):
+                recorded = sampled_log_probs(self.student, student_forward(self.student, prompts, rollouts), rollouts, self.job.objective.logsoftmax_chunk)
+            first = set(batches[0])
+            policy = with_old_log_probs(policy, [None if r.prompt_index in first else logp for r, logp in zip(rollouts, recorded)])
+        parts, norms = [], []
+        for batch in map(set, batches):
+            chosen = [i for i, r in enumerate(rollouts) if r.prompt_index in batch]
+            mine = [rollouts[i] for i in chosen]
+            normaliser = update_normaliser(self.job.objective, len(mine), sum(r.response_ids.numel() for r in mine))
+            with compute_precision(self.job.model.dtype, self.student.device):
+                loss, stats = student_loss(
+                    self.student, prompts, mine, [scores[i] for i in chosen] if scores is not None else None, self.job.objective, normaliser,
+                    PolicyInputs(policy.advantages[chosen], [policy.old_logp[i] for i in chosen]) if policy is not None else None,
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(self.student.model.parameters(), self.job.optimizer.grad_clip)))
+            self.optimizer.step()
+            self.scheduler.step()
+            parts.append(stats)
         self.step_index += 1
+        stats = LossStats.combine(parts)
+        stats.loss /= steps  # the mean of the mini-batches' losses
         return StepReport(
             step=c,
             budget_bps=budget,
             stats=stats,
-            grad_norm=float(grad_norm),
+            grad_norm=sum(norms) / steps,
             mean_response_tokens=stats.tokens / len(rollouts),
             reward_mean=sum(r.reward for r in rollouts) / len(rollouts) if self.reward is not None else None,
         )

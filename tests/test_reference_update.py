@@ -21,10 +21,10 @@ def tiny_job(model_dir, **overrides):
 seed: 3
 model: {{path: "{model_dir}", dtype: float32}}
 data: {{path: "synthetic:8", max_pixels: 65536}}
-budget: {{start_bps: 2500, target_bps: 1000, warm_steps: 1, decay_end: 3, total_steps: 4, k_min: 2}}
+budget: {{start_bps: {overrides.get("start_bps", 2500)}, target_bps: {overrides.get("target_bps", 1000)}, warm_steps: 1, decay_end: 3, total_steps: 4, k_min: 2}}
 objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}}}
 sampling: {{prompts_per_step: 2, n: {overrides.get("n", 2)}, max_new_tokens: {overrides.get("max_new_tokens", 6)}}}
-optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0}}
+optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0, steps_per_update: {overrides.get("steps", 1)}}}
 """ + (f"reward: {{name: {overrides['reward']}}}\n" if "reward" in overrides else "")
     return parse_job(text)
 
@@ -323,11 +323,11 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
     lm_head = trainer.student.model.lm_head.weight
     low, high = CLIP_RANGES[mode]
     for on_policy in (True, False):
-        policy = ReferenceTrainer.policy_inputs(rollouts, on_policy)
-        torch.testing.assert_close(policy.advantages, expected, rtol=1e-6, atol=1e-6)
         if not on_policy:  # the lagged policy: its log-probs a little off the student's, some ratios past the clip
             for r in rollouts:
                 r.old_logp = r.old_logp + 0.3 * torch.randn(r.old_logp.shape, generator=torch.Generator().manual_seed(r.response_ids.numel()))
+        policy = ReferenceTrainer.policy_inputs(rollouts, on_policy)
+        torch.testing.assert_close(policy.advantages, expected, rtol=1e-6, atol=1e-6)
         loss, stats = student_loss(trainer.student, prompts, rollouts, None, job.objective, policy=policy)
         (grad,) = torch.autograd.grad(loss, lm_head)
         logp = pad_sequence([_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None])[:, 0]
@@ -343,3 +343,67 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
             assert stats.importance_weight == 1.0 and stats.clipped == 0.0  # exp(0): one optimizer step per update
         else:
             assert stats.clipped > 0  # the clip binds somewhere (for GSPO, on whole responses)
+
+
+def test_later_steps_of_an_update_compare_with_the_weights_it_started_from(tiny_dirs, samples):
+    """optimizer.steps_per_update 2 (GRPO, one rank: prompt 0, then prompt 1), at full tokens so that transformers'
+    own forward replays each rollout: the reference's update equals two AdamW steps written here on plain forwards,
+    the first against its own log-probs, the second against the log-probs the starting weights gave its responses;
+    the second step's ratios are off 1 (the first step moved the weights), so its own log-probs as the old policy
+    would give another loss."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from lt_opd_ray.core.rl import CLIP_RANGES, policy_loss
+    from lt_opd_ray.engines.rollout_engines import response_texts
+
+    job = tiny_job(tiny_dirs["qwen3_5"], mode="grpo", n=4, reward="'user_rewards:letters'", steps=2, start_bps=10_000, target_bps=10_000)
+    assert job.pools.learner.ranks == 1
+    trainer, mirror = ReferenceTrainer(job), ReferenceTrainer(job)
+    batch = samples[:2]
+    report = trainer.update(batch)
+
+    prompts = mirror.encode(batch)
+    with torch.no_grad():
+        rollouts = rollout(mirror.student, mirror.processor.tokenizer, prompts, [s.uid for s in batch], mirror.selector,
+                           10_000, 2, mirror.params, 4, job.seed, 0)
+    rewards = mirror.reward([batch[r.prompt_index] for r in rollouts], response_texts(mirror.processor, rollouts),
+                            [r.response_ids.numel() for r in rollouts])
+    by_prompt = [[v for r, v in zip(rollouts, rewards) if r.prompt_index == p] for p in (0, 1)]
+    assert all(len(set(group)) > 1 for group in by_prompt)  # a gradient to follow in each step
+    model = mirror.student.model
+    initial = state(model)
+
+    def log_probs(members):
+        return pad_sequence([_hf_log_probs(model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None])[:, 0]
+                             for r in members], batch_first=True)
+
+    low, high = CLIP_RANGES["grpo"]
+    start = {p: log_probs([r for r in rollouts if r.prompt_index == p]).detach() for p in (0, 1)}
+    losses = []
+    for p in (0, 1):
+        members = [r for r in rollouts if r.prompt_index == p]
+        advantages = torch.tensor([(v - statistics.fmean(by_prompt[p])) / (statistics.stdev(by_prompt[p]) + 1e-6) for v in by_prompt[p]])
+        mask = pad_sequence([torch.ones(r.response_ids.numel()) for r in members], batch_first=True).double()
+        logp = log_probs(members)
+        loss = policy_loss(logp, start[p], advantages.double(), mask, kind="grpo", clip_low=low, clip_high=high)
+        if p == 1:
+            ratios = torch.exp(logp.detach() - start[p])[mask.bool()]
+            assert float((ratios - 1).abs().max()) > 1e-3  # the first step moved the weights
+            own = policy_loss(logp, logp.detach(), advantages.double(), mask, kind="grpo", clip_low=low, clip_high=high)
+            assert float(own) != pytest.approx(float(loss), rel=1e-3)  # the wrong old policy shows
+        mirror.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optimizer.grad_clip)
+        mirror.optimizer.step()
+        mirror.scheduler.step()
+        losses.append(float(loss.detach()))
+    # Adam moves an entry whose gradient is rounding noise (fp32 here, fp64 there) by ~lr either way, which moves the
+    # second step's log-probs a little: the loss to 1%, the weights to a few percent of how far the update moved them
+    # (the second step against its own log-probs gives loss 0: every ratio 1, advantages of mean 0)
+    assert losses[0] == pytest.approx(0.0, abs=1e-6) and losses[1] > 0.005
+    assert report.stats.loss == pytest.approx(sum(losses) / 2, rel=1e-2)
+    assert report.stats.importance_weight != 1.0  # the second step's ratios
+    got, expected = state(trainer.student.model), state(model)
+    moved = sum(float((expected[k] - initial[k]).square().sum()) for k in got) ** 0.5
+    off = sum(float((got[k] - expected[k]).square().sum()) for k in got) ** 0.5
+    assert off < 0.02 * moved, (off, moved)

@@ -243,6 +243,11 @@ class OptimizerConfig(StrictModel):
     """Linear learning-rate warm-up, then constant."""
     grad_clip: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
+    steps_per_update: int = Field(1, ge=1, le=MAX_PROMPTS_PER_STEP)
+    """Optimizer steps per update (PPO's mini-batches): each learner rank's prompts split into this many consecutive,
+    near-equal mini-batches, one AdamW step each, in order; mini-batch k of the update is every rank's k-th. The
+    learning rate moves once per update (warmup_steps counts updates). The RL baselines take the weights that began
+    the update as the old policy of every step, so from the second step on the clip bounds how far it moves."""
 
 
 class ScheduleConfig(StrictModel):
@@ -435,6 +440,10 @@ class JobConfig(StrictModel):
         if self.objective.policy_gradient and (self.sampling.temperature != 1.0 or self.sampling.top_p != 1.0):
             raise ValueError(f"objective.mode {self.objective.mode} takes the learner's log-probs of the untempered, untruncated"
                              " policy as the policy that sampled: set sampling.temperature and sampling.top_p to 1")
+        if self.optimizer.steps_per_update * self.pools.learner.ranks > self.sampling.prompts_per_step:
+            raise ValueError(f"optimizer.steps_per_update ({self.optimizer.steps_per_update}) splits each of the"
+                             f" {self.pools.learner.ranks} learner ranks' prompts into as many mini-batches: sampling.prompts_per_step"
+                             f" ({self.sampling.prompts_per_step}) must be at least their product")
         if self.objective.policy_gradient and self.sampling.n < 2:
             raise ValueError(f"objective.mode {self.objective.mode} compares each response with the others of its prompt: set"
                              f" sampling.n to 2 or more (it is {self.sampling.n})")

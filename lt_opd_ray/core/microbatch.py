@@ -97,3 +97,19 @@ def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
         ranges.append((start, stop))
         start = stop
     return ranges
+
+
+def mini_batch_of(prompts: list[int], steps: int) -> dict[int, int]:
+    """Each of a learner rank's prompts (in prompt order) -> its mini-batch, the optimizer step that trains on it: the
+    rank's prompts in `steps` consecutive near-equal parts (`split_evenly`)."""
+    return {prompts[i]: k for k, (start, stop) in enumerate(split_evenly(len(prompts), steps)) for i in range(start, stop)}
+
+
+def update_mini_batches(prompts: int, ranks: int, steps: int) -> list[list[int]]:
+    """An update's prompts by mini-batch across the learner ranks: mini-batch k is every rank's k-th
+    (`mini_batch_of` of each rank's share, `split_evenly(prompts, ranks)`)."""
+    batches: list[list[int]] = [[] for _ in range(steps)]
+    for start, stop in split_evenly(prompts, ranks):
+        for prompt, k in mini_batch_of(list(range(start, stop)), steps).items():
+            batches[k].append(prompt)
+    return batches

@@ -38,7 +38,8 @@ def param_groups(model: torch.nn.Module, lr) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (decoupled weight decay) + warm-up of `warmup_steps` updates, then constant.
+    """AdamW (decoupled weight decay) + warm-up of `warmup_steps` updates, then constant; the scheduler steps with the
+    optimizer, `steps_per_update` times an update.
 
     torch's fused AdamW: one kernel over every tensor of a group, on CUDA and on CPU alike (DeepSpeed hands it its
     fp32 partitions); element for element the same update as the per-tensor loop, without a launch per tensor.
@@ -50,7 +51,7 @@ def build_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimiz
         weight_decay=config.weight_decay,
         fused=True,
     )
-    warmup = config.warmup_steps
-    # update u (0-based) uses lr * (u + 1) / warmup during warm-up
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1.0, (u + 1) / warmup) if warmup else 1.0)
+    warmup, steps = config.warmup_steps, config.steps_per_update
+    # optimizer step s belongs to update u = s // steps_per_update, which uses lr * (u + 1) / warmup during warm-up
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s // steps + 1) / warmup) if warmup else 1.0)
     return optimizer, scheduler

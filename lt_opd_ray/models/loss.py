@@ -98,12 +98,31 @@ class PolicyInputs:
     """What an RL baseline's loss reads besides the student's log-probs, per rollout of a micro-batch."""
 
     advantages: torch.Tensor  # [B] each rollout's reward relative to its prompt's group (`core.rl.group_advantages`)
-    on_policy: list[bool]  # sampled by the weights this update starts from (staleness 0)
+    old_logp: list[torch.Tensor | None]  # per rollout, the old policy's log-probs of its tokens ([T]); None: the weights trained now
 
 
 def group_policy_inputs(rollouts: list[Rollout], on_policy: bool) -> PolicyInputs:
-    """`PolicyInputs` of one prompt's rollouts (its whole group of sampling.n responses, rewarded)."""
-    return PolicyInputs(group_advantages(torch.tensor([r.reward for r in rollouts]), len(rollouts)), [on_policy] * len(rollouts))
+    """`PolicyInputs` of one prompt's rollouts (its whole group of sampling.n responses, rewarded). The old policy:
+    for rollouts sampled by the weights this update starts from, those weights (None here: the student's own
+    log-probs at the update's first step, or `with_old_log_probs` recorded before it); for rollouts sampled a version
+    earlier (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy."""
+    advantages = group_advantages(torch.tensor([r.reward for r in rollouts]), len(rollouts))
+    return PolicyInputs(advantages, [None if on_policy else r.old_logp for r in rollouts])
+
+
+def with_old_log_probs(policy: PolicyInputs, recorded: list[torch.Tensor | None]) -> PolicyInputs:
+    """`policy` with the log-probs the update's starting weights gave (`sampled_log_probs`, before its first optimizer
+    step) as the old policy where it was None: what a later step of the update compares with."""
+    return PolicyInputs(policy.advantages, [old if old is not None else new for old, new in zip(policy.old_logp, recorded)])
+
+
+@torch.no_grad()
+def sampled_log_probs(student: QwenVLM, forward: StudentForward, rollouts: list[Rollout], chunk: int) -> list[torch.Tensor]:
+    """The student's log-probs of each rollout's own tokens ([T] each), without gradients: the old policy an update's
+    later optimizer steps compare with (`optimizer.steps_per_update`), taken before its first step."""
+    ids = torch.cat([r.response_ids for r in rollouts])[:, None].to(forward.hidden[0].device)
+    logp = gather_log_probs(torch.cat(forward.hidden), student.lm_head.weight, ids, chunk)[:, 0]
+    return list(logp.float().cpu().split([h.shape[0] for h in forward.hidden]))
 
 
 def averages_tokens(objective) -> bool:
@@ -209,17 +228,18 @@ def loss_on_forward(
 def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[Rollout], forward: StudentForward, objective,
                          normaliser: float, policy: PolicyInputs | None) -> tuple[torch.Tensor, LossStats]:
     """An RL baseline's loss (`core.rl.sequence_terms`, summed, / `normaliser`) on the student's log-probs of the
-    sampled tokens ([T, 1] per rollout). The old policy: for a rollout sampled by the weights this update starts
-    from, the student's own log-probs, detached (exactly the sampling policy, free of the rollout engine's rounding:
-    every ratio is 1, as one optimizer step per update keeps it); for one sampled a version earlier
-    (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy (the clip
-    then bounds the step). The statistics that compare with a teacher are None."""
+    sampled tokens ([T, 1] per rollout). The old policy (`policy.old_logp`): where None, the student's own
+    log-probs, detached (the update's first step on rollouts of its starting weights: exactly the sampling policy,
+    free of the rollout engine's rounding, so every ratio is 1); else the given log-probs (the starting weights',
+    recorded before the first step, for a later step; the rollout engine's for rollouts sampled a version earlier),
+    whose ratios the clip bounds. The statistics that compare with a teacher are None."""
     if policy is None:
         raise ValueError(f"objective.mode {objective.mode} needs each rollout's advantage: none was given")
     device = sampled_logp[0].device
     logp = pad_sequence([lp[:, 0] for lp in sampled_logp], batch_first=True)  # [B, T]
     recorded = pad_sequence([r.old_logp.to(device) for r in rollouts], batch_first=True)  # the rollout engine's
-    old = torch.where(torch.tensor(policy.on_policy, device=device)[:, None], logp.detach(), recorded)
+    old = pad_sequence([lp[:, 0].detach() if given is None else given.to(device, lp.dtype) for lp, given in zip(sampled_logp, policy.old_logp)],
+                       batch_first=True)
     mask = pad_sequence([torch.ones(lp.shape[0], device=device) for lp in sampled_logp], batch_first=True)
     low, high = CLIP_RANGES[objective.mode]
     terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high)

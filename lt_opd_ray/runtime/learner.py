@@ -3,7 +3,7 @@
 Each rank trains on the rollouts of its own contiguous range of the update's
 prompts, in token-budgeted micro-batches (`microbatch.Packer`, fed group by group
 as the groups' rollouts arrive, in prompt order) whose gradients accumulate into the
-update's one optimizer step. A micro-batch's forward needs no teacher scores, so it runs
+update's optimizer step (one per mini-batch where optimizer.steps_per_update splits the update). A micro-batch's forward needs no teacher scores, so it runs
 while the teacher is still scoring; the loss waits for them. Every micro-batch loss is
 normalised by the update's sequence count over ranks (N / M, as DeepSpeed averages
 gradients over the M ranks), so the step is that of the update's seq-mean-token-mean
@@ -25,7 +25,7 @@ import torch
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.collectives import all_reduce_max, all_reduce_sum, hold_every_group_for, install_guard_if_asked
-from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence
+from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence, mini_batch_of
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
@@ -37,6 +37,8 @@ from lt_opd_ray.models.loss import (
     averages_tokens,
     group_policy_inputs,
     loss_on_forward,
+    sampled_log_probs,
+    with_old_log_probs,
     reduced_length,
     student_forward,
 )
@@ -50,7 +52,8 @@ class StudentObjective(torch.nn.Module):
     """The engine's module, called twice per micro-batch: `forward(prompts, rollouts)` is the student's forward on
     the replayed rollouts (`loss.student_forward`: no teacher scores needed, so it runs while the teacher scores);
     `forward(computed, rollouts, scores, normaliser)` is the loss on it (`loss.loss_on_forward`; scores None where
-    the objective reads none).
+    the objective reads none); `forward(computed, rollouts, log_probs=True)` the log-probs of the rollouts' own tokens,
+    without gradients (`loss.sampled_log_probs`: the old policy of an update's later optimizer steps).
 
     The loss reads lm_head.weight outside lm_head's own forward (chunked
     log-softmax), so under ZeRO-3 it is registered as an external parameter of
@@ -63,11 +66,13 @@ class StudentObjective(torch.nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, inputs, rollouts, scores=None, normaliser: float = 1.0, policy: PolicyInputs | None = None
-                ) -> StudentForward | tuple[torch.Tensor, LossStats]:
+    def forward(self, inputs, rollouts, scores=None, normaliser: float = 1.0, policy: PolicyInputs | None = None, log_probs: bool = False
+                ) -> StudentForward | tuple[torch.Tensor, LossStats] | list[torch.Tensor]:
         student = QwenVLM(self.model)
         if not isinstance(inputs, StudentForward):
             return student_forward(student, inputs, rollouts)
+        if log_probs:
+            return sampled_log_probs(student, inputs, rollouts, self.objective.logsoftmax_chunk)
         return loss_on_forward(student, inputs, rollouts, scores, self.objective, normaliser, policy)
 
 
@@ -104,11 +109,13 @@ class MicroBatchStream:
     """This rank's micro-batches, packed as its groups' rollouts arrive (in prompt order) within the token budget;
     their teacher scores are waited for only when `scores` asks for them.
 
-    Each sequence is its reduced prompt (the replayed selection) plus its response.
+    Each sequence is its reduced prompt (the replayed selection) plus its response. Iterating yields
+    (mini-batch, MicroBatch) pairs, and (mini-batch, None) once that mini-batch's last prompt is packed: a micro-batch
+    never spans two mini-batches (`mini_batch`: each of the rank's prompts -> its optimizer step).
     """
 
-    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool = False):
-        self.groups, self.encode, self.policy_gradient = groups, encode, policy_gradient
+    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool, mini_batch: dict[int, int]):
+        self.groups, self.encode, self.policy_gradient, self.mini_batch = groups, encode, policy_gradient, mini_batch
         self.packer = Packer(token_budget)
         self.rollouts: list[Rollout] = []
         self.prompts: dict[int, PromptInputs] = {}
@@ -117,7 +124,7 @@ class MicroBatchStream:
         self._owners: list[int] = []  # per sequence: its group
         self._scores: dict[int, list[TeacherScore]] = {}  # per group, once waited for
         self.lengths: list[tuple[int, ...]] = []  # per prompt, in the order packed: its sequences' tokens
-        self._policy: dict[int, tuple[float, bool]] = {}  # per sequence (RL baselines): its advantage, sampled by this update's weights
+        self._policy: dict[int, tuple[float, torch.Tensor | None]] = {}  # per sequence (RL baselines): its advantage, its old policy
 
     def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore] | None:
         """The teacher's scores of these sequences, waiting for each of their groups' answers the first time; None
@@ -131,13 +138,14 @@ class MicroBatchStream:
         return [self._scores[self._owners[i]][i - self._firsts[self._owners[i]]] for i in sequences]
 
     def policy(self, sequences: tuple[int, ...]) -> PolicyInputs | None:
-        """What an RL baseline's loss reads of these sequences (their advantages within their prompts' groups); None
-        for the other objectives."""
+        """What an RL baseline's loss reads of these sequences (their advantages within their prompts' groups, their
+        old policy); None for the other objectives."""
         if not self.policy_gradient:
             return None
         return PolicyInputs(torch.tensor([self._policy[i][0] for i in sequences]), [self._policy[i][1] for i in sequences])
 
-    def __iter__(self) -> Iterator[MicroBatch]:
+    def __iter__(self) -> Iterator[tuple[int, MicroBatch | None]]:
+        left = {k: list(self.mini_batch.values()).count(k) for k in set(self.mini_batch.values())}  # prompts to come, per mini-batch
         for group in self.groups:
             first = len(self.rollouts)
             self.rollouts += group.rollouts
@@ -150,13 +158,21 @@ class MicroBatchStream:
             for i, r in enumerate(group.rollouts, start=first):
                 length = reduced_length(self.prompts[r.prompt_index], r.selected) + r.response_ids.numel()
                 by_prompt.setdefault(r.prompt_index, []).append(Sequence(i, r.prompt_index, length))
-            for sequences in by_prompt.values():
+            for prompt in sorted(by_prompt):
+                sequences = by_prompt[prompt]
                 if self.policy_gradient:  # a prompt's sampling.n rollouts arrive together, in one group
                     inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], on_policy=group.lag == 0)
-                    self._policy.update({s.index: (float(a), fresh) for s, a, fresh in zip(sequences, inputs.advantages, inputs.on_policy)})
+                    self._policy.update({s.index: (float(a), old) for s, a, old in zip(sequences, inputs.advantages, inputs.old_logp)})
                 self.lengths.append(tuple(s.tokens for s in sequences))
-                yield from self.packer.add(sequences)
-        yield from self.packer.flush()
+                k = self.mini_batch[prompt]
+                yield from ((k, batch) for batch in self.packer.add(sequences))
+                left[k] -= 1
+                if left[k] == 0:
+                    yield from ((k, batch) for batch in self.packer.flush())
+                    yield k, None
+        if any(left.values()):
+            missing = sorted(p for p, k in self.mini_batch.items() if p not in self.prompts)
+            raise ValueError(f"this rank's groups ended without the rollouts of its prompts {missing}")
 
 
 class Learner:
@@ -204,44 +220,91 @@ class Learner:
 
     def _train_step(self, samples, groups: Iterator[StreamedGroup], total_sequences: int, version: int, mark) -> LearnerStepResult:
         encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
-        objective = self.job.objective
-        stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens, objective.policy_gradient)
-        batches = iter(stream)
+        objective, steps = self.job.objective, self.job.optimizer.steps_per_update
+        mini_batch = mini_batch_of(sorted(samples), steps)
+        stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens, objective.policy_gradient, mini_batch)
+        source = iter(stream)
         mark(f"u{version} waiting for rollouts", working=False)
-        normaliser = total_sequences / self.world  # the ranks' losses are averaged: each divides by its share
-        if averages_tokens(objective):  # a mean over the update's tokens: every rank's rollouts counted first
-            batches = iter(list(batches))
-            mark(f"u{version} lockstep with the other ranks", working=False)
-            (tokens,) = all_reduce_sum([sum(r.response_ids.numel() for r in stream.rollouts)])
-            normaliser = tokens / self.world
-        current = next(batches, None)
-        if current is None:
+        first = next(source, None)
+        if first is None:
             raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
+        source = _chain(first, source)
         filler = MicroBatch((0,), (stream.rollouts[0].prompt_index,), 0)  # any real sequence, weighted 0
+        old_logp: dict[int, torch.Tensor] = {}  # later steps' old policy (RL baselines): the starting weights' log-probs
+        parts, spans, norms, real, passes, padded = [], [], [], 0, 0, 0
+        for k in range(steps):
+            micro_batches = _until_end_of(source, k)
+            if steps == 1:
+                normaliser = total_sequences / self.world  # the ranks' losses are averaged: each divides by its share
+            else:  # this mini-batch's sequences over the ranks (each rank's k-th share of its prompts)
+                mark(f"u{version} lockstep with the other ranks", working=False)
+                (sequences,) = all_reduce_sum([self.job.sampling.n * sum(1 for p in mini_batch.values() if p == k)])
+                normaliser = sequences / self.world
+            if averages_tokens(objective):  # a mean over the mini-batch's tokens: every rank's rollouts counted first
+                micro_batches = list(micro_batches)
+                mark(f"u{version} lockstep with the other ranks", working=False)
+                (tokens,) = all_reduce_sum([sum(stream.rollouts[i].response_ids.numel() for mb in micro_batches for i in mb.sequences)])
+                normaliser = tokens / self.world
+            label = f"u{version}" + (f" step{k}" if steps > 1 else "")
+            done = self._accumulate(stream, iter(micro_batches), filler, normaliser, old_logp, label, mark)
+            parts += done[0]
+            spans += done[1]
+            real, passes, padded = real + done[2], passes + done[3], padded + done[4]
+            if k == 0 and steps > 1 and objective.policy_gradient:
+                rest = list(source)  # every later mini-batch's rollouts, before the weights move
+                source = iter(rest)
+                later = [batch for _, batch in rest if batch is not None]
+                old_logp = self._record_old_log_probs(stream, later, filler, f"u{version}", mark, spans)
+            mark(f"{label} optimizer step")
+            with Stopwatch() as watch:
+                self.engine.step()
+            spans.append(watch.span("learner", f"learner-{self.rank}", f"{label} optimizer"))
+            norms.append(float(self.engine.get_global_grad_norm() or 0.0))
+        self.steps_done += 1
+        stats = LossStats.combine(parts)
+        return LearnerStepResult(
+            loss=stats.loss / steps, divergence=stats.divergence, importance_weight=stats.importance_weight,
+            top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(stream.prompts),
+            micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
+            grad_norm=sum(norms) / steps, seconds=sum(s.seconds for s in spans),
+            clipped_share=stats.clipped, logprob_gap=stats.logprob_gap, truncated_sequences=stats.truncated, longest_response=stats.longest,
+            sequence_lengths=tuple(stream.lengths), padded_tokens=padded, spans=tuple(spans),
+        )
+
+    def _accumulate(self, stream: MicroBatchStream, batches: Iterator[MicroBatch], filler: MicroBatch, normaliser: float,
+                    old_logp: dict[int, torch.Tensor], label: str, mark) -> tuple[list[LossStats], list, int, int, int]:
+        """One optimizer step's gradients: forward, loss and backward of each micro-batch, in lockstep with the other
+        ranks (before a forward they agree whether any rank still has a micro-batch, before a backward whether any
+        has one after it, the accumulation boundary; a rank that is done runs zero-weighted fillers). Returns the
+        real micro-batches' stats, the spans, and the real, all and padded counts."""
         parts, spans, real, passes, padded = [], [], 0, 0, 0
+        current = next(batches, None)
         while True:
-            mark(f"u{version} lockstep with the other ranks", working=False)
+            mark(f"{label} lockstep with the other ranks", working=False)
             (any_current,) = all_reduce_max([current is not None])  # before the forward: ZeRO-3 gathers in it
             if not any_current:
                 break
             batch = current or filler
-            label = f"u{version} {'mb' if current else 'filler'}{passes}"
+            name = f"{label} {'mb' if current else 'filler'}{passes}"
             chosen = [stream.rollouts[i] for i in batch.sequences]
-            mark(f"{label} forward")
+            mark(f"{name} forward")
             with Stopwatch() as watch, compute_precision(self.job.model.dtype, self.engine.device):
                 computed = self.engine(stream.prompts, chosen)  # needs no teacher scores: runs while the teacher scores
-            spans.append(watch.span("learner", f"learner-{self.rank}", f"{label} forward"))
-            mark(f"u{version} waiting for rollouts", working=False)
+            spans.append(watch.span("learner", f"learner-{self.rank}", f"{name} forward"))
+            mark(f"{label} waiting for rollouts", working=False)
             following = next(batches, None) if current is not None else None  # the next groups' rollouts, not scores
-            mark(f"u{version} lockstep with the other ranks", working=False)
+            mark(f"{label} lockstep with the other ranks", working=False)
             (any_following,) = all_reduce_max([following is not None])  # the accumulation boundary
-            mark(f"{label} waiting for the teacher's scores", working=False)
+            mark(f"{name} waiting for the teacher's scores", working=False)
             scores = stream.scores(batch.sequences)
-            mark(f"{label} loss and backward")
+            policy = stream.policy(batch.sequences)
+            if policy is not None and old_logp:
+                policy = with_old_log_probs(policy, [old_logp.get(i) for i in batch.sequences])
+            mark(f"{name} loss and backward")
             with Stopwatch() as watch:
                 self.engine.set_gradient_accumulation_boundary(not any_following)
                 with compute_precision(self.job.model.dtype, self.engine.device):
-                    loss, stats = self.engine(computed, chosen, scores, normaliser, stream.policy(batch.sequences))
+                    loss, stats = self.engine(computed, chosen, scores, normaliser, policy)
                 if current is None:
                     loss = loss * 0.0  # a filler: the same graph as a real micro-batch, no contribution
                 else:
@@ -249,23 +312,32 @@ class Learner:
                     real += 1
                     padded += batch.padded_tokens
                 self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
-            spans.append(watch.span("learner", f"learner-{self.rank}", label))
+            spans.append(watch.span("learner", f"learner-{self.rank}", name))
             passes += 1
             current = following
-        mark(f"u{version} optimizer step")
-        with Stopwatch() as watch:
-            self.engine.step()
-        spans.append(watch.span("learner", f"learner-{self.rank}", f"u{version} optimizer"))
-        self.steps_done += 1
-        stats = LossStats.combine(parts)
-        return LearnerStepResult(
-            loss=stats.loss, divergence=stats.divergence, importance_weight=stats.importance_weight,
-            top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(stream.prompts),
-            micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
-            grad_norm=float(self.engine.get_global_grad_norm() or 0.0), seconds=sum(s.seconds for s in spans),
-            clipped_share=stats.clipped, logprob_gap=stats.logprob_gap, truncated_sequences=stats.truncated, longest_response=stats.longest,
-            sequence_lengths=tuple(stream.lengths), padded_tokens=padded, spans=tuple(spans),
-        )
+        return parts, spans, real, passes, padded
+
+    def _record_old_log_probs(self, stream: MicroBatchStream, batches: list[MicroBatch], filler: MicroBatch, label: str, mark,
+                              spans: list) -> dict[int, torch.Tensor]:
+        """The log-probs the update's starting weights give the sequences of its later mini-batches (forwards without
+        gradients, in lockstep with the other ranks as ZeRO-3 gathers in each), taken before its first optimizer step."""
+        recorded: dict[int, torch.Tensor] = {}
+        todo = iter(batches)
+        current = next(todo, None)
+        while True:
+            mark(f"{label} lockstep with the other ranks", working=False)
+            (any_current,) = all_reduce_max([current is not None])
+            if not any_current:
+                return recorded
+            batch = current or filler
+            chosen = [stream.rollouts[i] for i in batch.sequences]
+            mark(f"{label} old policy's log-probs")
+            with Stopwatch() as watch, torch.no_grad(), compute_precision(self.job.model.dtype, self.engine.device):
+                logp = self.engine(self.engine(stream.prompts, chosen), chosen, log_probs=True)
+            spans.append(watch.span("learner", f"learner-{self.rank}", f"{label} old log-probs"))
+            if current is not None:
+                recorded.update(zip(batch.sequences, logp))
+            current = next(todo, None)
 
     @property
     def wire_dtype(self) -> str:
@@ -368,3 +440,19 @@ def init_process_group(rank: int, world: int, master_addr: str, master_port: int
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray gives each rank one GPU (CUDA_VISIBLE_DEVICES): device 0 is its own
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _chain(first, rest: Iterator):
+    yield first
+    yield from rest
+
+
+def _until_end_of(source: Iterator[tuple[int, MicroBatch | None]], k: int) -> Iterator[MicroBatch]:
+    """Mini-batch k's micro-batches from the stream, up to its end marker."""
+    for mini_batch, batch in source:
+        if mini_batch != k:
+            raise ValueError(f"mini-batch {mini_batch} arrived inside mini-batch {k}")
+        if batch is None:
+            return
+        yield batch
+
