@@ -230,3 +230,25 @@ def test_a_vllm_engine_that_cannot_hold_the_weights_and_one_longest_sequence_is_
     with pytest.raises(InsufficientResourcesError, match=r"pools.rollout's vLLM engine needs .* one 3028-token sequence .* more than its"):
         check_engine_memory(with_share(need / 80e9 * 0.99), config, h100)
     check_engine_memory(with_share(0.01), config, [{"Alive": True, "Resources": {"GPU": 8.0, "memory": 1e12}}])  # unnamed GPUs: not checked
+
+
+def test_a_job_without_a_teacher_is_planned_without_one_and_names_the_gpus_it_frees():
+    """The RL baselines read no teacher scores: the job's split and every best split give the teacher no GPU and no
+    time, the update's work has no teacher FLOPs, and `lt-opd plan` says which GPUs the teacher pool would have taken."""
+    from lt_opd_ray.planning.planner import job_split
+
+    rl = ["objective.mode=grpo", "reward.name=answer", "sampling.temperature=1", "sampling.top_p=1"]
+    job = load_job(REPO / "jobs/train_qwen35.yaml", rl)
+    shapes = shapes_of(job, 84, (896, 832))
+    assert shapes.teacher_backend is None and update_work(CONFIG, shapes, EFFICIENCY).teacher_flops == 0.0
+    assert job_split(job) == (4, 0, 2) and job_split(load_job(REPO / "jobs/train_qwen35.yaml")) == (4, 2, 2)
+    for schedule in ("synchronous", "staleness 1"):
+        best = best_split(CONFIG, shapes, GPUS["h200"], 8, EFFICIENCY, schedule)
+        assert best.split[1] == 0 and sum(best.split) == 8 and best.phases["teacher"] == 0.0
+    with_teacher = best_split(CONFIG, paper_shapes(), GPUS["h200"], 8, EFFICIENCY, "staleness 1")
+    assert with_teacher.split[1] >= 1 and with_teacher.phases["teacher"] > 0
+    cli = [sys.executable, "-m", "lt_opd_ray.cli.main", "plan", "jobs/train_qwen35.yaml", "--gpus", "6", "--gpu", "h200", "--preset", "qwen3.5-4b"]
+    out = subprocess.run([*cli, *(f"--set={o}" for o in rl)], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "no teacher pool (objective.mode grpo reads no teacher scores): the 2 GPU(s) of pools.teacher are free" in out.stdout
+    assert re.search(r"job's split\s+4/0/2\s", out.stdout) and "teacher 0%" in out.stdout and "note: the teacher admits" not in out.stdout

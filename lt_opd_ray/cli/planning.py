@@ -41,6 +41,7 @@ def cmd_plan(args) -> int:
         SCHEDULES,
         best_split,
         job_split,
+        teacher_gpus,
         learner_gb_per_gpu,
         plan,
         shapes_of,
@@ -105,8 +106,11 @@ def cmd_plan(args) -> int:
     one_node = sum(split) <= gpu.gpus_per_node
     print(f"links: weight sync and ZeRO collectives over {'NVLink' if one_node else 'the nodes network'}"
           f" ({gpu.link_gbps if one_node else gpu.network_gbps:g} GB/s); rollout engines decode {shapes.engine_batch or 'all their'} sequences at once"
-          f" ({job.pools.rollout.backend}); teacher on {shapes.teacher_backend}"
-          + (" (the prompt once per prompt)" if shapes.teacher_backend == "transformers" else " (the prompt prefilled with every response)"))
+          f" ({job.pools.rollout.backend}); "
+          + (f"teacher on {shapes.teacher_backend}" + (" (the prompt once per prompt)" if shapes.teacher_backend == "transformers" else
+                                                       " (the prompt prefilled with every response)") if shapes.teacher_backend else
+             f"no teacher pool (objective.mode {job.objective.mode} reads no teacher scores): the {teacher_gpus(job)} GPU(s) of"
+             " pools.teacher are free, and the splits below give the teacher none"))
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
     rows += best
     print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "

@@ -121,7 +121,8 @@ class Shapes:
     group_prompts: int
     engine_batch: int | None  # sequences one rollout engine decodes at once, as the code feeds it; None: a worker's whole share,
     # in one static batch (transformers: every row runs until the batch's longest response)
-    teacher_backend: str  # "transformers" (shared prompt cache) or "vllm" (a full prefill per response)
+    teacher_backend: str | None  # "transformers" (shared prompt cache) or "vllm" (a full prefill per response); None: no teacher
+    # (the objective reads no teacher scores: the SFT modes, the RL baselines)
     micro_batch_tokens: int  # the learner's token budget per micro-batch
     zero_stage: int
     dtype_bytes: int = 2  # the job's compute dtype: weights read per decode step, KV cache, weight sync
@@ -215,7 +216,8 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
         decode_seq_steps=sum(running),
         decode_kv_bytes=sum(r * (reduced.prefill_tokens + s) * kv_per_token for s, r in enumerate(running)),
         logit_bytes=4 * text["vocab_size"],
-        teacher_flops=shapes.prompts * vision + prompt_passes * full.lm_flops + sequences * (response(full.prefill_tokens) + mean * head),
+        teacher_flops=(shapes.prompts * vision + prompt_passes * full.lm_flops + sequences * (response(full.prefill_tokens) + mean * head)
+                       if shapes.teacher_backend else 0.0),
         response_positions=sequences * mean,
         # the chunked head runs its GEMM 4 times (forward, its recompute in backward, both gradients), checkpointing or not
         learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens)) + shapes.prompts * vision) + 4 * sequences * mean * head,
@@ -277,7 +279,8 @@ def phase_seconds(work: Work, shapes: Shapes, gpu: GPU, split: tuple[int, int, i
     peak = gpu.bf16_tflops * 1e12
     return {
         "rollout": rollout_seconds(work, shapes, gpu, rollout_gpus, efficiency),
-        "teacher": work.teacher_flops / teacher_gpus / (peak * efficiency["prefill_mfu"]) + logit_seconds(work, gpu, teacher_gpus, "teacher", efficiency),
+        "teacher": (work.teacher_flops / teacher_gpus / (peak * efficiency["prefill_mfu"]) + logit_seconds(work, gpu, teacher_gpus, "teacher", efficiency)
+                    if teacher_gpus else 0.0),  # no teacher pool
         "learner": learner_seconds(work, shapes, gpu, learner_gpus, efficiency),
         "sync": sync_seconds(work, shapes, gpu, split, efficiency),
     }
@@ -329,7 +332,7 @@ def best_split(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: di
     work = update_work(config, shapes, efficiency)
     candidates = [
         plan(config, shapes, gpu, (r, t, gpus - r - t), efficiency)
-        for r, t in itertools.product(range(1, gpus), repeat=2)
+        for r, t in itertools.product(range(1, gpus), range(1, gpus) if shapes.teacher_backend else [0])
         if gpus - r - t >= 1 and learner_fits(work, gpu, gpus - r - t, shapes.zero_stage)
     ]
     if not candidates:
@@ -368,14 +371,20 @@ def shapes_of(job, text_tokens: int, image: tuple[int, int], frames: int = 0) ->
         prompts=job.sampling.prompts_per_step, n=job.sampling.n, max_new_tokens=job.sampling.max_new_tokens,
         text_tokens=text_tokens, image=image, budget_bps=job.budget.target_bps, k_min=job.budget.k_min, top_k=job.objective.top_k,
         checkpointing=job.pools.learner.activation_checkpointing, group_prompts=job.schedule.group_prompts,
-        engine_batch=engine_batch(job), teacher_backend=job.pools.teacher.backend,
+        engine_batch=engine_batch(job), teacher_backend=job.pools.teacher.backend if job.objective.teacher_scores else None,
         micro_batch_tokens=job.pools.learner.micro_batch_tokens, zero_stage=job.pools.learner.zero_stage,
         dtype_bytes=DTYPE_BYTES[job.model.dtype], frames=frames,
     )
 
 
 def job_split(job) -> tuple[int, int, int]:
-    """The GPUs the job's own pools ask for (rollout workers, teacher replicas, learner ranks)."""
+    """The GPUs the job's own pools ask for (rollout workers, teacher replicas, learner ranks); no teacher's where the
+    objective reads no teacher scores (`teacher_gpus`: what it would take)."""
     pools = job.pools
-    return (max(1, math.ceil(pools.rollout.workers * pools.rollout.gpus)), max(1, math.ceil(pools.teacher.replicas * pools.teacher.gpus)),
+    return (max(1, math.ceil(pools.rollout.workers * pools.rollout.gpus)), teacher_gpus(job) if job.objective.teacher_scores else 0,
             max(1, math.ceil(pools.learner.ranks * pools.learner.gpus)))
+
+
+def teacher_gpus(job) -> int:
+    """The GPUs the job's teacher pool takes at its initial replicas."""
+    return max(1, math.ceil(job.pools.teacher.replicas * job.pools.teacher.gpus))
