@@ -57,6 +57,18 @@ def test_the_9b_job_is_the_4b_recipe_on_another_split():
     assert {k for k in small["checkpoint"] if small["checkpoint"][k] != large["checkpoint"][k]} == {"dir"}
 
 
+def test_the_grpo_job_is_the_4b_job_with_a_reward_instead_of_a_teacher():
+    """jobs/train_qwen35_grpo.yaml: the main job's model, data, selector, curriculum and sampling; the objective, a
+    reward, PPO's mini-batches, and the pools (no teacher: its GPUs sample) differ, and the learners are the same."""
+    main, rl = (load_job(REPO / "jobs" / name) for name in ("train_qwen35.yaml", "train_qwen35_grpo.yaml"))
+    a, b = main.model_dump(), rl.model_dump()
+    assert {key for key in a if a[key] != b[key]} == {"name", "objective", "reward", "optimizer", "pools", "checkpoint"}
+    assert rl.objective.mode == "grpo" and not rl.objective.teacher_scores and rl.reward.name == "answer_normalised"
+    assert {k for k in a["optimizer"] if a["optimizer"][k] != b["optimizer"][k]} == {"steps_per_update"}
+    assert rl.pools.learner == main.pools.learner
+    assert rl.pools.rollout.workers == main.pools.rollout.workers + main.pools.teacher.replicas  # the teacher's GPUs sample
+
+
 def problems_of(text):
     with pytest.raises(JobConfigError) as info:
         parse_job(text, source="job.yaml")

@@ -84,27 +84,27 @@ class FakeGpuCluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], jobs: list[list[str]], steps: int) -> list[dict]:
-    """In this (fresh) process: start `nodes` (GPUs, CPUs, custom resources), then for each of `jobs` (overrides of the
-    main job) run its driver for `steps` updates; per job what the start-up printed, how long the pools took, where
-    each actor went, or the refusal."""
+def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], jobs: list[tuple[str, list[str]]], steps: int) -> list[dict]:
+    """In this (fresh) process: start `nodes` (GPUs, CPUs, custom resources), then for each of `jobs` (a job file of
+    jobs/ and its overrides) run its driver for `steps` updates; per job what the start-up printed, how long the pools
+    took, where each actor went, or the refusal."""
     cluster = FakeGpuCluster()
     try:
         for gpus, cpus, resources in nodes:
             cluster.add_node(gpus, cpus, resources)
         cluster.connect()
-        return [run_main_job([*SMALL, *overrides], steps) for overrides in jobs]
+        return [run_job(name, [*SMALL, *overrides], steps) for name, overrides in jobs]
     finally:
         cluster.stop()
 
 
-def run_main_job(overrides: list[str], steps: int) -> dict:
+def run_job(name: str, overrides: list[str], steps: int) -> dict:
     import contextlib
     import io
 
     printed = io.StringIO()
     try:
-        job = load_job(REPO / "jobs" / "train_qwen35.yaml", overrides)
+        job = load_job(REPO / "jobs" / name, overrides)
         begin = time.perf_counter()
         with contextlib.redirect_stdout(printed):
             driver = Driver(job)
@@ -119,15 +119,17 @@ def run_main_job(overrides: list[str], steps: int) -> dict:
         return {"refused": str(exc)}
 
 
-def fresh(nodes, *jobs: list[str], steps=0) -> list[dict] | dict:
-    """`on_fake_cluster` in a fresh process: one job's result, or a list of several jobs' results in order."""
+def fresh(nodes, *jobs: list[str] | tuple[str, list[str]], steps=0) -> list[dict] | dict:
+    """`on_fake_cluster` in a fresh process: one job's result, or a list of several jobs' results in order (each the
+    main job's overrides, or a job file of jobs/ and its overrides)."""
     import multiprocessing
 
+    jobs = [job if isinstance(job, tuple) else ("train_qwen35.yaml", job) for job in jobs]
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "token"  # the child reads it when it imports ray, before it joins the nodes
     try:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            results = pool.apply(on_fake_cluster, (nodes, list(jobs), steps))
+            results = pool.apply(on_fake_cluster, (nodes, jobs, steps))
     finally:
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE")
@@ -142,7 +144,10 @@ def gpu_ids(placements) -> list[str]:
 
 @pytest.mark.slow
 def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(tmp_path):
-    run = fresh([(8, 72, None)], [f"checkpoint.dir={tmp_path / 'run'}"], steps=1)  # the recipe's pools take 8 CPUs per actor
+    """The main job, then its GRPO baseline (jobs/train_qwen35_grpo.yaml: no teacher, its GPUs sample), on the same node."""
+    # the recipe's pools take 8 CPUs per actor; the GRPO job's 4 optimizer steps need 4 prompts per rank
+    run, rl = fresh([(8, 72, None)], [f"checkpoint.dir={tmp_path / 'run'}"],
+                    ("train_qwen35_grpo.yaml", ["sampling.prompts_per_step=8", f"checkpoint.dir={tmp_path / 'rl'}"]), steps=1)
     placements = run["placements"]
     print(f"\n8-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(placements)}")
     assert sorted(p.actor.split("-")[0] for p in placements) == ["learner"] * 2 + ["rollout"] * 4 + ["teacher"] * 2
@@ -152,6 +157,9 @@ def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(tm
     assert "the teacher may autoscale to pools.teacher.max_replicas = 4; this cluster has room for 2" in run["printed"]
     assert {p.engine for p in placements} == {"transformers", "DeepSpeed ZeRO-2"}
     assert run["tokens"][0] > 0  # one update ran: the collectives (gloo: the actors see no CUDA) under the device guard
+    print(f"8-GPU node, GRPO: pools started in {rl['seconds']:.1f} s; {format_placements(rl['placements'])}")
+    assert sorted(p.actor.split("-")[0] for p in rl["placements"]) == ["learner"] * 2 + ["rollout"] * 6
+    assert gpu_ids(rl["placements"]) == [str(i) for i in range(8)] and rl["tokens"][0] > 0
 
 
 @pytest.mark.slow

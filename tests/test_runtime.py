@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -629,6 +630,96 @@ def test_teacher_service_answers_requests_of_two_updates_in_flight(cluster, tiny
     finally:
         service.shutdown()
         pool.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """Holds a rollout group back until the test opens it: the teacher's request for it stays in its replica."""
+
+    def __init__(self):
+        import asyncio
+
+        self.opened = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.opened.wait()
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+@ray.remote(num_cpus=0)
+def held_back(group, gate):
+    ray.get(gate.wait.remote())
+    return group
+
+
+def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_stops(cluster, tiny_dirs, tmp_path):
+    """Serve's autoscaling on the teacher (the main job grows 2 -> 4 replicas), with every step forced: replica A
+    admits two requests (max_batch_size 1: two slots), whose groups are held back, and the third waits at the handle;
+    three ongoing against a target of two per replica brings up B, which admits the third. One answer brings the
+    load to two, one replica's worth: Serve stops the newest replica, B, while it still holds the third request. B
+    drains it (answered once its group is let through, before B is gone), nothing is lost: every answer equals the
+    remaining replica's answer to the same group, bit for bit."""
+    import threading
+
+    from ray import serve
+
+    from lt_opd_ray.core.wire import unpack_scores
+    from lt_opd_ray.runtime.rollout_pool import RolloutPool
+    from lt_opd_ray.runtime.teacher import TeacherService, ask
+
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, name="autoscale", prompts=3, teacher_batch=1)
+    teacher = job.pools.teacher.model_copy(update={"max_replicas": 2, "target_queue_per_replica": 2.0, "upscale_delay_s": 0.0,
+                                                   "downscale_delay_s": 0.0, "load_window_s": 1.0})
+    job = job.model_copy(update={"pools": job.pools.model_copy(update={"teacher": teacher})})
+    samples = ray.put(load_samples("synthetic:3"))
+    pool, service = RolloutPool(job), TeacherService(job)
+
+    def states() -> dict:
+        return serve.status().applications[service.app_name].deployments["TeacherDeployment"].replica_states
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 90
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: {states()}"
+            time.sleep(0.1)
+
+    try:
+        service.wait_ready()
+        groups = pool.submit(samples, 2500, 0, [(0, 3)], 1)
+        gates = [Gate.remote() for _ in groups]
+        held = [held_back.remote(g.group, gate) for g, gate in zip(groups, gates)]
+        answers = [ask(service.handle, samples, held[i], 0, g.start, g.stop) for i, g in enumerate(groups[:2])]  # A's two slots
+        third: list = []
+        asking = threading.Thread(target=lambda: third.append(ask(service.handle, samples, held[2], 0, groups[2].start, groups[2].stop)))
+        asking.start()  # admitted only when a replica has a free slot
+        wait_for(lambda: service.replicas() == 2 and third, "a second replica admitting the third request")
+        asking.join()
+        answers += third
+        assert all(ray.wait([a], timeout=0)[0] == [] for a in answers)  # all three held
+        ray.get(gates[0].open.remote())
+        ray.get(answers[0])
+        wait_for(lambda: states().get("STOPPING", 0) == 1, "the newest replica stopping")
+        assert ray.wait([answers[2]], timeout=0)[0] == []  # B still holds the third request as it stops
+        ray.get(gates[2].open.remote())
+        ray.get(gates[1].open.remote())
+        payloads = ray.get(answers, timeout=120)
+        wait_for(lambda: service.replicas() == 1 and not states().get("STOPPING"), "back to one replica")
+        again = ray.get(service.async_score(samples, groups), timeout=120)  # the remaining replica, every group
+        vocab = job_vocab(tiny_dirs["qwen3_5"])
+        for payload, repeat, group in zip(payloads, again, ray.get([g.group for g in groups])):
+            for x, y in zip(unpack_scores(payload, group.rollouts, vocab), unpack_scores(repeat, group.rollouts, vocab)):
+                assert torch.equal(x.top_ids, y.top_ids) and torch.equal(x.top_logp, y.top_logp)
+    finally:
+        service.shutdown()
+        pool.shutdown()
+
+
+def job_vocab(model_dir) -> int:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())["text_config"]["vocab_size"]
 
 
 @pytest.mark.parametrize("mode", ["teacher_prefix", "sft"])

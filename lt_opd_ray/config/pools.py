@@ -79,6 +79,8 @@ class TeacherPool(Resources):
     """How long the queue must stay above target before a replica is added."""
     downscale_delay_s: float = Field(60.0, ge=0, le=MAX_WAIT_S)
     """How long the queue must stay below target before a replica is removed."""
+    load_window_s: float = Field(30.0, gt=0, le=MAX_WAIT_S)
+    """How far back Serve averages the ongoing requests it compares with the target (its look_back_period_s)."""
     micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
     """Response tokens (responses x longest response) per teacher forward; the n responses of a prompt
     share its full-token prompt cache, computed once (each prompt's prefix in a forward of its own)."""

@@ -162,6 +162,7 @@ def deployment_options(job: JobConfig) -> dict:
             "target_ongoing_requests": pool.target_queue_per_replica,
             "upscale_delay_s": pool.upscale_delay_s,
             "downscale_delay_s": pool.downscale_delay_s,
+            "look_back_period_s": pool.load_window_s,
         }
     else:
         options["num_replicas"] = pool.replicas
