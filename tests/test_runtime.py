@@ -753,12 +753,13 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     are the reference's, and the learners match it. Responses end at a space (the tiny model's random text), so their
     lengths differ within a prompt's group and between the ranks: DAPO's token mean counts both ranks' tokens before
     the first backward, the punishment varies. GSPO at staleness 1 takes the rollout engine's log-probs as the old
-    policy from update 1 on. DAPO takes two optimizer steps an update (each rank's two prompts one each): the second
-    compares with the log-probs the starting weights gave, recorded on both ranks before the first step."""
+    policy from update 1 on. DAPO takes two optimizer steps an update (each rank's two prompts one each) under ZeRO-3: the
+    second compares with the log-probs the starting weights gave, recorded on both ranks before the first step
+    (forwards that gather the weights in lockstep)."""
     from ray import serve
 
     extra = f"reward: {{name: 'user_rewards:letters', overlong_buffer: 3}}\nschedule: {{max_staleness: {staleness}}}\n"
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=2 * steps, steps_per_update=steps, name=f"rl-{mode}", mode=mode, max_new_tokens=8, stop=[" "],
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=2 * steps, steps_per_update=steps, zero_stage=3 if steps > 1 else 2, name=f"rl-{mode}", mode=mode, max_new_tokens=8, stop=[" "],
                   micro_batch_tokens=120, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
     reports, _ = reference_run(job, 2)
     with driven(job, 2) as (driver, logs, run):
