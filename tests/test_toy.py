@@ -377,6 +377,35 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     assert (study / "curves.png").stat().st_size > 0 and "LT-OPD" in (study / "retain_table.md").read_text()
 
 
+def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher, tmp_path):
+    """`lr_scales`: the arm trains once per scale (its own seed, not a study seed), each student scored on the toy
+    task's validation rows (a split apart from the training and held-out rows); the study's seed trains at the scale
+    that scored highest, and the report's table shows every score and the choice."""
+    from lt_opd_ray.sources.resolve import load_samples
+    from lt_opd_ray.config.loading import load_job
+    from lt_opd_ray.tools.ablation import TUNING_SEED, arm_job, run_ablation
+
+    base = tmp_path / "toy_circles.yaml"
+    base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
+                    .replace("export_port: 8091", "export_port: 8096"))
+    with pytest.raises(ValueError, match=r"--lr-scales 1.0 1.0: distinct positive scales"):
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0, 1.0])
+    study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 3.0])
+    assert study["validation"]["rows"] == "toy-circles-validation:16"
+    validation, held_out = (load_samples(f"toy-circles-{split}:16") for split in ("validation", "test"))
+    assert not {s.uid for s in validation} & {s.uid for s in held_out} and all("-validation-" in s.uid for s in validation)
+    tuned = {r["lr_scale"]: r["retain"] for r in study["tuning_runs"]}
+    assert sorted(tuned) == [0.1, 3.0] and all(0 <= r <= 1.5 for r in tuned.values())
+    chosen = max(tuned, key=lambda scale: (tuned[scale], -[0.1, 3.0].index(scale)))
+    assert study["chosen_lr_scale"] == {"sft": chosen} and [r["lr_scale"] for r in study["runs"]] == [chosen]
+    assert (tmp_path / "study" / "tuning" / "lr0.1" / "sft" / f"seed{TUNING_SEED}" / "final").is_dir()
+    table = (tmp_path / "study" / "retain_table.md").read_text()
+    assert f"| SFT on the data's responses | {tuned[0.1]:.3f} | {tuned[3.0]:.3f} | {chosen}x |" in table
+    job = load_job(base)
+    scaled = arm_job(job, "sft", 0, tmp_path, steps=1, lr_scale=3.0).optimizer.lr
+    assert scaled.model_dump() == pytest.approx({module: 3.0 * rate for module, rate in job.optimizer.lr.model_dump().items()})
+
+
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
     from lt_opd_ray.tools.ablation_report import plot_curves
 

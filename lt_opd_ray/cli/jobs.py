@@ -202,7 +202,8 @@ def cmd_ablation(args) -> int:
     if load_job_or_report(args.job) is None:
         return 2
     try:
-        results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms, resume=args.resume)
+        results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms, resume=args.resume,
+                               lr_scales=args.lr_scales)
     except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
@@ -267,6 +268,9 @@ def register(sub) -> None:
     ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     ablation.add_argument("--updates", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
     ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also sequence_kd teacher_prefix (on the teacher's samples), lt_opd_token_merge, lt_opd_no_hold, and the RL baselines grpo dapo gspo (answer reward))")
+    ablation.add_argument("--lr-scales", type=float, nargs="+", default=None, metavar="SCALE",
+                          help="choose each arm's learning rates first: one run per scale of the job's (e.g. 0.3 1 3), scored on"
+                               " the toy task's validation rows; the arm's seeds train at the best")
     ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)
 

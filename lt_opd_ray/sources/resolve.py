@@ -1,6 +1,6 @@
 """What a job's `data.*` and `model.path` strings name, resolved in one place (the schema checks them with it).
 
-Data: `synthetic:<n>[@<W>x<H>][*<images>]`, `synthetic-video:<n>[@<W>x<H>]`, `toy-<task>[-test]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
+Data: `synthetic:<n>[@<W>x<H>][*<images>]`, `synthetic-video:<n>[@<W>x<H>]`, `toy-<task>[-test|-validation]:<n>`, a folder prepared by `lt-opd data`, or a JSONL /
 parquet file. Models: `tiny:<family>[-vocab<N>]` (an embedded tiny random model, built once), `toy:<task>` (a toy
 task's teacher: shipped, or trained once), or a local Hugging Face folder.
 """
@@ -19,12 +19,15 @@ MAX_GENERATED_ROWS = 100_000  # synthetic and toy rows are drawn in memory at st
 MAX_SYNTHETIC_IMAGES = 16  # images per synthetic row (MVBench's frame count)
 
 
+TOY_SPLITS = ("test", "validation")  # besides "train"
+
+
 @dataclass(frozen=True)
 class GeneratedRows:
     """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>][*<images>]`, `synthetic-video:<n>[@<W>x<H>]` or
-    `toy-<task>[-test]:<n>`."""
+    `toy-<task>[-test|-validation]:<n>`."""
 
-    kind: str  # "synthetic", "synthetic-video" or "toy-<task>[-test]"
+    kind: str  # "synthetic", "synthetic-video" or "toy-<task>[-test|-validation]"
     count: int
     size: tuple[int, int] | None = None  # (width, height) of synthetic images; None: 128 x 128
     images: int = 1  # images per synthetic row (0: a synthetic clip)
@@ -35,7 +38,13 @@ class GeneratedRows:
 
     @property
     def toy_task(self) -> str | None:
-        return self.kind.removeprefix("toy-").removesuffix("-test") if self.kind.startswith("toy-") else None
+        return self.kind.removeprefix("toy-").removesuffix(f"-{self.split}") if self.kind.startswith("toy-") else None
+
+    @property
+    def split(self) -> str:
+        """A toy task's split: its training rows, its held-out rows ("test"), or rows for choosing settings on
+        ("validation", drawn apart from both)."""
+        return next((split for split in TOY_SPLITS if self.kind.endswith(f"-{split}")), "train")
 
 
 def generated_rows(spec: str) -> GeneratedRows | None:
@@ -66,13 +75,14 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0, allow_o
     """`synthetic:<n>` (coloured quadrants, 128x128; `synthetic:<n>@<W>x<H>` at another size, `synthetic:<n>*<I>` with
     I images per row, the question naming one), `synthetic-video:<n>` (16-frame clips whose board changes once, the
     question asking about its start or end),
-    `toy-<task>:<n>` / `toy-<task>-test:<n>` (a toy task's training / held-out split, lt_opd_ray/toy),
+    `toy-<task>:<n>` / `toy-<task>-test:<n>` / `toy-<task>-validation:<n>` (a toy task's training / held-out /
+    validation split, lt_opd_ray/toy),
     a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
     if (generated := generated_rows(spec)) is not None:
         if generated.toy_task is not None:
             from lt_opd_ray.sources.toy.tasks import toy_task
 
-            return toy_task(generated.toy_task).samples(generated.count, "test" if generated.kind.endswith("-test") else "train")
+            return toy_task(generated.toy_task).samples(generated.count, generated.split)
         if generated.video:
             return [synthetic_video_sample(i, seed, generated.size or 128) for i in range(generated.count)]
         return [synthetic_sample(i, seed, generated.size or 128, generated.images) for i in range(generated.count)]

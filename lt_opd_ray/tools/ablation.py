@@ -16,6 +16,10 @@ Arms (all at the job's target budget, same teacher, same data):
                   with its overlong punishment over the last fifth of max_new_tokens)
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
+With `lr_scales`, every arm first trains once per scale of the job's learning rates (seed TUNING_SEED, never a
+study seed) and each student is scored on validation rows (a split apart from the training and held-out rows): its
+retain at the budget with the selector it trained with, averaged over the kinds of question. The arm's seeds then
+train at the scale that scored highest, so every arm gets the same care.
 Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
 held-out items; mean ± standard error over seeds.
 """
@@ -59,8 +63,12 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None = None) -> JobConfig:
-    """The base job specialised to one arm and seed; `steps` rescales the curriculum to a shorter run."""
+TUNING_SEED = 1000  # the learning-rate runs' seed: apart from the study's seeds 0..N-1
+
+
+def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None = None, lr_scale: float = 1.0) -> JobConfig:
+    """The base job specialised to one arm and seed, its learning rates times `lr_scale`; `steps` rescales the
+    curriculum to a shorter run."""
     data = base.model_dump()
     if steps is not None:
         scale = steps / base.budget.total_steps
@@ -77,20 +85,22 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
         data["budget"]["decay_end"] = data["budget"]["total_steps"] - 1
     if arm == "dapo":
         data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
+    data["optimizer"]["lr"] = {module: rate * lr_scale for module, rate in data["optimizer"]["lr"].items()}
     data.update(name=f"{base.name}-{arm}-s{seed}", seed=seed)
     data["data"]["shuffle_seed"] = seed
     data["checkpoint"]["dir"] = str(out / arm / f"seed{seed}")
     return JobConfig.model_validate(data)
 
 
-def eval_sets(job: JobConfig) -> dict[str, list]:
-    """The held-out rows (`eval.data`) by kind of question where they are a toy task's that asks several kinds
-    (`discs`), else one set, "all"."""
+def eval_sets(job: JobConfig, spec: str | None = None) -> dict[str, list]:
+    """The held-out rows (`eval.data`, or the rows `spec` names) by kind of question where they are a toy task's that
+    asks several kinds (`discs`), else one set, "all"."""
     from lt_opd_ray.sources.resolve import generated_rows, load_samples
     from lt_opd_ray.sources.toy.tasks import toy_task
 
-    samples = load_samples(job.eval.data, job.data.image_root, job.seed, job.data.allow_outside_root)
-    rows = generated_rows(job.eval.data)
+    spec = spec or job.eval.data
+    samples = load_samples(spec, job.data.image_root, job.seed, job.data.allow_outside_root)
+    rows = generated_rows(spec)
     task = toy_task(rows.toy_task) if rows is not None and rows.toy_task is not None else None
     if task is None or task.kind_of(samples[0]) is None:
         return {"all": samples}
@@ -125,11 +135,27 @@ def pooled(by_set: dict[str, dict[str, float]], sets: dict[str, list]) -> dict[s
     return {column: sum(by_set[name][column] * len(sets[name]) for name in sets) / total for column in by_set[next(iter(sets))]}
 
 
+def validation_rows(base: JobConfig) -> str:
+    """The rows learning rates are chosen on: the validation split of the held-out rows' toy task, as many rows."""
+    from lt_opd_ray.sources.resolve import generated_rows
+
+    rows = generated_rows(base.eval.data)
+    if rows is None or rows.toy_task is None:
+        raise ValueError(f"eval.data {base.eval.data!r} is not a toy task's rows: choosing learning rates needs validation rows apart from them")
+    return f"toy-{rows.toy_task}-validation:{rows.count}"
+
+
+def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[str, float]], selector: str) -> float:
+    """Retain at the budget with `selector` (accuracy / the teacher's full-token accuracy), averaged over the kinds."""
+    return sum(accuracy[kind][selector] / teacher[kind]["full"] for kind in accuracy) / len(accuracy)
+
+
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
-                 resume: bool = False) -> dict:
+                 resume: bool = False, lr_scales: list[float] | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
-    `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors)
-    and train only the (arm, seed) pairs it lacks; the wall time adds up over the invocations."""
+    `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
+    learning-rate scales) and train only the runs it lacks; the wall time adds up over the invocations.
+    `lr_scales`: each arm's learning rates chosen first on validation rows (see the module's docstring)."""
     import ray
 
     from lt_opd_ray.runtime.launch import claim_run_folder, init_ray, run
@@ -141,6 +167,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    if lr_scales is not None and (not lr_scales or min(lr_scales) <= 0 or len(set(lr_scales)) != len(lr_scales)):
+        raise ValueError(f"--lr-scales {' '.join(map(str, lr_scales))}: distinct positive scales of the job's learning rates")
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} is a file; --out names the study's folder")
@@ -158,27 +186,50 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
     if len(sets) > 1:
         print("  by kind of question: " + "; ".join(f"{kind} full {a['full']:.3f}" for kind, a in teacher_by_kind.items()), flush=True)
-    runs = finished_runs(out_dir, base_path, steps or base.budget.total_steps, base) if resume else []
+    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales) if resume else {}
+    runs, tuning = earlier.get("runs", []), earlier.get("tuning_runs", [])
     done = {(r["arm"], r["seed"]) for r in runs}
     begin -= finished_seconds(out_dir) if resume and runs else 0.0
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
                "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
                "trained_with": base.selector.name,
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False,
+               "lr_scales": lr_scales, "tuning_runs": tuning, "chosen_lr_scale": {},
                **({"teacher_by_kind": teacher_by_kind, "kind_items": {k: len(v) for k, v in sets.items()}} if len(sets) > 1 else {})}
     init_ray(base)
     try:
+        if lr_scales:
+            validation = eval_sets(base, validation_rows(base))
+            teacher_on_validation = evaluate(resolve_model_dir(base.model.path), base, validation, full_tokens=True)
+            results["validation"] = {"rows": validation_rows(base), "teacher_by_kind": teacher_on_validation}
+            tuned = {(r["arm"], r["lr_scale"]) for r in tuning}
+            for arm in arms:
+                for scale in lr_scales:
+                    if (arm, scale) in tuned:
+                        continue
+                    job = arm_job(base, arm, TUNING_SEED, out_dir / "tuning" / f"lr{scale:g}", steps, scale)
+                    claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)
+                    started = time.perf_counter()
+                    run(job)
+                    accuracy = evaluate(str(Path(job.checkpoint.dir) / "final"), job, validation, full_tokens=False)
+                    tuning.append({"arm": arm, "lr_scale": scale, "seconds": time.perf_counter() - started, "accuracy": accuracy,
+                                   "retain": mean_retain(accuracy, teacher_on_validation, base.selector.name)})
+                    print(f"{arm} at {scale:g}x the learning rates: validation retain {tuning[-1]['retain']:.3f}", flush=True)
+                    save_results(results, out_dir, begin)
+            for arm in arms:  # the highest validation retain; a tie goes to the scale listed first
+                scored = [r for r in tuning if r["arm"] == arm]
+                results["chosen_lr_scale"][arm] = max(scored, key=lambda r: (r["retain"], -lr_scales.index(r["lr_scale"])))["lr_scale"]
         for seed in seeds:
             for arm in arms:
                 if (arm, seed) in done:
                     continue
-                job = arm_job(base, arm, seed, out_dir, steps)
+                job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0))
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
                 logs = run(job)
                 final = logs[-1].eval_accuracy
                 runs.append({
-                    "arm": arm, "seed": seed, "seconds": time.perf_counter() - started, "final": final,
+                    "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "seconds": time.perf_counter() - started, "final": final,
                     "curve": [{"step": log.step + 1, "budget_bps": log.budget_bps, "loss": log.loss,
                                "divergence": log.divergence, "reward": log.reward_mean, "eval": log.eval_accuracy} for log in logs],
                 })
@@ -194,18 +245,18 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     return results
 
 
-def finished_runs(out_dir: Path, base_path: str, steps: int, base) -> list[dict]:
-    """The runs a cut-short study in `out_dir` finished, when it is this study; a ValueError naming the difference
-    otherwise (a resumed study never mixes runs of another)."""
+def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None) -> dict:
+    """What a cut-short study in `out_dir` finished (its "runs" and "tuning_runs"), when it is this study; a
+    ValueError naming the difference otherwise (a resumed study never mixes runs of another)."""
     path = out_dir / "results.json"
     if not path.exists():
-        return []
+        return {}
     earlier = json.loads(path.read_text())
     wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
-              "trained_with": base.selector.name}
+              "trained_with": base.selector.name, "lr_scales": lr_scales}
     if differing := [f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
         raise ValueError(f"{path}: another study ({'; '.join(differing)}); resume it with its own settings or choose another --out")
-    return earlier["runs"]
+    return earlier
 
 
 def finished_seconds(out_dir: Path) -> float:

@@ -96,6 +96,22 @@ def ordering_lines(rows: list[dict], selector: str) -> list[str]:
     return lines
 
 
+def tuning_lines(results: dict) -> list[str]:
+    """Each arm's validation retain at every scale of the job's learning rates, and the scale its seeds trained at."""
+    scales, tuning = results.get("lr_scales"), results.get("tuning_runs", [])
+    if not scales or not tuning:
+        return []
+    lines = ["", f"Learning rates chosen on validation rows ({results['validation']['rows']}, apart from the training and held-out"
+             f" rows): retain with {results['trained_with']} averaged over the kinds, one run per scale of the job's learning rates;"
+             " the arm's seeds trained at the chosen scale.", "",
+             "| arm | " + " | ".join(f"{scale:g}x" for scale in scales) + " | chosen |", "|---|" + "---|" * (len(scales) + 1)]
+    for arm in dict.fromkeys(r["arm"] for r in tuning):
+        score = {r["lr_scale"]: r["retain"] for r in tuning if r["arm"] == arm}
+        lines.append(f"| {LABELS[arm]} | " + " | ".join(f"{score[s]:.3f}" if s in score else "-" for s in scales)
+                     + f" | {results['chosen_lr_scale'].get(arm, '-')}{'x' if arm in results['chosen_lr_scale'] else ''} |")
+    return lines
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     """retain_table.md / .csv and curves.png."""
     rows = retain_rows(results)
@@ -124,6 +140,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     lines += ["", f"The paper's ordering{' on the mean over kinds' if ordered is not rows else ''}, evaluated with {results['trained_with']}"
               " (a step holds when the difference exceeds 2 SE; the last, `<=`, when it is not below -2 SE):", ""]
     lines += ordering_lines(ordered, results["trained_with"])
+    lines += tuning_lines(results)
     (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
     csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,retain_se,seeds"]
     csv += [f"{r['arm']},{r['trained_with']},{r['evaluated_with']},{r['retain_mean']:.4f},{r['retain_std']:.4f},{r['retain_se']:.4f},{r['seeds']}" for r in rows]
