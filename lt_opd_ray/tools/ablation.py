@@ -13,7 +13,8 @@ Arms (all at the job's target budget, same teacher, same data):
   lt_opd_token_merge     LT-OPD with the release's learnable token merge (not in the paper's table: asked for by name)
   lt_opd_no_hold  LT-OPD whose cosine decay reaches the target at the last update (the paper's "no final plateau")
   grpo, dapo, gspo       the RL baselines on the student's rollouts, rewarded by the row's answer (no teacher; DAPO
-                  with its overlong punishment over the last fifth of max_new_tokens)
+                  with its overlong punishment over the last fifth of max_new_tokens), in PPO's mini-batches: four
+                  optimizer steps an update, so their clips act on policy as in their papers' practice
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
 With `lr_scales`, every arm first trains once per scale of the job's learning rates (seed TUNING_SEED, never a
@@ -53,6 +54,7 @@ ARMS: dict[str, dict] = {
 }
 # DAPO's soft overlong punishment starts this share of max_new_tokens before it (the paper: 4,096 of 20,480)
 DAPO_OVERLONG_SHARE = 0.2
+RL_STEPS_PER_UPDATE = 4  # the RL arms' optimizer steps an update (PPO's mini-batches), where each rank has the prompts
 STUDY_ARMS = ("sft", "fixed_prefix", "lt_opd_no_curriculum", "lt_opd", "lt_opd_reverse_kl")  # the paper's ablation table
 
 
@@ -85,6 +87,9 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
         data["budget"]["decay_end"] = data["budget"]["total_steps"] - 1
     if arm == "dapo":
         data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
+    if data["objective"]["mode"] in ("grpo", "dapo", "gspo"):  # at least one prompt per rank and mini-batch
+        prompts_per_rank = data["sampling"]["prompts_per_step"] // data["pools"]["learner"]["ranks"]
+        data["optimizer"]["steps_per_update"] = max(1, min(RL_STEPS_PER_UPDATE, prompts_per_rank))
     data["optimizer"]["lr"] = {module: rate * lr_scale for module, rate in data["optimizer"]["lr"].items()}
     data.update(name=f"{base.name}-{arm}-s{seed}", seed=seed)
     data["data"]["shuffle_seed"] = seed
