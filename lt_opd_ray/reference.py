@@ -123,7 +123,7 @@ class ReferenceTrainer:
             self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
         steps = self.job.optimizer.steps_per_update
         batches = update_mini_batches(len(samples), self.job.pools.learner.ranks, steps)
-        if policy is not None and steps > 1:  # later steps compare with the weights the update starts from
+        if policy is not None and steps > 1 and None in policy.old_logp:  # later steps compare with the weights the update starts from
             with torch.no_grad(), compute_precision(self.job.model.dtype, self.student.device):
                 recorded = sampled_log_probs(self.student, student_forward(self.student, prompts, rollouts), rollouts, self.job.objective.logsoftmax_chunk)
             first = set(batches[0])

@@ -298,6 +298,22 @@ def test_the_learning_rate_warms_up_linearly_over_the_default_14_updates_then_ho
         scheduler.step()
 
 
+def test_the_warm_up_counts_updates_whatever_the_optimizer_steps_an_update(loaded):
+    """optimizer.steps_per_update 2, warm-up over 3 updates: the scheduler steps with the optimizer, twice an
+    update, and both steps of update u use lr * (u + 1) / 3."""
+    from lt_opd_ray.config.schema import OptimizerConfig
+    from lt_opd_ray.core.optim import build_optimizer
+
+    config = OptimizerConfig(warmup_steps=3, steps_per_update=2)
+    optimizer, scheduler = build_optimizer(loaded["qwen3_5"][0], config)
+    factors = []
+    for _ in range(8):
+        factors.append(optimizer.param_groups[0]["lr"] / config.lr.language_model)
+        optimizer.step()
+        scheduler.step()
+    assert factors == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3, 1, 1, 1, 1], rel=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "gspo"])
 def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs, samples, mode):
     """Each rollout's advantage within its prompt's group, the student's log-probs from transformers' own forward,

@@ -136,7 +136,19 @@ def driver_trajectory(job, steps) -> tuple[list, Trajectory]:
 GRADIENT_ROUNDING_ULPS = 16
 
 
-def assert_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, rel: float = 1e-5, abs_: float = 1e-8) -> None:
+# Several optimizer steps an update (optimizer.steps_per_update): Adam's later steps start from weights its first
+# step moved, so the per-entry bound of that first step does not carry over to update 0's weights. They and update
+# 0's loss are held instead to margins far above what rounding leaves and below what a wrong step makes (measured
+# 2026-12-05 on an AVX-512 EPYC, two ranks, two steps an update): DAPO matched the reference's update-0 loss to 3e-7
+# relative and its weights to 2.6e-5 of how far the update moved them, LT-OPD to 2.5e-7 and 9e-4; DAPO with the
+# second step's old policy taken wrongly (its own log-probs) was off by 15% and 30%. Later updates: the first-order
+# loss bound, as for one step.
+MINI_BATCH_LOSS_REL = 1e-3
+MINI_BATCH_WEIGHTS_OF_STEP = 5e-2
+
+
+def assert_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, rel: float = 1e-5, abs_: float = 1e-8,
+                      steps_per_update: int = 1) -> None:
     """The distributed run equals the reference, each quantity held to the bound its arithmetic allows.
 
     Exact (equal weights in): the initial weights, update 0's loss and gradient norm, within fp32 rounding of a
@@ -152,6 +164,22 @@ def assert_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, r
     that plus the rounding of update 0.
     """
     assert distance(run.weights[0], reference.weights[0]) == 0.0  # both start from the checkpoint
+    if steps_per_update > 1:
+        assert run.losses[0] == pytest.approx(reference.losses[0], rel=MINI_BATCH_LOSS_REL, abs=abs_)
+        step = distance(reference.weights[1], reference.weights[0])
+        assert distance(run.weights[1], reference.weights[1]) <= MINI_BATCH_WEIGHTS_OF_STEP * step
+    else:
+        assert_first_update_reproduces(run, reference, adam_eps, rel, abs_)
+    for u in range(1, len(reference.losses)):
+        first_order = reference.grad_norms[u] * distance(run.weights[u], reference.weights[u])
+        assert abs(run.losses[u] - reference.losses[u]) <= rel * abs(reference.losses[u]) + abs_ + first_order, (
+            f"update {u}: loss {run.losses[u]} vs the reference's {reference.losses[u]}, beyond rounding plus the first-order"
+            f" effect {first_order:.3g} of the weights' distance {distance(run.weights[u], reference.weights[u]):.3g}"
+        )
+
+
+def assert_first_update_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, rel: float, abs_: float) -> None:
+    """Update 0 of one optimizer step: its loss and gradient norm to rounding, each weight to Adam's first-step bound."""
     assert run.losses[0] == pytest.approx(reference.losses[0], rel=rel, abs=abs_)
     assert run.grad_norms[0] == pytest.approx(reference.grad_norms[0], rel=1e-5)
     d = GRADIENT_ROUNDING_ULPS * torch.finfo(torch.float32).eps * reference.grad_norms[0]
@@ -166,12 +194,6 @@ def assert_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, r
             outside.append(f"{name}[{worst}]: moved {float(moved.flatten()[worst]):.3g}, allowed {float(allowed.flatten()[worst]):.3g},"
                            f" reference gradient {float(gradient.flatten()[worst]):.3g}")
     assert outside == [], "update 0's step differs from the reference's beyond gradient rounding:\n" + "\n".join(outside)
-    for u in range(1, len(reference.losses)):
-        first_order = reference.grad_norms[u] * distance(run.weights[u], reference.weights[u])
-        assert abs(run.losses[u] - reference.losses[u]) <= rel * abs(reference.losses[u]) + abs_ + first_order, (
-            f"update {u}: loss {run.losses[u]} vs the reference's {reference.losses[u]}, beyond rounding plus the first-order"
-            f" effect {first_order:.3g} of the weights' distance {distance(run.weights[u], reference.weights[u]):.3g}"
-        )
 
 
 def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_rounding():
@@ -772,7 +794,7 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     assert all(log.grad_norm > 0 for log in logs)  # the rewards differ within groups: a gradient to follow
     assert (logs[0].importance_weight == 1.0) == (steps == 1) and logs[0].divergence is None  # on policy: every first step's ratio exactly 1
     assert [log.staleness for log in logs] == [0, staleness]
-    assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps)
+    assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps, steps_per_update=steps)
 
 
 def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):

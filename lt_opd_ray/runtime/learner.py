@@ -144,6 +144,10 @@ class MicroBatchStream:
             return None
         return PolicyInputs(torch.tensor([self._policy[i][0] for i in sequences]), [self._policy[i][1] for i in sequences])
 
+    def compares_with_starting_weights(self, sequences: tuple[int, ...]) -> bool:
+        """Whether any of these sequences takes the weights the update starts from as its old policy (sampled by them)."""
+        return any(self._policy[i][1] is None for i in sequences)
+
     def __iter__(self) -> Iterator[tuple[int, MicroBatch | None]]:
         left = {k: list(self.mini_batch.values()).count(k) for k in set(self.mini_batch.values())}  # prompts to come, per mini-batch
         for group in self.groups:
@@ -250,11 +254,12 @@ class Learner:
             parts += done[0]
             spans += done[1]
             real, passes, padded = real + done[2], passes + done[3], padded + done[4]
-            if k == 0 and steps > 1 and objective.policy_gradient:
-                rest = list(source)  # every later mini-batch's rollouts, before the weights move
+            if k == 0 and steps > 1:  # every later mini-batch's rollouts, before the weights move (a worker replaced
+                rest = list(source)  # inside the step gets the weights the step began with: `send_weights_inside_step`)
                 source = iter(rest)
-                later = [batch for _, batch in rest if batch is not None]
-                old_logp = self._record_old_log_probs(stream, later, filler, f"u{version}", mark, spans)
+                if objective.policy_gradient:  # only where the starting weights are the old policy (not a version behind)
+                    later = [batch for _, batch in rest if batch is not None and stream.compares_with_starting_weights(batch.sequences)]
+                    old_logp = self._record_old_log_probs(stream, later, filler, f"u{version}", mark, spans)
             mark(f"{label} optimizer step")
             with Stopwatch() as watch:
                 self.engine.step()
