@@ -106,6 +106,18 @@ def test_damaged_checkpoints_are_passed_over_by_name_down_to_the_newest_intact_o
     assert f"{folder / 'step-1' / 'driver_state.json'}: " in message
 
 
+def test_a_resume_at_another_number_of_optimizer_steps_an_update_is_refused_by_name(finished, tmp_path, tiny_dirs):
+    """The learning-rate schedule counts optimizer steps: a checkpoint trained at one step an update resumed at two
+    would move its warm-up. Refused before any weight is loaded (no learner is touched)."""
+    folder = copy_of(finished, tmp_path)
+    job = small_job(tiny_dirs["qwen3_5"], folder)
+    assert json.loads((folder / "step-3" / "driver_state.json").read_text())["steps_per_update"] == 1
+    two = job.model_copy(update={"optimizer": job.optimizer.model_copy(update={"steps_per_update": 2})})
+    with pytest.raises(CheckpointError, match=r"step-3 was trained at optimizer.steps_per_update 1, the job asks 2: .*"
+                                              r" resume with --set optimizer.steps_per_update=1"):
+        CheckpointStore(two).restore(None, "step-3", [])
+
+
 def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_its_run(finished, tmp_path, tiny_dirs):
     folder = copy_of(finished, tmp_path)
     (folder / "latest").unlink()

@@ -225,6 +225,11 @@ class CheckpointStore:
                 raise CheckpointError(f"checkpoint {self.storage.describe(tag)} is damaged: {why}")
         self.run_id = Manifest.read(folder).run_id
         state = json.loads((folder / DRIVER_STATE).read_text())
+        trained = state.get("steps_per_update", 1)  # checkpoints written before the setting took one step an update
+        if trained != self.job.optimizer.steps_per_update:  # its scheduler counts optimizer steps: the warm-up would move
+            raise CheckpointError(f"checkpoint {self.storage.describe(tag)} was trained at optimizer.steps_per_update {trained}, the job"
+                                  f" asks {self.job.optimizer.steps_per_update}: its learning-rate schedule counts optimizer steps,"
+                                  f" so resume with --set optimizer.steps_per_update={trained}")
         kept = load_weights_only(folder / IN_FLIGHT) if (folder / IN_FLIGHT).exists() else []
         learners.load_state(str(self.root), tag)
         if self.storage.remote:

@@ -150,7 +150,7 @@ class Driver:
         latest already is one; returns where it is."""
         tag = f"step-{self.step}"
         if self.checkpoints.latest() != tag:
-            self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor}, self.fetch_groups(self.next))
+            self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor, "steps_per_update": self.job.optimizer.steps_per_update}, self.fetch_groups(self.next))
         return self.checkpoints.storage.describe(tag)
 
     def submit(self, update: int) -> InFlight:
