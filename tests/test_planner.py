@@ -252,3 +252,17 @@ def test_a_job_without_a_teacher_is_planned_without_one_and_names_the_gpus_it_fr
     assert out.returncode == 0, out.stderr
     assert "no teacher pool (objective.mode grpo reads no teacher scores): the 2 GPU(s) of pools.teacher are free" in out.stdout
     assert re.search(r"job's split\s+4/0/2\s", out.stdout) and "teacher 0%" in out.stdout and "note: the teacher admits" not in out.stdout
+
+
+def test_several_optimizer_steps_an_update_cost_the_optimizer_each_and_the_old_policys_forward():
+    """jobs/train_qwen35_grpo.yaml takes 4 steps an update: the optimizer's traffic 4 times, and the learners' extra
+    forward without gradients over the later 3/4 of the sequences (the old policy) on top of the 3 passes (4 with
+    activation checkpointing) of training, the output head's GEMM included."""
+    from dataclasses import replace
+
+    shapes = shapes_of(load_job(REPO / "jobs/train_qwen35_grpo.yaml"), 84, (896, 832))
+    assert (shapes.steps_per_update, shapes.recorded_share) == (4, 0.75)
+    one = replace(shapes, steps_per_update=1, recorded_share=0.0)
+    four, single = update_work(CONFIG, shapes, EFFICIENCY), update_work(CONFIG, one, EFFICIENCY)
+    assert four.optimizer_bytes == 4 * single.optimizer_bytes
+    assert four.learner_flops == pytest.approx(single.learner_flops * (4 + 0.75) / 4, rel=1e-12)  # 4 passes (checkpointing) + 3/4

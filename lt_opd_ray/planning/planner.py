@@ -127,6 +127,9 @@ class Shapes:
     zero_stage: int
     dtype_bytes: int = 2  # the job's compute dtype: weights read per decode step, KV cache, weight sync
     frames: int = 0  # a clip of this many frames of `image`'s size per prompt instead of one image (two frames per temporal patch)
+    steps_per_update: int = 1  # optimizer steps an update (optimizer.steps_per_update): the optimizer's traffic each
+    recorded_share: float = 0.0  # share of the update's sequences the learners forward once more, without gradients,
+    # before the first step (an RL baseline's old policy for the later steps: (K - 1) / K)
 
     def prompt_grids(self, config: dict) -> tuple[list[tuple[int, int, int]], int]:
         """(patch grid of each image or temporal patch, text tokens) of one prompt: one image, or a clip's patches with
@@ -207,6 +210,7 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
     kv_per_token = cache_bytes(config, 1, shapes.dtype_bytes)[0]  # keys + values of one cached token
     prompt_passes = shapes.prompts if shapes.teacher_backend == "transformers" else sequences  # full-token prefills
     passes = 4 if shapes.checkpointing else 3
+    passes += shapes.recorded_share  # the old policy's forward over the later mini-batches
     return Work(
         params=params,
         decoded_params=lm_projection_flops_per_token(config) // 2 + text["vocab_size"] * text["hidden_size"],
@@ -219,10 +223,12 @@ def update_work(config: dict, shapes: Shapes, efficiency: dict) -> Work:
         teacher_flops=(shapes.prompts * vision + prompt_passes * full.lm_flops + sequences * (response(full.prefill_tokens) + mean * head)
                        if shapes.teacher_backend else 0.0),
         response_positions=sequences * mean,
-        # the chunked head runs its GEMM 4 times (forward, its recompute in backward, both gradients), checkpointing or not
-        learner_flops=passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens)) + shapes.prompts * vision) + 4 * sequences * mean * head,
+        # the chunked head runs its GEMM 4 times (forward, its recompute in backward, both gradients), checkpointing or
+        # not, and once more where the old policy is recorded
+        learner_flops=(passes * (sequences * (reduced.lm_flops + response(reduced.prefill_tokens)) + shapes.prompts * vision)
+                       + (4 + shapes.recorded_share) * sequences * mean * head),
         learner_tokens=sequences * (reduced.prefill_tokens + mean),
-        optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * params,
+        optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * params * shapes.steps_per_update,
         sync_bytes=shapes.dtype_bytes * params,
         gathered_bytes=2 * text["hidden_size"] * text["vocab_size"],
     )
@@ -373,7 +379,8 @@ def shapes_of(job, text_tokens: int, image: tuple[int, int], frames: int = 0) ->
         checkpointing=job.pools.learner.activation_checkpointing, group_prompts=job.schedule.group_prompts,
         engine_batch=engine_batch(job), teacher_backend=job.pools.teacher.backend if job.objective.teacher_scores else None,
         micro_batch_tokens=job.pools.learner.micro_batch_tokens, zero_stage=job.pools.learner.zero_stage,
-        dtype_bytes=DTYPE_BYTES[job.model.dtype], frames=frames,
+        dtype_bytes=DTYPE_BYTES[job.model.dtype], frames=frames, steps_per_update=job.optimizer.steps_per_update,
+        recorded_share=(job.optimizer.steps_per_update - 1) / job.optimizer.steps_per_update if job.objective.policy_gradient else 0.0,
     )
 
 
