@@ -393,6 +393,11 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
                     .replace("export_port: 8091", "export_port: 8096"))
     with pytest.raises(ValueError, match=r"--lr-scales 1.0 1.0: distinct positive scales"):
         run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0, 1.0])
+    rows = tmp_path / "rows.yaml"  # held-out rows that are not a toy task's: no validation split to choose on
+    rows.write_text(base.read_text().replace("data: toy-circles-test:16", "data: synthetic:16"))
+    with pytest.raises(ValueError, match=r"eval.data 'synthetic:16' is not a toy task's rows"):
+        run_ablation(str(rows), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0])
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
     study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 3.0])
     assert study["validation"]["rows"] == "toy-circles-validation:16"
     validation, held_out = (load_samples(f"toy-circles-{split}:16") for split in ("validation", "test"))

@@ -174,6 +174,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
     if lr_scales is not None and (not lr_scales or min(lr_scales) <= 0 or len(set(lr_scales)) != len(lr_scales)):
         raise ValueError(f"--lr-scales {' '.join(map(str, lr_scales))}: distinct positive scales of the job's learning rates")
+    validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} is a file; --out names the study's folder")
@@ -204,9 +205,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     init_ray(base)
     try:
         if lr_scales:
-            validation = eval_sets(base, validation_rows(base))
+            validation = eval_sets(base, validation_spec)
             teacher_on_validation = evaluate(resolve_model_dir(base.model.path), base, validation, full_tokens=True)
-            results["validation"] = {"rows": validation_rows(base), "teacher_by_kind": teacher_on_validation}
+            results["validation"] = {"rows": validation_spec, "teacher_by_kind": teacher_on_validation}
             tuned = {(r["arm"], r["lr_scale"]) for r in tuning}
             for arm in arms:
                 for scale in lr_scales:
