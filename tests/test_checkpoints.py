@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +25,7 @@ from lt_opd_ray.core.storage import RunStorage
 from lt_opd_ray.runtime.checkpoint import CheckpointStore, PassedOver, Restored
 from lt_opd_ray.runtime.checkpoint_files import MANIFEST, CheckpointError, Manifest, damage, write_failure
 from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.learner_group import FINISH_TIMEOUT_S
 from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder, start_history
 from lt_opd_ray.serving.export import ExportError, export_student
 
@@ -221,8 +223,17 @@ def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_di
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 1.5) + (1 << 20)}", "tmpfs", str(mount)], check=True)
     try:
         job = small_job(tiny_dirs["qwen3_5"], mount / "ck", keep=3)
-        with pytest.raises(CheckpointError) as info:
-            run_steps(job, 2)
+        driver = Driver(job)
+        try:
+            with pytest.raises(CheckpointError) as info:
+                for _ in range(2):
+                    driver.run_step()
+        finally:
+            begin = time.perf_counter()
+            driver.shutdown()
+        # a rank whose write succeeded waits in DeepSpeed's barrier for the one whose write failed: the stop kills the
+        # ranks without the leaving barrier, which that barrier would take the place of (FINISH_TIMEOUT_S, 30 s)
+        assert driver.learners.interrupted == "writing checkpoint step-2" and time.perf_counter() - begin < FINISH_TIMEOUT_S / 2
         message = str(info.value)
         assert f"writing checkpoint step-2 to {mount / 'ck' / 'step-2'} failed: the disk holding {mount / 'ck' / '.incoming' / 'step-2'}" in message
         assert "is full" in message and "`latest` still names step-1" in message

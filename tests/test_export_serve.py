@@ -153,7 +153,7 @@ class serving:
             except OSError:
                 assert self.alive(), (self.tmp_path / "server.log").read_text()[-3000:]
                 assert time.time() < deadline, "server did not come up"
-                time.sleep(2)
+                time.sleep(0.25)
 
     def __exit__(self, *exc) -> None:
         self.server.terminate()

@@ -231,6 +231,7 @@ class LearnerGroup:
     def __init__(self, job: JobConfig):
         pool = job.pools.learner
         self.job = job
+        self.interrupted: str | None = None  # the call to the ranks that failed or was given up on, if one was
         bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {}), **pool.ray_resources()}
         self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
         wait_for([self.placement.ready()], ["placement group"], job.schedule.wait_timeout_s, "reserving the learners' resources")
@@ -279,9 +280,12 @@ class LearnerGroup:
         watched = [*upstream, *ranks] if upstream is not None else []
         try:
             return wait_watched(refs, names, self.job.schedule.wait_timeout_s, what, watched, self.job.schedule.liveness_timeout_s)
-        except ray.exceptions.RayActorError as exc:
-            dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == getattr(exc, "actor_id", None)]
-            raise RoleDiedError(f"{dead[0] if dead else 'an actor'} died while {what}") from exc
+        except BaseException as exc:
+            self.interrupted = what  # a rank may be left inside a collective that its peers will never join
+            if isinstance(exc, ray.exceptions.RayActorError):
+                dead = [f"learner-{r}" for r, actor in enumerate(self.actors) if actor._actor_id.hex() == getattr(exc, "actor_id", None)]
+                raise RoleDiedError(f"{dead[0] if dead else 'an actor'} died while {what}") from exc
+            raise
 
     @property
     def ranks(self) -> int:
@@ -330,9 +334,11 @@ class LearnerGroup:
         return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 
     def shutdown(self) -> None:
-        """Leave the process group where every rank can (bounded: a dead rank leaves the others in a barrier), then
-        kill the ranks whatever state they are in."""
-        ray.wait([a.finish.remote() for a in self.actors], num_returns=len(self.actors), timeout=FINISH_TIMEOUT_S)
+        """Leave the process group together where every rank finished its last call (bounded), then kill the ranks
+        whatever state they are in. After a call that failed or was given up on, a rank may sit in a collective
+        (a barrier of a checkpoint write one rank failed) that would take the leaving barrier's place: no leaving."""
+        if self.interrupted is None:
+            ray.wait([a.finish.remote() for a in self.actors], num_returns=len(self.actors), timeout=FINISH_TIMEOUT_S)
         for actor in self.actors:
             ray.kill(actor)
         ray.util.remove_placement_group(self.placement)
