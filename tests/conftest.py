@@ -89,7 +89,7 @@ def stop_ray_started_under(temp_dir: str) -> None:
             process.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(list(processes), timeout=15)
+    _, alive = psutil.wait_procs(list(processes), timeout=2)  # the GCS and the raylet take ~15 s to end on SIGTERM
     for process in alive:
         try:
             process.kill()
