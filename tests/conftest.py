@@ -54,11 +54,6 @@ def bomb_png(side: int = 20000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
 
 
-# Each process sends its metrics to its node's agent every metrics_report_interval_ms (Ray's default 10 s); the tests
-# that read them from Prometheus ask for every second, Ray's shortest.
-METRICS_EVERY_SECOND = {"metrics_report_interval_ms": 1000}
-
-
 def start_local_ray(num_cpus: int) -> None:
     """A Ray cluster of the test module's own (even beside another on this machine), with the workers' env."""
     import os

@@ -72,7 +72,7 @@ def prometheus_query(port: int, expr: str) -> list:
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory, tiny_dirs):
     """A tiny distributed run with its Ray node scraped every second by a real Prometheus."""
-    from conftest import METRICS_EVERY_SECOND, job_for
+    from conftest import job_for
     from test_benchmarks import fixture
 
     from lt_opd_ray.runtime.driver import Driver
@@ -85,8 +85,7 @@ def scraped_run(tmp_path_factory, tiny_dirs):
     metrics_port, prom_port = free_port(), free_port()
     os.environ.update(WORKER_ENV)
     pool_nodes = {"lt_opd_rollout": 1, "lt_opd_teacher": 1, "lt_opd_learner": 1}  # one node advertising every pool's node_resource
-    ray.init(num_cpus=6, resources=pool_nodes, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}, _metrics_export_port=metrics_port,
-             _system_config=METRICS_EVERY_SECOND)
+    ray.init(num_cpus=6, resources=pool_nodes, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}, _metrics_export_port=metrics_port)
     config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     server = subprocess.Popen(

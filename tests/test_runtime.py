@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from conftest import METRICS_EVERY_SECOND, job_for  # noqa: E402
+from conftest import job_for  # noqa: E402
 
 from lt_opd_ray.core.batch_order import batches  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
@@ -35,7 +35,7 @@ def cluster():
     tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # tests/user_rewards.py
     ray.init(
         num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}},
-        _metrics_export_port=METRICS_PORT, _system_config=METRICS_EVERY_SECOND,
+        _metrics_export_port=METRICS_PORT,
     )
     yield ray.get_runtime_context().gcs_address
     from ray import serve
