@@ -4,8 +4,8 @@
 CUDA_VISIBLE_DEVICES, and the actors run their tiny models on CPU (gloo, no CUDA). So the placement a GPU
 cluster would make (every pool at its real GPU request, a GPU of its own per actor, the learners packed,
 pools pinned to node types) is tested here with the real driver; what runs inside stays CPU (docs/gpu.md).
-Each layout runs in a fresh process: Ray fixes a process's auth mode (token, as `ray start` clusters use) and its Serve
-client at the first session, so an earlier test's local cluster must not be the first.
+The layouts run in a process of their own, one cluster after another: Ray fixes a process's auth mode (token, as `ray
+start` clusters use) and its Serve client at the first session, so an earlier test's local cluster must not be the first.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class FakeGpuCluster:
 
 
 def on_fake_cluster(nodes: list[tuple[int, int, dict | None]], jobs: list[tuple[str, list[str]]], steps: int) -> list[dict]:
-    """In this (fresh) process: start `nodes` (GPUs, CPUs, custom resources), then for each of `jobs` (a job file of
+    """In the layouts' process: start `nodes` (GPUs, CPUs, custom resources), then for each of `jobs` (a job file of
     jobs/ and its overrides) run its driver for `steps` updates; per job what the start-up printed, how long the pools
     took, where each actor went, or the refusal."""
     cluster = FakeGpuCluster()
@@ -119,23 +119,29 @@ def run_job(name: str, overrides: list[str], steps: int) -> dict:
         return {"refused": str(exc)}
 
 
-def fresh(nodes, *jobs: list[str] | tuple[str, list[str]], steps=0) -> list[dict] | dict:
-    """`on_fake_cluster` in a fresh process: one job's result, or a list of several jobs' results in order (each the
-    main job's overrides, or a job file of jobs/ and its overrides)."""
+@pytest.fixture(scope="module")
+def layouts():
+    """`on_fake_cluster` in a process of its own, started once for the module: its first Ray session is a `ray start`
+    cluster's (token auth), never a local cluster an earlier test module started in pytest's process."""
     import multiprocessing
 
-    jobs = [job if isinstance(job, tuple) else ("train_qwen35.yaml", job) for job in jobs]
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "token"  # the child reads it when it imports ray, before it joins the nodes
     try:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            results = pool.apply(on_fake_cluster, (nodes, jobs, steps))
+            def fresh(nodes, *jobs: list[str] | tuple[str, list[str]], steps=0) -> list[dict] | dict:
+                """One job's result, or a list of several jobs' results in order (each the main job's overrides, or
+                a job file of jobs/ and its overrides), on a fresh cluster of `nodes`."""
+                jobs = [job if isinstance(job, tuple) else ("train_qwen35.yaml", job) for job in jobs]
+                results = pool.apply(on_fake_cluster, (nodes, jobs, steps))
+                return results[0] if len(results) == 1 else results
+
+            yield fresh
     finally:
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE")
         else:
             os.environ["RAY_AUTH_MODE"] = saved
-    return results[0] if len(results) == 1 else results
 
 
 def gpu_ids(placements) -> list[str]:
@@ -143,10 +149,10 @@ def gpu_ids(placements) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(tmp_path):
+def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(layouts, tmp_path):
     """The main job, then its GRPO baseline (jobs/train_qwen35_grpo.yaml: no teacher, its GPUs sample), on the same node."""
     # the recipe's pools take 8 CPUs per actor; the GRPO job's 4 optimizer steps need 4 prompts per rank
-    run, rl = fresh([(8, 72, None)], [f"checkpoint.dir={tmp_path / 'run'}"],
+    run, rl = layouts([(8, 72, None)], [f"checkpoint.dir={tmp_path / 'run'}"],
                     ("train_qwen35_grpo.yaml", ["sampling.prompts_per_step=8", f"checkpoint.dir={tmp_path / 'rl'}"]), steps=1)
     placements = run["placements"]
     print(f"\n8-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(placements)}")
@@ -163,12 +169,12 @@ def test_the_main_job_starts_on_one_8_gpu_node_each_actor_on_a_gpu_of_its_own(tm
 
 
 @pytest.mark.slow
-def test_pinned_pools_on_two_8_gpu_nodes(tmp_path):
+def test_pinned_pools_on_two_8_gpu_nodes(layouts, tmp_path):
     """Two node types, as a 16-GPU cluster with a node type per role: rollouts on one, teacher + learners on the other
     (the halved pools: where each pool lands is the point, and four actors start on 2 cores in half the time eight do)."""
     pins = [f"pools.{pool}.node_resource=lt_opd_{pool}" for pool in ("rollout", "teacher", "learner")]
     nodes = [(8, 40, {"lt_opd_rollout": 8}), (8, 40, {"lt_opd_teacher": 4, "lt_opd_learner": 4})]
-    run = fresh(nodes, [*pins, *HALVED, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4",
+    run = layouts(nodes, [*pins, *HALVED, "pools.rollout.cpus=4", "pools.teacher.cpus=4", "pools.learner.cpus=4",
                         f"checkpoint.dir={tmp_path / 'run'}"])
     placements = run["placements"]
     print(f"\n2 x 8-GPU nodes: pools started in {run['seconds']:.1f} s; {format_placements(placements)}")
@@ -182,8 +188,8 @@ def test_pinned_pools_on_two_8_gpu_nodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(tmp_path):
-    refused, run = fresh([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"], [*HALVED, f"checkpoint.dir={tmp_path / 'run'}"])
+def test_a_4_gpu_node_refuses_the_main_job_by_name_and_starts_the_halved_one(layouts, tmp_path):
+    refused, run = layouts([(4, 40, None)], [f"checkpoint.dir={tmp_path / 'refused'}"], [*HALVED, f"checkpoint.dir={tmp_path / 'run'}"])
     assert "GPU: the pools need 8 (rollout 4, teacher 2, learner 2) but the cluster has 4, short by 4" in refused["refused"]
     print(f"\n4-GPU node: pools started in {run['seconds']:.1f} s; {format_placements(run['placements'])}")
     assert gpu_ids(run["placements"]) == ["0", "1", "2", "3"]
