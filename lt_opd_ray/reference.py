@@ -17,6 +17,7 @@ import torch
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BudgetSchedule
+from lt_opd_ray.core.dynamic_sampling import draw_replacements, is_flat
 from lt_opd_ray.core.microbatch import update_mini_batches
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.samples import Sample
@@ -49,13 +50,18 @@ class StepReport:
     grad_norm: float
     mean_response_tokens: float
     reward_mean: float | None = None  # where the job has a reward
+    resampled_groups: int | None = None  # dynamic sampling (reward.dynamic_sampling_rounds): prompts given to new rows
+    flat_groups: int | None = None  # dynamic sampling: prompts still flat after the last round
 
 
 class ReferenceTrainer:
-    """Student, frozen teacher and optimizer in one process."""
+    """Student, frozen teacher and optimizer in one process. `rows`: the training rows dynamic sampling draws new
+    prompts from (reward.dynamic_sampling_rounds)."""
 
-    def __init__(self, job: JobConfig):
-        self.job = job
+    def __init__(self, job: JobConfig, rows: list[Sample] | None = None):
+        if job.reward.dynamic_sampling_rounds and not rows:
+            raise ValueError("reward.dynamic_sampling_rounds draws new prompts from the training rows: pass them as `rows`")
+        self.job, self.rows = job, rows
         model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
         torch.manual_seed(job.seed)
         self.processor = VLMProcessor.for_data(model_dir, job.data)
@@ -90,34 +96,64 @@ class ReferenceTrainer:
                 old_logp[i] = old
         return PolicyInputs(advantages, old_logp)
 
+    def sample(self, samples: list[Sample], prompts: list, budget: int) -> list:
+        """The rollouts of `samples` (encoded as `prompts`) in this update, rewarded where the job has a reward."""
+        rollouts = rollout(
+            self.student if self.lagged is None else self.lagged,
+            self.processor.tokenizer,
+            prompts,
+            [s.uid for s in samples],
+            self.selector,
+            budget,
+            self.job.budget.k_min,
+            self.params,
+            self.job.sampling.n,
+            self.job.seed,
+            self.step_index,
+            behaviour=self.teacher if self.job.objective.prefixes == "teacher" else None,
+            written=[s.response for s in samples] if self.job.objective.prefixes == "dataset" else None,
+        )
+        if self.reward is not None:
+            rows = [samples[r.prompt_index] for r in rollouts]
+            for r, value in zip(rollouts, self.reward(rows, response_texts(self.processor, rollouts), [r.response_ids.numel() for r in rollouts])):
+                r.reward = value
+        return rollouts
+
+    def resample_flat(self, samples: list[Sample], prompts: list, rollouts: list, budget: int) -> tuple[list, int, int]:
+        """Dynamic sampling as the driver runs it (core/dynamic_sampling.py): `samples` and `prompts` get the new rows
+        in place; returns the update's rollouts in prompt order, the groups replaced and those kept flat."""
+        rounds, resampled = self.job.reward.dynamic_sampling_rounds, 0
+        flat = [p for p in range(len(samples)) if is_flat([r.reward for r in rollouts if r.prompt_index == p])]
+        for round_ in range(1, rounds + 1):
+            if not flat:
+                break
+            drawn = draw_replacements(self.rows, self.job.data.shuffle_seed, self.step_index, round_, samples, flat)
+            new = [drawn[slot] for slot in flat]
+            encoded = self.encode(new)
+            again = self.sample(new, encoded, budget)
+            for r in again:
+                r.prompt_index = flat[r.prompt_index]
+            for slot, row, prompt in zip(flat, new, encoded):
+                samples[slot], prompts[slot] = row, prompt
+            rollouts = sorted([r for r in rollouts if r.prompt_index not in drawn] + again, key=lambda r: r.prompt_index)
+            resampled += len(flat)
+            flat = [slot for slot in flat if is_flat([r.reward for r in again if r.prompt_index == slot])]
+        return rollouts, resampled, len(flat)
+
     def update(self, samples: list[Sample]) -> StepReport:
         c = self.step_index
         budget = self.schedule.budget_bps(c)
+        samples = list(samples)
         prompts = self.encode(samples)
+        dynamic = None
         with compute_precision(self.job.model.dtype, self.student.device):
-            rollouts = rollout(
-                self.student if self.lagged is None else self.lagged,
-                self.processor.tokenizer,
-                prompts,
-                [s.uid for s in samples],
-                self.selector,
-                budget,
-                self.job.budget.k_min,
-                self.params,
-                self.job.sampling.n,
-                self.job.seed,
-                c,
-                behaviour=self.teacher if self.job.objective.prefixes == "teacher" else None,
-                written=[s.response for s in samples] if self.job.objective.prefixes == "dataset" else None,
-            )
+            rollouts = self.sample(samples, prompts, budget)
+            if self.job.reward.dynamic_sampling_rounds:
+                rollouts, *dynamic = self.resample_flat(samples, prompts, rollouts, budget)
             scores = teacher_scores(
                 self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,
                 self.job.pools.teacher.micro_batch_tokens,
             ) if self.job.objective.teacher_scores else None  # the cross-entropy modes and the RL baselines ask no teacher
-            if self.reward is not None:
-                rows = [samples[r.prompt_index] for r in rollouts]
-                for r, value in zip(rollouts, self.reward(rows, response_texts(self.processor, rollouts), [r.response_ids.numel() for r in rollouts])):
-                    r.reward = value
             policy = self.policy_inputs(rollouts, on_policy=self.lagged is None or c == 0) if self.job.objective.policy_gradient else None
         if self.lagged is not None:
             self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
@@ -154,4 +190,6 @@ class ReferenceTrainer:
             grad_norm=sum(norms) / steps,
             mean_response_tokens=stats.tokens / len(rollouts),
             reward_mean=sum(r.reward for r in rollouts) / len(rollouts) if self.reward is not None else None,
+            resampled_groups=dynamic[0] if dynamic else None,
+            flat_groups=dynamic[1] if dynamic else None,
         )

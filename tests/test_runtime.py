@@ -45,8 +45,9 @@ def cluster():
 
 
 def reference_run(job, steps):
-    trainer = ReferenceTrainer(job)
-    data = batches(load_samples(job.data.path, job.data.image_root, job.seed), job.sampling.prompts_per_step, job.data.shuffle_seed)
+    rows = load_samples(job.data.path, job.data.image_root, job.seed)
+    trainer = ReferenceTrainer(job, rows)
+    data = batches(rows, job.sampling.prompts_per_step, job.data.shuffle_seed)
     reports = [trainer.update(next(data)) for _ in range(steps)]
     return reports, {n: p.detach().clone() for n, p in trainer.student.model.named_parameters()}
 
@@ -90,8 +91,9 @@ def snapshot(model: torch.nn.Module) -> dict:
 
 
 def reference_trajectory(job, steps) -> Trajectory:
-    trainer = ReferenceTrainer(job)
-    data = batches(load_samples(job.data.path, job.data.image_root, job.seed), job.sampling.prompts_per_step, job.data.shuffle_seed)
+    rows = load_samples(job.data.path, job.data.image_root, job.seed)
+    trainer = ReferenceTrainer(job, rows)
+    data = batches(rows, job.sampling.prompts_per_step, job.data.shuffle_seed)
     model = trainer.student.model
     lr_of = {id(p): group["lr"] for group in trainer.optimizer.param_groups for p in group["params"]}  # update 0's rates
     weights, reports = [snapshot(model)], []
@@ -795,6 +797,45 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     assert (logs[0].importance_weight == 1.0) == (steps == 1) and logs[0].divergence is None  # on policy: every first step's ratio exactly 1
     assert [log.staleness for log in logs] == [0, staleness]
     assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps, steps_per_update=steps)
+
+
+def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, tiny_dirs, tmp_path):
+    """DAPO's dynamic sampling at staleness 1: a prompt whose four responses all get one reward (a user's reward that
+    gives 1 to every response of an even row) gives its slot to a drawn row, up to twice, before the learners start.
+    The groups replaced and kept flat are those the rows' parity says, as the reference counts them; the learners
+    match the reference; a run resumed from step 2 (update 2 in flight there, its slots' drawn rows in the
+    checkpoint) trains update 2 as the first run did."""
+    from lt_opd_ray.core.dynamic_sampling import draw_replacements
+
+    extra = "reward: {name: 'user_rewards:letters_on_odd_rows', dynamic_sampling_rounds: 2}\nschedule: {max_staleness: 1}\n"
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=4, every=2, name="rl-dynamic", mode="dapo", max_new_tokens=8,
+                  stop=[" "], extra=extra)
+    rows = load_samples(job.data.path, job.data.image_root, job.seed)
+
+    def even(row) -> bool:
+        return int(row.uid.rsplit("-", 1)[1]) % 2 == 0
+
+    expected = []  # (groups replaced, kept flat) per update, from the rows' parity alone
+    for update, batch in zip(range(3), batches(rows, 4, job.data.shuffle_seed)):
+        flat, resampled = [slot for slot, row in enumerate(batch) if even(row)], 0
+        for round_ in (1, 2):
+            if flat:
+                drawn = draw_replacements(rows, job.data.shuffle_seed, update, round_, batch, flat)
+                batch = [drawn.get(slot, row) for slot, row in enumerate(batch)]
+                resampled, flat = resampled + len(flat), [slot for slot in flat if even(drawn[slot])]
+        expected.append((resampled, len(flat)))
+    assert sum(r for r, _ in expected) > 0 and len(set(expected)) > 1  # the preconditions the test rests on
+
+    reports, _ = reference_run(job, 3)
+    with driven(job, 3) as (_, logs, run):
+        pass
+    assert [(log.resampled_groups, log.flat_groups) for log in logs] == [(r.resampled_groups, r.flat_groups) for r in reports] == expected
+    assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
+    assert_reproduces(run, reference_trajectory(job, 3), job.optimizer.eps)
+    first, again, weights = driver_run(job, 3, resume=True)
+    assert first == 2 and (again[0].resampled_groups, again[0].flat_groups, again[0].reward_mean) == (
+        logs[2].resampled_groups, logs[2].flat_groups, logs[2].reward_mean)
+    assert again[0].loss == pytest.approx(logs[2].loss, rel=1e-5) and relative_distance(weights, run.weights[3]) <= 1e-5
 
 
 def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):

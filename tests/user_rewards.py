@@ -7,3 +7,10 @@ from __future__ import annotations
 def letters(samples, responses) -> list[float]:
     """A tenth of the letters in each response: a reward that differs between the tiny models' random responses."""
     return [sum(c.isalpha() for c in response) / 10 for response in responses]
+
+
+def letters_on_odd_rows(samples, responses) -> list[float]:
+    """`letters` where the row's uid ends in an odd number, 1 where it ends in an even one: the even rows' groups
+    are flat (every response rewarded alike), as DAPO's dynamic sampling replaces."""
+    return [sum(c.isalpha() for c in response) / 10 if int(sample.uid.rsplit("-", 1)[1]) % 2 else 1.0
+            for sample, response in zip(samples, responses)]

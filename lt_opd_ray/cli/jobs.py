@@ -136,7 +136,7 @@ def _train_reference(job, steps: int) -> None:
     transformers.logging.set_verbosity_error()  # the tiny models' missing fast-kernel notices are noise here
     transformers.logging.disable_progress_bar()
     samples = load_samples(job.data.path, job.data.image_root, job.seed, job.data.allow_outside_root)
-    trainer = ReferenceTrainer(job)
+    trainer = ReferenceTrainer(job, rows=samples)
     print(f"{job.name}: {len(samples)} samples, {steps} updates, single-process reference update")
     for _, batch in zip(range(steps), batches(samples, job.sampling.prompts_per_step, job.data.shuffle_seed)):
         start = time.perf_counter()
@@ -144,7 +144,10 @@ def _train_reference(job, steps: int) -> None:
         s = report.stats
         print(
             f"step {report.step + 1:4d}/{steps}  budget {report.budget_bps / 100:5.2f}%  loss {s.loss:.5f}"
-            f"  div {shown(s.divergence, '.5f')}  is_w {s.importance_weight:.3f}  overlap {shown(s.top_k_overlap, '.3f')}"
+            f"  div {shown(s.divergence, '.5f')}"
+            + (f"  reward {report.reward_mean:.3f}" if report.reward_mean is not None else "")
+            + (f" (groups resampled {report.resampled_groups}, kept flat {report.flat_groups})" if report.resampled_groups is not None else "")
+            + f"  is_w {s.importance_weight:.3f}  overlap {shown(s.top_k_overlap, '.3f')}"
             f"  tokens {s.tokens}  grad {report.grad_norm:.3f}  {time.perf_counter() - start:.1f}s",
             flush=True,
         )

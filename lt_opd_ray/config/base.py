@@ -12,6 +12,7 @@ MAX_PROMPTS_PER_STEP = 65_536
 MAX_SEQUENCE_TOKENS = 262_144  # response lengths and token budgets: Qwen3.5's context length
 MAX_TOP_K = 1024  # the support of the divergence; the paper's is 100
 MAX_UPDATES = 1_000_000  # curriculum lengths and intervals, in updates
+MAX_DYNAMIC_SAMPLING_ROUNDS = 64  # reward.dynamic_sampling_rounds: each round waits for a whole generation
 MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit: no larger image decodes
 MAX_ACTOR_CPUS, MAX_ACTOR_GPUS = 1024.0, 64.0
 MAX_WAIT_S = 7 * 24 * 3600.0  # a week: any longer wait is a hang

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from lt_opd_ray.config.base import (
+    MAX_DYNAMIC_SAMPLING_ROUNDS,
     MAX_PIXELS,
     MAX_PROMPTS_PER_STEP,
     MAX_RESPONSES_PER_PROMPT,
@@ -217,6 +218,11 @@ class RewardConfig(StrictModel):
     overlong_buffer: int = Field(0, ge=0, le=MAX_SEQUENCE_TOKENS)
     """DAPO's soft overlong punishment: a response longer than sampling.max_new_tokens - overlong_buffer loses
     (length - (max_new_tokens - overlong_buffer)) / overlong_buffer from its reward, 1 at max_new_tokens. 0: none."""
+    dynamic_sampling_rounds: int = Field(0, ge=0, le=MAX_DYNAMIC_SAMPLING_ROUNDS)
+    """DAPO's dynamic sampling (the RL baselines): a prompt whose responses all get the same reward (zero advantages,
+    no gradient) gives its place in the update to a training row drawn at random, sampled before the learners start,
+    up to this many times per place; one still flat after the last keeps its responses. Every prompt is its own
+    rollout group (schedule.group_prompts 1). The step line counts the groups replaced and those kept flat. 0: off."""
 
 
 class LearningRates(StrictModel):
@@ -434,6 +440,12 @@ class JobConfig(StrictModel):
                              " format, or module:function)")
         if self.reward.overlong_buffer and self.reward.name is None:
             raise ValueError("reward.overlong_buffer shapes a reward: set reward.name")
+        if self.reward.dynamic_sampling_rounds and not self.objective.policy_gradient:
+            raise ValueError(f"reward.dynamic_sampling_rounds replaces prompts whose rewards give no advantage: objective.mode"
+                             f" {self.objective.mode} takes no advantage (grpo, dapo, gspo do)")
+        if self.reward.dynamic_sampling_rounds and self.schedule.group_prompts != 1:
+            raise ValueError(f"reward.dynamic_sampling_rounds replaces one prompt's group at a time: set schedule.group_prompts to 1"
+                             f" (it is {self.schedule.group_prompts})")
         if self.reward.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) is longer than sampling.max_new_tokens"
                              f" ({self.sampling.max_new_tokens})")

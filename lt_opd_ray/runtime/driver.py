@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError, RayError
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.batch_order import batches
 from lt_opd_ray.core.curriculum import BPS, BudgetSchedule
+from lt_opd_ray.core.dynamic_sampling import draw_replacements, is_flat
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.wire import (
     LearnerStepResult,
@@ -57,6 +58,9 @@ class InFlight:
     samples_ref: object  # ref to `batch`
     groups: list[GroupRef]
     replaced: Counter[int] = field(default_factory=Counter)  # per worker: replacements started inside this update
+    drawn: dict[int, str] = field(default_factory=dict)  # dynamic sampling: per prompt slot given a new row, that row's uid
+    resampled: int = 0  # dynamic sampling: flat groups replaced by a new row's
+    flat: int = 0  # dynamic sampling: groups still flat after the last round, trained on as they are
 
 
 class Driver:
@@ -73,6 +77,7 @@ class Driver:
             self.startup[phase], clock = time.perf_counter() - clock, time.perf_counter()
 
         self.samples, benchmarks, eval_samples = roles.preflight(job)  # every problem at once, before any actor starts
+        self.rows_by_uid = {s.uid: s for s in self.samples}
         self.checkpoints = CheckpointStore(job)
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
         lap("checks")
@@ -94,14 +99,16 @@ class Driver:
             self.metrics = DriverMetrics(job.name)
             self.step, self.cursor, kept = 0, 0, []
             self.restored = self.checkpoints.restore(self.learners, tag, passed_over) if tag else None
+            dynamic = {}
             if self.restored is not None:
                 self.step, self.cursor, kept = self.restored.state["step"], self.restored.state["cursor"], self.restored.in_flight
+                dynamic = self.restored.state.get("dynamic_sampling", {})
                 lap("checkpoint load")
             self.checkpoints.record_run(resumed_from=tag)
             self.broadcast(version=self.step)  # workers start from exactly the learners' weights
             lap("first weight sync")
             self.data = batches(self.samples, job.sampling.prompts_per_step, job.data.shuffle_seed, self.cursor)
-            self.next: InFlight | None = self.resubmit(kept) if kept else None  # submitted ahead (max_staleness 1)
+            self.next: InFlight | None = self.resubmit(kept, dynamic) if kept else None  # submitted ahead (max_staleness 1)
         except BaseException:
             self.shutdown()
             raise
@@ -150,7 +157,11 @@ class Driver:
         latest already is one; returns where it is."""
         tag = f"step-{self.step}"
         if self.checkpoints.latest() != tag:
-            self.checkpoints.save(self.learners, {"step": self.step, "cursor": self.cursor, "steps_per_update": self.job.optimizer.steps_per_update}, self.fetch_groups(self.next))
+            state = {"step": self.step, "cursor": self.cursor, "steps_per_update": self.job.optimizer.steps_per_update}
+            if self.next is not None and self.job.reward.dynamic_sampling_rounds:  # the in-flight update's new rows and counts
+                state["dynamic_sampling"] = {"drawn": {str(slot): uid for slot, uid in self.next.drawn.items()},
+                                             "resampled": self.next.resampled, "flat": self.next.flat}
+            self.checkpoints.save(self.learners, state, self.fetch_groups(self.next))
         return self.checkpoints.storage.describe(tag)
 
     def submit(self, update: int) -> InFlight:
@@ -160,9 +171,37 @@ class Driver:
         budget = self.schedule.budget_bps(update)  # c = optimizer steps completed before this update
         samples_ref = self.objects.put(batch)
         ranges = self.learners.prompt_ranges(len(batch))
-        groups = self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts)
-        self.request_scores(samples_ref, groups)
-        return InFlight(update, budget, batch, samples_ref, groups)
+        flight = InFlight(update, budget, batch, samples_ref, self.rollouts.submit(samples_ref, budget, update, ranges, self.job.schedule.group_prompts))
+        if self.job.reward.dynamic_sampling_rounds:
+            self.resample_flat_groups(flight)
+        self.request_scores(flight.samples_ref, flight.groups)
+        return flight
+
+    def resample_flat_groups(self, flight: InFlight) -> None:
+        """DAPO's dynamic sampling (core/dynamic_sampling.py): round by round, each group (one prompt) whose rewards
+        are all equal gives its slot to a new row, sampled by the workers in turn; the learners get the update once
+        every slot's last group is sampled. Before a step starts (with max_staleness 1 while the learners train on the
+        update before)."""
+        rounds = self.job.reward.dynamic_sampling_rounds
+        pending = list(range(len(flight.groups)))  # the groups whose rewards are still to be judged
+        for round_ in range(1, rounds + 2):
+            summaries = self.rollouts.wait([flight.groups[i].summary for i in pending], [self.rollouts.names[flight.groups[i].worker] for i in pending],
+                                           f"rewards of update {flight.update}'s rollout groups (dynamic sampling round {round_})")
+            pending = [i for i, summary in zip(pending, summaries) if is_flat(summary.rewards)]
+            if not pending or round_ > rounds:
+                break
+            drawn = draw_replacements(self.samples, self.job.data.shuffle_seed, flight.update, round_, flight.batch, [flight.groups[i].start for i in pending])
+            drawn_ref = self.objects.put(drawn)  # slot -> row: a worker reads samples[slot] for its group's one prompt
+            for n, i in enumerate(pending):
+                old = flight.groups[i]
+                flight.batch[old.start] = drawn[old.start]
+                flight.drawn[old.start] = drawn[old.start].uid
+                flight.groups[i] = self.rollouts.submit_group(drawn_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, flight.update,
+                                                              n % len(self.rollouts.names))
+            flight.resampled += len(pending)
+        flight.flat = len(pending)
+        if flight.drawn:
+            flight.samples_ref = self.objects.put(flight.batch)  # the rows the learners train on (and a lost group's resample reads)
 
     def scoring(self, samples_ref) -> ScoringRequest | None:
         """How the learner ranks ask the teacher about the update's samples; None where the job has no teacher."""
@@ -215,18 +254,23 @@ class Driver:
             return []
         return self.rollouts.wait([g.group for g in pending.groups], self.group_workers(pending), "rollout groups for a checkpoint")
 
-    def resubmit(self, kept: list[RolloutGroup]) -> InFlight | None:
-        """The in-flight update a checkpoint kept: its groups go back into the object store and to the teacher."""
+    def resubmit(self, kept: list[RolloutGroup], dynamic: dict) -> InFlight | None:
+        """The in-flight update a checkpoint kept: its groups go back into the object store and to the teacher;
+        `dynamic`: what dynamic sampling did to it (the slots given new rows, by uid, and its counts)."""
         if self.job.schedule.max_staleness == 0:
             return None  # sampled one version behind: an on-policy job samples that update afresh
         batch = next(self.data)
+        drawn = {int(slot): uid for slot, uid in dynamic.get("drawn", {}).items()}
+        for slot, uid in drawn.items():
+            batch[slot] = self.rows_by_uid[uid]
         samples_ref = self.objects.put(batch)
         groups = [
             GroupRef(g.update, g.start, g.stop, g.learner_rank, 0, self.objects.put(g), self.objects.put(g.summary()))
             for g in kept
         ]
         self.request_scores(samples_ref, groups)
-        return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups)
+        return InFlight(kept[0].update, kept[0].rollouts[0].budget_bps, batch, samples_ref, groups, drawn=drawn,
+                        resampled=dynamic.get("resampled", 0), flat=dynamic.get("flat", 0))
 
     def samplers(self, flight: InFlight) -> list[Watched]:
         """Every rollout worker, watched while any of `flight`'s groups on it is still being sampled; one that dies or
@@ -325,8 +369,10 @@ class Driver:
         sizes = {"rollout": len(self.rollouts.names), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S) if self.teacher else 0, "learner": self.learners.ranks}
         log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores,
                         rewards=[value for s in summaries for value in s.rewards])
+        if self.job.reward.dynamic_sampling_rounds:
+            log.resampled_groups, log.flat_groups = current.resampled, current.flat
         self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness,
-                            reward_mean=log.reward_mean)
+                            reward_mean=log.reward_mean, resampled_groups=log.resampled_groups)
         return log
 
     def _evaluates_now(self) -> bool:

@@ -67,6 +67,7 @@ def format_step(log, total: int, full: float | None = None) -> str:
     return (
         f"step {log.step + 1:4d}/{total}  budget {log.budget_bps / 100:5.2f}%  loss {log.loss:.5f}  div {shown(log.divergence, '.5f')}"
         + (f"  reward {log.reward_mean:.3f}" if log.reward_mean is not None else "")
+        + (f" (groups resampled {log.resampled_groups}, kept flat {log.flat_groups})" if log.resampled_groups is not None else "")
         + f"  is_w {log.importance_weight:.3f} (clipped {log.clipped_share:.1%})  gap {log.logprob_gap:.4f}  overlap {shown(log.top_k_overlap, '.3f')}"
         f"  tokens {log.tokens} (mean {log.response_tokens_mean:.0f}, max {log.response_tokens_max}, cut {log.truncated_share:.0%};"
         f" learner padding {log.padding_share:.0%})"

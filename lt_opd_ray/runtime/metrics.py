@@ -91,6 +91,7 @@ class DriverMetrics:
         self.samples = _counter("learner_samples", "Rollouts (sampled responses) the learners trained on")
         self.staleness = _gauge("staleness", "Weight versions between the learner and the rollouts it trained on (largest in the update)")
         self.reward = _gauge("reward_mean", "Mean reward (reward.name) of the last update's responses")
+        self.resampled = _counter("resampled_groups", "Rollout groups whose rewards were all equal, replaced by a new row's (dynamic sampling)")
         self.pool_busy = metrics.Gauge(
             "lt_opd_pool_busy_fraction", description="Busy seconds of a pool's actors / (actors x seconds per update)", tag_keys=(*TAGS, "pool")
         )
@@ -111,11 +112,14 @@ class DriverMetrics:
         )
 
     def record(self, step: int, budget_bps: int, phases, samples: int, pool_sizes: dict[str, int], staleness: int,
-               reward_mean: float | None = None) -> None:
-        """`phases`: the update's `wire.PhaseTimes`; `reward_mean` where the job has a reward."""
+               reward_mean: float | None = None, resampled_groups: int | None = None) -> None:
+        """`phases`: the update's `wire.PhaseTimes`; `reward_mean` where the job has a reward, `resampled_groups` where
+        it samples dynamically."""
         self.step.set(step, tags=self.tags)
         if reward_mean is not None:
             self.reward.set(reward_mean, tags=self.tags)
+        if resampled_groups is not None:
+            self.resampled.inc(resampled_groups, tags=self.tags)
         self.budget.set(budget_bps, tags=self.tags)
         self.samples.inc(samples, tags=self.tags)
         self.staleness.set(staleness, tags=self.tags)

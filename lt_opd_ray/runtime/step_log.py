@@ -33,6 +33,8 @@ class StepLog:
     logprob_gap: float = 0.0  # mean |learner's - rollout engine's log-prob| of the sampled tokens: ~0 on policy unless the engines disagree
     padding_share: float = 0.0  # of the positions the learners' forwards computed (rows x longest per micro-batch), those that were padding
     reward_mean: float | None = None  # mean reward.name score of the update's responses; None: the job has no reward
+    resampled_groups: int | None = None  # dynamic sampling: groups whose rewards were all equal, given to new rows; None: off
+    flat_groups: int | None = None  # dynamic sampling: groups still all equal after the last round, trained on as they are
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
