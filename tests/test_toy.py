@@ -215,6 +215,7 @@ def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
         assert (job.objective.mode, job.reward.name, job.budget, job.sampling) == (arm, "answer", base.budget, base.sampling)
         assert job.objective.policy_gradient and not job.objective.teacher_scores
         assert job.reward.overlong_buffer == (round(0.2 * base.sampling.max_new_tokens) if arm == "dapo" else 0)
+        assert job.reward.dynamic_sampling_rounds == (3 if arm == "dapo" else 0)  # DAPO's flat groups given to drawn rows
         assert job.optimizer.steps_per_update == 4 and job.optimizer.model_copy(update={"steps_per_update": 1}) == base.optimizer  # PPO's mini-batches
     assert arm_job(base.model_copy(update={"sampling": base.sampling.model_copy(update={"prompts_per_step": 2})}), "grpo", 0,
                    tmp_path).optimizer.steps_per_update == 2  # a prompt per mini-batch at least

@@ -371,8 +371,9 @@ class Driver:
                         rewards=[value for s in summaries for value in s.rewards])
         if self.job.reward.dynamic_sampling_rounds:
             log.resampled_groups, log.flat_groups = current.resampled, current.flat
+        reward = (log.reward_mean, log.reward_std, log.resampled_groups or 0, log.flat_groups or 0) if log.reward_mean is not None else None
         self.metrics.record(self.step, current.budget_bps, log.phases, samples=log.sequences, pool_sizes=sizes, staleness=log.staleness,
-                            reward_mean=log.reward_mean, resampled_groups=log.resampled_groups)
+                            reward=reward)
         return log
 
     def _evaluates_now(self) -> bool:

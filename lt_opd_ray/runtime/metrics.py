@@ -91,7 +91,10 @@ class DriverMetrics:
         self.samples = _counter("learner_samples", "Rollouts (sampled responses) the learners trained on")
         self.staleness = _gauge("staleness", "Weight versions between the learner and the rollouts it trained on (largest in the update)")
         self.reward = _gauge("reward_mean", "Mean reward (reward.name) of the last update's responses")
-        self.resampled = _counter("resampled_groups", "Rollout groups whose rewards were all equal, replaced by a new row's (dynamic sampling)")
+        self.reward_std = _gauge("reward_std", "Standard deviation of the last update's rewards, over its responses")
+        self.resampled = _gauge("resampled_groups", "Rollout groups of the last update whose rewards were all equal, given to drawn rows"
+                                " (dynamic sampling; 0 where it is off)")
+        self.flat = _gauge("flat_groups", "Rollout groups of the last update still all equal after dynamic sampling's last round")
         self.pool_busy = metrics.Gauge(
             "lt_opd_pool_busy_fraction", description="Busy seconds of a pool's actors / (actors x seconds per update)", tag_keys=(*TAGS, "pool")
         )
@@ -112,14 +115,13 @@ class DriverMetrics:
         )
 
     def record(self, step: int, budget_bps: int, phases, samples: int, pool_sizes: dict[str, int], staleness: int,
-               reward_mean: float | None = None, resampled_groups: int | None = None) -> None:
-        """`phases`: the update's `wire.PhaseTimes`; `reward_mean` where the job has a reward, `resampled_groups` where
-        it samples dynamically."""
+               reward: tuple[float, float, int, int] | None = None) -> None:
+        """`phases`: the update's `wire.PhaseTimes`; `reward` where the job has one: the rewards' mean and standard
+        deviation, the groups dynamic sampling replaced and kept flat."""
         self.step.set(step, tags=self.tags)
-        if reward_mean is not None:
-            self.reward.set(reward_mean, tags=self.tags)
-        if resampled_groups is not None:
-            self.resampled.inc(resampled_groups, tags=self.tags)
+        if reward is not None:
+            for gauge, value in zip((self.reward, self.reward_std, self.resampled, self.flat), reward):
+                gauge.set(value, tags=self.tags)
         self.budget.set(budget_bps, tags=self.tags)
         self.samples.inc(samples, tags=self.tags)
         self.staleness.set(staleness, tags=self.tags)

@@ -3,6 +3,7 @@ update's work, and the pools' busy fractions (what the CLI prints, `steps.jsonl`
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from lt_opd_ray.core.wire import LearnerStepResult, PhaseTimes, Span, busy_seconds
@@ -33,6 +34,7 @@ class StepLog:
     logprob_gap: float = 0.0  # mean |learner's - rollout engine's log-prob| of the sampled tokens: ~0 on policy unless the engines disagree
     padding_share: float = 0.0  # of the positions the learners' forwards computed (rows x longest per micro-batch), those that were padding
     reward_mean: float | None = None  # mean reward.name score of the update's responses; None: the job has no reward
+    reward_std: float | None = None  # their standard deviation (population)
     resampled_groups: int | None = None  # dynamic sampling: groups whose rewards were all equal, given to new rows; None: off
     flat_groups: int | None = None  # dynamic sampling: groups still all equal after the last round, trained on as they are
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
@@ -100,7 +102,8 @@ def summarize(
         clipped_share=by_tokens("clipped_share"),
         logprob_gap=by_tokens("logprob_gap"),
         padding_share=1 - computed_tokens / total("padded_tokens") if total("padded_tokens") else 0.0,
-        reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        reward_mean=statistics.fmean(rewards) if rewards else None,
+        reward_std=statistics.pstdev(rewards) if rewards else None,
         sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
         eval_accuracy=accuracy,
         eval_scores=scores,

@@ -66,7 +66,7 @@ def step_metrics(log) -> dict[str, float]:
         "micro_batches", "payload_bytes_per_token", "sync_bytes", "response_tokens_mean", "response_tokens_max", "truncated_share",
         "clipped_share", "logprob_gap", "padding_share")}
     metrics["train/budget_percent"] = log.budget_bps / 100
-    metrics |= {f"train/{name}": float(getattr(log, name)) for name in ("divergence", "top_k_overlap", "reward_mean", "resampled_groups", "flat_groups")  # where the job has them
+    metrics |= {f"train/{name}": float(getattr(log, name)) for name in ("divergence", "top_k_overlap", "reward_mean", "reward_std", "resampled_groups", "flat_groups")  # where the job has them
                 if getattr(log, name) is not None}
     metrics |= {f"time/{phase}": float(seconds) for phase, seconds in asdict(log.phases).items() if phase != "busy"}
     metrics |= {f"busy/{pool}": float(fraction) for pool, fraction in log.phases.busy.items()}

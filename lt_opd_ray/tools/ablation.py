@@ -13,7 +13,8 @@ Arms (all at the job's target budget, same teacher, same data):
   lt_opd_token_merge     LT-OPD with the release's learnable token merge (not in the paper's table: asked for by name)
   lt_opd_no_hold  LT-OPD whose cosine decay reaches the target at the last update (the paper's "no final plateau")
   grpo, dapo, gspo       the RL baselines on the student's rollouts, rewarded by the row's answer (no teacher; DAPO
-                  with its overlong punishment over the last fifth of max_new_tokens), in PPO's mini-batches: four
+                  with its overlong punishment over the last fifth of max_new_tokens and its dynamic sampling, a flat
+                  group's prompt replaced up to 3 times), in PPO's mini-batches: four
                   optimizer steps an update, so their clips act on policy as in their papers' practice
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
@@ -49,7 +50,7 @@ ARMS: dict[str, dict] = {
     "lt_opd_no_hold": {},  # the cosine decay reaches the target at the last update (set below): no final plateau
     # the RL baselines on the same rollouts, rewarded by the held-out metric's own check (the row's answer)
     "grpo": {"objective": {"mode": "grpo"}, "reward": {"name": "answer"}},
-    "dapo": {"objective": {"mode": "dapo"}, "reward": {"name": "answer"}},  # overlong_buffer set below
+    "dapo": {"objective": {"mode": "dapo"}, "reward": {"name": "answer", "dynamic_sampling_rounds": 3}},  # overlong_buffer set below
     "gspo": {"objective": {"mode": "gspo"}, "reward": {"name": "answer"}},
 }
 # DAPO's soft overlong punishment starts this share of max_new_tokens before it (the paper: 4,096 of 20,480)
