@@ -107,12 +107,14 @@ def reference_trajectory(job, steps) -> Trajectory:
 
 
 @contextmanager
-def driven(job, steps):
+def driven(job, steps, prepare=None):
     """A driver that has run `steps` updates, still up: (driver, step logs, trajectory), the learners' weights
     gathered before and after each update. After each update's sync every rollout worker holds exactly the learners'
-    weights, and the sync sent each fp32 parameter once."""
+    weights, and the sync sent each fp32 parameter once. `prepare(driver)` runs before the first update."""
     driver = Driver(job)
     try:
+        if prepare is not None:
+            prepare(driver)
         weights, logs = [driver.learners.full_state_dict()], []
         numel = sum(p.numel() for p in weights[0].values())
         for step in range(1, steps + 1):
@@ -799,17 +801,18 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps, steps_per_update=steps)
 
 
-def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, tiny_dirs, tmp_path):
+def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, tiny_dirs, tmp_path, capsys):
     """DAPO's dynamic sampling at staleness 1: a prompt whose four responses all get one reward (a user's reward that
     gives 1 to every response of an even row) gives its slot to a drawn row, up to twice, before the learners start.
     The groups replaced and kept flat are those the rows' parity says, as the reference counts them; the learners
-    match the reference; a run resumed from step 2 (update 2 in flight there, its slots' drawn rows in the
-    checkpoint) trains update 2 as the first run did."""
+    match the reference, also though a worker is killed on the first row drawn for update 1 (the other samples its
+    groups again; it is replaced after the update); a run resumed from step 2 (update 2 in flight there, its slots'
+    drawn rows in the checkpoint) trains update 2 as the first run did."""
     from lt_opd_ray.core.dynamic_sampling import draw_replacements
 
     extra = "reward: {name: 'user_rewards:letters_on_odd_rows', dynamic_sampling_rounds: 2}\nschedule: {max_staleness: 1}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=4, every=2, name="rl-dynamic", mode="dapo", max_new_tokens=8,
-                  stop=[" "], extra=extra)
+                  stop=[" "], workers=2, extra=extra)
     rows = load_samples(job.data.path, job.data.image_root, job.seed)
 
     def even(row) -> bool:
@@ -826,9 +829,24 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
         expected.append((resampled, len(flat)))
     assert sum(r for r, _ in expected) > 0 and len(set(expected)) > 1  # the preconditions the test rests on
 
+    killed = []
+
+    def kill_on_the_first_drawn_row(driver):
+        submit = driver.rollouts.submit_group
+
+        def submit_then_kill(rows, start, stop, rank, budget, update, worker):
+            group = submit(rows, start, stop, rank, budget, update, worker)
+            if update == 1 and not killed:
+                killed.append(driver.rollouts.names[worker])
+                os.kill(ray.get(driver.rollouts.workers[worker].pid.remote()), signal.SIGKILL)
+            return group
+
+        driver.rollouts.submit_group = submit_then_kill
+
     reports, _ = reference_run(job, 3)
-    with driven(job, 3) as (_, logs, run):
+    with driven(job, 3, prepare=kill_on_the_first_drawn_row) as (_, logs, run):
         pass
+    assert f"{killed[0]} died while sampling rewards of update 1's rollout groups (dynamic sampling round 2)" in capsys.readouterr().out
     assert [(log.resampled_groups, log.flat_groups) for log in logs] == [(r.resampled_groups, r.flat_groups) for r in reports] == expected
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
     assert_reproduces(run, reference_trajectory(job, 3), job.optimizer.eps)

@@ -185,23 +185,62 @@ class Driver:
         rounds = self.job.reward.dynamic_sampling_rounds
         pending = list(range(len(flight.groups)))  # the groups whose rewards are still to be judged
         for round_ in range(1, rounds + 2):
-            summaries = self.rollouts.wait([flight.groups[i].summary for i in pending], [self.rollouts.names[flight.groups[i].worker] for i in pending],
-                                           f"rewards of update {flight.update}'s rollout groups (dynamic sampling round {round_})")
-            pending = [i for i, summary in zip(pending, summaries) if is_flat(summary.rewards)]
+            rewards = self.rewards_of(flight, pending, f"rewards of update {flight.update}'s rollout groups (dynamic sampling round {round_})")
+            pending = [i for i, values in zip(pending, rewards) if is_flat(values)]
             if not pending or round_ > rounds:
                 break
             drawn = draw_replacements(self.samples, self.job.data.shuffle_seed, flight.update, round_, flight.batch, [flight.groups[i].start for i in pending])
-            drawn_ref = self.objects.put(drawn)  # slot -> row: a worker reads samples[slot] for its group's one prompt
-            for n, i in enumerate(pending):
-                old = flight.groups[i]
-                flight.batch[old.start] = drawn[old.start]
-                flight.drawn[old.start] = drawn[old.start].uid
-                flight.groups[i] = self.rollouts.submit_group(drawn_ref, old.start, old.stop, old.learner_rank, flight.budget_bps, flight.update,
-                                                              n % len(self.rollouts.names))
+            for i in pending:
+                flight.batch[flight.groups[i].start] = drawn[flight.groups[i].start]
+                flight.drawn[flight.groups[i].start] = drawn[flight.groups[i].start].uid
+            self.sample_slots(flight, pending, self.live_workers())
             flight.resampled += len(pending)
         flight.flat = len(pending)
         if flight.drawn:
             flight.samples_ref = self.objects.put(flight.batch)  # the rows the learners train on (and a lost group's resample reads)
+
+    def rewards_of(self, flight: InFlight, indices: list[int], what: str) -> list[tuple[float, ...]]:
+        """The rewards of `flight.groups[indices]`, once sampled. A worker that dies on them is stopped (replaced after
+        the update) and its groups sampled again by the live workers: the same rollouts (sampling is seeded by update,
+        row and response, not by worker)."""
+        while True:
+            groups = [flight.groups[i] for i in indices]
+            try:
+                return [s.rewards for s in self.rollouts.wait([g.summary for g in groups], [self.rollouts.names[g.worker] for g in groups], what)]
+            except RayActorError:
+                dead = {g.worker for g in groups if self.died(g)}
+                survivors = [w for w in self.live_workers() if w not in dead]
+                if not dead or not survivors:
+                    raise
+                for worker in sorted(dead):
+                    self.rollouts.stop(worker)
+                    self.lost_workers.add(worker)
+                again = [i for i in indices if flight.groups[i].worker in dead]
+                self.sample_slots(flight, again, survivors)
+                print(f"{', '.join(self.rollouts.names[w] for w in sorted(dead))} died while sampling {what}: prompt slots"
+                      f" {', '.join(str(flight.groups[i].start) for i in again)} sampled again by"
+                      f" {', '.join(self.rollouts.names[w] for w in survivors)}; replaced after the update", flush=True)
+
+    def sample_slots(self, flight: InFlight, indices: list[int], workers: list[int]) -> None:
+        """`flight.groups[indices]` (one prompt each) sampled afresh from the rows their slots hold now, dealt over `workers`."""
+        rows = self.objects.put({flight.groups[i].start: flight.batch[flight.groups[i].start] for i in indices})  # a worker reads rows[slot]
+        for n, i in enumerate(indices):
+            old = flight.groups[i]
+            flight.groups[i] = self.rollouts.submit_group(rows, old.start, old.stop, old.learner_rank, flight.budget_bps, flight.update, workers[n % len(workers)])
+
+    def live_workers(self) -> list[int]:
+        """The rollout workers not stopped inside the update."""
+        return [w for w in range(len(self.rollouts.names)) if w not in self.lost_workers]
+
+    def died(self, group: GroupRef) -> bool:
+        """The group's worker died before it was sampled (its summary answers with the actor's death)."""
+        if not self.objects.wait([group.summary], timeout=0)[0]:
+            return False
+        try:
+            self.objects.get(group.summary)
+            return False
+        except RayActorError:
+            return True
 
     def scoring(self, samples_ref) -> ScoringRequest | None:
         """How the learner ranks ask the teacher about the update's samples; None where the job has no teacher."""
