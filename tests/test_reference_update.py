@@ -22,7 +22,7 @@ seed: 3
 model: {{path: "{model_dir}", dtype: float32}}
 data: {{path: "synthetic:8", max_pixels: 65536}}
 budget: {{start_bps: {overrides.get("start_bps", 2500)}, target_bps: {overrides.get("target_bps", 1000)}, warm_steps: 1, decay_end: 3, total_steps: 4, k_min: 2}}
-objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}}}
+objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}, kl_coef: {overrides.get("kl_coef", 0)}}}
 sampling: {{prompts_per_step: 2, n: {overrides.get("n", 2)}, max_new_tokens: {overrides.get("max_new_tokens", 6)}}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0, steps_per_update: {overrides.get("steps", 1)}}}
 """ + (f"reward: {{name: {overrides['reward']}}}\n" if "reward" in overrides else "")
@@ -314,17 +314,33 @@ def test_the_warm_up_counts_updates_whatever_the_optimizer_steps_an_update(loade
     assert factors == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3, 1, 1, 1, 1], rel=1e-12)
 
 
+def brute_force_reverse_kl(student_lp, teacher_lp, student_top_ids, sampled, k) -> torch.Tensor:
+    """KL(student || teacher) at each position [T] from full-vocabulary log-probs [T, V]: over the set of the
+    student's top-k ids, the teacher's top-k and the sampled token, plus one bin for the rest of the vocabulary."""
+    values = []
+    for t in range(student_lp.shape[0]):
+        ids = sorted({*student_top_ids[t].tolist(), *teacher_lp[t].topk(k).indices.tolist(), int(sampled[t])})
+        s, q = student_lp[t, ids].exp(), teacher_lp[t, ids].exp()
+        s_tail, q_tail = 1 - s.sum(), 1 - q.sum()
+        values.append((s * (s.log() - q.log())).sum() + s_tail * (s_tail.log() - q_tail.log()))
+    return torch.stack(values)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "gspo"])
-def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs, samples, mode):
+def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs, samples, mode, kl_coef):
     """Each rollout's advantage within its prompt's group, the student's log-probs from transformers' own forward,
     and core/rl.py's loss on them (itself checked against the papers' formulas, tests/test_rl.py): the gradient on
     policy (the old policy is the student's own log-probs, so every ratio is exactly 1), and the value and gradient
-    on rollouts of a policy a version behind (their recorded log-probs, moved so that the clip binds)."""
+    on rollouts of a policy a version behind (their recorded log-probs, moved so that the clip binds). With a KL
+    term, plus kl_coef times KL(student || frozen initial weights) per token, brute-forced from both models'
+    full-vocabulary forwards, averaged as the policy term is."""
     from torch.nn.utils.rnn import pad_sequence
 
-    from lt_opd_ray.core.rl import CLIP_RANGES, policy_loss
+    from lt_opd_ray.core.rl import CLIP_RANGES, TOKEN_MEAN, policy_loss
 
-    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format")
+    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format", kl_coef=kl_coef)
+    assert job.objective.teacher_scores == (kl_coef > 0)  # the frozen weights are the teacher pool's
     trainer = ReferenceTrainer(job)
     _perturbed_student(trainer)
     batch = samples[:2]
@@ -344,13 +360,22 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
                 r.old_logp = r.old_logp + 0.3 * torch.randn(r.old_logp.shape, generator=torch.Generator().manual_seed(r.response_ids.numel()))
         policy = ReferenceTrainer.policy_inputs(rollouts, on_policy)
         torch.testing.assert_close(policy.advantages, expected, rtol=1e-6, atol=1e-6)
-        loss, stats = student_loss(trainer.student, prompts, rollouts, None, job.objective, policy=policy)
+        scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16, 4096) if kl_coef else None
+        loss, stats = student_loss(trainer.student, prompts, rollouts, scores, job.objective, policy=policy)
         (grad,) = torch.autograd.grad(loss, lm_head)
-        logp = pad_sequence([_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids).gather(-1, r.response_ids[:, None])[:, 0]
-                             for r in rollouts], batch_first=True)
+        full = [_hf_log_probs(trainer.student.model, prompts[r.prompt_index], r.response_ids) for r in rollouts]
+        logp = pad_sequence([lp.gather(-1, r.response_ids[:, None])[:, 0] for lp, r in zip(full, rollouts)], batch_first=True)
         old = logp.detach() if on_policy else pad_sequence([r.old_logp.double() for r in rollouts], batch_first=True)
         mask = pad_sequence([torch.ones(r.response_ids.numel()) for r in rollouts], batch_first=True)
         reference = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high)
+        if kl_coef:
+            with torch.no_grad():
+                frozen = [_hf_log_probs(trainer.teacher.model, prompts[r.prompt_index], r.response_ids) for r in rollouts]
+            kl = [brute_force_reverse_kl(s, t, r.student_top_ids, r.response_ids, 8) for s, t, r in zip(full, frozen, rollouts)]
+            assert min(float(v.min()) for v in kl) > 0  # the perturbed student is off the frozen weights at every token
+            per_response = torch.stack([v.sum() if mode in TOKEN_MEAN else v.mean() for v in kl])
+            reference = reference + kl_coef * per_response.sum() / (mask.sum() if mode in TOKEN_MEAN else len(rollouts))
+            assert stats.divergence == pytest.approx(float(torch.cat(kl).mean()), rel=1e-4)
         (reference_grad,) = torch.autograd.grad(reference, lm_head)
         assert float(loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-4, abs=1e-7), on_policy
         torch.testing.assert_close(grad.double(), reference_grad.double(), rtol=1e-3, atol=1e-7)

@@ -148,6 +148,12 @@ class ObjectiveConfig(StrictModel):
     `gspo` (one length-normalised ratio per response, clipped)."""
     divergence: Literal["jsd", "forward_kl", "reverse_kl"] = "jsd"
     """Per-position divergence on the top-k union plus a tail bin."""
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    """The RL baselines' KL term, β: β times KL(student || frozen initial weights) at each response token, added to
+    the policy term and averaged as it is (per response, or DAPO's over the update's tokens). The frozen weights are
+    the teacher pool's (the job then starts one), on the full-token prompt, the KL taken over the top-k union plus a
+    tail bin (`reverse_kl` of the distillation modes, exact on that support, not a sampled estimate). 0 (the default,
+    DAPO's and GSPO's practice): no KL term and no teacher pool."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
     """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
     top_k: int = Field(100, ge=1, le=MAX_TOP_K)
@@ -185,9 +191,18 @@ class ObjectiveConfig(StrictModel):
     @property
     def teacher_scores(self) -> bool:
         """The loss reads the teacher's distributions on the responses. Where it does not (the cross-entropy modes,
-        the RL baselines), the job starts no teacher pool and its learners ask nothing of one (`sequence_kd`'s
-        responses come from the rollout workers' frozen copy)."""
-        return not (self.cross_entropy or self.policy_gradient)
+        the RL baselines without a KL term), the job starts no teacher pool and its learners ask nothing of one
+        (`sequence_kd`'s responses come from the rollout workers' frozen copy)."""
+        if self.policy_gradient:
+            return self.kl_coef > 0
+        return not self.cross_entropy
+
+    @model_validator(mode="after")
+    def _kl_term_of_the_rl_baselines(self) -> ObjectiveConfig:
+        if self.kl_coef and not self.policy_gradient:
+            raise ValueError(f"objective.kl_coef weighs the RL baselines' KL term (grpo, dapo, gspo); objective.mode {self.mode}"
+                             " has none (the distillation modes' loss is a divergence from the teacher already)")
+        return self
 
 
 class SamplingConfig(StrictModel):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, union_support
+from lt_opd_ray.core.objective import divergence, gather_log_probs, lt_opd_token_losses, union_support
 from lt_opd_ray.core.rl import CLIP_RANGES, TOKEN_MEAN, group_advantages, sequence_terms
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
@@ -177,8 +177,11 @@ def loss_on_forward(
     lengths = [h.shape[0] for h in hidden]
     ids_all = torch.cat([ids for ids, _, _ in supports])
     student_logp_all = gather_log_probs(torch.cat(hidden), student.lm_head.weight, ids_all, objective.logsoftmax_chunk)
-    if objective.policy_gradient:
-        return policy_gradient_loss(student_logp_all.split(lengths), rollouts, forward, objective, normaliser, policy)
+    if objective.policy_gradient:  # the sampled token's column is the last of each support
+        per_rollout = student_logp_all.split(lengths)
+        sampled = tuple(lp[:, ids.shape[1] - 1 :] for lp, (ids, _, _) in zip(per_rollout, supports))
+        reference = None if sampled_only else [(lp, valid, teacher_logp) for lp, (_, valid, teacher_logp) in zip(per_rollout, supports)]
+        return policy_gradient_loss(sampled, rollouts, forward, objective, normaliser, policy, reference)
     sequence_losses, divs, weights, overlaps, gaps = [], [], [], [], []
     for student_logp, r, (ids, valid, teacher_logp) in zip(student_logp_all.split(lengths), rollouts, supports):
         old_logp = r.old_logp.to(device)
@@ -226,13 +229,15 @@ def loss_on_forward(
 
 
 def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[Rollout], forward: StudentForward, objective,
-                         normaliser: float, policy: PolicyInputs | None) -> tuple[torch.Tensor, LossStats]:
+                         normaliser: float, policy: PolicyInputs | None, reference: list[tuple] | None = None) -> tuple[torch.Tensor, LossStats]:
     """An RL baseline's loss (`core.rl.sequence_terms`, summed, / `normaliser`) on the student's log-probs of the
     sampled tokens ([T, 1] per rollout). The old policy (`policy.old_logp`): where None, the student's own
     log-probs, detached (the update's first step on rollouts of its starting weights: exactly the sampling policy,
     free of the rollout engine's rounding, so every ratio is 1); else the given log-probs (the starting weights',
     recorded before the first step, for a later step; the rollout engine's for rollouts sampled a version earlier),
-    whose ratios the clip bounds. The statistics that compare with a teacher are None."""
+    whose ratios the clip bounds. `reference` (objective.kl_coef > 0): per rollout, the student's and the frozen
+    weights' log-probs on the top-k union and its mask ([T, K] each), whose reverse KL per token, times kl_coef, joins
+    each response's term, averaged as it is; without it the statistics that compare with a teacher are None."""
     if policy is None:
         raise ValueError(f"objective.mode {objective.mode} needs each rollout's advantage: none was given")
     device = sampled_logp[0].device
@@ -243,6 +248,13 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
     mask = pad_sequence([torch.ones(lp.shape[0], device=device) for lp in sampled_logp], batch_first=True)
     low, high = CLIP_RANGES[objective.mode]
     terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high)
+    kl = overlap = None
+    if reference is not None:
+        kl = pad_sequence([divergence(lp, teacher_lp, valid, "reverse_kl") for lp, valid, teacher_lp in reference], batch_first=True)  # [B, T]
+        per_response = (kl * mask).sum(dim=1)  # DAPO: a sum, the update's tokens its normaliser; else each response's token mean
+        terms = terms + objective.kl_coef * (per_response if objective.mode in TOKEN_MEAN else per_response / mask.sum(dim=1))
+        k = rollouts[0].student_top_ids.shape[1]
+        overlap = torch.cat([(k - valid[:, k : 2 * k].sum(-1)).float() / k for _, valid, _ in reference])  # teacher top-k ids already in student top-k
     if objective.truncated == "mask":
         terms = terms * torch.tensor([r.finish_reason != "length" for r in rollouts], device=device, dtype=terms.dtype)  # no gradient
     loss = terms.sum() / normaliser
@@ -257,9 +269,9 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
         gaps = (logp.detach() - recorded).abs()[mask.bool()]  # the engines' mismatch on the sampled token
     stats = LossStats(
         loss=float(loss.detach()),
-        divergence=None,
+        divergence=float(kl.detach()[mask.bool()].mean()) if kl is not None else None,
         importance_weight=float(ratio.mean()),
-        top_k_overlap=None,
+        top_k_overlap=float(overlap.mean()) if overlap is not None else None,
         tokens=int(mask.sum()),
         sequences=len(rollouts),
         vision_forwards=forward.vision_forwards,
