@@ -116,7 +116,8 @@ def loaded(tiny_dirs):
 
 def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra="",
             dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False,
-            activation_checkpointing=False, n=2, max_new_tokens=6, images=1, data=None, warmup=1, teacher_batch=4, stop=None, steps_per_update=1):
+            activation_checkpointing=False, n=2, max_new_tokens=6, images=1, data=None, warmup=1, teacher_batch=4, stop=None, steps_per_update=1,
+            kl_coef=0.0):
     """A small distributed job on a tiny model: `prompts` (2) x `n` (2) responses per update, `images` per row (or the
     rows `data` names, a data.path); `extra` is appended YAML."""
     from lt_opd_ray.config.loading import parse_job
@@ -128,7 +129,7 @@ seed: 5
 model: {{path: "{model_dir}", dtype: {dtype}}}
 data: {{path: "{data or f"synthetic:16{f'*{images}' if images > 1 else ''}"}", max_pixels: 65536, max_images: {images}, frames: 8}}
 budget: {{start_bps: 2500, target_bps: 500, warm_steps: 1, decay_end: 4, total_steps: {total}, k_min: 2}}
-objective: {{top_k: 8, logsoftmax_chunk: 32, mode: {mode}}}
+objective: {{top_k: 8, logsoftmax_chunk: 32, mode: {mode}, kl_coef: {kl_coef}}}
 sampling: {{prompts_per_step: {prompts}, n: {n}, max_new_tokens: {max_new_tokens}{f", stop: {stop!r}" if stop else ""}}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}}, warmup_steps: {warmup}, steps_per_update: {steps_per_update}}}
 pools:

@@ -772,8 +772,8 @@ def test_the_baselines_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
 
 
-@pytest.mark.parametrize(("mode", "staleness", "steps"), [("grpo", 0, 1), ("dapo", 0, 2), ("gspo", 1, 1)])
-def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, mode, staleness, steps):
+@pytest.mark.parametrize(("mode", "staleness", "steps", "kl_coef"), [("grpo", 0, 1, 0.5), ("dapo", 0, 2, 0.0), ("gspo", 1, 1, 0.0)])
+def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, mode, staleness, steps, kl_coef):
     """The RL baselines on two ranks in several micro-batches each, rewarded by a user's own function
     (`module:function` on the workers' path) with DAPO's overlong punishment: no teacher pool, the workers' rewards
     are the reference's, and the learners match it. Responses end at a space (the tiny model's random text), so their
@@ -781,22 +781,26 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     the first backward, the punishment varies. GSPO at staleness 1 takes the rollout engine's log-probs as the old
     policy from update 1 on. DAPO takes two optimizer steps an update (each rank's two prompts one each) under ZeRO-3: the
     second compares with the log-probs the starting weights gave, recorded on both ranks before the first step
-    (forwards that gather the weights in lockstep)."""
+    (forwards that gather the weights in lockstep). GRPO with a KL term to the frozen initial weights starts the
+    teacher pool, whose scores give it (and the step lines' divergence and overlap)."""
     from ray import serve
 
     extra = f"reward: {{name: 'user_rewards:letters', overlong_buffer: 3}}\nschedule: {{max_staleness: {staleness}}}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=2 * steps, steps_per_update=steps, zero_stage=3 if steps > 1 else 2, name=f"rl-{mode}", mode=mode, max_new_tokens=8, stop=[" "],
-                  micro_batch_tokens=120, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
+                  micro_batch_tokens=120, kl_coef=kl_coef, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
     reports, _ = reference_run(job, 2)
     with driven(job, 2) as (driver, logs, run):
-        assert driver.teacher is None and f"rl-{mode}-teacher" not in serve.status().applications
+        assert (driver.teacher is None, f"rl-{mode}-teacher" in serve.status().applications) == (not kl_coef, bool(kl_coef))
     # the preconditions the test rests on: lengths that differ, on each rank and between them; several micro-batches
     assert logs[0].response_tokens_mean < logs[0].response_tokens_max == 8
     assert len({sum(map(sum, rank)) for rank in logs[0].sequence_lengths}) == 2
     assert all(log.micro_batches == 4 * steps for log in logs), [(log.micro_batches, log.sequence_lengths) for log in logs]
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
     assert all(log.grad_norm > 0 for log in logs)  # the rewards differ within groups: a gradient to follow
-    assert (logs[0].importance_weight == 1.0) == (steps == 1) and logs[0].divergence is None  # on policy: every first step's ratio exactly 1
+    assert (logs[0].importance_weight == 1.0) == (steps == 1)  # on policy: every first step's ratio exactly 1
+    assert [log.divergence is None for log in logs] == [not kl_coef] * 2  # what compares with the frozen weights, where the job has them
+    if kl_coef:
+        assert [log.divergence for log in logs] == pytest.approx([r.stats.divergence for r in reports], rel=1e-4) and logs[1].divergence > 0
     assert [log.staleness for log in logs] == [0, staleness]
     assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps, steps_per_update=steps)
 
