@@ -122,12 +122,13 @@ class ReferenceTrainer:
     def resample_flat(self, samples: list[Sample], prompts: list, rollouts: list, budget: int) -> tuple[list, int, int]:
         """Dynamic sampling as the driver runs it (core/dynamic_sampling.py): `samples` and `prompts` get the new rows
         in place; returns the update's rollouts in prompt order, the groups replaced and those kept flat."""
-        rounds, resampled = self.job.reward.dynamic_sampling_rounds, 0
+        rounds, resampled, tried = self.job.reward.dynamic_sampling_rounds, 0, {s.uid for s in samples}
         flat = [p for p in range(len(samples)) if is_flat([r.reward for r in rollouts if r.prompt_index == p])]
         for round_ in range(1, rounds + 1):
             if not flat:
                 break
-            drawn = draw_replacements(self.rows, self.job.data.shuffle_seed, self.step_index, round_, samples, flat)
+            drawn = draw_replacements(self.rows, self.job.data.shuffle_seed, self.step_index, round_, tried, flat)
+            tried |= {row.uid for row in drawn.values()}
             new = [drawn[slot] for slot in flat]
             encoded = self.encode(new)
             again = self.sample(new, encoded, budget)

@@ -809,8 +809,9 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
     """DAPO's dynamic sampling at staleness 1: a prompt whose four responses all get one reward (a user's reward that
     gives 1 to every response of an even row) gives its slot to a drawn row, up to twice, before the learners start.
     The groups replaced and kept flat are those the rows' parity says, as the reference counts them; the learners
-    match the reference, also though a worker is killed on the first row drawn for update 1 (the other samples its
-    groups again; it is replaced after the update); a run resumed from step 2 (update 2 in flight there, its slots'
+    match the reference, also though both workers die on the first rows drawn for update 0 (replaced at once and
+    given the learners' weights) and one on update 1's (the other samples its groups again; it is replaced after
+    the update); a run resumed from step 2 (update 2 in flight there, its slots'
     drawn rows in the checkpoint) trains update 2 as the first run did."""
     from lt_opd_ray.core.dynamic_sampling import draw_replacements
 
@@ -824,33 +825,40 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
 
     expected = []  # (groups replaced, kept flat) per update, from the rows' parity alone
     for update, batch in zip(range(3), batches(rows, 4, job.data.shuffle_seed)):
-        flat, resampled = [slot for slot, row in enumerate(batch) if even(row)], 0
+        flat, resampled, tried = [slot for slot, row in enumerate(batch) if even(row)], 0, {row.uid for row in batch}
         for round_ in (1, 2):
             if flat:
-                drawn = draw_replacements(rows, job.data.shuffle_seed, update, round_, batch, flat)
-                batch = [drawn.get(slot, row) for slot, row in enumerate(batch)]
+                drawn = draw_replacements(rows, job.data.shuffle_seed, update, round_, tried, flat)
+                tried |= {row.uid for row in drawn.values()}
                 resampled, flat = resampled + len(flat), [slot for slot in flat if even(drawn[slot])]
         expected.append((resampled, len(flat)))
     assert sum(r for r, _ in expected) > 0 and len(set(expected)) > 1  # the preconditions the test rests on
 
-    killed = []
+    killed: dict[int, list[str]] = {}
 
-    def kill_on_the_first_drawn_row(driver):
-        submit = driver.rollouts.submit_group
+    def kill_on_drawn_rows(driver):
+        """Once the first rows drawn for update 0 are handed out, every worker dies (before the learners' first step); for
+        update 1 (staleness 1: while the learners train on update 0), one of the workers sampling them."""
+        sample_slots = driver.sample_slots
 
-        def submit_then_kill(rows, start, stop, rank, budget, update, worker):
-            group = submit(rows, start, stop, rank, budget, update, worker)
-            if update == 1 and not killed:
-                killed.append(driver.rollouts.names[worker])
-                os.kill(ray.get(driver.rollouts.workers[worker].pid.remote()), signal.SIGKILL)
-            return group
+        def sample_then_kill(flight, indices, workers):
+            sample_slots(flight, indices, workers)
+            if flight.update in (0, 1) and flight.update not in killed:
+                victims = list(workers) if flight.update == 0 else workers[:1]
+                killed[flight.update] = [driver.rollouts.names[w] for w in victims]
+                for w in victims:
+                    os.kill(ray.get(driver.rollouts.workers[w].pid.remote()), signal.SIGKILL)
 
-        driver.rollouts.submit_group = submit_then_kill
+        driver.sample_slots = sample_then_kill
 
     reports, _ = reference_run(job, 3)
-    with driven(job, 3, prepare=kill_on_the_first_drawn_row) as (_, logs, run):
+    with driven(job, 3, prepare=kill_on_drawn_rows) as (_, logs, run):
         pass
-    assert f"{killed[0]} died while sampling rewards of update 1's rollout groups (dynamic sampling round 2)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{killed[1][0]} lost while sampling rewards of update 1's rollout groups (dynamic sampling round 2) (replaced after the update)" in out
+    # update 0: each death is seen as its group fails, the last with no worker left
+    assert ("rollout-0, rollout-1 lost while sampling rewards of update 0's rollout groups (dynamic sampling round 2) (no worker left: all"
+            " replaced now and given weights v0)") in out, out
     assert [(log.resampled_groups, log.flat_groups) for log in logs] == [(r.resampled_groups, r.flat_groups) for r in reports] == expected
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
     assert_reproduces(run, reference_trajectory(job, 3), job.optimizer.eps)

@@ -83,6 +83,7 @@ class Driver:
         lap("checks")
         self.rollouts = self.teacher = self.learners = None
         self.lost_workers: set[int] = set()  # rollout workers stopped inside the update, replaced after it
+        self.stepping = False  # the learners are inside a step (run_step: from its start until their results are in)
         try:  # what the run starts, it removes, also when a later pool fails to start
             begin = time.time()  # the three pools start together: each loads its model while the others do
             if job.objective.teacher_scores:  # the cross-entropy modes' loss reads no teacher: no teacher pool
@@ -121,9 +122,11 @@ class Driver:
         update = self.step
         current, self.next = self.next or self.submit(update), None
         training = self.learners.async_train_step(current.batch, current.groups, self.rollouts.names, update, self.scoring(current.samples_ref))
+        self.stepping = True
         if self.job.schedule.max_staleness and update + 1 < self.job.budget.total_steps:
             self.next = self.submit(update + 1)  # sampled by weights v(update) while the learners train on update
         ranks = self.learners.wait(training, f"learner step of update {update}", upstream=self.samplers(current))
+        self.stepping = False
         for rank, result in enumerate(ranks):
             for _ in range(result.teacher_retries):
                 self.metrics.record_restart("teacher")
@@ -182,14 +185,15 @@ class Driver:
         are all equal gives its slot to a new row, sampled by the workers in turn; the learners get the update once
         every slot's last group is sampled. Before a step starts (with max_staleness 1 while the learners train on the
         update before)."""
-        rounds = self.job.reward.dynamic_sampling_rounds
+        rounds, tried = self.job.reward.dynamic_sampling_rounds, {s.uid for s in flight.batch}
         pending = list(range(len(flight.groups)))  # the groups whose rewards are still to be judged
         for round_ in range(1, rounds + 2):
             rewards = self.rewards_of(flight, pending, f"rewards of update {flight.update}'s rollout groups (dynamic sampling round {round_})")
             pending = [i for i, values in zip(pending, rewards) if is_flat(values)]
             if not pending or round_ > rounds:
                 break
-            drawn = draw_replacements(self.samples, self.job.data.shuffle_seed, flight.update, round_, flight.batch, [flight.groups[i].start for i in pending])
+            drawn = draw_replacements(self.samples, self.job.data.shuffle_seed, flight.update, round_, tried, [flight.groups[i].start for i in pending])
+            tried |= {row.uid for row in drawn.values()}
             for i in pending:
                 flight.batch[flight.groups[i].start] = drawn[flight.groups[i].start]
                 flight.drawn[flight.groups[i].start] = drawn[flight.groups[i].start].uid
@@ -209,24 +213,49 @@ class Driver:
                 return [s.rewards for s in self.rollouts.wait([g.summary for g in groups], [self.rollouts.names[g.worker] for g in groups], what)]
             except RayActorError:
                 dead = {g.worker for g in groups if self.died(g)}
-                survivors = [w for w in self.live_workers() if w not in dead]
-                if not dead or not survivors:
+                if not dead:
                     raise
-                for worker in sorted(dead):
-                    self.rollouts.stop(worker)
-                    self.lost_workers.add(worker)
                 again = [i for i in indices if flight.groups[i].worker in dead]
+                survivors = [w for w in self.live_workers() if w not in dead]
+                if survivors:
+                    for worker in sorted(dead):
+                        self.rollouts.stop(worker)
+                        self.lost_workers.add(worker)
+                    how = "replaced after the update"
+                else:
+                    dead |= self.lost_workers  # stopped earlier inside the update: none lives
+                    survivors = self.replace_every_worker(dead, what)
+                    how = f"no worker left: all replaced now and given weights v{self.step}"
                 self.sample_slots(flight, again, survivors)
-                print(f"{', '.join(self.rollouts.names[w] for w in sorted(dead))} died while sampling {what}: prompt slots"
+                print(f"{', '.join(self.rollouts.names[w] for w in sorted(dead))} lost while sampling {what} ({how}): prompt slots"
                       f" {', '.join(str(flight.groups[i].start) for i in again)} sampled again by"
-                      f" {', '.join(self.rollouts.names[w] for w in survivors)}; replaced after the update", flush=True)
+                      f" {', '.join(self.rollouts.names[w] for w in survivors)}", flush=True)
+
+    def replace_every_worker(self, dead: set[int], what: str) -> list[int]:
+        """No rollout worker lives on dynamic sampling's rounds: before the learners' step (max_staleness 0, or the
+        first update) each one is replaced now and given the learners' weights, which the rounds sample with; returns
+        them. Inside the step (the next update's rounds, max_staleness 1) the weights they sample with, v(step), may
+        already be gone from the learners (their optimizer step does not wait for these rounds): the run ends, and
+        `--resume` continues from its last checkpoint."""
+        gone = sorted(dead)
+        names = ", ".join(self.rollouts.names[w] for w in gone)
+        if self.stepping:
+            raise RoleDiedError(f"{names} died while sampling {what} with no worker left, while the learners train on update {self.step}: the"
+                                f" rows must be sampled by weights v{self.step}, which the learners' step moves on from")
+        for worker in gone:
+            self.rollouts.replace(worker)  # stops the dead one first
+            self.metrics.record_restart("rollout")
+        self.lost_workers.clear()
+        self.sync.connect()
+        self.broadcast(version=self.step)
+        return gone
 
     def sample_slots(self, flight: InFlight, indices: list[int], workers: list[int]) -> None:
         """`flight.groups[indices]` (one prompt each) sampled afresh from the rows their slots hold now, dealt over `workers`."""
         rows = self.objects.put({flight.groups[i].start: flight.batch[flight.groups[i].start] for i in indices})  # a worker reads rows[slot]
-        for n, i in enumerate(indices):
-            old = flight.groups[i]
-            flight.groups[i] = self.rollouts.submit_group(rows, old.start, old.stop, old.learner_rank, flight.budget_bps, flight.update, workers[n % len(workers)])
+        bounds = [(flight.groups[i].start, flight.groups[i].stop, flight.groups[i].learner_rank) for i in indices]
+        for i, group in zip(indices, self.rollouts.submit_groups(rows, bounds, flight.budget_bps, flight.update, workers)):
+            flight.groups[i] = group
 
     def live_workers(self) -> list[int]:
         """The rollout workers not stopped inside the update."""
@@ -301,6 +330,9 @@ class Driver:
         batch = next(self.data)
         drawn = {int(slot): uid for slot, uid in dynamic.get("drawn", {}).items()}
         for slot, uid in drawn.items():
+            if uid not in self.rows_by_uid:
+                raise ValueError(f"checkpoint {self.restored.tag}: the in-flight update {kept[0].update} trains on row {uid} (drawn by dynamic"
+                                 " sampling), which data.path no longer holds: resume with the rows the run was started with")
             batch[slot] = self.rows_by_uid[uid]
         samples_ref = self.objects.put(batch)
         groups = [

@@ -218,9 +218,12 @@ class RolloutPool:
 
     def submit(self, samples_ref, budget_bps: int, update: int, learner_ranges: list[tuple[int, int]], group_prompts: int) -> list[GroupRef]:
         """Queue every group of an update over the workers; `learner_ranges`: each rank's [start, stop) of its prompts."""
-        bounds = group_bounds(learner_ranges, group_prompts)
-        calls = deal(bounds, len(self.workers), call_per_group=bool(self._sampling))
-        refs = {group: ref for worker, groups in calls for group, ref in zip(groups, self._generate(samples_ref, groups, budget_bps, update, worker))}
+        return self.submit_groups(samples_ref, group_bounds(learner_ranges, group_prompts), budget_bps, update, list(range(len(self.workers))))
+
+    def submit_groups(self, samples_ref, bounds: list[tuple[int, int, int]], budget_bps: int, update: int, workers: list[int]) -> list[GroupRef]:
+        """Queue these groups (start, stop, learner rank) of `update`, dealt over `workers` (indices) as `deal` does."""
+        calls = deal(bounds, len(workers), call_per_group=bool(self._sampling))
+        refs = {group: ref for n, groups in calls for group, ref in zip(groups, self._generate(samples_ref, groups, budget_bps, update, workers[n]))}
         return [refs[group] for group in bounds]
 
     def submit_group(self, samples_ref, start: int, stop: int, rank: int, budget_bps: int, update: int, worker: int) -> GroupRef:
