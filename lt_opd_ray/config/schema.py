@@ -234,10 +234,12 @@ class RewardConfig(StrictModel):
     """DAPO's soft overlong punishment: a response longer than sampling.max_new_tokens - overlong_buffer loses
     (length - (max_new_tokens - overlong_buffer)) / overlong_buffer from its reward, 1 at max_new_tokens. 0: none."""
     dynamic_sampling_rounds: int = Field(0, ge=0, le=MAX_DYNAMIC_SAMPLING_ROUNDS)
-    """DAPO's dynamic sampling (the RL baselines): a prompt whose responses all get the same reward (zero advantages,
-    no gradient) gives its place in the update to a training row drawn at random, sampled before the learners start,
-    up to this many times per place; one still flat after the last keeps its responses. Every prompt is its own
-    rollout group (schedule.group_prompts 1). The step line counts the groups replaced and those kept flat. 0: off."""
+    """DAPO's dynamic sampling (the RL baselines): a prompt whose responses all get the same reward, after the overlong
+    punishment (zero advantages, no gradient; DAPO's paper judges the answers' accuracy, which differs only where the
+    punishment tells responses apart), gives its place in the update to a training row drawn at random, sampled before
+    the learners start, up to this many times per place; one still flat after the last keeps its responses. Every
+    prompt is its own rollout group (schedule.group_prompts 1). The step line counts the replacements (one per place
+    per round) and the places kept flat. 0: off."""
 
 
 class LearningRates(StrictModel):

@@ -93,7 +93,7 @@ class DriverMetrics:
         self.reward = _gauge("reward_mean", "Mean reward (reward.name) of the last update's responses")
         self.reward_std = _gauge("reward_std", "Standard deviation of the last update's rewards, over its responses")
         self.resampled = _gauge("resampled_groups", "Rollout groups of the last update whose rewards were all equal, given to drawn rows"
-                                " (dynamic sampling; 0 where it is off)")
+                                " (dynamic sampling: one per prompt place per round; 0 where it is off)")
         self.flat = _gauge("flat_groups", "Rollout groups of the last update still all equal after dynamic sampling's last round")
         self.pool_busy = metrics.Gauge(
             "lt_opd_pool_busy_fraction", description="Busy seconds of a pool's actors / (actors x seconds per update)", tag_keys=(*TAGS, "pool")
