@@ -261,16 +261,6 @@ class Driver:
         """The rollout workers not stopped inside the update."""
         return [w for w in range(len(self.rollouts.names)) if w not in self.lost_workers]
 
-    def died(self, group: GroupRef) -> bool:
-        """The group's worker died before it was sampled (its summary answers with the actor's death)."""
-        if not self.objects.wait([group.summary], timeout=0)[0]:
-            return False
-        try:
-            self.objects.get(group.summary)
-            return False
-        except RayActorError:
-            return True
-
     def scoring(self, samples_ref) -> ScoringRequest | None:
         """How the learner ranks ask the teacher about the update's samples; None where the job has no teacher."""
         return ScoringRequest(self.teacher.app_name, samples_ref) if self.teacher is not None else None
@@ -363,13 +353,23 @@ class Driver:
 
     def sampled(self, group: GroupRef) -> bool:
         """The group's rollouts are in the object store (not: still sampling, or its worker died on it)."""
+        return self.outcome(group) == "sampled"
+
+    def died(self, group: GroupRef) -> bool:
+        """The group's worker died before it was sampled (its summary answers with the actor's death)."""
+        return self.outcome(group) == "died"
+
+    def outcome(self, group: GroupRef) -> str:
+        """Where the group stands, asked without waiting: "sampling", "sampled", "died" (its worker) or "failed"."""
         if not self.objects.wait([group.summary], timeout=0)[0]:
-            return False
+            return "sampling"
         try:
             self.objects.get(group.summary)
-            return True
+            return "sampled"
+        except RayActorError:
+            return "died"
         except RayError:
-            return False
+            return "failed"
 
     def sample_elsewhere(self, flight: InFlight, lost: int, why: str) -> bool:
         """Worker `lost` died or stopped answering inside the update: it is stopped and its unfinished groups are
