@@ -14,6 +14,7 @@ from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.sources.toy import board, circles, discs, sizes
 from lt_opd_ray.sources.toy.base import TILE
+from lt_opd_ray.sources.resolve import load_samples
 from lt_opd_ray.sources.toy.tasks import toy_task
 from lt_opd_ray.tools.ablation import arm_job
 from lt_opd_ray.tools.ablation_report import retain_rows
@@ -157,7 +158,6 @@ def test_toy_rows_are_drawn_when_read_so_a_data_set_is_small_until_used():
     import pickle
 
     from lt_opd_ray.models.processor import load_image
-    from lt_opd_ray.sources.resolve import load_samples
 
     rows = load_samples("toy-circles:2048")
     assert len(pickle.dumps(rows)) < 2048 * 400, "a row pickles as where to draw it from, not its 300 KB of pixels"
@@ -166,7 +166,6 @@ def test_toy_rows_are_drawn_when_read_so_a_data_set_is_small_until_used():
 
 def test_toy_data_specs_name_the_task_and_the_split():
     from lt_opd_ray.core.errors import InputError
-    from lt_opd_ray.sources.resolve import load_samples
 
     assert [s.uid for s in load_samples("toy-sizes-test:3")] == [f"sizes-test-0-{i}" for i in range(3)]
     assert load_samples("toy-board:2")[1].uid == "board-train-0-1"
@@ -219,6 +218,13 @@ def test_arm_jobs_change_only_what_the_arm_is_about(tmp_path):
         assert job.optimizer.steps_per_update == 4 and job.optimizer.model_copy(update={"steps_per_update": 1}) == base.optimizer  # PPO's mini-batches
     assert arm_job(base.model_copy(update={"sampling": base.sampling.model_copy(update={"prompts_per_step": 2})}), "grpo", 0,
                    tmp_path).optimizer.steps_per_update == 2  # a prompt per mini-batch at least
+    oracle = arm_job(base, "oracle_sft", 0, tmp_path)  # the bound: SFT on the true labels, in the teacher's format
+    assert (oracle.objective.mode, oracle.sampling.n, oracle.data.path, oracle.budget) == ("sft", 1, base.data.path.replace(":", "-reference:"), base.budget)
+    truth, written = load_samples("toy-discs-reference:4"), load_samples("toy-discs:4")
+    assert [s.uid for s in truth] == [s.uid for s in written] and all(s.response != w.response for s, w in zip(truth, written))
+    assert all(s.response.endswith(f"<answer>{s.answer}</answer>") and s.response == toy_task("discs").item(i).response for i, s in enumerate(truth))
+    with pytest.raises(ValueError, match="names no toy task's training rows"):
+        arm_job(base.model_copy(update={"data": base.data.model_copy(update={"path": "synthetic:64"})}), "oracle_sft", 0, tmp_path)
     short = arm_job(base, "lt_opd", 0, tmp_path, steps=base.budget.total_steps // 2).budget
     assert short.total_steps == base.budget.total_steps // 2 and short.decay_end == round(base.budget.decay_end / 2)
     assert {arm_job(base, "lt_opd", s, tmp_path).checkpoint.dir for s in (0, 1)} == {str(tmp_path / "lt_opd" / "seed0"), str(tmp_path / "lt_opd" / "seed1")}

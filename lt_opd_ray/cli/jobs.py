@@ -270,7 +270,7 @@ def register(sub) -> None:
     ablation.add_argument("--out", default="runs/ablation", help="output folder")
     ablation.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per arm")
     ablation.add_argument("--updates", type=int, default=None, help="updates per run (curriculum rescaled; default: the job's)")
-    ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also sequence_kd teacher_prefix (on the teacher's samples), lt_opd_token_merge, lt_opd_no_hold, and the RL baselines grpo dapo gspo (answer reward))")
+    ablation.add_argument("--arms", nargs="+", default=None, help="arms to train (default: the paper's table: sft fixed_prefix lt_opd_no_curriculum lt_opd lt_opd_reverse_kl; also sequence_kd teacher_prefix (on the teacher's samples), lt_opd_token_merge, lt_opd_no_hold, the RL baselines grpo dapo gspo (answer reward), and oracle_sft (SFT on the true labels: the bound))")
     ablation.add_argument("--lr-scales", type=float, nargs="+", default=None, metavar="SCALE",
                           help="choose each arm's learning rates first: one run per scale of the job's (e.g. 0.3 1 3), scored on"
                                " the toy task's validation rows; the arm's seeds train at the best")

@@ -7,6 +7,7 @@ task's teacher: shipped, or trained once), or a local Hugging Face folder.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,14 +21,17 @@ MAX_SYNTHETIC_IMAGES = 16  # images per synthetic row (MVBench's frame count)
 
 
 TOY_SPLITS = ("test", "validation")  # besides "train"
+# toy-<task>-reference:<n>: the training rows, each carrying the response the full-token teacher is trained to write
+# (its format, the true answer) instead of an annotator's sentence: what the oracle bound's SFT trains on
+REFERENCE_RESPONSES = "-reference"
 
 
 @dataclass(frozen=True)
 class GeneratedRows:
     """A data spec that draws its rows: `synthetic:<n>[@<W>x<H>][*<images>]`, `synthetic-video:<n>[@<W>x<H>]` or
-    `toy-<task>[-test|-validation]:<n>`."""
+    `toy-<task>[-test|-validation|-reference]:<n>`."""
 
-    kind: str  # "synthetic", "synthetic-video" or "toy-<task>[-test|-validation]"
+    kind: str  # "synthetic", "synthetic-video" or "toy-<task>[-test|-validation|-reference]"
     count: int
     size: tuple[int, int] | None = None  # (width, height) of synthetic images; None: 128 x 128
     images: int = 1  # images per synthetic row (0: a synthetic clip)
@@ -38,7 +42,14 @@ class GeneratedRows:
 
     @property
     def toy_task(self) -> str | None:
-        return self.kind.removeprefix("toy-").removesuffix(f"-{self.split}") if self.kind.startswith("toy-") else None
+        if not self.kind.startswith("toy-"):
+            return None
+        return self.kind.removeprefix("toy-").removesuffix(REFERENCE_RESPONSES).removesuffix(f"-{self.split}")
+
+    @property
+    def reference_responses(self) -> bool:
+        """A toy task's training rows with the full-token teacher's responses (`toy-<task>-reference:<n>`)."""
+        return self.kind.startswith("toy-") and self.kind.endswith(REFERENCE_RESPONSES)
 
     @property
     def split(self) -> str:
@@ -76,13 +87,17 @@ def load_samples(spec: str, image_root: str | Path = ".", seed: int = 0, allow_o
     I images per row, the question naming one), `synthetic-video:<n>` (16-frame clips whose board changes once, the
     question asking about its start or end),
     `toy-<task>:<n>` / `toy-<task>-test:<n>` / `toy-<task>-validation:<n>` (a toy task's training / held-out /
-    validation split, lt_opd_ray/toy),
+    validation split, lt_opd_ray/toy; `toy-<task>-reference:<n>` its training rows, each carrying the response the
+    full-token teacher is trained to write instead of an annotator's sentence),
     a folder prepared by `lt-opd data`, or a JSONL / parquet file."""
     if (generated := generated_rows(spec)) is not None:
         if generated.toy_task is not None:
             from lt_opd_ray.sources.toy.tasks import toy_task
 
-            return toy_task(generated.toy_task).samples(generated.count, generated.split)
+            task = toy_task(generated.toy_task)
+            if generated.reference_responses:
+                return [dataclasses.replace(item.sample, response=item.response) for item in task.items(generated.count)]
+            return task.samples(generated.count, generated.split)
         if generated.video:
             return [synthetic_video_sample(i, seed, generated.size or 128) for i in range(generated.count)]
         return [synthetic_sample(i, seed, generated.size or 128, generated.images) for i in range(generated.count)]

@@ -16,6 +16,9 @@ Arms (all at the job's target budget, same teacher, same data):
                   with its overlong punishment over the last fifth of max_new_tokens and its dynamic sampling, a flat
                   group's prompt replaced up to 3 times), in PPO's mini-batches: four
                   optimizer steps an update, so their clips act on policy as in their papers' practice
+  oracle_sft      the bound on what any arm can recover at the budget: cross-entropy (with the curriculum) on the
+                  true labels in the student's own format, the response the full-token teacher is trained to write
+                  for each training row (toy tasks: `toy-<task>-reference:<n>`), not the rows' annotator sentences
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
 With `lr_scales`, every arm first trains once per scale of the job's learning rates (seed TUNING_SEED, never a
@@ -52,6 +55,7 @@ ARMS: dict[str, dict] = {
     "grpo": {"objective": {"mode": "grpo"}, "reward": {"name": "answer"}},
     "dapo": {"objective": {"mode": "dapo"}, "reward": {"name": "answer", "dynamic_sampling_rounds": 3}},  # overlong_buffer set below
     "gspo": {"objective": {"mode": "gspo"}, "reward": {"name": "answer"}},
+    "oracle_sft": {"objective": {"mode": "sft"}, "sampling": {"n": 1}},  # data.path set below: the rows' true responses
 }
 # DAPO's soft overlong punishment starts this share of max_new_tokens before it (the paper: 4,096 of 20,480)
 DAPO_OVERLONG_SHARE = 0.2
@@ -86,6 +90,8 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
         data["budget"]["start_bps"] = data["budget"]["target_bps"]
     if arm == "lt_opd_no_hold":  # update c runs at the budget after c steps: the last, c = total_steps - 1, at the target
         data["budget"]["decay_end"] = data["budget"]["total_steps"] - 1
+    if arm == "oracle_sft":
+        data["data"]["path"] = reference_rows(base)
     if arm == "dapo":
         data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
     if data["objective"]["mode"] in ("grpo", "dapo", "gspo"):  # at least one prompt per rank and mini-batch
@@ -96,6 +102,17 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
     data["data"]["shuffle_seed"] = seed
     data["checkpoint"]["dir"] = str(out / arm / f"seed{seed}")
     return JobConfig.model_validate(data)
+
+
+def reference_rows(job: JobConfig) -> str:
+    """The job's toy training rows with the true responses in the teacher's format (`toy-<task>-reference:<n>`)."""
+    from lt_opd_ray.sources.resolve import REFERENCE_RESPONSES, generated_rows
+
+    rows = generated_rows(job.data.path)
+    if rows is None or rows.toy_task is None or rows.split != "train" or rows.reference_responses:
+        raise ValueError(f"the oracle_sft arm trains on a toy task's training rows with their true responses; data.path"
+                         f" {job.data.path!r} names no toy task's training rows (toy-<task>:<n>)")
+    return f"toy-{rows.toy_task}{REFERENCE_RESPONSES}:{rows.count}"
 
 
 def eval_sets(job: JobConfig, spec: str | None = None) -> dict[str, list]:
