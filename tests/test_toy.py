@@ -246,6 +246,18 @@ def test_retain_rows_average_over_seeds():
     assert retain_rows(results)[0]["retain_se"] == pytest.approx((0.4 * 0.6 / 100) ** 0.5 / 0.8)
 
 
+def test_each_arm_is_a_share_of_the_gap_the_oracle_bound_recovers():
+    from lt_opd_ray.tools.ablation_report import gap_share_lines
+
+    results = {"selectors": ["cdpruner"], "trained_with": "cdpruner", "teacher": {"full": 0.8, "cdpruner": 0.4},
+               "runs": [{"arm": "lt_opd", "final": {"cdpruner": 0.5}}, {"arm": "oracle_sft", "final": {"cdpruner": 0.72}},
+                        {"arm": "grpo", "final": {"cdpruner": 0.368}}]}
+    lines = gap_share_lines(retain_rows(results), "cdpruner")  # retain: untrained 0.5, LT-OPD 0.625, bound 0.9, GRPO 0.46
+    assert lines[-2:] == ["- LT-OPD: +31%", "- GRPO (answer reward): -10%"]  # 0.125 / 0.4, -0.04 / 0.4
+    results["runs"] = results["runs"][:1] + results["runs"][2:]
+    assert gap_share_lines(retain_rows(results), "cdpruner") == []  # no bound, no share
+
+
 def test_a_study_cut_short_keeps_its_finished_runs_and_says_so(tmp_path):
     import time
 

@@ -21,7 +21,9 @@ LABELS = {
     "grpo": "GRPO (answer reward)",
     "dapo": "DAPO (answer reward)",
     "gspo": "GSPO (answer reward)",
+    "oracle_sft": "SFT on the true labels (the bound)",
 }
+BOUND = "oracle_sft"  # what any arm can recover at this selector and budget: the gap's top
 REWARDED = ("grpo", "dapo", "gspo")  # their loss is ~0 by construction (centred advantages): their panel shows the reward
 
 
@@ -96,6 +98,18 @@ def ordering_lines(rows: list[dict], selector: str) -> list[str]:
     return lines
 
 
+def gap_share_lines(rows: list[dict], selector: str) -> list[str]:
+    """Where the bound ran: each arm's share of the recoverable gap on `selector`, (arm - untrained) / (bound -
+    untrained), from the means."""
+    by_arm = {r["arm"]: r for r in rows if r["evaluated_with"] == selector}
+    if BOUND not in by_arm:
+        return []
+    floor, top = by_arm["untrained"]["retain_mean"], by_arm[BOUND]["retain_mean"]
+    lines = ["", f"Each arm's share of the gap the bound recovers, evaluated with {selector}: (arm - untrained) / ({LABELS[BOUND]} -"
+             f" untrained), the bound at {top:.3f}, untrained at {floor:.3f}:", ""]
+    return lines + [f"- {LABELS[arm]}: {(r['retain_mean'] - floor) / (top - floor):+.0%}" for arm, r in by_arm.items() if arm not in ("untrained", BOUND)]
+
+
 def tuning_lines(results: dict) -> list[str]:
     """Each arm's validation retain at every scale of the job's learning rates, and the scale its seeds trained at."""
     scales, tuning = results.get("lr_scales"), results.get("tuning_runs", [])
@@ -140,6 +154,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     lines += ["", f"The paper's ordering{' on the mean over kinds' if ordered is not rows else ''}, evaluated with {results['trained_with']}"
               " (a step holds when the difference exceeds 2 SE; the last, `<=`, when it is not below -2 SE):", ""]
     lines += ordering_lines(ordered, results["trained_with"])
+    lines += gap_share_lines(ordered, results["trained_with"])
     lines += tuning_lines(results)
     (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
     csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,retain_se,seeds"]
@@ -149,7 +164,8 @@ def write_report(results: dict, out_dir: Path) -> None:
 
 
 OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "sequence_kd": "cross-entropy", "teacher_prefix": "JSD",
-              "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL", "lt_opd_no_hold": "JSD"}
+              "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL", "lt_opd_no_hold": "JSD",
+              "oracle_sft": "cross-entropy"}
 
 
 def plot_curves(results: dict, path: Path) -> list[str]:
