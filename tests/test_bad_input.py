@@ -189,6 +189,7 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         f"eval.data={tmp_path / 'a-rows.jsonl'}": f"1 of the 1 rows of eval.data '{tmp_path / 'a-rows.jsonl'}' carry no reference answer (a)",
         "objective.mode=grpo": "objective.mode grpo trains on rewards: set reward.name",
         "reward.overlong_buffer=4": "reward.overlong_buffer shapes a reward: set reward.name",
+        "reward.name=judge": "reward.name judge asks the judge model reward.judge: set both, or neither",
         "reward.dynamic_sampling_rounds=2": "reward.dynamic_sampling_rounds replaces prompts whose rewards give no advantage",
         "optimizer.steps_per_update=40": "optimizer.steps_per_update (40) splits each of the",
     }

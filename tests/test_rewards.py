@@ -36,7 +36,7 @@ def test_a_users_own_reward_is_named_as_module_and_function(tmp_path, monkeypatc
         load_reward("my_rewards:nothing")
     with pytest.raises(RewardError, match="reward 'my_rewards:not_callable' is not callable"):
         load_reward("my_rewards:not_callable")
-    with pytest.raises(RewardError, match=r"reward 'exactish': one of answer, answer_normalised, choice, format, or module:function"):
+    with pytest.raises(RewardError, match=r"reward 'exactish': one of answer, answer_normalised, choice, format, judge, or module:function"):
         load_reward("exactish")
     sys.modules.pop("my_rewards", None)
 
@@ -98,3 +98,39 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
         err = capsys.readouterr().err
         assert expected in err, (reward, err)
     assert main(["validate", str(job), *data, "--set=reward.name=format"]) == 0  # reads no answer
+
+
+def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_response(tiny_dirs):
+    """A reward that needs a model: the judge's reward for each response is P(yes) / (P(yes) + P(no)) at its next token
+    after being asked about the response, here computed again through the student adapter's own forward (visual
+    features, every token kept, the language model, the head: another path to the same logits). Its rows need answers
+    (named before a run), and a job's judge reward without a judge to ask is refused."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from lt_opd_ray.config.schema import DataConfig
+    from lt_opd_ray.evals.judge import Judge, judge_question
+    from lt_opd_ray.evals.rewards import JobReward
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.processor import encode_samples
+    from lt_opd_ray.sources.resolve import load_samples
+
+    samples = load_samples("synthetic:2")
+    judge = Judge(str(tiny_dirs["qwen3_5"]), DataConfig(path="synthetic:2", max_pixels=65536))
+    responses = [f"<answer>{samples[0].answer}</answer>", "it is a dog"]
+    values = JobReward("judge", judge=judge)(samples, responses, [3, 4])
+    vlm, (yes, no) = QwenVLM(judge.model), judge.verdict_ids
+    for row, response, value in zip(samples, responses, values):
+        prompt = encode_samples(judge.processor, [dataclasses.replace(row, question=judge_question(row, response))])[0]
+        assert f"Response: {response}" in judge.processor.tokenizer.decode(prompt.input_ids)
+        with torch.no_grad():
+            features = vlm.visual_features(prompt)
+            hidden = vlm.response_hidden([vlm.reduce(prompt, features, vlm.keep_all(features))], [torch.tensor([yes])])[0]
+            logits = vlm.lm_head(hidden)[0].double()
+        assert value == pytest.approx(math.exp(logits[yes]) / (math.exp(logits[yes]) + math.exp(logits[no])), rel=1e-5)
+    assert 0 < min(values) and max(values) < 1 and values[0] != values[1]
+    assert row_problems("judge", rows("a", None), "x")[0].startswith("reward.name judge compares each response with its row's answer")
+    with pytest.raises(RewardError, match="reward judge: no judge model to ask"):
+        JobReward("judge")

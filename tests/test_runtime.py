@@ -868,6 +868,26 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
     assert again[0].loss == pytest.approx(logs[2].loss, rel=1e-5) and relative_distance(weights, run.weights[3]) <= 1e-5
 
 
+def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the_reference(cluster, tiny_dirs, tmp_path):
+    """reward.name judge: the judge model (here the tiny model itself) serves as the job's own Serve app, pools.reward,
+    beside the rollout workers and learners (no teacher: GRPO reads none); the workers ask it for every response's
+    reward as they sample, the reference asks the same model in process, and the learners match the reference. The
+    app is gone when the run ends."""
+    from ray import serve
+
+    extra = f"reward: {{name: judge, judge: '{tiny_dirs['qwen3_5']}'}}\n"
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, n=4, prompts=2, name="rl-judge", mode="grpo", extra=extra)
+    reports, _ = reference_run(job, 2)
+    with driven(job, 2) as (driver, logs, run):
+        apps = sorted(name for name in serve.status().applications if name.startswith("rl-judge"))
+        roles = sorted({p.actor.split("-")[0] for p in driver.placements})
+    assert (apps, roles) == (["rl-judge-reward"], ["learner", "reward", "rollout"])
+    assert not any(name.startswith("rl-judge") for name in serve.status().applications)
+    assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-5)
+    assert 0 < logs[0].reward_mean < 1 and logs[0].reward_std > 0 and all(log.grad_norm > 0 for log in logs)
+    assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps)
+
+
 def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):
     import json
 

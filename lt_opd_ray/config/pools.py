@@ -64,15 +64,17 @@ class RolloutPool(Resources):
     got exactly the learners' weights; needed for a vLLM worker's checksum (it keeps no other copy)."""
 
 
-class TeacherPool(Resources):
+class ServePool(Resources):
+    """A pool that runs as a Ray Serve deployment, scaled between its bounds by Serve's autoscaler."""
+
     replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
-    """Initial teacher replicas (Ray Serve deployment)."""
+    """Initial replicas (Ray Serve deployment)."""
     min_replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Autoscaling lower bound."""
     max_replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Autoscaling upper bound."""
     max_batch_size: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
-    """Requests (rollout shards) batched together per teacher forward."""
+    """Requests batched together per forward."""
     target_queue_per_replica: float = Field(2.0, gt=0)
     """Autoscaling target: ongoing (queued + running) requests per replica before Serve adds one."""
     upscale_delay_s: float = Field(5.0, ge=0, le=MAX_WAIT_S)
@@ -81,6 +83,27 @@ class TeacherPool(Resources):
     """How long the queue must stay below target before a replica is removed."""
     load_window_s: float = Field(30.0, gt=0, le=MAX_WAIT_S)
     """How far back Serve averages the ongoing requests it compares with the target (its look_back_period_s)."""
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Requests a replica admits at once (Serve's max_ongoing_requests): twice a batch, so the next batch queues
+        at the replica while one runs."""
+        return self.max_batch_size * 2
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ServePool:
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) must lie within [min_replicas, max_replicas]"
+                f" = [{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+
+class TeacherPool(ServePool):
+    """The frozen full-token teacher's replicas; a request is one rollout group, which holds its slot from the moment it
+    is admitted (the replica starts on the group's prompts) until its group is sampled and scored."""
+
     micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
     """Response tokens (responses x longest response) per teacher forward; the n responses of a prompt
     share its full-token prompt cache, computed once (each prompt's prefix in a forward of its own)."""
@@ -91,20 +114,10 @@ class TeacherPool(Resources):
     vllm: VLLMSettings = VLLMSettings()
     """The teacher replicas' vLLM engines (backend vllm)."""
 
-    @property
-    def max_ongoing_requests(self) -> int:
-        """Requests a replica admits at once (Serve's max_ongoing_requests): each holds its slot from the moment it
-        is admitted (the replica starts on the group's prompts) until its group is sampled and scored."""
-        return self.max_batch_size * 2
 
-    @model_validator(mode="after")
-    def _bounds(self) -> TeacherPool:
-        if not self.min_replicas <= self.replicas <= self.max_replicas:
-            raise ValueError(
-                f"replicas ({self.replicas}) must lie within [min_replicas, max_replicas]"
-                f" = [{self.min_replicas}, {self.max_replicas}]"
-            )
-        return self
+class RewardPool(ServePool):
+    """The judge's replicas (`reward.name: judge`): a request is one rollout call's responses, scored by the judge
+    model `reward.judge` on the transformers engine. No pool where the reward needs no model."""
 
 
 class LearnerPool(Resources):
@@ -130,5 +143,7 @@ class PoolsConfig(StrictModel):
     """Student rollout workers."""
     teacher: TeacherPool = TeacherPool()
     """Frozen full-token teacher service."""
+    reward: RewardPool = RewardPool()
+    """The reward's judge service (reward.name judge)."""
     learner: LearnerPool = LearnerPool()
     """DeepSpeed learner group."""

@@ -227,9 +227,14 @@ class RewardConfig(StrictModel):
     name: str | None = None
     """`answer` (1 where the response's <answer> equals the row's, case aside), `answer_normalised` (after the VQA
     normalisation), `choice` (the option letter it commits to), `format` (1 where it answers inside <answer> tags),
-    or your own `module:function`, called with the rows and the responses' texts and returning one number per
-    response (importable where the rollout workers run). None: no reward. The answer rewards need an `answer` on every
-    training row (`lt-opd validate` names the rows without one)."""
+    `judge` (a model's verdict: `judge` below), or your own `module:function`, called with the rows and the responses'
+    texts and returning one number per response (importable where the rollout workers run). None: no reward. The
+    answer rewards and the judge need an `answer` on every training row (`lt-opd validate` names the rows without one)."""
+    judge: str | None = None
+    """reward.name `judge`: the judge model (a folder, `tiny:<family>`, `toy:<task>`), a VLM asked for each response
+    whether it gives its row's reference answer (it reads the row's images, question and answer); the reward is its
+    probability of "yes" against "no" (evals/judge.py). It runs as its own Ray Serve pool, `pools.reward`, scaled
+    apart from the others; the rollout workers ask it as they sample."""
     overlong_buffer: int = Field(0, ge=0, le=MAX_SEQUENCE_TOKENS)
     """DAPO's soft overlong punishment: a response longer than sampling.max_new_tokens - overlong_buffer loses
     (length - (max_new_tokens - overlong_buffer)) / overlong_buffer from its reward, 1 at max_new_tokens. 0: none."""
@@ -455,6 +460,8 @@ class JobConfig(StrictModel):
         if self.objective.policy_gradient and self.reward.name is None:
             raise ValueError(f"objective.mode {self.objective.mode} trains on rewards: set reward.name (answer, answer_normalised, choice,"
                              " format, or module:function)")
+        if (self.reward.name == "judge") != (self.reward.judge is not None):
+            raise ValueError("reward.name judge asks the judge model reward.judge: set both, or neither")
         if self.reward.overlong_buffer and self.reward.name is None:
             raise ValueError("reward.overlong_buffer shapes a reward: set reward.name")
         if self.reward.dynamic_sampling_rounds and not self.objective.policy_gradient:

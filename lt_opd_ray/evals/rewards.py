@@ -59,7 +59,8 @@ def answer_format(samples: Sequence[Sample], responses: Sequence[str]) -> list[f
 
 BUILT_IN: dict[str, Reward] = {"answer": answer_exact, "answer_normalised": answer_normalised, "choice": answer_choice,
                                "format": answer_format}
-READS_ANSWERS = ("answer", "answer_normalised", "choice")  # the built-ins that compare with each row's `answer`
+JUDGE = "judge"  # a reward that needs a model: evals/judge.py, served by pools.reward in a run
+READS_ANSWERS = ("answer", "answer_normalised", "choice", JUDGE)  # the built-ins that compare with each row's `answer`
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
@@ -85,13 +86,18 @@ def row_problems(name: str, samples: Sequence[Sample], spec: str) -> list[str]:
     return []
 
 
-def load_reward(name: str) -> Reward:
-    """A built-in reward by name, or `module:function` importable where the job runs."""
+def load_reward(name: str, judge: Reward | None = None) -> Reward:
+    """A built-in reward by name, `judge` (the judge model's answer, as `judge` gives it: its Serve pool's client in
+    a run, the model itself in process), or `module:function` importable where the job runs."""
     if name in BUILT_IN:
         return BUILT_IN[name]
+    if name == JUDGE:
+        if judge is None:
+            raise RewardError("reward judge: no judge model to ask (reward.judge, served by pools.reward)")
+        return judge
     module, _, function = name.partition(":")
     if not module or not function:
-        raise RewardError(f"reward {name!r}: one of {', '.join(BUILT_IN)}, or module:function")
+        raise RewardError(f"reward {name!r}: one of {', '.join([*BUILT_IN, JUDGE])}, or module:function")
     try:
         found = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as exc:
@@ -123,16 +129,16 @@ class JobReward:
     """A job's `reward` section as the rollout workers and the reference give it: `reward.name`'s checked score of
     each response against its own row, plus DAPO's overlong punishment where `reward.overlong_buffer` is set."""
 
-    def __init__(self, name: str, overlong_buffer: int = 0, max_new_tokens: int = 0):
-        self.name, self.reward = name, load_reward(name)
+    def __init__(self, name: str, overlong_buffer: int = 0, max_new_tokens: int = 0, judge: Reward | None = None):
+        self.name, self.reward = name, load_reward(name, judge)
         self.overlong_buffer, self.max_new_tokens = overlong_buffer, max_new_tokens
 
     @classmethod
-    def of(cls, job) -> JobReward | None:
-        """The job's reward; None where it has none."""
+    def of(cls, job, judge: Reward | None = None) -> JobReward | None:
+        """The job's reward (`judge`: how to ask the judge model, where reward.name is judge); None where it has none."""
         if job.reward.name is None:
             return None
-        return cls(job.reward.name, job.reward.overlong_buffer, job.sampling.max_new_tokens)
+        return cls(job.reward.name, job.reward.overlong_buffer, job.sampling.max_new_tokens, judge)
 
     def __call__(self, rows: Sequence[Sample], texts: Sequence[str], lengths: Sequence[int]) -> list[float]:
         """One reward per response: `texts[i]` (of `lengths[i]` tokens) answering `rows[i]`."""

@@ -36,6 +36,7 @@ from lt_opd_ray.core.wire import (
     Stopwatch,
     SyncResult,
 )
+from lt_opd_ray.evals.rewards import JUDGE
 from lt_opd_ray.runtime.checkpoint import CheckpointStore
 from lt_opd_ray.runtime.metrics import DriverMetrics
 from lt_opd_ray.runtime.roles import RAY_ROLES, Roles
@@ -81,20 +82,25 @@ class Driver:
         self.checkpoints = CheckpointStore(job)
         tag, passed_over = self.checkpoints.choose() if resume else (None, [])  # verified before any actor starts
         lap("checks")
-        self.rollouts = self.teacher = self.learners = None
+        self.rollouts = self.teacher = self.learners = self.judge = None
         self.lost_workers: set[int] = set()  # rollout workers stopped inside the update, replaced after it
         self.stepping = False  # the learners are inside a step (run_step: from its start until their results are in)
         try:  # what the run starts, it removes, also when a later pool fails to start
             begin = time.time()  # the three pools start together: each loads its model while the others do
             if job.objective.teacher_scores:  # the cross-entropy modes' loss reads no teacher: no teacher pool
                 self.teacher = roles.teacher(job)  # first: Serve's controller creates its replicas after the deploy
+            if job.reward.name == JUDGE:  # a reward that needs a model: its own Serve pool
+                self.judge = roles.reward_pool(job)
             self.rollouts = roles.rollout_pool(job)
             self.learners = roles.learner_group(job)
             if self.teacher is not None:
                 self.pools_ready["teacher (Serve)"] = self.teacher.wait_ready() - begin
+            if self.judge is not None:
+                self.pools_ready["reward judge (Serve)"] = self.judge.wait_ready() - begin
             self.pools_ready["rollout workers"] = self.rollouts.wait_ready() - begin  # as each pool's actors say
             self.pools_ready["learners (DeepSpeed)"] = self.learners.wait_ready() - begin
-            self.placements = [*self.rollouts.placements(), *(self.teacher.placements() if self.teacher else []), *self.learners.placements()]
+            self.placements = [*self.rollouts.placements(), *(self.teacher.placements() if self.teacher else []),
+                               *(self.judge.placements() if self.judge else []), *self.learners.placements()]
             lap("pools")
             self.sync = roles.broadcaster(self.learners, self.rollouts, job.pools.learner.sync_timeout_s)
             self.metrics = DriverMetrics(job.name)
@@ -507,7 +513,7 @@ class Driver:
     def shutdown(self) -> None:
         """Stop every pool, also when one of them failed or died: what the run started, it removes."""
         problems = []
-        for name, pool in (("teacher", self.teacher), ("learners", self.learners), ("rollout workers", self.rollouts)):
+        for name, pool in (("teacher", self.teacher), ("reward judge", self.judge), ("learners", self.learners), ("rollout workers", self.rollouts)):
             if pool is None:
                 continue  # never started
             try:

@@ -85,12 +85,13 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
 
 
 def reward_problems(name: str, samples: list[Sample] | None, spec: str) -> list[str]:
-    """Whether reward.name loads where the job starts (a user's module imported) and the rows read carry what it
-    compares with."""
-    from lt_opd_ray.evals.rewards import RewardError, load_reward, row_problems
+    """Whether reward.name loads where the job starts (a user's module imported; the judge's model is loaded by its
+    pool) and the rows read carry what it compares with."""
+    from lt_opd_ray.evals.rewards import JUDGE, RewardError, load_reward, row_problems
 
     try:
-        load_reward(name)
+        if name != JUDGE:
+            load_reward(name)
     except RewardError as exc:
         return [f"reward.name: {exc}"]
     return row_problems(name, samples, spec) if samples is not None else []

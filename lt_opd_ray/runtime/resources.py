@@ -14,10 +14,14 @@ class InsufficientResourcesError(RuntimeError):
 
 def pool_sizes(job: JobConfig, largest: bool = False) -> dict[str, int]:
     """Actors per pool when the job starts (teacher: its initial `replicas`, none where the objective reads no teacher
-    scores); `largest`: the teacher at `max_replicas`, as Serve's autoscaling may grow it when the cluster has room."""
+    scores; the reward judge's replicas where reward.name is judge); `largest`: the Serve pools at `max_replicas`, as
+    Serve's autoscaling may grow them when the cluster has room."""
     p = job.pools
     teacher = (p.teacher.max_replicas if largest else p.teacher.replicas) if job.objective.teacher_scores else 0
-    return {"rollout": p.rollout.workers, "teacher": teacher, "learner": p.learner.ranks}
+    sizes = {"rollout": p.rollout.workers, "teacher": teacher, "learner": p.learner.ranks}
+    if job.reward.judge is not None:
+        sizes["reward"] = p.reward.max_replicas if largest else p.reward.replicas
+    return sizes
 
 
 def pool_demands(job: JobConfig, largest: bool = False) -> dict[str, dict[str, float]]:

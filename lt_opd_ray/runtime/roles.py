@@ -17,6 +17,7 @@ from lt_opd_ray.core.wire import ActorPlacement, BenchmarkResult, EvalResult, Sc
 from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.objects import RAY_OBJECTS, ObjectStore
 from lt_opd_ray.runtime.preflight import preflight
+from lt_opd_ray.runtime.reward_pool import RewardService
 from lt_opd_ray.runtime.rollout_pool import GroupRef, RolloutPool
 from lt_opd_ray.runtime.sync_coordinator import WeightBroadcaster
 from lt_opd_ray.runtime.teacher import TeacherService
@@ -52,6 +53,16 @@ class TeacherRole(Protocol):
 
     def wait_ready(self) -> float: ...
     def replicas(self, max_age_s: float = 0.0) -> int: ...
+    def placements(self) -> list[ActorPlacement]: ...
+    def shutdown(self) -> None: ...
+
+
+class RewardRole(Protocol):
+    """The reward's judge (`runtime/reward_pool.RewardService`); the rollout workers ask it."""
+
+    app_name: str
+
+    def wait_ready(self) -> float: ...
     def placements(self) -> list[ActorPlacement]: ...
     def shutdown(self) -> None: ...
 
@@ -102,6 +113,7 @@ class Roles(Protocol):
     def rollout_pool(self, job: JobConfig) -> RolloutRole: ...
     def learner_group(self, job: JobConfig) -> LearnerRole: ...
     def teacher(self, job: JobConfig) -> TeacherRole: ...
+    def reward_pool(self, job: JobConfig) -> RewardRole: ...
     def broadcaster(self, learners: LearnerRole, rollouts: RolloutRole, timeout_s: float) -> BroadcastRole: ...
 
 
@@ -121,6 +133,9 @@ class RayRoles:
 
     def teacher(self, job: JobConfig) -> TeacherRole:
         return TeacherService(job)
+
+    def reward_pool(self, job: JobConfig) -> RewardRole:
+        return RewardService(job)
 
     def broadcaster(self, learners: LearnerRole, rollouts: RolloutRole, timeout_s: float) -> BroadcastRole:
         return WeightBroadcaster(learners, rollouts, timeout_s)

@@ -30,6 +30,7 @@ from lt_opd_ray.core.wire import (
     WeightsReceived,
 )
 from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.runtime.reward_pool import JudgeClient, reward_app
 from lt_opd_ray.runtime.waits import RoleDiedError, wait_for
 
 # A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
@@ -80,13 +81,14 @@ class RolloutWorker:
         import transformers
 
         from lt_opd_ray.engines.rollout_engines import build_rollout_engine
-        from lt_opd_ray.evals.rewards import JobReward
+        from lt_opd_ray.evals.rewards import JUDGE, JobReward
         from lt_opd_ray.runtime.metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
-        self.reward = JobReward.of(job)
+        judge = JudgeClient(reward_app(job), job.schedule.wait_timeout_s) if job.reward.name == JUDGE else None
+        self.reward = JobReward.of(job, judge)  # the judge's pool is asked as the worker gives rewards
         self.rewarding = threading.Lock()
         self.weights_version: int | None = 0  # None while an update is half written
         self.sync = None  # set by join_weight_sync

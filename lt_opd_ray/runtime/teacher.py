@@ -21,7 +21,7 @@ from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, ScoringRequest, Span, Stopwatch, TeacherPayload, pack_scores
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import GroupRef
-from lt_opd_ray.runtime.waits import LIVENESS_TICK_S
+from lt_opd_ray.runtime.serve_apps import delete_app, deploy, deployment_options, wait_running
 
 
 class TeacherModel:
@@ -144,59 +144,16 @@ def ask_teacher(scoring: ScoringRequest, group_ref, update: int, start: int, sto
     return ask(_app_handle(scoring.app), scoring.samples_ref, group_ref, update, start, stop)
 
 
-def deployment_options(job: JobConfig) -> dict:
-    pool = job.pools.teacher
-    actor = {"num_cpus": pool.cpus, "num_gpus": pool.gpus, **({"resources": pool.ray_resources()} if pool.node_resource else {})}
-    # Serve's health check is the replicas' liveness: one that does not answer it for schedule.liveness_timeout_s (a
-    # frozen process) is replaced, and a learner whose request it held asks again (group_receiver.GroupReceiver)
-    liveness = {"health_check_period_s": LIVENESS_TICK_S, "health_check_timeout_s": job.schedule.liveness_timeout_s}
-    # a replica being stopped (scaled down, the run's end) checks for unfinished requests every 0.25 s, not Serve's
-    # default 2 s: it still drains what it holds, and an idle one is gone in a quarter second
-    draining = {"graceful_shutdown_wait_loop_s": 0.25}
-    options = {"ray_actor_options": actor, "max_ongoing_requests": pool.max_ongoing_requests, **liveness, **draining}
-    if pool.max_replicas > pool.min_replicas:
-        options["autoscaling_config"] = {
-            "min_replicas": pool.min_replicas,
-            "initial_replicas": pool.replicas,
-            "max_replicas": pool.max_replicas,
-            "target_ongoing_requests": pool.target_queue_per_replica,
-            "upscale_delay_s": pool.upscale_delay_s,
-            "downscale_delay_s": pool.downscale_delay_s,
-            "look_back_period_s": pool.load_window_s,
-        }
-    else:
-        options["num_replicas"] = pool.replicas
-    return options
-
-
 class TeacherService:
     """Client side: starts the deployment and turns score requests into ObjectRefs."""
 
     def __init__(self, job: JobConfig):
-        import warnings
-
-        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})  # handles only, no HTTP
-        app = TeacherDeployment.options(**deployment_options(job), logging_config={"log_level": "WARNING"}).bind(job)
         self.app_name = f"{job.name}-teacher"
-        if self.app_name in serve.status().applications:  # left by a driver of this job that was killed
-            warnings.warn(f"removing the Serve app {self.app_name!r} an earlier driver of job {job.name!r} left running", stacklevel=2)
-            delete_app(self.app_name)
-        # deployed, not waited for: Serve starts the replicas while the other pools start (`wait_ready`)
-        (self.handle,) = serve.run_many([serve.RunTarget(app, name=self.app_name, route_prefix=None)], wait_for_applications_running=False)
+        self.handle = deploy(TeacherDeployment.options(**deployment_options(job.pools.teacher, job)).bind(job), self.app_name, job.name)
         self._replicas: tuple[float, int] | None = None  # (when counted, running replicas)
 
     def wait_ready(self) -> float:
-        """When the app was RUNNING (its initial replicas answer), waiting for it at SERVE_POLL_S (serve.run asks
-        every 1 s); a deployment that failed (a replica's constructor raised) is a RuntimeError with Serve's message."""
-        import time
-
-        while True:
-            status = serve.status().applications.get(self.app_name)
-            if status is not None and status.status == "RUNNING":
-                return time.time()
-            if status is not None and status.status == "DEPLOY_FAILED":
-                raise RuntimeError(f"Deploying application {self.app_name} failed: {status.message}")
-            time.sleep(SERVE_POLL_S)
+        return wait_running(self.app_name)
 
     def async_score(self, samples_ref, groups: list[GroupRef]) -> list:
         """ObjectRef[TeacherPayload] per group, each returned once Serve admits it (`ask`): a replica starts
@@ -228,20 +185,3 @@ class TeacherService:
 
     def shutdown(self) -> None:
         delete_app(self.app_name)
-
-
-# How often the driver asks Serve whether its app is up or gone. serve.run and serve.delete ask every 1 s, which
-# adds half a second on average to every start and every stop of a run.
-SERVE_POLL_S = 0.05
-
-
-def delete_app(name: str, timeout_s: float = 60.0) -> None:
-    """`serve.delete(name)`, waiting at SERVE_POLL_S until Serve no longer lists the app (its replicas stopped)."""
-    import time
-
-    serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while name in serve.status().applications:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the Serve app {name!r} was not deleted within {timeout_s:g} s")
-        time.sleep(SERVE_POLL_S)

@@ -1,0 +1,62 @@
+"""A reward that needs a model: a VLM judge (`reward.name: judge`, the model `reward.judge`) asked, for each response,
+whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" for its next
+token. It reads the row's images, question and answer and the response. In a run it serves from its own Ray Serve
+pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from lt_opd_ray.core.samples import Sample
+
+VERDICTS = ("yes", "no")  # the judge's two answers: its reward is P(yes) / (P(yes) + P(no)) at its next token
+
+
+def judge_question(sample: Sample, response: str) -> str:
+    """What the judge is asked about one response (with the row's images before it)."""
+    return (f"{sample.question}\n\nReference answer: {sample.answer}\nResponse: {response}\n"
+            f"Does the response give the reference answer? Answer {VERDICTS[0]} or {VERDICTS[1]}.")
+
+
+class Judge:
+    """The judge model, frozen, in its compute dtype, with the processor of the job's data section."""
+
+    def __init__(self, model_path: str, data, dtype: str = "float32", device: str | None = None):
+        from lt_opd_ray.models.loading import load_vlm
+        from lt_opd_ray.models.processor import VLMProcessor
+        from lt_opd_ray.sources.resolve import resolve_model_dir
+
+        model_dir, model = load_vlm(resolve_model_dir(model_path), device=device, dtype=dtype)
+        self.model = model.eval().requires_grad_(False)
+        self.processor = VLMProcessor.for_data(model_dir, data)
+        self.verdict_ids = [self.first_token(word) for word in VERDICTS]
+
+    def first_token(self, word: str) -> int:
+        ids = self.processor.tokenizer(word, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"the judge's tokenizer encodes {word!r} as no token")
+        return ids[0]
+
+    @torch.no_grad()
+    def __call__(self, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+        """P(yes) against P(no) for each response answering its row, one forward per response."""
+        from lt_opd_ray.models.processor import encode_samples
+
+        asked = [dataclasses.replace(s, question=judge_question(s, r)) for s, r in zip(samples, responses, strict=True)]
+        values = []
+        for prompt in encode_samples(self.processor, asked):
+            logits = self.model(**hf_inputs(prompt, self.model.device)).logits[0, -1]
+            values.append(float(torch.softmax(logits[self.verdict_ids].float(), dim=0)[0]))
+        return values
+
+
+def hf_inputs(prompt, device) -> dict:
+    """A prompt's transformers forward arguments (its images' and its clip's patches and grids)."""
+    inputs = {"input_ids": prompt.input_ids[None], "mm_token_type_ids": prompt.mm_token_type_ids[None],
+              "pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw,
+              "pixel_values_videos": prompt.pixel_values_videos, "video_grid_thw": prompt.video_grid_thw}
+    return {name: value.to(device) for name, value in inputs.items() if value is not None and value.numel()}
