@@ -252,6 +252,14 @@ def test_a_job_without_a_teacher_is_planned_without_one_and_names_the_gpus_it_fr
     assert out.returncode == 0, out.stderr
     assert "no teacher pool (objective.mode grpo reads no teacher scores): the 2 GPU(s) of pools.teacher are free" in out.stdout
     assert re.search(r"job's split\s+4/0/2\s", out.stdout) and "teacher 0%" in out.stdout and "note: the teacher admits" not in out.stdout
+    # a reward judged by a model: its own pool, counted by the fit check and named by the plan
+    from lt_opd_ray.runtime.resources import pool_demands
+
+    judged = ["reward.name=judge", "reward.judge=tiny:qwen3_5", "pools.reward.max_replicas=2", "pools.reward.replicas=2", "pools.reward.gpus=1"]
+    assert pool_demands(load_job(REPO / "jobs/train_qwen35.yaml", [*rl, *judged]))["reward"] == {"CPU": 2.0, "GPU": 2.0}
+    assert "reward" not in pool_demands(job)
+    out = subprocess.run([*cli, *(f"--set={o}" for o in [*rl, *judged])], cwd=REPO, capture_output=True, text=True)
+    assert "reward judge (reward.judge tiny:qwen3_5): pools.reward takes 2 GPU(s) (2 replica(s) x 1)" in out.stdout, out.stderr
 
 
 def test_several_optimizer_steps_an_update_cost_the_optimizer_each_and_the_old_policys_forward():

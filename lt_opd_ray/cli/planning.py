@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -111,6 +112,10 @@ def cmd_plan(args) -> int:
                                                        " (the prompt prefilled with every response)") if shapes.teacher_backend else
              f"no teacher pool (objective.mode {job.objective.mode} reads no teacher scores): the {teacher_gpus(job)} GPU(s) of"
              " pools.teacher are free, and the splits below give the teacher none"))
+    if job.reward.judge is not None:
+        reward = job.pools.reward
+        print(f"reward judge (reward.judge {job.reward.judge}): pools.reward takes {math.ceil(reward.replicas * reward.gpus)} GPU(s)"
+              f" ({reward.replicas} replica(s) x {reward.gpus:g}) beside the splits below, which do not model its time")
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
     rows += best
     print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "
