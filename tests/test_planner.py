@@ -259,7 +259,8 @@ def test_a_job_without_a_teacher_is_planned_without_one_and_names_the_gpus_it_fr
     assert pool_demands(load_job(REPO / "jobs/train_qwen35.yaml", [*rl, *judged]))["reward"] == {"CPU": 2.0, "GPU": 2.0}
     assert "reward" not in pool_demands(job)
     out = subprocess.run([*cli, *(f"--set={o}" for o in [*rl, *judged])], cwd=REPO, capture_output=True, text=True)
-    assert "reward judge (reward.judge tiny:qwen3_5): pools.reward takes 2 GPU(s) (2 replica(s) x 1)" in out.stdout, out.stderr
+    assert "reward judge (reward.judge tiny:qwen3_5): pools.reward takes 2 GPU(s) (2 replica(s) x 1) of the 6; the splits below share the other 4" in out.stdout, out.stderr
+    assert re.search(r"\nsplit\s+1/0/3\s", out.stdout), out.stdout  # the job's own 4/0/2 needs more than the 4 left: the best split of 4
 
 
 def test_several_optimizer_steps_an_update_cost_the_optimizer_each_and_the_old_policys_forward():

@@ -101,12 +101,11 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
 
 
 def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_response(tiny_dirs):
-    """A reward that needs a model: the judge's reward for each response is P(yes) / (P(yes) + P(no)) at its next token
-    after being asked about the response, here computed again through the student adapter's own forward (visual
+    """A reward that needs a model: the judge's reward for each response is P(yes) / (P(yes) + P(no)) (either
+    capitalised) at its next token after being asked about the response, here computed again through the student adapter's own forward (visual
     features, every token kept, the language model, the head: another path to the same logits). Its rows need answers
     (named before a run), and a job's judge reward without a judge to ask is refused."""
     import dataclasses
-    import math
 
     import torch
 
@@ -121,15 +120,18 @@ def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_
     judge = Judge(str(tiny_dirs["qwen3_5"]), DataConfig(path="synthetic:2", max_pixels=65536))
     responses = [f"<answer>{samples[0].answer}</answer>", "it is a dog"]
     values = JobReward("judge", judge=judge)(samples, responses, [3, 4])
-    vlm, (yes, no) = QwenVLM(judge.model), judge.verdict_ids
+    vlm, tokenizer = QwenVLM(judge.model), judge.processor.tokenizer
+    verdicts = {word: {tokenizer(form, add_special_tokens=False)["input_ids"][0] for form in (word, word.capitalize())} for word in ("yes", "no")}
+    assert (set(judge.yes), set(judge.no)) == (verdicts["yes"], verdicts["no"]) and not verdicts["yes"] & verdicts["no"]
     for row, response, value in zip(samples, responses, values):
         prompt = encode_samples(judge.processor, [dataclasses.replace(row, question=judge_question(row, response))])[0]
-        assert f"Response: {response}" in judge.processor.tokenizer.decode(prompt.input_ids)
+        assert f"Response: {response}" in tokenizer.decode(prompt.input_ids)
         with torch.no_grad():
             features = vlm.visual_features(prompt)
-            hidden = vlm.response_hidden([vlm.reduce(prompt, features, vlm.keep_all(features))], [torch.tensor([yes])])[0]
-            logits = vlm.lm_head(hidden)[0].double()
-        assert value == pytest.approx(math.exp(logits[yes]) / (math.exp(logits[yes]) + math.exp(logits[no])), rel=1e-5)
+            hidden = vlm.response_hidden([vlm.reduce(prompt, features, vlm.keep_all(features))], [torch.tensor([0])])[0]
+            p = vlm.lm_head(hidden)[0].double().softmax(dim=0)  # the next token's distribution after the question
+        p_yes, p_no = (sum(float(p[i]) for i in verdicts[word]) for word in ("yes", "no"))
+        assert value == pytest.approx(p_yes / (p_yes + p_no), rel=1e-5)
     assert 0 < min(values) and max(values) < 1 and values[0] != values[1]
     assert row_problems("judge", rows("a", None), "x")[0].startswith("reward.name judge compares each response with its row's answer")
     with pytest.raises(RewardError, match="reward judge: no judge model to ask"):

@@ -254,8 +254,10 @@ def test_each_arm_is_a_share_of_the_gap_the_oracle_bound_recovers():
                         {"arm": "grpo", "final": {"cdpruner": 0.368}}]}
     lines = gap_share_lines(retain_rows(results), "cdpruner")  # retain: untrained 0.5, LT-OPD 0.625, bound 0.9, GRPO 0.46
     assert lines[-2:] == ["- LT-OPD: +31%", "- GRPO (answer reward): -10%"]  # 0.125 / 0.4, -0.04 / 0.4
+    results["runs"][1]["final"]["cdpruner"] = 0.4  # the oracle no better than the untrained student: no shares
+    assert gap_share_lines(retain_rows(results), "cdpruner")[-1].startswith("SFT on the true labels (oracle) is not above the untrained")
     results["runs"] = results["runs"][:1] + results["runs"][2:]
-    assert gap_share_lines(retain_rows(results), "cdpruner") == []  # no bound, no share
+    assert gap_share_lines(retain_rows(results), "cdpruner") == []  # no oracle, no share
 
 
 def test_a_study_cut_short_keeps_its_finished_runs_and_says_so(tmp_path):

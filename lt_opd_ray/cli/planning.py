@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ def cmd_plan(args) -> int:
         SCHEDULES,
         best_split,
         job_split,
+        reward_gpus,
         teacher_gpus,
         learner_gb_per_gpu,
         plan,
@@ -89,11 +89,11 @@ def cmd_plan(args) -> int:
         print(f"plan: --frames {args.frames}: an even number of frames (two make one temporal patch)", file=sys.stderr)
         return 2
     gpu, shapes = GPUS[args.gpu], shapes_of(job, args.text_tokens, (height, width), args.frames)
-    split = job_split(job)
+    split, gpus = job_split(job), args.gpus - reward_gpus(job)  # the judge's GPUs are its own: the splits share the rest
     try:
-        if sum(split) != args.gpus:
-            split = best_split(config, shapes, gpu, args.gpus, efficiency, "staleness 1").split
-        best = [(f"best for {name}", best_split(config, shapes, gpu, args.gpus, efficiency, name)) for name in SCHEDULES]
+        if sum(split) != gpus:
+            split = best_split(config, shapes, gpu, gpus, efficiency, "staleness 1").split
+        best = [(f"best for {name}", best_split(config, shapes, gpu, gpus, efficiency, name)) for name in SCHEDULES]
     except ValueError as exc:  # "no split of 3 GPUs holds the learner's states ..."
         print(f"plan: {exc}", file=sys.stderr)
         return 2
@@ -112,10 +112,10 @@ def cmd_plan(args) -> int:
                                                        " (the prompt prefilled with every response)") if shapes.teacher_backend else
              f"no teacher pool (objective.mode {job.objective.mode} reads no teacher scores): the {teacher_gpus(job)} GPU(s) of"
              " pools.teacher are free, and the splits below give the teacher none"))
-    if job.reward.judge is not None:
+    if job.reward.uses_judge:
         reward = job.pools.reward
-        print(f"reward judge (reward.judge {job.reward.judge}): pools.reward takes {math.ceil(reward.replicas * reward.gpus)} GPU(s)"
-              f" ({reward.replicas} replica(s) x {reward.gpus:g}) beside the splits below, which do not model its time")
+        print(f"reward judge (reward.judge {job.reward.judge}): pools.reward takes {reward_gpus(job)} GPU(s) ({reward.replicas} replica(s)"
+              f" x {reward.gpus:g}) of the {args.gpus}; the splits below share the other {gpus} and do not model the judge's time")
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
     rows += best
     print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "

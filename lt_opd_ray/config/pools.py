@@ -74,7 +74,8 @@ class ServePool(Resources):
     max_replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Autoscaling upper bound."""
     max_batch_size: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
-    """Requests batched together per forward."""
+    """Requests joined into one batch (the teacher scores a batch in one engine call; the judge runs one forward per
+    response of a batch)."""
     target_queue_per_replica: float = Field(2.0, gt=0)
     """Autoscaling target: ongoing (queued + running) requests per replica before Serve adds one."""
     upscale_delay_s: float = Field(5.0, ge=0, le=MAX_WAIT_S)

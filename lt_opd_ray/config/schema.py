@@ -150,10 +150,12 @@ class ObjectiveConfig(StrictModel):
     """Per-position divergence on the top-k union plus a tail bin."""
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
     """The RL baselines' KL term, β: β times KL(student || frozen initial weights) at each response token, added to
-    the policy term and averaged as it is (per response, or DAPO's over the update's tokens). The frozen weights are
-    the teacher pool's (the job then starts one), on the full-token prompt, the KL taken over the top-k union plus a
-    tail bin (`reverse_kl` of the distillation modes, exact on that support, not a sampled estimate). 0 (the default,
-    DAPO's and GSPO's practice): no KL term and no teacher pool."""
+    the policy term and averaged as it is (per response, or DAPO's over the update's tokens; a response masked by
+    `truncated: mask` loses both). The frozen weights are the teacher pool's (the job then starts one), which see the
+    full-token prompt: unlike GRPO's KL, whose reference sees the policy's own input, below 100% budget this pulls
+    toward the full-token model, part of LT-OPD's own signal. The KL is taken over the top-k union plus a tail bin
+    (`reverse_kl` of the distillation modes, exact on that support, not a sampled estimate). 0 (the default, DAPO's and
+    GSPO's practice): no KL term and no teacher pool."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
     """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
     top_k: int = Field(100, ge=1, le=MAX_TOP_K)
@@ -220,6 +222,9 @@ class SamplingConfig(StrictModel):
     """Strings that end a response (besides EOS); the stop string is kept in the response."""
 
 
+JUDGE_REWARD = "judge"  # reward.name of a reward that needs a model: evals/judge.py, served by pools.reward
+
+
 class RewardConfig(StrictModel):
     """How each sampled response is scored, one number per response, on the rollout workers (evals/rewards.py).
     The update's mean reward is in every step line, steps.jsonl and the trackers."""
@@ -245,6 +250,11 @@ class RewardConfig(StrictModel):
     the learners start, up to this many times per place; one still flat after the last keeps its responses. Every
     prompt is its own rollout group (schedule.group_prompts 1). The step line counts the replacements (one per place
     per round) and the places kept flat. 0: off."""
+
+    @property
+    def uses_judge(self) -> bool:
+        """The reward needs a model: the judge, served by pools.reward."""
+        return self.name == JUDGE_REWARD
 
 
 class LearningRates(StrictModel):
@@ -460,7 +470,7 @@ class JobConfig(StrictModel):
         if self.objective.policy_gradient and self.reward.name is None:
             raise ValueError(f"objective.mode {self.objective.mode} trains on rewards: set reward.name (answer, answer_normalised, choice,"
                              " format, or module:function)")
-        if (self.reward.name == "judge") != (self.reward.judge is not None):
+        if (self.reward.name == JUDGE_REWARD) != (self.reward.judge is not None):
             raise ValueError("reward.name judge asks the judge model reward.judge: set both, or neither")
         if self.reward.overlong_buffer and self.reward.name is None:
             raise ValueError("reward.overlong_buffer shapes a reward: set reward.name")

@@ -1,7 +1,8 @@
 """A reward that needs a model: a VLM judge (`reward.name: judge`, the model `reward.judge`) asked, for each response,
-whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" for its next
-token. It reads the row's images, question and answer and the response. In a run it serves from its own Ray Serve
-pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
+whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" (either
+capitalised) for the first token of its answer. It reads the row's images, question and answer and the response. A
+judge whose chat template opens a thinking block at that token is read there too: use one that answers at once. In a
+run it serves from its own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from lt_opd_ray.core.samples import Sample
 
-VERDICTS = ("yes", "no")  # the judge's two answers: its reward is P(yes) / (P(yes) + P(no)) at its next token
+VERDICTS = ("yes", "no")  # the judge's two answers: its reward is P(yes) / (P(yes) + P(no)) at its next token, either case
 
 
 def judge_question(sample: Sample, response: str) -> str:
@@ -33,7 +34,9 @@ class Judge:
         model_dir, model = load_vlm(resolve_model_dir(model_path), device=device, dtype=dtype)
         self.model = model.eval().requires_grad_(False)
         self.processor = VLMProcessor.for_data(model_dir, data)
-        self.verdict_ids = [self.first_token(word) for word in VERDICTS]
+        self.yes, self.no = (sorted({self.first_token(form) for form in (word, word.capitalize())}) for word in VERDICTS)
+        if set(self.yes) & set(self.no):
+            raise ValueError(f"the judge's tokenizer begins {VERDICTS[0]!r} and {VERDICTS[1]!r} with the same token: it cannot tell them apart")
 
     def first_token(self, word: str) -> int:
         ids = self.processor.tokenizer(word, add_special_tokens=False)["input_ids"]
@@ -43,14 +46,16 @@ class Judge:
 
     @torch.no_grad()
     def __call__(self, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
-        """P(yes) against P(no) for each response answering its row, one forward per response."""
+        """P(yes) against P(no) for each response answering its row, one forward per response (its last position's
+        logits only)."""
         from lt_opd_ray.models.processor import encode_samples
 
         asked = [dataclasses.replace(s, question=judge_question(s, r)) for s, r in zip(samples, responses, strict=True)]
         values = []
         for prompt in encode_samples(self.processor, asked):
-            logits = self.model(**hf_inputs(prompt, self.model.device)).logits[0, -1]
-            values.append(float(torch.softmax(logits[self.verdict_ids].float(), dim=0)[0]))
+            logits = self.model(**hf_inputs(prompt, self.model.device), logits_to_keep=1).logits[0, -1].float()
+            yes, no = torch.logsumexp(logits[self.yes], dim=0), torch.logsumexp(logits[self.no], dim=0)
+            values.append(float(torch.sigmoid(yes - no)))  # P(yes) / (P(yes) + P(no))
         return values
 
 

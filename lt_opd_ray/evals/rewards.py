@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 
+from lt_opd_ray.config.schema import JUDGE_REWARD
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.evals.scoring import LETTERS, choice_letter, exact_match
 from lt_opd_ray.core.answers import ANSWER, parse_answer
@@ -59,8 +60,7 @@ def answer_format(samples: Sequence[Sample], responses: Sequence[str]) -> list[f
 
 BUILT_IN: dict[str, Reward] = {"answer": answer_exact, "answer_normalised": answer_normalised, "choice": answer_choice,
                                "format": answer_format}
-JUDGE = "judge"  # a reward that needs a model: evals/judge.py, served by pools.reward in a run
-READS_ANSWERS = ("answer", "answer_normalised", "choice", JUDGE)  # the built-ins that compare with each row's `answer`
+READS_ANSWERS = ("answer", "answer_normalised", "choice", JUDGE_REWARD)  # the built-ins that compare with each row's `answer`
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
@@ -91,13 +91,13 @@ def load_reward(name: str, judge: Reward | None = None) -> Reward:
     a run, the model itself in process), or `module:function` importable where the job runs."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    if name == JUDGE:
+    if name == JUDGE_REWARD:
         if judge is None:
             raise RewardError("reward judge: no judge model to ask (reward.judge, served by pools.reward)")
         return judge
     module, _, function = name.partition(":")
     if not module or not function:
-        raise RewardError(f"reward {name!r}: one of {', '.join([*BUILT_IN, JUDGE])}, or module:function")
+        raise RewardError(f"reward {name!r}: one of {', '.join([*BUILT_IN, JUDGE_REWARD])}, or module:function")
     try:
         found = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as exc:

@@ -392,6 +392,11 @@ def job_split(job) -> tuple[int, int, int]:
             max(1, math.ceil(pools.learner.ranks * pools.learner.gpus)))
 
 
+def reward_gpus(job) -> int:
+    """The GPUs the reward judge's pool takes at its initial replicas; none where the reward needs no model."""
+    return math.ceil(job.pools.reward.replicas * job.pools.reward.gpus) if job.reward.uses_judge else 0
+
+
 def teacher_gpus(job) -> int:
     """The GPUs the job's teacher pool takes at its initial replicas."""
     return max(1, math.ceil(job.pools.teacher.replicas * job.pools.teacher.gpus))

@@ -36,7 +36,6 @@ from lt_opd_ray.core.wire import (
     Stopwatch,
     SyncResult,
 )
-from lt_opd_ray.evals.rewards import JUDGE
 from lt_opd_ray.runtime.checkpoint import CheckpointStore
 from lt_opd_ray.runtime.metrics import DriverMetrics
 from lt_opd_ray.runtime.roles import RAY_ROLES, Roles
@@ -89,7 +88,7 @@ class Driver:
             begin = time.time()  # the three pools start together: each loads its model while the others do
             if job.objective.teacher_scores:  # the cross-entropy modes' loss reads no teacher: no teacher pool
                 self.teacher = roles.teacher(job)  # first: Serve's controller creates its replicas after the deploy
-            if job.reward.name == JUDGE:  # a reward that needs a model: its own Serve pool
+            if job.reward.uses_judge:  # a reward that needs a model: its own Serve pool
                 self.judge = roles.reward_pool(job)
             self.rollouts = roles.rollout_pool(job)
             self.learners = roles.learner_group(job)

@@ -65,6 +65,11 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
             model_dir = resolve_model_dir(job.model.path)  # builds an embedded model once, not in every actor
         except FileNotFoundError as exc:
             problems.append(str(exc))
+    if job.reward.uses_judge and (draw_generated or not embedded_model(job.reward.judge)):
+        try:
+            resolve_model_dir(job.reward.judge)  # builds an embedded judge once, not in every replica
+        except FileNotFoundError as exc:
+            problems.append(f"reward.judge: {exc}")
     if samples is None and generated is not None and generated.images > job.data.max_images:  # not drawn (validate)
         problems.append(f"data.path {job.data.path!r} shows {generated.images} images per row, more than data.max_images"
                         f" ({job.data.max_images}): raise data.max_images")
@@ -87,10 +92,11 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
 def reward_problems(name: str, samples: list[Sample] | None, spec: str) -> list[str]:
     """Whether reward.name loads where the job starts (a user's module imported; the judge's model is loaded by its
     pool) and the rows read carry what it compares with."""
-    from lt_opd_ray.evals.rewards import JUDGE, RewardError, load_reward, row_problems
+    from lt_opd_ray.config.schema import JUDGE_REWARD
+    from lt_opd_ray.evals.rewards import RewardError, load_reward, row_problems
 
     try:
-        if name != JUDGE:
+        if name != JUDGE_REWARD:
             load_reward(name)
     except RewardError as exc:
         return [f"reward.name: {exc}"]

@@ -19,7 +19,7 @@ def pool_sizes(job: JobConfig, largest: bool = False) -> dict[str, int]:
     p = job.pools
     teacher = (p.teacher.max_replicas if largest else p.teacher.replicas) if job.objective.teacher_scores else 0
     sizes = {"rollout": p.rollout.workers, "teacher": teacher, "learner": p.learner.ranks}
-    if job.reward.judge is not None:
+    if job.reward.uses_judge:
         sizes["reward"] = p.reward.max_replicas if largest else p.reward.replicas
     return sizes
 

@@ -4,6 +4,7 @@ call's responses as they sample them. `@serve.batch` joins the calls that arrive
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from ray import serve
@@ -11,8 +12,9 @@ from ray import serve
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.wire import ActorPlacement
+from lt_opd_ray.evals.rewards import RewardError
 from lt_opd_ray.runtime.resources import placement_here
-from lt_opd_ray.runtime.serve_apps import delete_app, deploy, deployment_options, wait_running
+from lt_opd_ray.runtime.serve_apps import delete_app, deploy, deployment_options, replica_placements, wait_running
 
 
 def reward_app(job: JobConfig) -> str:
@@ -61,30 +63,45 @@ class RewardService:
     def wait_ready(self) -> float:
         return wait_running(self.app_name)
 
-    def placements(self, attempts: int = 64) -> list[ActorPlacement]:
-        """Every running replica's placement (Serve routes each call to a replica of its choosing)."""
-        running = int(serve.status().applications[self.app_name].deployments["JudgeDeployment"].replica_states.get("RUNNING", 0))
-        found: dict[str, ActorPlacement] = {}
-        for _ in range(attempts):
-            if len(found) >= running:
-                break
-            replica, placement = self.handle.placement.remote().result(timeout_s=60)
-            found[replica] = placement
-        return sorted(found.values(), key=lambda p: p.actor)
+    def placements(self) -> list[ActorPlacement]:
+        running = serve.status().applications[self.app_name].deployments["JudgeDeployment"].replica_states.get("RUNNING", 0)
+        return replica_placements(self.handle, int(running))
 
     def shutdown(self) -> None:
         delete_app(self.app_name)
 
 
 class JudgeClient:
-    """The judge as a rollout worker asks it: the reward (`evals/rewards.JobReward`) of its call's responses, from the
-    judge's app; waits up to `timeout_s` (schedule.wait_timeout_s)."""
+    """The judge as a rollout worker asks it, from any of its threads: the reward (`evals/rewards.JobReward`) of a
+    call's responses, from the judge's app. A call the app does not answer in `timeout_s` (schedule.liveness_timeout_s,
+    shorter than the driver's wait on the worker), or whose replica dies twice, is a RewardError naming the app, not a
+    worker's death."""
 
     def __init__(self, app_name: str, timeout_s: float):
         self.app_name, self.timeout_s = app_name, timeout_s
-        self.handle = None
+        self._handle = None
+        self._handle_made = threading.Lock()
+
+    def handle(self):
+        with self._handle_made:  # made on first use: the app starts while the workers do
+            if self._handle is None:
+                self._handle = serve.get_app_handle(self.app_name)
+            return self._handle
 
     def __call__(self, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
-        if self.handle is None:
-            self.handle = serve.get_app_handle(self.app_name)
-        return self.handle.score.remote(list(samples), list(responses)).result(timeout_s=self.timeout_s)
+        from ray.exceptions import RayActorError
+
+        try:
+            return self.ask(samples, responses)
+        except RayActorError:  # Serve replaces a replica that dies: the call is asked again, once
+            try:
+                return self.ask(samples, responses)
+            except RayActorError as exc:
+                raise RewardError(f"reward judge: the replica of {self.app_name} serving a call died twice ({type(exc).__name__})") from None
+
+    def ask(self, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
+        try:
+            return self.handle().score.remote(list(samples), list(responses)).result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            raise RewardError(f"reward judge: the Serve app {self.app_name} answered no call in {self.timeout_s:g} s"
+                              " (schedule.liveness_timeout_s)") from None

@@ -14,6 +14,7 @@ neither the worker, the grouping nor the rank count.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -81,13 +82,13 @@ class RolloutWorker:
         import transformers
 
         from lt_opd_ray.engines.rollout_engines import build_rollout_engine
-        from lt_opd_ray.evals.rewards import JUDGE, JobReward
+        from lt_opd_ray.evals.rewards import JobReward
         from lt_opd_ray.runtime.metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
-        judge = JudgeClient(reward_app(job), job.schedule.wait_timeout_s) if job.reward.name == JUDGE else None
+        judge = JudgeClient(reward_app(job), job.schedule.liveness_timeout_s) if job.reward.uses_judge else None
         self.reward = JobReward.of(job, judge)  # the judge's pool is asked as the worker gives rewards
         self.rewarding = threading.Lock()
         self.weights_version: int | None = 0  # None while an update is half written
@@ -129,10 +130,10 @@ class RolloutWorker:
     def give_rewards(self, samples, rollouts) -> None:
         """Each rollout's reward against its own row (a RewardError names the reward and the row). A vLLM worker
         samples several calls at once on threads; their rewards are given one call at a time (a user's reward need
-        not be thread-safe)."""
+        not be thread-safe), but the judge's, whose client is, as they come (its pool batches them)."""
         rows = [samples[r.prompt_index] for r in rollouts]
         texts = self.engine.response_texts(rollouts)
-        with self.rewarding:
+        with contextlib.nullcontext() if self.job.reward.uses_judge else self.rewarding:  # the judge's client is thread-safe
             values = self.reward(rows, texts, [r.response_ids.numel() for r in rollouts])
         for r, value in zip(rollouts, values):
             r.reward = value

@@ -7,6 +7,7 @@ from ray import serve
 
 from lt_opd_ray.config.pools import ServePool
 from lt_opd_ray.config.schema import JobConfig
+from lt_opd_ray.core.wire import ActorPlacement
 from lt_opd_ray.runtime.waits import LIVENESS_TICK_S
 
 
@@ -62,6 +63,19 @@ def wait_running(name: str) -> float:
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"Deploying application {name} failed: {status.message}")
         time.sleep(SERVE_POLL_S)
+
+
+def replica_placements(handle, running: int, attempts: int = 64) -> list[ActorPlacement]:
+    """Every running replica's placement, asked through `handle` (a deployment's `placement`: its Serve id and its
+    placement). Serve routes each call to a replica of its choosing, so this asks until it has heard from `running`
+    replicas (bounded by `attempts`)."""
+    found: dict[str, ActorPlacement] = {}
+    for _ in range(attempts):
+        if len(found) >= running:
+            break
+        replica, placement = handle.placement.remote().result(timeout_s=60)
+        found[replica] = placement
+    return sorted(found.values(), key=lambda p: p.actor)
 
 
 # How often the driver asks Serve whether its app is up or gone. serve.run and serve.delete ask every 1 s, which

@@ -21,7 +21,7 @@ from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, ScoringRequest, Span, Stopwatch, TeacherPayload, pack_scores
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import GroupRef
-from lt_opd_ray.runtime.serve_apps import delete_app, deploy, deployment_options, wait_running
+from lt_opd_ray.runtime.serve_apps import delete_app, deploy, deployment_options, replica_placements, wait_running
 
 
 class TeacherModel:
@@ -171,17 +171,8 @@ class TeacherService:
             self._replicas = (time.monotonic(), int(status.replica_states.get("RUNNING", 0)))
         return self._replicas[1]
 
-    def placements(self, attempts: int = 64) -> list[ActorPlacement]:
-        """Every running replica's placement. Serve routes each call to a replica of its choosing, so this asks
-        until it has heard from as many replicas as are running (bounded by `attempts`)."""
-        found: dict[str, ActorPlacement] = {}
-        running = self.replicas()
-        for _ in range(attempts):
-            if len(found) >= running:
-                break
-            replica, placement = self.handle.placement.remote().result(timeout_s=60)
-            found[replica] = placement
-        return sorted(found.values(), key=lambda p: p.actor)
+    def placements(self) -> list[ActorPlacement]:
+        return replica_placements(self.handle, self.replicas())
 
     def shutdown(self) -> None:
         delete_app(self.app_name)

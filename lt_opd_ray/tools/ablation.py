@@ -16,9 +16,10 @@ Arms (all at the job's target budget, same teacher, same data):
                   with its overlong punishment over the last fifth of max_new_tokens and its dynamic sampling, a flat
                   group's prompt replaced up to 3 times), in PPO's mini-batches: four
                   optimizer steps an update, so their clips act on policy as in their papers' practice
-  oracle_sft      the bound on what any arm can recover at the budget: cross-entropy (with the curriculum) on the
-                  true labels in the student's own format, the response the full-token teacher is trained to write
-                  for each training row (toy tasks: `toy-<task>-reference:<n>`), not the rows' annotator sentences
+  oracle_sft      what the true labels recover at the budget (the gap the report takes shares of; an estimate, not a
+                  bound on distillation): cross-entropy (with the curriculum) on the true labels in the student's own
+                  format, the response the full-token teacher is trained to write for each training row (toy tasks:
+                  `toy-<task>-reference:<n>`), not the rows' annotator sentences
 Every trained arm is evaluated with each of the job's eval selectors, so the
 table also shows a student trained with one selector and evaluated with another.
 With `lr_scales`, every arm first trains once per scale of the job's learning rates (seed TUNING_SEED, never a

@@ -21,9 +21,9 @@ LABELS = {
     "grpo": "GRPO (answer reward)",
     "dapo": "DAPO (answer reward)",
     "gspo": "GSPO (answer reward)",
-    "oracle_sft": "SFT on the true labels (the bound)",
+    "oracle_sft": "SFT on the true labels (oracle)",
 }
-BOUND = "oracle_sft"  # what any arm can recover at this selector and budget: the gap's top
+ORACLE = "oracle_sft"  # the true labels at this selector and budget: the recoverable gap's measure (an estimate, not a proof)
 REWARDED = ("grpo", "dapo", "gspo")  # their loss is ~0 by construction (centred advantages): their panel shows the reward
 
 
@@ -99,15 +99,20 @@ def ordering_lines(rows: list[dict], selector: str) -> list[str]:
 
 
 def gap_share_lines(rows: list[dict], selector: str) -> list[str]:
-    """Where the bound ran: each arm's share of the recoverable gap on `selector`, (arm - untrained) / (bound -
-    untrained), from the means."""
+    """Where the oracle ran: each arm's share of the gap it recovers on `selector`, (arm - untrained) / (oracle -
+    untrained), from the means; an arm may pass 100% (SFT on hard labels bounds no distillation). No shares where the
+    oracle is not above the untrained student by 2 SE: a line says so."""
     by_arm = {r["arm"]: r for r in rows if r["evaluated_with"] == selector}
-    if BOUND not in by_arm:
+    if ORACLE not in by_arm:
         return []
-    floor, top = by_arm["untrained"]["retain_mean"], by_arm[BOUND]["retain_mean"]
-    lines = ["", f"Each arm's share of the gap the bound recovers, evaluated with {selector}: (arm - untrained) / ({LABELS[BOUND]} -"
-             f" untrained), the bound at {top:.3f}, untrained at {floor:.3f}:", ""]
-    return lines + [f"- {LABELS[arm]}: {(r['retain_mean'] - floor) / (top - floor):+.0%}" for arm, r in by_arm.items() if arm not in ("untrained", BOUND)]
+    floor, top = by_arm["untrained"], by_arm[ORACLE]
+    gap, se = top["retain_mean"] - floor["retain_mean"], math.hypot(top["retain_se"], floor["retain_se"])
+    if gap <= 2 * se:
+        return ["", f"{LABELS[ORACLE]} is not above the untrained student (difference {gap:+.3f} ± {se:.3f} SE, evaluated with"
+                f" {selector}): no gap to take shares of."]
+    lines = ["", f"Each arm's share of the gap {LABELS[ORACLE]} recovers, evaluated with {selector}: (arm - untrained) / (oracle -"
+             f" untrained), the oracle at {top['retain_mean']:.3f}, untrained at {floor['retain_mean']:.3f}:", ""]
+    return lines + [f"- {LABELS[arm]}: {(r['retain_mean'] - floor['retain_mean']) / gap:+.0%}" for arm, r in by_arm.items() if arm not in ("untrained", ORACLE)]
 
 
 def tuning_lines(results: dict) -> list[str]:
