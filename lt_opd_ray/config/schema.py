@@ -49,7 +49,8 @@ class ModelConfig(StrictModel):
 class DataConfig(StrictModel):
     path: Annotated[str, AfterValidator(check_data_spec)]
     """A parquet or JSONL file of rows (sample_uid, image or images and/or video, question), `synthetic:<n>[*<images>]`
-    or `synthetic-video:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows."""
+    or `synthetic-video:<n>` for generated rows, or `toy-<task>:<n>` for a toy task's training rows
+    (`toy-<task>-reference:<n>`: the same rows, each with the response its full-token teacher is trained to write)."""
     image_root: str = "."
     """Folder that relative image paths in the rows are resolved against."""
     allow_outside_root: bool = False
