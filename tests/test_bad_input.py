@@ -200,6 +200,9 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         err = capsys.readouterr().err
         assert expected in err, (override, err)
     assert main(["validate", str(job), "--schema-only", "--set", f"data.path={tmp_path / 'folder'}"]) == 0
+    judged = ["objective.mode=grpo", "reward.name=judge", f"reward.judge={tmp_path / 'nojudge'}"]  # a judge folder that is not there
+    assert main(["validate", str(job), *(f"--set={o}" for o in judged)]) == 1
+    assert f"reward.judge '{tmp_path / 'nojudge'}': no judge model there" in capsys.readouterr().err
 
 
 def test_the_dataset_response_modes_are_refused_rows_without_responses_by_name(tmp_path, capsys):

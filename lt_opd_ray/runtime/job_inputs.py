@@ -68,8 +68,9 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
     if job.reward.uses_judge and (draw_generated or not embedded_model(job.reward.judge)):
         try:
             resolve_model_dir(job.reward.judge)  # builds an embedded judge once, not in every replica
-        except FileNotFoundError as exc:
-            problems.append(f"reward.judge: {exc}")
+        except FileNotFoundError:
+            problems.append(f"reward.judge {job.reward.judge!r}: no judge model there (a Hugging Face model folder with its"
+                            " config.json, tiny:<family> or toy:<task>)")
     if samples is None and generated is not None and generated.images > job.data.max_images:  # not drawn (validate)
         problems.append(f"data.path {job.data.path!r} shows {generated.images} images per row, more than data.max_images"
                         f" ({job.data.max_images}): raise data.max_images")
