@@ -76,7 +76,7 @@ class ReferenceTrainer:
         self.step_index = 0  # optimizer steps completed: the curriculum's c
         # max_staleness 1: the weights one optimizer step behind, which sample the rollouts
         self.lagged = QwenVLM(copy.deepcopy(model).to(compute).eval().requires_grad_(False)) if job.schedule.max_staleness else None
-        judge = Judge(job.reward.judge, job.data, dtype=job.model.dtype) if job.reward.uses_judge else None  # in process
+        judge = Judge(job.reward.judge, job.data, job.model.dtype, micro_batch_tokens=job.pools.reward.micro_batch_tokens) if job.reward.uses_judge else None  # in process
         self.reward = JobReward.of(job, judge)  # as the rollout workers give it
 
     def encode(self, samples: list[Sample]):

@@ -102,9 +102,11 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
 
 def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_response(tiny_dirs):
     """A reward that needs a model: the judge's reward for each response is P(yes) / (P(yes) + P(no)) (either
-    capitalised) at its next token after being asked about the response, here computed again through the student adapter's own forward (visual
-    features, every token kept, the language model, the head: another path to the same logits). Its rows need answers
-    (named before a run), and a job's judge reward without a judge to ask is refused."""
+    capitalised) at its next token after being asked about the response. The judge asks about a call's responses in
+    left-padded batches (two rows of two responses each, of different lengths; a 1-token budget puts each question in a
+    forward of its own); here each is computed again by transformers' own forward of that question alone, every
+    position's logits (another path to the same numbers). Its rows need answers (named before a run), and a job's judge
+    reward without a judge to ask is refused."""
     import dataclasses
 
     import torch
@@ -112,27 +114,31 @@ def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_
     from lt_opd_ray.config.schema import DataConfig
     from lt_opd_ray.evals.judge import Judge, judge_question
     from lt_opd_ray.evals.rewards import JobReward
-    from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.processor import encode_samples
     from lt_opd_ray.sources.resolve import load_samples
 
-    samples = load_samples("synthetic:2")
+    rows_ = load_samples("synthetic:2")
+    samples = [rows_[0], rows_[1], rows_[0], rows_[1]]
     judge = Judge(str(tiny_dirs["qwen3_5"]), DataConfig(path="synthetic:2", max_pixels=65536))
-    responses = [f"<answer>{samples[0].answer}</answer>", "it is a dog"]
-    values = JobReward("judge", judge=judge)(samples, responses, [3, 4])
-    vlm, tokenizer = QwenVLM(judge.model), judge.processor.tokenizer
+    responses = [f"<answer>{rows_[0].answer}</answer>", "it is a dog", "no", f"the answer is plainly {rows_[1].answer}, as drawn"]
+    values = JobReward("judge", judge=judge)(samples, responses, [3, 4, 1, 9])
+    alone = Judge(str(tiny_dirs["qwen3_5"]), DataConfig(path="synthetic:2", max_pixels=65536), micro_batch_tokens=1)(samples, responses)
+    tokenizer = judge.processor.tokenizer
     verdicts = {word: {tokenizer(form, add_special_tokens=False)["input_ids"][0] for form in (word, word.capitalize())} for word in ("yes", "no")}
     assert (set(judge.yes), set(judge.no)) == (verdicts["yes"], verdicts["no"]) and not verdicts["yes"] & verdicts["no"]
-    for row, response, value in zip(samples, responses, values):
+    lengths = []
+    for row, response, value, single in zip(samples, responses, values, alone):
         prompt = encode_samples(judge.processor, [dataclasses.replace(row, question=judge_question(row, response))])[0]
         assert f"Response: {response}" in tokenizer.decode(prompt.input_ids)
+        lengths.append(prompt.input_ids.numel())
+        inputs = {"input_ids": prompt.input_ids[None], "mm_token_type_ids": prompt.mm_token_type_ids[None],
+                  "pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
         with torch.no_grad():
-            features = vlm.visual_features(prompt)
-            hidden = vlm.response_hidden([vlm.reduce(prompt, features, vlm.keep_all(features))], [torch.tensor([0])])[0]
-            p = vlm.lm_head(hidden)[0].double().softmax(dim=0)  # the next token's distribution after the question
+            p = judge.model(**inputs).logits[0, -1].double().softmax(dim=0)  # the next token's distribution after the question
         p_yes, p_no = (sum(float(p[i]) for i in verdicts[word]) for word in ("yes", "no"))
-        assert value == pytest.approx(p_yes / (p_yes + p_no), rel=1e-5)
-    assert 0 < min(values) and max(values) < 1 and values[0] != values[1]
+        assert value == pytest.approx(p_yes / (p_yes + p_no), rel=1e-5) and single == pytest.approx(value, rel=1e-5)
+    assert len(set(lengths)) == len(lengths)  # every question of another length: the batch is padded
+    assert 0 < min(values) and max(values) < 1 and len(set(values)) == len(values)
     assert row_problems("judge", rows("a", None), "x")[0].startswith("reward.name judge compares each response with its row's answer")
     with pytest.raises(RewardError, match="reward judge: no judge model to ask"):
         JobReward("judge")

@@ -74,8 +74,8 @@ class ServePool(Resources):
     max_replicas: int = Field(1, ge=1, le=MAX_ACTORS_PER_POOL)
     """Autoscaling upper bound."""
     max_batch_size: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
-    """Requests joined into one batch (the teacher scores a batch in one engine call; the judge runs one forward per
-    response of a batch)."""
+    """Requests joined into one batch (the teacher scores a batch in one engine call; the judge asks about a batch's
+    responses in forwards of at most `pools.reward.micro_batch_tokens`)."""
     target_queue_per_replica: float = Field(2.0, gt=0)
     """Autoscaling target: ongoing (queued + running) requests per replica before Serve adds one."""
     upscale_delay_s: float = Field(5.0, ge=0, le=MAX_WAIT_S)
@@ -119,6 +119,10 @@ class TeacherPool(ServePool):
 class RewardPool(ServePool):
     """The judge's replicas (`reward.name: judge`): a request is one rollout call's responses, scored by the judge
     model `reward.judge` on the transformers engine. No pool where the reward needs no model."""
+
+    micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
+    """Padded tokens (questions x longest question, each a row's full-token prompt and one response) per judge
+    forward; a question longer than this runs alone."""
 
 
 class LearnerPool(Resources):

@@ -1,8 +1,10 @@
 """A reward that needs a model: a VLM judge (`reward.name: judge`, the model `reward.judge`) asked, for each response,
 whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" (either
 capitalised) for the first token of its answer. It reads the row's images, question and answer and the response. A
-judge whose chat template opens a thinking block at that token is read there too: use one that answers at once. In a
-run it serves from its own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
+judge whose chat template opens a thinking block at that token is read there too: use one that answers at once. A
+call's questions run as left-padded batches of at most `micro_batch_tokens` (rows x longest question; core/microbatch.py),
+each row's images encoded once per call however many of its responses are asked about. In a run it serves from its
+own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lt_opd_ray.core.microbatch import Sequence as Question
+from lt_opd_ray.core.microbatch import pack
 from lt_opd_ray.core.samples import Sample
 
 VERDICTS = ("yes", "no")  # the judge's two answers: its reward is P(yes) / (P(yes) + P(no)) at its next token, either case
@@ -26,13 +30,15 @@ def judge_question(sample: Sample, response: str) -> str:
 class Judge:
     """The judge model, frozen, in its compute dtype, with the processor of the job's data section."""
 
-    def __init__(self, model_path: str, data, dtype: str = "float32", device: str | None = None):
+    def __init__(self, model_path: str, data, dtype: str = "float32", device: str | None = None, micro_batch_tokens: int = 16384):
+        from lt_opd_ray.models.adapter import QwenVLM
         from lt_opd_ray.models.loading import load_vlm
         from lt_opd_ray.models.processor import VLMProcessor
         from lt_opd_ray.sources.resolve import resolve_model_dir
 
         model_dir, model = load_vlm(resolve_model_dir(model_path), device=device, dtype=dtype)
         self.model = model.eval().requires_grad_(False)
+        self.vlm, self.micro_batch_tokens = QwenVLM(self.model), micro_batch_tokens
         self.processor = VLMProcessor.for_data(model_dir, data)
         self.yes, self.no = (sorted({self.first_token(form) for form in (word, word.capitalize())}) for word in VERDICTS)
         if set(self.yes) & set(self.no):
@@ -46,22 +52,24 @@ class Judge:
 
     @torch.no_grad()
     def __call__(self, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
-        """P(yes) against P(no) for each response answering its row, one forward per response (its last position's
-        logits only)."""
+        """P(yes) against P(no) for each response answering its row, in the caller's order: the questions in
+        left-padded batches (the last column is every row's last token, whose logits alone go through the head)."""
         from lt_opd_ray.models.processor import encode_samples
 
         asked = [dataclasses.replace(s, question=judge_question(s, r)) for s, r in zip(samples, responses, strict=True)]
-        values = []
-        for prompt in encode_samples(self.processor, asked):
-            logits = self.model(**hf_inputs(prompt, self.model.device), logits_to_keep=1).logits[0, -1].float()
-            yes, no = torch.logsumexp(logits[self.yes], dim=0), torch.logsumexp(logits[self.no], dim=0)
-            values.append(float(torch.sigmoid(yes - no)))  # P(yes) / (P(yes) + P(no))
+        prompts = encode_samples(self.processor, asked)
+        features = {}  # a row's images, encoded once: its responses' questions differ in text only
+        values = [0.0] * len(prompts)
+        for batch in pack([Question(i, i, p.input_ids.numel()) for i, p in enumerate(prompts)], self.micro_batch_tokens):
+            reduced = []
+            for i in batch.sequences:
+                if samples[i].uid not in features:
+                    features[samples[i].uid] = self.vlm.visual_features(prompts[i])
+                row = features[samples[i].uid]
+                reduced.append(self.vlm.reduce(prompts[i], row, self.vlm.keep_all(row)))  # every visual token kept
+            hidden, _ = self.vlm.run_language_model(self.vlm.pad_batch(reduced))
+            logits = self.vlm.lm_head(hidden[:, -1]).float()
+            yes, no = torch.logsumexp(logits[:, self.yes], dim=1), torch.logsumexp(logits[:, self.no], dim=1)
+            for i, value in zip(batch.sequences, torch.sigmoid(yes - no).tolist(), strict=True):  # P(yes) / (P(yes) + P(no))
+                values[i] = value
         return values
-
-
-def hf_inputs(prompt, device) -> dict:
-    """A prompt's transformers forward arguments (its images' and its clip's patches and grids)."""
-    inputs = {"input_ids": prompt.input_ids[None], "mm_token_type_ids": prompt.mm_token_type_ids[None],
-              "pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw,
-              "pixel_values_videos": prompt.pixel_values_videos, "video_grid_thw": prompt.video_grid_thw}
-    return {name: value.to(device) for name, value in inputs.items() if value is not None and value.numel()}

@@ -32,7 +32,7 @@ class JudgeDeployment:
 
         transformers.logging.set_verbosity_error()
         self.name = f"reward-{os.getpid()}"
-        self.judge = Judge(job.reward.judge, job.data, dtype=job.model.dtype)
+        self.judge = Judge(job.reward.judge, job.data, job.model.dtype, micro_batch_tokens=job.pools.reward.micro_batch_tokens)
         self.judge_batch.set_max_batch_size(job.pools.reward.max_batch_size)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
