@@ -872,16 +872,27 @@ def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the
     """reward.name judge: the judge model (here the tiny model itself) serves as the job's own Serve app, pools.reward,
     beside the rollout workers and learners (no teacher: GRPO reads none); the workers ask it for every response's
     reward as they sample, the reference asks the same model in process, and the learners match the reference. The
-    app is gone when the run ends."""
+    app is gone when the run ends. Calls of several sizes sent at once (a replica joins them into one batch) each get
+    their own values back, as the judge in process gives them."""
     from ray import serve
+
+    from lt_opd_ray.evals.judge import Judge
+    from lt_opd_ray.sources.resolve import load_samples
 
     extra = f"reward: {{name: judge, judge: '{tiny_dirs['qwen3_5']}'}}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, n=4, prompts=2, name="rl-judge", mode="grpo", extra=extra)
     reports, _ = reference_run(job, 2)
+    rows = load_samples("synthetic:4")
+    calls = [(rows[i : i + 1] * count, [f"answer {i}{' yes' * j}" for j in range(count)]) for i, count in enumerate((1, 3, 2, 4))]
     with driven(job, 2) as (driver, logs, run):
         apps = sorted(name for name in serve.status().applications if name.startswith("rl-judge"))
         roles = sorted({p.actor.split("-")[0] for p in driver.placements})
+        pending = [serve.get_app_handle("rl-judge-reward").score.remote(*call) for call in calls]  # joined by the replica's batching
+        served = [response.result(timeout_s=60) for response in pending]
     assert (apps, roles) == (["rl-judge-reward"], ["learner", "reward", "rollout"])
+    in_process = Judge(job.reward.judge, job.data)
+    assert [len(values) for values in served] == [1, 3, 2, 4]  # each call its own values back, in its own order
+    assert [values == pytest.approx(in_process(*call), rel=1e-5) for values, call in zip(served, calls)] == [True] * 4
     assert not any(name.startswith("rl-judge") for name in serve.status().applications)
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-5)
     assert 0 < logs[0].reward_mean < 1 and logs[0].reward_std > 0 and all(log.grad_norm > 0 for log in logs)
