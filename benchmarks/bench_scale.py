@@ -105,7 +105,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     seconds = time.perf_counter() - begin
     running[0] = False
     watcher.join()
-    return {"sequences": len(rollouts), "micro_batches": len(micro), "padded_tokens": max(b.padded_tokens for b in micro),
+    return {"sequences": len(rollouts), "micro_batches": len(micro), "computed_tokens": max(b.computed_tokens for b in micro),
             "peak_mb": (peak[0] - before) / 2**20, "seconds": seconds}
 
 
@@ -113,7 +113,7 @@ def memory_part(small: bool) -> None:
     model, response, top_k, chunk = ("tiny:qwen3_5", 64, 16, 64) if small else ("tiny:qwen3_5-vocab248320", 1024, 100, 256)
     budgets = (256, 1024) if small else (2304, 9216)  # ~2 and ~8 of the ~1,100-token sequences
     print(f"== learner rank, one update's forward/backward ({model}, responses of {response} tokens, top-{top_k}, log-softmax chunk {chunk})")
-    print(f"{'budget':>8} {'prompts':>8} {'sequences':>10} {'micro-batches':>14} {'largest padded':>15} {'peak MB':>9} {'seconds':>8}")
+    print(f"{'budget':>8} {'prompts':>8} {'sequences':>10} {'micro-batches':>14} {'largest computed':>16} {'peak MB':>9} {'seconds':>8}")
     rows = {}
     for budget in budgets:
         for prompts in (1, 2):
@@ -121,7 +121,7 @@ def memory_part(small: bool) -> None:
             out = subprocess.run([sys.executable, __file__, "--learner-child", child], capture_output=True, text=True, check=True)
             row = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[7:])
             rows[budget, prompts] = row
-            print(f"{budget:>8} {prompts:>8} {row['sequences']:>10} {row['micro_batches']:>14} {row['padded_tokens']:>15}"
+            print(f"{budget:>8} {prompts:>8} {row['sequences']:>10} {row['micro_batches']:>14} {row['computed_tokens']:>16}"
                   f" {row['peak_mb']:>9.0f} {row['seconds']:>8.1f}")
     small_b, large_b = budgets
     print(f"RESULT learner peak: 2x the share at the same budget = {rows[large_b, 2]['peak_mb'] / rows[large_b, 1]['peak_mb']:.2f}x"

@@ -117,7 +117,7 @@ def loaded(tiny_dirs):
 def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra="",
             dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False,
             activation_checkpointing=False, n=2, max_new_tokens=6, images=1, data=None, warmup=1, teacher_batch=4, stop=None, steps_per_update=1,
-            kl_coef=0.0):
+            kl_coef=0.0, packing=True):
     """A small distributed job on a tiny model: `prompts` (2) x `n` (2) responses per update, `images` per row (or the
     rows `data` names, a data.path); `extra` is appended YAML."""
     from lt_opd_ray.config.loading import parse_job
@@ -136,7 +136,7 @@ pools:
   rollout: {{workers: {workers}, cpus: 1, backend: {backend}, verify_weights: {str(verify_weights).lower()}}}
   teacher: {{replicas: 1, cpus: 1, max_batch_size: {teacher_batch}, backend: {backend}}}
   learner: {{ranks: {ranks}, cpus: 1, zero_stage: {zero_stage}, sync_bucket_mb: 0.25, sync_timeout_s: 120, micro_batch_tokens: {micro_batch_tokens},
-            activation_checkpointing: {str(activation_checkpointing).lower()}}}
+            activation_checkpointing: {str(activation_checkpointing).lower()}, packing: {str(packing).lower()}}}
 checkpoint: {{dir: "{ckpt_dir}", every_steps: {every}, keep: 2}}
 metrics: {{export_port: 8099}}
 {extra}"""

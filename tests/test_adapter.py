@@ -115,6 +115,51 @@ def test_reduced_positions_keep_original_mrope(loaded, family):
             assert torch.equal(layer_kept, layer_full[kept])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_row_gives_each_sequence_what_its_own_forward_gives(loaded, family):
+    """Sequences of very different lengths (one image or two, responses of 1, 40 and 9 tokens) laid end to end in one
+    row (`pools.learner.packing`) give each sequence the logits transformers' own forward of it alone gives, and the
+    weights the gradients those forwards give: nothing crosses from one sequence to the next (attention, Qwen3.5's
+    convolution window and recurrent state). The left-padded batch agrees with both."""
+    model, processor, vlm = loaded[family]
+    prompts = [*prompts_for(processor, 2), two_image_prompt(processor)]
+    responses = [torch.tensor([40]), torch.arange(40, 80), torch.arange(90, 99)]
+    weights = [torch.randn(r.numel(), model.config.text_config.vocab_size, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(responses)]
+
+    def full(prompt):
+        features = vlm.visual_features(prompt)
+        return vlm.reduce(prompt, features, vlm.keep_all(features))
+
+    def ours(packed: bool) -> tuple[list[torch.Tensor], dict]:
+        model.zero_grad(set_to_none=True)
+        logits = [vlm.lm_head(h) for h in vlm.response_hidden([full(p) for p in prompts], responses, packed=packed)]
+        sum((l * w).sum() for l, w in zip(logits, weights)).backward()
+        return [l.detach() for l in logits], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    alone = []
+    for prompt, response, w in zip(prompts, responses, weights):
+        logits = model(**full_forward_inputs(prompt, response)).logits[0, -response.numel() - 1 : -1]
+        (logits * w).sum().backward()  # the gradients add up over the three forwards
+        alone.append(logits.detach())
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len({p.input_ids.numel() + r.numel() for p, r in zip(prompts, responses)}) == 3
+    for packed in (True, False):
+        logits, grads = ours(packed)
+        for got, want in zip(logits, alone):
+            assert (got - want).abs().max().item() <= 1e-5, (family, packed)
+        assert grads.keys() == expected.keys() and any(n.startswith("model.visual") for n in grads)
+        for name, grad in expected.items():
+            error, size = float((grads[name] - grad).norm()), float(grad.norm())
+            # fp32 rounding of other batch shapes: <= 1.1e-6 of each parameter's gradient (measured), but for the decays of
+            # Qwen3.5's gated delta rule (A_log, dt_bias and in_proj_a, which make them), whose chunked cumulative sums lose
+            # digits: up to 1.2e-4 packed, 9.2e-4 padded (left padding adds decaying steps). Anything crossing a bound, or
+            # a gradient lost, is off by O(1).
+            decay = name.endswith(("A_log", "dt_bias", "in_proj_a.weight"))
+            assert error <= (5e-3 if decay else 1e-5) * size + 1e-9, (family, packed, name, error / size)
+    model.zero_grad(set_to_none=True)
+
+
 def two_image_prompt(processor):
     """One question about two images of different sizes, each after its own placeholder run."""
     images = [random_image(7, 96, 128), random_image(8, 128, 160)]

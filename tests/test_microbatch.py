@@ -15,23 +15,27 @@ from test_reference_update import tiny_job
 from lt_opd_ray.core.microbatch import MicroBatch, Sequence, pack
 from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs
 from lt_opd_ray.engines.transformers.teacher import teacher_scores
-from lt_opd_ray.models.loss import reduced_length, student_loss, support
+from lt_opd_ray.models.loss import loss_on_forward, reduced_length, student_forward, student_loss, support
 from lt_opd_ray.reference import ReferenceTrainer
 
 
 # ------------------------------------------------------------------ packing
-def test_pack_covers_every_sequence_once_within_the_budget():
+@pytest.mark.parametrize("packed", [False, True])
+def test_pack_covers_every_sequence_once_within_the_budget(packed):
+    """Padded, a micro-batch computes rows x longest; packed (one row end to end), its sequences' tokens. Either stays
+    within the budget, and the packed micro-batches are never more than the padded ones."""
     rng = random.Random(0)
     for trial in range(200):
         sequences = [Sequence(i, rng.randrange(6), rng.randint(1, 60)) for i in range(rng.randint(1, 40))]
         budget = rng.randint(1, 300)
-        batches = pack(sequences, budget)
+        batches = pack(sequences, budget, packed)
         placed = [i for b in batches for i in b.sequences]
         assert sorted(placed) == list(range(len(sequences))), trial
+        assert len(batches) <= len(pack(sequences, budget)), trial
         for b in batches:
-            longest = max(sequences[i].tokens for i in b.sequences)
-            assert b.padded_tokens == len(b.sequences) * longest
-            assert b.padded_tokens <= budget or len(b.sequences) == 1  # only a sequence longer than the budget exceeds it
+            tokens = [sequences[i].tokens for i in b.sequences]
+            assert b.computed_tokens == (sum(tokens) if packed else len(tokens) * max(tokens))
+            assert b.computed_tokens <= budget or len(b.sequences) == 1  # only a sequence longer than the budget exceeds it
             assert list(b.sequences) == sorted(b.sequences)
             assert b.prompts == tuple(dict.fromkeys(sequences[i].prompt for i in b.sequences))
 
@@ -48,7 +52,7 @@ def test_pack_buckets_by_length():
     """Long groups first, short ones together: less padding than packing in arrival order."""
     lengths = [1000, 20, 1000, 20, 1000, 20, 1000, 20]
     sequences = [Sequence(i, i, t) for i, t in enumerate(lengths)]
-    bucketed = sum(b.padded_tokens for b in pack(sequences, 2000))
+    bucketed = sum(b.computed_tokens for b in pack(sequences, 2000))
     assert bucketed == 2 * 2000 + 80  # [1000, 1000] x 2, then the four 20s in one batch
     in_order = 4 * (2 * 1000)  # arrival order pairs every 20 with a 1000
     assert bucketed < in_order
@@ -99,8 +103,10 @@ def gradients(model, loss_fn) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_micro_batched_gradients_equal_the_brute_force(updates, family):
+def test_micro_batched_gradients_equal_the_brute_force(updates, family, packed):
+    """Micro-batches of left-padded rows, or of packed rows (the learner's default, `pools.learner.packing`)."""
     trainer, prompts, rollouts, scores = updates[family]
     student, objective = trainer.student, trainer.job.objective
     total = len(rollouts)
@@ -108,11 +114,12 @@ def test_micro_batched_gradients_equal_the_brute_force(updates, family):
     def micro_batched(budget):
         sequences = [Sequence(i, r.prompt_index, reduced_length(prompts[r.prompt_index], r.selected) + r.response_ids.numel())
                      for i, r in enumerate(rollouts)]
-        batches = pack(sequences, budget)
-        loss = sum(
-            student_loss(student, prompts, [rollouts[i] for i in b.sequences], [scores[i] for i in b.sequences], objective, total)[0]
-            for b in batches
-        )
+        batches = pack(sequences, budget, packed)
+        loss = 0.0
+        for b in batches:
+            chosen = [rollouts[i] for i in b.sequences]
+            loss = loss + loss_on_forward(student, student_forward(student, prompts, chosen, packed), chosen, [scores[i] for i in b.sequences],
+                                          objective, total)[0]
         return loss, batches
 
     expected = gradients(student.model, lambda: brute_force_loss(student, prompts, rollouts, scores, objective))

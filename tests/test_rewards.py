@@ -103,7 +103,7 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
 def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_response(tiny_dirs):
     """A reward that needs a model: the judge's reward for each response is P(yes) / (P(yes) + P(no)) (either
     capitalised) at its next token after being asked about the response. The judge asks about a call's responses in
-    left-padded batches (two rows of two responses each, of different lengths; a 1-token budget puts each question in a
+    packed rows (two rows of two responses each, of different lengths; a 1-token budget puts each question in a
     forward of its own); here each is computed again by transformers' own forward of that question alone, every
     position's logits (another path to the same numbers). Its rows need answers (named before a run), and a job's judge
     reward without a judge to ask is refused."""
@@ -137,7 +137,7 @@ def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_
             p = judge.model(**inputs).logits[0, -1].double().softmax(dim=0)  # the next token's distribution after the question
         p_yes, p_no = (sum(float(p[i]) for i in verdicts[word]) for word in ("yes", "no"))
         assert value == pytest.approx(p_yes / (p_yes + p_no), rel=1e-5) and single == pytest.approx(value, rel=1e-5)
-    assert len(set(lengths)) == len(lengths)  # every question of another length: the batch is padded
+    assert len(set(lengths)) == len(lengths)  # every question of another length
     assert 0 < min(values) and max(values) < 1 and len(set(values)) == len(values)
     assert row_problems("judge", rows("a", None), "x")[0].startswith("reward.name judge compares each response with its row's answer")
     with pytest.raises(RewardError, match="reward judge: no judge model to ask"):

@@ -221,11 +221,12 @@ def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_
         assert_reproduces(Trajectory([7e-5, 1.001e-2], [norm, 0.3], [start, stepped(rounded), start]), reference, eps)
 
 
-def equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, workers=1, teacher_batch=4):
+def equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, workers=1, teacher_batch=4,
+                 packing=True):
     return job_for(
         tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, workers=workers, prompts=prompts, warmup=warmup,
         name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}{warmup}", micro_batch_tokens=micro_batch_tokens,
-        activation_checkpointing=checkpointing, teacher_batch=teacher_batch,
+        activation_checkpointing=checkpointing, teacher_batch=teacher_batch, packing=packing,
     )
 
 
@@ -238,6 +239,7 @@ def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> N
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
     for log in logs:
         assert log.sequences == prompts * job.sampling.n
+        assert log.padding_share == 0.0 or not job.pools.learner.packing  # a packed row computes no padding
         if job.pools.learner.micro_batch_tokens < 64:  # one sequence per micro-batch, so each prompt's vision runs once per response
             assert log.micro_batches == log.sequences and log.vision_forwards == log.sequences
             assert log.filler_micro_batches == (2 if ranks == 2 else 0)  # rank 0 has 4 sequences, rank 1 has 2
@@ -246,18 +248,21 @@ def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> N
 
 
 @pytest.mark.parametrize(
-    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch",
-    [(1, 2, 16384, 2, False, 1, 4), (2, 2, 40, 3, False, 1, 1), (2, 3, 16384, 2, True, 1, 4)],
+    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch, packing",
+    [(1, 2, 16384, 2, False, 1, 4, False), (2, 2, 40, 3, False, 1, 1, True), (2, 3, 16384, 2, True, 1, 4, True)],
 )
 def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
-                                                    warmup, teacher_batch):
+                                                    warmup, teacher_batch, packing):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
     (fillers) and split vision groups; there the teacher admits 2 requests at once (max_batch_size 1) for the 3
     groups, so a rank's request waits in its sender thread for a slot. The last case (ZeRO-3, one micro-batch per
     rank) also recomputes activations in the backward; the same case without recompute adds nothing the others do
-    not check, and the suite's time is budgeted. (ZeRO-3 with split groups and a warmed-up learning rate: the next test.)"""
-    job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch=teacher_batch)
+    not check, and the suite's time is budgeted. The learners pack a micro-batch's sequences in one row (the
+    default) but in the one-rank case, whose rows are left-padded; the reference pads throughout. (ZeRO-3 with split
+    groups and a warmed-up learning rate: the next test.)"""
+    job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch=teacher_batch,
+                       packing=packing)
     assert (job.teacher_admission_note() is not None) == (teacher_batch == 1)
     reference = reference_trajectory(job, STEPS)
     logs, run = driver_trajectory(job, STEPS)

@@ -40,18 +40,19 @@ def test_one_update_of_the_paper_shaped_job(tmp_path, monkeypatch):
         ray.shutdown()
     assert vocab == 248320
     assert log.sequences == 8 and 8 <= log.tokens <= 8 * 1024
-    # the learners ran the packer's micro-batches on the lengths they logged (each rank's 4 sequences of ~1,090
-    # positions do not fit one 4,096-token micro-batch), and the ranks in lockstep: each rank as many passes as the
+    # the learners ran the packer's micro-batches on the lengths they logged (packed rows: each rank's 4 sequences of
+    # ~1,090 tokens do not fit one 4,096-token micro-batch), and the ranks in lockstep: each rank as many passes as the
     # busiest, the difference zero-weighted fillers
-    counts, padded = [], 0
+    assert job.pools.learner.packing
+    counts, computed = [], 0
     for prompts in log.sequence_lengths:
-        packer = Packer(job.pools.learner.micro_batch_tokens)
+        packer = Packer(job.pools.learner.micro_batch_tokens, packed=True)
         batches = [batch for p, lengths in enumerate(prompts) for batch in packer.add([Sequence(i, p, n) for i, n in enumerate(lengths)])]
         batches += packer.flush()
         counts.append(len(batches))
-        padded += sum(batch.padded_tokens for batch in batches)
+        computed += sum(batch.computed_tokens for batch in batches)
     real = sum(n for prompts in log.sequence_lengths for lengths in prompts for n in lengths)
-    assert log.padding_share == pytest.approx(1 - real / padded)  # rows x longest per micro-batch, counted by hand
+    assert computed == real and log.padding_share == 0.0  # packed rows compute the sequences' own tokens, no padding
     assert [sum(len(lengths) for lengths in prompts) for prompts in log.sequence_lengths] == [4, 4]
     assert log.micro_batches == sum(counts) >= 4, (counts, log.sequence_lengths)
     assert log.filler_micro_batches == len(counts) * max(counts) - sum(counts)

@@ -23,7 +23,7 @@ def test_an_update_is_summarised_as_counted_by_hand():
         rank(0.2, 0.1, tokens=30, sequences=4, staleness=1, seconds=4.0, clipped_share=0.1, logprob_gap=0.01, truncated_sequences=1,
              longest_response=12, spans=[shared_teacher, Span("learner", "learner-0", "mb0", 3.0, 5.0), Span("learner", "learner-0", "mb1", 4.0, 6.0)]),
         rank(0.4, 0.4, tokens=10, sequences=4, staleness=0, seconds=5.0, clipped_share=0.5, logprob_gap=0.03, truncated_sequences=0,
-             longest_response=4, sequence_lengths=((5, 3), (2, 2)), padded_tokens=16, spans=[shared_teacher, Span("teacher", "teacher-a", "g1", 2.0, 4.0), Span("learner", "learner-1", "mb0", 4.0, 7.0)]),
+             longest_response=4, sequence_lengths=((5, 3), (2, 2)), computed_tokens=16, spans=[shared_teacher, Span("teacher", "teacher-a", "g1", 2.0, 4.0), Span("learner", "learner-1", "mb0", 4.0, 7.0)]),
     ]
     rollouts = [Span("rollout", "rollout-0", "g0", 0.0, 2.0), Span("rollout", "rollout-0", "g1", 1.0, 2.5)]
     driver = [Span("sync", "learner-0", "v1", 7.0, 7.5), Span("checkpoint", "driver", "step-1", 7.5, 8.5)]

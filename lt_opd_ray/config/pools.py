@@ -121,8 +121,8 @@ class RewardPool(ServePool):
     model `reward.judge` on the transformers engine. No pool where the reward needs no model."""
 
     micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
-    """Padded tokens (questions x longest question, each a row's full-token prompt and one response) per judge
-    forward; a question longer than this runs alone."""
+    """Tokens per judge forward: its questions (each a row's full-token prompt and one response) packed end to end;
+    a question longer than this runs alone."""
 
 
 class LearnerPool(Resources):
@@ -131,9 +131,12 @@ class LearnerPool(Resources):
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage."""
     micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
-    """Padded tokens (sequences x longest reduced prompt + response) per forward/backward; a rank's share
-    runs as several micro-batches accumulated into the update's one optimizer step, so activation memory
-    follows this budget, not the share. A sequence longer than the budget runs alone."""
+    """Tokens per forward/backward: the sum of its sequences' (reduced prompt + response) when packed, sequences x
+    longest when padded. A rank's share runs as several micro-batches accumulated into the update's one optimizer
+    step, so activation memory follows this budget, not the share. A sequence longer than the budget runs alone."""
+    packing: bool = True
+    """A micro-batch's sequences end to end in one row (models/packing.py): its forwards compute their tokens and no
+    padding, nothing crossing from one sequence to the next. False: left-padded rows (rows x longest)."""
     activation_checkpointing: bool = False
     """Recompute each decoder and vision block in the backward instead of keeping its activations."""
     sync_bucket_mb: float = Field(16.0, gt=0, le=65_536)

@@ -2,8 +2,10 @@
 
 A rank's share of an update is far larger than one forward can hold (docs/scale.md:
 ~320 sequences x ~1,150 positions per rank at the paper's shapes), so it runs as
-micro-batches whose padded size `rows x longest sequence` stays within a token
-budget, with gradients accumulated into the update's one optimizer step.
+micro-batches whose computed size stays within a token budget, with gradients
+accumulated into the update's one optimizer step: `rows x longest sequence` for
+left-padded rows, the sum of the sequences' tokens for a packed row (`packed`:
+the sequences end to end, models/packing.py).
 
 Packing keeps the n responses of a prompt together, because they share one
 vision-tower forward (the learner) or one prompt cache (the teacher): prompts are
@@ -35,7 +37,7 @@ class Sequence:
 class MicroBatch:
     sequences: tuple[int, ...]  # indices into the caller's list, ascending
     prompts: tuple[int, ...]  # prompts with at least one sequence here, in first-seen order
-    padded_tokens: int  # rows x longest sequence: what the forward allocates
+    computed_tokens: int  # what the forward computes: rows x longest sequence padded, the sequences' tokens packed
 
 
 class Packer:
@@ -43,12 +45,13 @@ class Packer:
 
     A micro-batch closes when the next sequence would take it past the budget, so the
     packing depends only on the order of the groups fed, never on when they arrive.
+    `packed`: the budget counts the sequences' tokens (one packed row), not rows x longest.
     """
 
-    def __init__(self, token_budget: int):
+    def __init__(self, token_budget: int, packed: bool = False):
         if token_budget < 1:
             raise ValueError(f"token budget must be >= 1, got {token_budget}")
-        self.token_budget = token_budget
+        self.token_budget, self.packed = token_budget, packed
         self.current: list[Sequence] = []
         self.longest = 0
 
@@ -57,35 +60,37 @@ class Packer:
         closed = []
         for seq in sorted(group, key=lambda s: (-s.tokens, s.index)):
             width = max(self.longest, seq.tokens)
-            if self.current and (len(self.current) + 1) * width > self.token_budget:
-                closed.append(_close(self.current, self.longest))
-                self.current, width = [], seq.tokens
+            if self.current and self.computed([*self.current, seq], width) > self.token_budget:
+                closed.append(self.close())
+                width = seq.tokens
             self.current.append(seq)
             self.longest = width
         return closed
 
-    def flush(self) -> list[MicroBatch]:
-        closed = [_close(self.current, self.longest)] if self.current else []
+    def computed(self, sequences: list[Sequence], longest: int) -> int:
+        return sum(s.tokens for s in sequences) if self.packed else len(sequences) * longest
+
+    def close(self) -> MicroBatch:
+        current = sorted(self.current, key=lambda s: s.index)  # the caller's order within a batch: the cost is the same either way
+        prompts = tuple(dict.fromkeys(s.prompt for s in current))
+        batch = MicroBatch(tuple(s.index for s in current), prompts, self.computed(current, self.longest))
         self.current, self.longest = [], 0
-        return closed
+        return batch
+
+    def flush(self) -> list[MicroBatch]:
+        return [self.close()] if self.current else []
 
 
-def pack(sequences: list[Sequence], token_budget: int) -> list[MicroBatch]:
+def pack(sequences: list[Sequence], token_budget: int, packed: bool = False) -> list[MicroBatch]:
     """Length-bucketed packing of a whole set: prompts longest-first, each prompt's sequences longest-first."""
     by_prompt: dict[int, list[Sequence]] = {}
     for seq in sequences:
         by_prompt.setdefault(seq.prompt, []).append(seq)
-    packer = Packer(token_budget)
+    packer = Packer(token_budget, packed)
     batches = []
     for group in sorted(by_prompt.values(), key=lambda group: (-max(s.tokens for s in group), group[0].prompt)):
         batches += packer.add(group)
     return batches + packer.flush()
-
-
-def _close(current: list[Sequence], longest: int) -> MicroBatch:
-    current = sorted(current, key=lambda s: s.index)  # the caller's order within a batch: padding is the same either way
-    prompts = tuple(dict.fromkeys(s.prompt for s in current))
-    return MicroBatch(tuple(s.index for s in current), prompts, len(current) * longest)
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:

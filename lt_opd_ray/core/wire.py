@@ -262,7 +262,7 @@ class LearnerStepResult:
     truncated_sequences: int = 0  # responses cut at sampling.max_new_tokens
     longest_response: int = 0  # tokens
     sequence_lengths: tuple[tuple[int, ...], ...] = ()  # per prompt, in the order packed: its sequences' tokens (reduced prompt + response)
-    padded_tokens: int = 0  # Σ over its micro-batches of rows x longest sequence: the positions its forwards computed
+    computed_tokens: int = 0  # Σ over its micro-batches of the positions its forwards computed (rows x longest padded, the tokens packed)
     spans: tuple[Span, ...] = ()  # this rank's groups' rollout and scoring spans, then its micro-batches
 
 

@@ -2,7 +2,7 @@
 whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" (either
 capitalised) for the first token of its answer. It reads the row's images, question and answer and the response. A
 judge whose chat template opens a thinking block at that token is read there too: use one that answers at once. A
-call's questions run as left-padded batches of at most `micro_batch_tokens` (rows x longest question; core/microbatch.py),
+call's questions run packed end to end in rows of at most `micro_batch_tokens` (models/packing.py, core/microbatch.py),
 each row's images encoded once per call however many of its responses are asked about. In a run it serves from its
 own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
 """
@@ -10,6 +10,7 @@ own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -52,23 +53,25 @@ class Judge:
 
     @torch.no_grad()
     def __call__(self, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
-        """P(yes) against P(no) for each response answering its row, in the caller's order: the questions in
-        left-padded batches (the last column is every row's last token, whose logits alone go through the head)."""
+        """P(yes) against P(no) for each response answering its row, in the caller's order: the questions packed in
+        rows, each question's last position alone through the head."""
         from lt_opd_ray.models.processor import encode_samples
 
         asked = [dataclasses.replace(s, question=judge_question(s, r)) for s, r in zip(samples, responses, strict=True)]
         prompts = encode_samples(self.processor, asked)
         features = {}  # a row's images, encoded once: its responses' questions differ in text only
         values = [0.0] * len(prompts)
-        for batch in pack([Question(i, i, p.input_ids.numel()) for i, p in enumerate(prompts)], self.micro_batch_tokens):
+        for batch in pack([Question(i, i, p.input_ids.numel()) for i, p in enumerate(prompts)], self.micro_batch_tokens, packed=True):
             reduced = []
             for i in batch.sequences:
                 if samples[i].uid not in features:
                     features[samples[i].uid] = self.vlm.visual_features(prompts[i])
                 row = features[samples[i].uid]
                 reduced.append(self.vlm.reduce(prompts[i], row, self.vlm.keep_all(row)))  # every visual token kept
-            hidden, _ = self.vlm.run_language_model(self.vlm.pad_batch(reduced))
-            logits = self.vlm.lm_head(hidden[:, -1]).float()
+            row = self.vlm.pack_batch(reduced, [torch.zeros(0, dtype=torch.long)] * len(reduced))
+            hidden, _ = self.vlm.run_language_model(row)
+            last = torch.tensor(list(itertools.accumulate(row.lengths))) - 1  # each question's last position
+            logits = self.vlm.lm_head(hidden[0, last.to(hidden.device)]).float()
             yes, no = torch.logsumexp(logits[:, self.yes], dim=1), torch.logsumexp(logits[:, self.no], dim=1)
             for i, value in zip(batch.sequences, torch.sigmoid(yes - no).tolist(), strict=True):  # P(yes) / (P(yes) + P(no))
                 values[i] = value

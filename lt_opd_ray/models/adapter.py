@@ -55,13 +55,14 @@ class ReducedPrompt:
 
 @dataclass
 class PaddedBatch:
-    """Left-padded language-model inputs for B sequences."""
+    """Language-model inputs for B sequences: left-padded rows, or (`lengths`) one packed row of them end to end."""
 
     inputs_embeds: torch.Tensor  # [B, L, D]
     attention_mask: torch.Tensor  # [B, L] 1 = real token
-    position_ids: torch.Tensor  # [4, B, L]: seq_index, t, h, w
+    position_ids: torch.Tensor  # [4, B, L]: seq_index (from 0 in each sequence), t, h, w
     visual_pos_masks: torch.Tensor  # [B, L]
     deepstack: list[torch.Tensor] | None  # per layer, kept visual tokens in row-major batch order
+    lengths: list[int] | None = None  # packed (B = 1): each sequence's tokens, in the row's order (models/packing.py)
 
 
 class QwenVLM:
@@ -246,11 +247,32 @@ class QwenVLM:
             deepstack = [torch.cat(layer) for layer in zip(*(seq.deepstack for seq in sequences))]
         return PaddedBatch(embeds, mask, positions, visual, deepstack)
 
+    def pack_batch(self, sequences: list[ReducedPrompt], extra_ids: list[torch.Tensor]) -> PaddedBatch:
+        """Reduced prompts, each followed by its response tokens, end to end in one row: no padding."""
+        from lt_opd_ray.models.packing import use_packed_attention
+
+        use_packed_attention(self.model)
+        embeds, positions, visual, lengths = [], [], [], []
+        for seq, ids in zip(sequences, extra_ids, strict=True):
+            lengths.append(seq.length + ids.numel())
+            response_pos = (seq.next_position + torch.arange(ids.numel())).expand(3, -1)
+            embeds += [seq.inputs_embeds, self.embed_tokens(ids).to(seq.inputs_embeds.dtype)]
+            positions.append(torch.cat([torch.arange(lengths[-1])[None], torch.cat([seq.positions, response_pos], dim=1)]))
+            visual += [seq.visual_mask.cpu(), torch.zeros(ids.numel(), dtype=torch.bool)]
+        deepstack = None
+        if sequences[0].deepstack is not None:
+            deepstack = [torch.cat(layer) for layer in zip(*(seq.deepstack for seq in sequences))]
+        row, device = torch.cat(embeds), self.device
+        return PaddedBatch(row[None], torch.ones(1, row.shape[0], dtype=torch.long, device=device),
+                           torch.cat(positions, dim=1)[:, None].to(device), torch.cat(visual)[None].to(device), deepstack, lengths)
+
     def run_language_model(self, batch: PaddedBatch, past_key_values=None, use_cache: bool = False):
-        """Language model over a padded batch; returns (final hidden [B, L, H], cache)."""
-        extra = {}
+        """Language model over a padded or packed batch; returns (final hidden [B, L, H], cache)."""
+        from lt_opd_ray.models.packing import row_bounds
+
+        extra = row_bounds(batch.lengths, self.device) if batch.lengths is not None else {}
         if self.family.deepstack and batch.deepstack is not None:
-            extra = {"visual_pos_masks": batch.visual_pos_masks, "deepstack_visual_embeds": batch.deepstack}
+            extra |= {"visual_pos_masks": batch.visual_pos_masks, "deepstack_visual_embeds": batch.deepstack}
         out = self.language_model(
             inputs_embeds=batch.inputs_embeds,
             attention_mask=batch.attention_mask,
@@ -261,17 +283,19 @@ class QwenVLM:
         )
         return out.last_hidden_state, out.past_key_values
 
-    def response_hidden(self, prompts: list[ReducedPrompt], responses: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Teacher-forced: hidden states that predict each response token, per sequence [T_i, H]."""
+    def response_hidden(self, prompts: list[ReducedPrompt], responses: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor]:
+        """Teacher-forced: hidden states that predict each response token, per sequence [T_i, H]; from left-padded
+        rows, or from one packed row (`packed`: no padding computed)."""
+        if packed:
+            batch = self.pack_batch(prompts, responses)
+            hidden, _ = self.run_language_model(batch)
+            ends = itertools.accumulate(batch.lengths)  # each sequence ends where the next begins
+            # the token at column end - t + j is predicted by the hidden state one column earlier
+            return [hidden[0, end - r.numel() - 1 : end - 1] for end, r in zip(ends, responses)]
         batch = self.pad_batch(prompts, responses)
         hidden, _ = self.run_language_model(batch)
         width = hidden.shape[1]
-        out = []
-        for b, response in enumerate(responses):
-            t = response.numel()
-            # the token at column width - t + j is predicted by the hidden state one column earlier
-            out.append(hidden[b, width - t - 1 : width - 1])
-        return out
+        return [hidden[b, width - r.numel() - 1 : width - 1] for b, r in enumerate(responses)]
 
 
     def continue_hidden(

@@ -79,10 +79,12 @@ class StudentForward:
     vision_forwards: int  # vision tower + merger passes (one per prompt)
 
 
-def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list[PromptInputs], rollouts: list[Rollout]) -> StudentForward:
+def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list[PromptInputs], rollouts: list[Rollout],
+                    packed: bool = False) -> StudentForward:
     """The student's reduced prompts (each rollout's selection and merge routes replayed, never recomputed) and its
-    hidden states at the response rows. The vision tower runs once per prompt: the n rollouts of a prompt replay
-    their selections on the same features, and autograd sums their gradients."""
+    hidden states at the response rows, from left-padded rows or one packed row (`packed`). The vision tower runs
+    once per prompt: the n rollouts of a prompt replay their selections on the same features, and autograd sums
+    their gradients."""
     features = {}
     reduced = []
     for r in rollouts:
@@ -90,7 +92,7 @@ def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list
         if r.prompt_index not in features:
             features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
         reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
-    return StudentForward(student.response_hidden(reduced, [r.response_ids for r in rollouts]), len(features))
+    return StudentForward(student.response_hidden(reduced, [r.response_ids for r in rollouts], packed), len(features))
 
 
 @dataclass(frozen=True)

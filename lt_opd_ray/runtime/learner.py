@@ -61,16 +61,16 @@ class StudentObjective(torch.nn.Module):
     which DeepSpeed does not walk: only the loss carries its backward hooks.
     """
 
-    def __init__(self, model, objective):
+    def __init__(self, model, objective, packed: bool = False):
         super().__init__()
         self.model = model
-        self.objective = objective
+        self.objective, self.packed = objective, packed
 
     def forward(self, inputs, rollouts, scores=None, normaliser: float = 1.0, policy: PolicyInputs | None = None, log_probs: bool = False
                 ) -> StudentForward | tuple[torch.Tensor, LossStats] | list[torch.Tensor]:
         student = QwenVLM(self.model)
         if not isinstance(inputs, StudentForward):
-            return student_forward(student, inputs, rollouts)
+            return student_forward(student, inputs, rollouts, self.packed)
         if log_probs:
             return sampled_log_probs(student, inputs, rollouts, self.objective.logsoftmax_chunk)
         return loss_on_forward(student, inputs, rollouts, scores, self.objective, normaliser, policy)
@@ -114,9 +114,10 @@ class MicroBatchStream:
     never spans two mini-batches (`mini_batch`: each of the rank's prompts -> its optimizer step).
     """
 
-    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool, mini_batch: dict[int, int]):
+    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool, mini_batch: dict[int, int],
+                 packed: bool = False):
         self.groups, self.encode, self.policy_gradient, self.mini_batch = groups, encode, policy_gradient, mini_batch
-        self.packer = Packer(token_budget)
+        self.packer = Packer(token_budget, packed)
         self.rollouts: list[Rollout] = []
         self.prompts: dict[int, PromptInputs] = {}
         self._groups: list[StreamedGroup] = []
@@ -196,7 +197,7 @@ class Learner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.processor = VLMProcessor.for_data(model_dir, job.data)
         self.model_dir = model_dir
-        self.module = StudentObjective(model.train(), job.objective)
+        self.module = StudentObjective(model.train(), job.objective, job.pools.learner.packing)
         optimizer, scheduler = build_optimizer(model, job.optimizer)
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         weights_only_checkpoint_engine(self.engine)  # a checkpoint's pickles never run code in the learner
@@ -226,7 +227,8 @@ class Learner:
         encode = lambda indices: encode_samples(self.processor, [samples[i] for i in indices], self.job.data.system_prompt)  # noqa: E731
         objective, steps = self.job.objective, self.job.optimizer.steps_per_update
         mini_batch = mini_batch_of(sorted(samples), steps)
-        stream = MicroBatchStream(groups, encode, self.job.pools.learner.micro_batch_tokens, objective.policy_gradient, mini_batch)
+        learner = self.job.pools.learner
+        stream = MicroBatchStream(groups, encode, learner.micro_batch_tokens, objective.policy_gradient, mini_batch, learner.packing)
         source = iter(stream)
         mark(f"u{version} waiting for rollouts", working=False)
         first = next(source, None)
@@ -235,7 +237,7 @@ class Learner:
         source = _chain(first, source)
         filler = MicroBatch((0,), (stream.rollouts[0].prompt_index,), 0)  # any real sequence, weighted 0
         old_logp: dict[int, torch.Tensor] = {}  # later steps' old policy (RL baselines): the starting weights' log-probs
-        parts, spans, norms, real, passes, padded = [], [], [], 0, 0, 0
+        parts, spans, norms, real, passes, positions = [], [], [], 0, 0, 0
         for k in range(steps):
             micro_batches = _until_end_of(source, k)
             if steps == 1:
@@ -253,7 +255,7 @@ class Learner:
             done = self._accumulate(stream, iter(micro_batches), filler, normaliser, old_logp, label, mark)
             parts += done[0]
             spans += done[1]
-            real, passes, padded = real + done[2], passes + done[3], padded + done[4]
+            real, passes, positions = real + done[2], passes + done[3], positions + done[4]
             if k == 0 and steps > 1:  # every later mini-batch's rollouts, before the weights move (a worker replaced
                 rest = list(source)  # inside the step gets the weights the step began with: `send_weights_inside_step`)
                 source = iter(rest)
@@ -273,7 +275,7 @@ class Learner:
             micro_batches=real, filler_micro_batches=passes - real, vision_forwards=stats.vision_forwards,
             grad_norm=sum(norms) / steps, seconds=sum(s.seconds for s in spans),
             clipped_share=stats.clipped, logprob_gap=stats.logprob_gap, truncated_sequences=stats.truncated, longest_response=stats.longest,
-            sequence_lengths=tuple(stream.lengths), padded_tokens=padded, spans=tuple(spans),
+            sequence_lengths=tuple(stream.lengths), computed_tokens=positions, spans=tuple(spans),
         )
 
     def _accumulate(self, stream: MicroBatchStream, batches: Iterator[MicroBatch], filler: MicroBatch, normaliser: float,
@@ -281,8 +283,8 @@ class Learner:
         """One optimizer step's gradients: forward, loss and backward of each micro-batch, in lockstep with the other
         ranks (before a forward they agree whether any rank still has a micro-batch, before a backward whether any
         has one after it, the accumulation boundary; a rank that is done runs zero-weighted fillers). Returns the
-        real micro-batches' stats, the spans, and the real, all and padded counts."""
-        parts, spans, real, passes, padded = [], [], 0, 0, 0
+        real micro-batches' stats, the spans, and the real and all micro-batch counts and the positions computed."""
+        parts, spans, real, passes, positions = [], [], 0, 0, 0
         current = next(batches, None)
         while True:
             mark(f"{label} lockstep with the other ranks", working=False)
@@ -315,12 +317,12 @@ class Learner:
                 else:
                     parts.append(stats)
                     real += 1
-                    padded += batch.padded_tokens
+                    positions += batch.computed_tokens
                 self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
             spans.append(watch.span("learner", f"learner-{self.rank}", name))
             passes += 1
             current = following
-        return parts, spans, real, passes, padded
+        return parts, spans, real, passes, positions
 
     def _record_old_log_probs(self, stream: MicroBatchStream, batches: list[MicroBatch], filler: MicroBatch, label: str, mark,
                               spans: list) -> dict[int, torch.Tensor]:

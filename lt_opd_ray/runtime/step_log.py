@@ -77,7 +77,7 @@ def summarize(
             return None
         return sum(getattr(r, key) * r.tokens for r in ranks) / max(total("tokens"), 1)
 
-    computed_tokens = sum(n for r in ranks for prompt in r.sequence_lengths for n in prompt)  # real positions of the micro-batches
+    real_tokens = sum(n for r in ranks for prompt in r.sequence_lengths for n in prompt)  # the micro-batches' sequences' own tokens
 
     return StepLog(
         step=update,
@@ -101,7 +101,7 @@ def summarize(
         truncated_share=total("truncated_sequences") / max(total("sequences"), 1),
         clipped_share=by_tokens("clipped_share"),
         logprob_gap=by_tokens("logprob_gap"),
-        padding_share=1 - computed_tokens / total("padded_tokens") if total("padded_tokens") else 0.0,
+        padding_share=1 - real_tokens / total("computed_tokens") if total("computed_tokens") else 0.0,
         reward_mean=statistics.fmean(rewards) if rewards else None,
         reward_std=statistics.pstdev(rewards) if rewards else None,
         sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
