@@ -155,7 +155,7 @@ class ReferenceTrainer:
                 rollouts, *dynamic = self.resample_flat(samples, prompts, rollouts, budget)
             scores = teacher_scores(
                 self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,
-                self.job.pools.teacher.micro_batch_tokens,
+                self.job.pools.teacher.micro_batch_tokens, packed=self.job.pools.teacher.packing,
             ) if self.job.objective.teacher_scores else None  # the cross-entropy modes and the RL baselines ask no teacher
             policy = self.policy_inputs(rollouts, on_policy=self.lagged is None or c == 0) if self.job.objective.policy_gradient else None
         if self.lagged is not None:
@@ -164,7 +164,8 @@ class ReferenceTrainer:
         batches = update_mini_batches(len(samples), self.job.pools.learner.ranks, steps)
         if policy is not None and steps > 1 and None in policy.old_logp:  # later steps compare with the weights the update starts from
             with torch.no_grad(), compute_precision(self.job.model.dtype, self.student.device):
-                recorded = sampled_log_probs(self.student, student_forward(self.student, prompts, rollouts), rollouts, self.job.objective.logsoftmax_chunk)
+                forward = student_forward(self.student, prompts, rollouts, self.job.pools.learner.packing)
+                recorded = sampled_log_probs(self.student, forward, rollouts, self.job.objective.logsoftmax_chunk)
             first = set(batches[0])
             policy = with_old_log_probs(policy, [None if r.prompt_index in first else logp for r, logp in zip(rollouts, recorded)])
         parts, norms = [], []
@@ -176,6 +177,7 @@ class ReferenceTrainer:
                 loss, stats = student_loss(
                     self.student, prompts, mine, [scores[i] for i in chosen] if scores is not None else None, self.job.objective, normaliser,
                     PolicyInputs(policy.advantages[chosen], [policy.old_logp[i] for i in chosen]) if policy is not None else None,
+                    packed=self.job.pools.learner.packing,
                 )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

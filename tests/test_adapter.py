@@ -117,13 +117,14 @@ def test_reduced_positions_keep_original_mrope(loaded, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_packed_row_gives_each_sequence_what_its_own_forward_gives(loaded, family):
-    """Sequences of very different lengths (one image or two, responses of 1, 40 and 9 tokens) laid end to end in one
-    row (`pools.learner.packing`) give each sequence the logits transformers' own forward of it alone gives, and the
-    weights the gradients those forwards give: nothing crosses from one sequence to the next (attention, Qwen3.5's
-    convolution window and recurrent state). The left-padded batch agrees with both."""
+    """Sequences of very different lengths (one image or two, responses of 1, 70 and 9 tokens: Qwen3.5's delta rule runs
+    in chunks of 64) laid end to end in one row (`pools.learner.packing`) give each sequence the logits transformers'
+    own forward of it alone gives, and the weights the gradients those forwards give: nothing crosses from one
+    sequence to the next (attention, Qwen3.5's convolution window and recurrent state). The left-padded batch agrees
+    with both."""
     model, processor, vlm = loaded[family]
     prompts = [*prompts_for(processor, 2), two_image_prompt(processor)]
-    responses = [torch.tensor([40]), torch.arange(40, 80), torch.arange(90, 99)]
+    responses = [torch.tensor([40]), torch.arange(40, 110), torch.arange(90, 99)]
     weights = [torch.randn(r.numel(), model.config.text_config.vocab_size, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(responses)]
 
     def full(prompt):
@@ -158,6 +159,34 @@ def test_a_packed_row_gives_each_sequence_what_its_own_forward_gives(loaded, fam
             decay = name.endswith(("A_log", "dt_bias", "in_proj_a.weight"))
             assert error <= (5e-3 if decay else 1e-5) * size + 1e-9, (family, packed, name, error / size)
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_responses_packed_after_a_cached_prompt_each_continue_it_alone(loaded, family):
+    """The teacher's continuation: responses of 1, 70 and 9 tokens after one full-token prompt's cache, end to end in one
+    row (`pools.teacher.packing`), each see the prompt and themselves only: their logits are transformers' own forward of
+    the prompt and that response alone, as the right-padded rows' are; so does a row of one 1-token response (Qwen3.5's
+    decoding step). The prompt's cache is left as it was."""
+    import copy
+
+    from lt_opd_ray.engines.transformers.teacher import teacher_prefix
+
+    model, processor, vlm = loaded[family]
+    prompt = two_image_prompt(processor)
+    responses = [torch.tensor([40]), torch.arange(40, 110), torch.arange(90, 99)]
+    prefix = teacher_prefix(vlm, prompt)
+    kept = copy.deepcopy(prefix.cache)
+    for packed, responses in [(True, responses), (False, responses), (True, responses[:1])]:
+        hidden = vlm.continue_hidden(prefix.full, prefix.cache, 0, prefix.mask, responses, packed=packed)
+        for h, response in zip(hidden, responses):
+            alone = model(**full_forward_inputs(prompt, response)).logits[0, -response.numel() :]  # predicting the next token
+            assert (vlm.lm_head(h) - alone).abs().max().item() <= 1e-5, (family, packed, response.numel())
+    def tensors(cache) -> list[torch.Tensor]:  # attention keys and values; Gated DeltaNet conv and recurrent states
+        return [t for layer in cache.layers for value in vars(layer).values()
+                for t in (value.values() if isinstance(value, dict) else [value]) if isinstance(t, torch.Tensor)]
+
+    assert len(tensors(kept)) >= 2 and all(torch.equal(a, b) for a, b in zip(tensors(kept), tensors(prefix.cache), strict=True))
 
 
 def two_image_prompt(processor):

@@ -536,15 +536,18 @@ def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, floa
     learner = Learner(job, 0, 1)
     world = torch.distributed.distributed_c10d._world
     timeouts = {world.pg_names[g]: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in world.pg_map}
-    forwards, before_scores = [], []
+    forwards, before_scores, rows = [], [], []
     learner.module.model.model.language_model.register_forward_hook(lambda *_: forwards.append(1))
+    learner.module.model.model.language_model.register_forward_pre_hook(  # what the forward is given: one packed row, its bounds
+        lambda _, args, kwargs: rows.append((kwargs["inputs_embeds"].shape[0], "cu_seq_lens_q" in kwargs)), with_kwargs=True)
 
     def wait_scores():
         before_scores.append(len(forwards))
         return scores
 
     result = learner.train_step(dict(enumerate(samples)), iter([StreamedGroup(rollouts, wait_scores)]), len(rollouts), 0)
-    reference, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective)
+    reference, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective, packed=job.pools.learner.packing)
+    assert rows == [(1, True)]  # the learner's micro-batch ran as one packed row
     return before_scores[0], result.loss, float(reference), [s.what for s in result.spans], timeouts
 
 

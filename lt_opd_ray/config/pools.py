@@ -106,8 +106,11 @@ class TeacherPool(ServePool):
     is admitted (the replica starts on the group's prompts) until its group is sampled and scored."""
 
     micro_batch_tokens: int = Field(16384, ge=1, le=64 * MAX_SEQUENCE_TOKENS)
-    """Response tokens (responses x longest response) per teacher forward; the n responses of a prompt
-    share its full-token prompt cache, computed once (each prompt's prefix in a forward of its own)."""
+    """Response tokens per teacher forward (their sum when packed, responses x longest when padded); the n responses
+    of a prompt share its full-token prompt cache, computed once (each prompt's prefix in a forward of its own)."""
+    packing: bool = True
+    """The transformers engine continues a prompt's cache with its responses end to end in one row, each seeing the
+    prompt and itself (models/packing.py): no padding computed. False: right-padded rows, the cache copied per row."""
     payload_dtype: Literal["float16", "float32"] = "float32"
     """Dtype of the teacher's log-probs on the wire (ids are always int32)."""
     backend: Literal["transformers", "vllm"] = "transformers"

@@ -78,7 +78,8 @@ class TransformersTeacherEngine:
         encoded = dict(zip(rest, self.encode(samples, rest)))
         with compute_precision(job.model.dtype, self.vlm.device):
             return teacher_scores(
-                self.vlm, encoded, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk, job.pools.teacher.micro_batch_tokens, ahead
+                self.vlm, encoded, rollouts, job.objective.top_k, job.objective.logsoftmax_chunk, job.pools.teacher.micro_batch_tokens, ahead,
+                job.pools.teacher.packing,
             )
 
     def encode(self, samples: dict[int, Sample], indices: list[int]):

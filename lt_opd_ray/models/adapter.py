@@ -267,47 +267,55 @@ class QwenVLM:
                            torch.cat(positions, dim=1)[:, None].to(device), torch.cat(visual)[None].to(device), deepstack, lengths)
 
     def run_language_model(self, batch: PaddedBatch, past_key_values=None, use_cache: bool = False):
-        """Language model over a padded or packed batch; returns (final hidden [B, L, H], cache)."""
-        from lt_opd_ray.models.packing import row_bounds
+        """Language model over a padded or packed batch; returns (final hidden [B, L, H], cache). A packed row's cache
+        is None: it holds no one sequence's state."""
+        import contextlib
 
-        extra = row_bounds(batch.lengths, self.device) if batch.lengths is not None else {}
+        from lt_opd_ray.models.packing import packed_call, row_bounds
+
+        extra = row_bounds(batch.lengths) if batch.lengths is not None else {}
         if self.family.deepstack and batch.deepstack is not None:
             extra |= {"visual_pos_masks": batch.visual_pos_masks, "deepstack_visual_embeds": batch.deepstack}
-        out = self.language_model(
-            inputs_embeds=batch.inputs_embeds,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            **extra,
-        )
-        return out.last_hidden_state, out.past_key_values
+        with packed_call() if batch.lengths is not None else contextlib.nullcontext():
+            out = self.language_model(
+                inputs_embeds=batch.inputs_embeds,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **extra,
+            )
+        return out.last_hidden_state, out.past_key_values if batch.lengths is None else None
 
     def response_hidden(self, prompts: list[ReducedPrompt], responses: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor]:
         """Teacher-forced: hidden states that predict each response token, per sequence [T_i, H]; from left-padded
         rows, or from one packed row (`packed`: no padding computed)."""
-        if packed:
-            batch = self.pack_batch(prompts, responses)
-            hidden, _ = self.run_language_model(batch)
-            ends = itertools.accumulate(batch.lengths)  # each sequence ends where the next begins
-            # the token at column end - t + j is predicted by the hidden state one column earlier
-            return [hidden[0, end - r.numel() - 1 : end - 1] for end, r in zip(ends, responses)]
-        batch = self.pad_batch(prompts, responses)
+        return self.teacher_forced(prompts, responses, packed)[0]
+
+    def teacher_forced(self, prompts: list[ReducedPrompt], responses: list[torch.Tensor], packed: bool) -> tuple[list[torch.Tensor], int]:
+        """`response_hidden`, and the positions its forward computed (rows x width of the batch it ran)."""
+        batch = self.pack_batch(prompts, responses) if packed else self.pad_batch(prompts, responses)
         hidden, _ = self.run_language_model(batch)
-        width = hidden.shape[1]
-        return [hidden[b, width - r.numel() - 1 : width - 1] for b, r in enumerate(responses)]
+        rows, width = hidden.shape[:2]
+        # the token at column end - t + j is predicted by the hidden state one column earlier; a sequence ends where
+        # the next begins in a packed row, at the last column in a padded one
+        ends = itertools.accumulate(batch.lengths) if packed else [width] * rows
+        return [hidden[0 if packed else b, end - r.numel() - 1 : end - 1] for b, (end, r) in enumerate(zip(ends, responses))], rows * width
 
 
     def continue_hidden(
-        self, prefix: ReducedPrompt, prefix_cache, row: int, prefix_mask: torch.Tensor, responses: list[torch.Tensor]
+        self, prefix: ReducedPrompt, prefix_cache, row: int, prefix_mask: torch.Tensor, responses: list[torch.Tensor], packed: bool = False
     ) -> list[torch.Tensor]:
         """Teacher-forced hidden states of responses that all continue one prefix from a cache, per response [T_i, H].
 
         `prefix_cache` holds a batch of left-padded prefixes (attention KV and, for Qwen3.5, Gated
         DeltaNet conv/recurrent state); row `row` is this prefix, `prefix_mask` its padding mask.
-        The row is copied once per response; responses are right-padded, which cannot reach
-        their real positions in a causal model.
+        Padded: the row is copied once per response and the responses are right-padded, which cannot reach
+        their real positions in a causal model. Packed (`packed`, a prefix without padding): the responses lie end
+        to end in one row after the one prefix, each continuing it alone (models/packing.py).
         """
+        if packed:
+            return self._continue_packed(prefix, prefix_cache, row, prefix_mask, responses)
         rows, width, device = len(responses), max(r.numel() for r in responses), self.device
         cache = copy.deepcopy(prefix_cache)  # the continuation appends to it; the prefixes' own stays for the next rows
         cache.reorder_cache(torch.full((rows,), row, dtype=torch.long, device=device))  # this prefix for every response
@@ -331,6 +339,25 @@ class QwenVLM:
         hidden, _ = self.run_language_model(batch, past_key_values=cache, use_cache=True)
         return [hidden[b, : r.numel()] for b, r in enumerate(responses)]
 
+    def _continue_packed(self, prefix: ReducedPrompt, prefix_cache, row: int, prefix_mask: torch.Tensor, responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        from lt_opd_ray.models.packing import use_packed_attention
+
+        if row != 0 or not bool(prefix_mask.all()):
+            raise ValueError("a packed continuation needs a prefix run alone (one row, no padding)")
+        use_packed_attention(self.model)
+        device, lengths = self.device, [r.numel() for r in responses]
+        cache = copy.deepcopy(prefix_cache)  # the continuation appends to it; the prefix's own stays for the next micro-batch
+        steps = torch.cat([torch.arange(n) for n in lengths]).to(device)  # each response from its own first token
+        batch = PaddedBatch(
+            inputs_embeds=self.embed_tokens(torch.cat(responses)[None]).to(prefix.inputs_embeds.dtype),
+            attention_mask=torch.ones(1, prefix_mask.numel() + sum(lengths), dtype=torch.long, device=device),
+            position_ids=torch.stack([prefix.length + steps, *[prefix.next_position + steps] * 3])[:, None],
+            visual_pos_masks=torch.zeros(1, sum(lengths), dtype=torch.bool, device=device),
+            deepstack=None,
+            lengths=lengths,
+        )
+        hidden, _ = self.run_language_model(batch, past_key_values=cache, use_cache=True)
+        return list(hidden[0].split(lengths))
 
 def _selection_groups(kinds: list[int], scope: str) -> list[list[int]]:
     """The visual units (indices into `kinds`, in order) that share one budget under `scope`."""

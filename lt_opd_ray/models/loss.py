@@ -77,6 +77,7 @@ class StudentForward:
 
     hidden: list[torch.Tensor]  # per rollout: [T, H] hidden states at the rows that predict its response tokens
     vision_forwards: int  # vision tower + merger passes (one per prompt)
+    positions: int = 0  # what the language model's forward computed: rows x width of its batch (packed: the tokens)
 
 
 def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list[PromptInputs], rollouts: list[Rollout],
@@ -92,7 +93,8 @@ def student_forward(student: QwenVLM, prompts: Mapping[int, PromptInputs] | list
         if r.prompt_index not in features:
             features[r.prompt_index] = student.visual_features(prompt)  # with gradients: vision encoder and merger are trained
         reduced.append(student.reduce(prompt, features[r.prompt_index], r.selected, r.merge_routes))  # replayed, never recomputed
-    return StudentForward(student.response_hidden(reduced, [r.response_ids for r in rollouts], packed), len(features))
+    hidden, positions = student.teacher_forced(reduced, [r.response_ids for r in rollouts], packed)
+    return StudentForward(hidden, len(features), positions)
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,10 @@ def student_loss(
     objective,
     normaliser: float | None = None,
     policy: PolicyInputs | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Σ over these rollouts of each one's token-mean loss, / `normaliser` (differentiable).
+    """Σ over these rollouts of each one's token-mean loss, / `normaliser` (differentiable); `packed`: the student's
+    forward on one packed row (`student_forward`).
 
     With the default normaliser (the number of rollouts) this is the seq-mean-token-mean of
     the batch. A micro-batch of an update passes the update's sequence count instead, so
@@ -154,7 +158,7 @@ def student_loss(
     micro-batch means. `scores` is None where the objective reads no teacher (the cross-entropy modes, the RL
     baselines); `policy` is what an RL baseline reads (`update_normaliser`: its normaliser).
     """
-    return loss_on_forward(student, student_forward(student, prompts, rollouts), rollouts, scores, objective, normaliser, policy)
+    return loss_on_forward(student, student_forward(student, prompts, rollouts, packed), rollouts, scores, objective, normaliser, policy)
 
 
 def loss_on_forward(

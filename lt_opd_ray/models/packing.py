@@ -15,19 +15,34 @@ Every other layer (projections, MLPs, norms, the head) works per token and runs 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 PACKED_ATTENTION = "lt_opd_packed"  # the attention implementation's registered name
+_packed_call = contextvars.ContextVar("packed_call", default=False)  # a packed row's forward is running on this thread
 
 
-def row_bounds(lengths: list[int], device) -> dict:
-    """The forward argument that marks a packed row's sequences: their bounds [0, l0, l0 + l1, ...]."""
-    return {"cu_seq_lens_q": torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32, device=device)}
+def row_bounds(lengths: list[int]) -> dict:
+    """The forward argument that marks a packed row's sequences: their bounds [0, l0, l0 + l1, ...], on the host (each
+    layer reads them as Python ints: no device sync)."""
+    return {"cu_seq_lens_q": torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)}
+
+
+@contextlib.contextmanager
+def packed_call():
+    """Around a packed row's forward: its attention needs no mask (`packed_mask` builds none)."""
+    token = _packed_call.set(True)
+    try:
+        yield
+    finally:
+        _packed_call.reset(token)
 
 
 def spans(bounds: torch.Tensor) -> list[tuple[int, int]]:
@@ -36,27 +51,54 @@ def spans(bounds: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA, or SDPA per sequence of a packed row when the call carries its bounds. query/key/value: [1, heads, L, d]."""
+    """SDPA, or SDPA per sequence of a packed row when the call carries its bounds. query [1, heads, L, d]; key and
+    value [1, kv heads, P + L, d], where a row continuing a cached prefix of P positions has every sequence see all of
+    it (the teacher's responses after their prompt), then itself causally."""
     bounds = kwargs.pop("cu_seq_lens_q", None)
     if bounds is None or not getattr(module, "is_causal", True):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    outputs = [sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
-                                      scaling=scaling, dropout=dropout, is_causal=True)[0]
-               for start, end in spans(bounds)]  # each [1, length, heads, d]
-    return torch.cat(outputs, dim=1), None
+    if kwargs.get("sliding_window"):
+        raise ValueError("packed rows do not cover sliding-window attention: set pools.*.packing false")
+    prefix = key.shape[2] - query.shape[2]
+    outputs = []
+    for start, end in spans(bounds):
+        if prefix == 0:  # causal on the sequence alone: SDPA's fused kernels, no mask
+            outputs.append(sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
+                                                  scaling=scaling, dropout=dropout, is_causal=True)[0])
+            continue
+        keys, values = (torch.cat([t[:, :, :prefix], t[:, :, prefix + start : prefix + end]], dim=2) for t in (key, value))
+        groups = getattr(module, "num_key_value_groups", 1)
+        # query j of the sequence sees the prefix and the sequence's first j + 1 positions: causal, aligned lower right
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], repeat_kv(keys, groups), repeat_kv(values, groups), dropout_p=dropout, scale=scaling,
+            attn_mask=causal_lower_right(end - start, prefix + end - start))
+        outputs.append(out.transpose(1, 2))  # [1, length, heads, d], as SDPA's forward returns it
+    return torch.cat(outputs, dim=1).contiguous(), None
+
+
+def packed_mask(*args, **kwargs):
+    """SDPA's mask, but none for a packed row (its attention masks itself per sequence: a [L, P + L] mask would be
+    built for nothing)."""
+    return None if _packed_call.get() else ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-# Its masks are SDPA's: a packed row's all-ones padding mask lets SDPA's mask be skipped (None), and the bounds do the rest.
-AttentionMaskInterface.register(PACKED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
 
 
 def use_packed_attention(model) -> None:
     """Give `model`'s attention `packed_attention` (once; what was SDPA stays SDPA for every unpacked call), and
-    Qwen3.5's linear attention its per-sequence functions."""
-    if model.config._attn_implementation != PACKED_ATTENTION:
+    Qwen3.5's linear attention its per-sequence functions. Refused where either would not take."""
+    if model.config.get_text_config()._attn_implementation != PACKED_ATTENTION:
         model.set_attn_implementation(PACKED_ATTENTION)
+        if model.config.get_text_config()._attn_implementation != PACKED_ATTENTION:
+            raise ValueError(f"{type(model).__name__} keeps its attention implementation: packed rows need pools.*.packing false")
     segment_linear_attention()
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    for module in model.modules():  # another family's linear attention calls functions of its own, which nothing wraps
+        if type(module).__name__.endswith("GatedDeltaNet") and type(module).__module__ != qwen3_5.__name__:
+            raise ValueError(f"packed rows do not cover {type(module).__name__} ({type(module).__module__}): set pools.*.packing false")
 
 
 def segment_linear_attention() -> None:
@@ -68,21 +110,29 @@ def segment_linear_attention() -> None:
         return
     convolution, delta_rule = qwen3_5.causal_conv1d_fn, qwen3_5.torch_chunk_gated_delta_rule
 
-    def conv_per_sequence(hidden_states, weight, bias=None, activation=None, **kwargs):  # hidden_states [1, channels, L]
+    def conv_per_sequence(hidden_states, weight, bias=None, activation=None, **kwargs):
+        """hidden_states [1, channels, W + L]: a row continuing a cache starts with the cache's window of W positions,
+        which each sequence sees before its own (the W outputs before the row's are the layer's to drop)."""
         bounds = kwargs.pop("cu_seq_lens_q", None)
         if bounds is None:
             return convolution(hidden_states, weight, bias, activation=activation, **kwargs)
-        return torch.cat([convolution(hidden_states[..., start:end], weight, bias, activation=activation) for start, end in spans(bounds)], dim=-1)
+        window = hidden_states.shape[-1] - int(bounds[-1])
+        before, row = hidden_states[..., :window], hidden_states[..., window:]
+        outputs = [convolution(torch.cat([before, row[..., start:end]], dim=-1) if window else row[..., start:end], weight, bias,
+                               activation=activation)[..., window:] for start, end in spans(bounds)]
+        return torch.cat([torch.zeros_like(before), *outputs], dim=-1)
 
-    def delta_rule_per_sequence(query, key, value, *args, cu_seqlens=None, **kwargs):  # [1, L, heads, d]; g, beta [1, L, heads]
+    def delta_rule_per_sequence(query, key, value, *args, cu_seqlens=None, **kwargs):
+        """[1, L, heads, d] (g, beta [1, L, heads]); each sequence starts from `initial_state` (a cached prefix's, or
+        none). The state returned is the initial one: after a packed row the cache holds no one sequence's state."""
         if cu_seqlens is None:
             return delta_rule(query, key, value, *args, **kwargs)
-        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
-            raise ValueError("a packed row runs without a cache")
+        if kwargs.get("output_final_state") and kwargs.get("initial_state") is None:
+            raise ValueError("a packed row has no one state to cache: run it without use_cache")
         g, beta = kwargs.pop("g"), kwargs.pop("beta")
         outputs = [delta_rule(query[:, start:end], key[:, start:end], value[:, start:end], *args, g=g[:, start:end], beta=beta[:, start:end], **kwargs)[0]
                    for start, end in spans(cu_seqlens)]
-        return torch.cat(outputs, dim=1), None
+        return torch.cat(outputs, dim=1), kwargs.get("initial_state")
 
     conv_per_sequence.per_sequence = True
     qwen3_5.causal_conv1d_fn, qwen3_5.torch_chunk_gated_delta_rule = conv_per_sequence, delta_rule_per_sequence

@@ -317,7 +317,7 @@ class Learner:
                 else:
                     parts.append(stats)
                     real += 1
-                    positions += batch.computed_tokens
+                    positions += computed.positions  # as the forward ran them (the packer planned batch.computed_tokens)
                 self.engine.backward(loss, scale_wrt_gas=False)  # normalised above: no division by the accumulation count
             spans.append(watch.span("learner", f"learner-{self.rank}", name))
             passes += 1

@@ -44,12 +44,14 @@ def teacher_scores(
     chunk_size: int,
     token_budget: int = 16384,
     prefixes: Mapping[int, TeacherPrefix] | None = None,
+    packed: bool = False,
 ) -> list[TeacherScore]:
     """Full-vocabulary log-softmax of the full-token teacher at every response position, compacted to top-k.
 
     Each prompt's full-token prefix (`teacher_prefix`; taken from `prefixes` when it was run ahead, else run
     here, and then `prompts` need not hold that prompt) runs once, alone; its cache is shared by the prompt's
-    responses, which continue from it in micro-batches of at most `token_budget` response tokens. Log-probs are
+    responses, which continue from it in micro-batches of at most `token_budget` response tokens: right-padded rows
+    (responses x longest), or one packed row (`packed`: the responses end to end, each continuing the prefix alone). Log-probs are
     computed at response positions only. A prompt's scores depend on its own rollouts only, never
     on which other prompts share the call, so the teacher service may batch groups as they arrive
     and the update stays deterministic (a long prefix fills a forward on its own).
@@ -63,9 +65,9 @@ def teacher_scores(
     for prompt_index, indices in by_prompt.items():
         prefix = (prefixes or {}).get(prompt_index) or teacher_prefix(teacher, prompts[prompt_index])
         sequences = [Sequence(i, prompt_index, rollouts[i].response_ids.numel()) for i in indices]
-        for micro in pack(sequences, token_budget):
+        for micro in pack(sequences, token_budget, packed):
             responses = [rollouts[i] for i in micro.sequences]
-            hidden = teacher.continue_hidden(prefix.full, prefix.cache, 0, prefix.mask, [r.response_ids for r in responses])
+            hidden = teacher.continue_hidden(prefix.full, prefix.cache, 0, prefix.mask, [r.response_ids for r in responses], packed)
             for i, r, h in zip(micro.sequences, responses, hidden):
                 predicting = torch.cat([prefix.first, h[:-1]])  # response token j is predicted at position j - 1
                 requested = torch.cat([r.student_top_ids, r.response_ids[:, None]], dim=-1).to(h.device)
