@@ -9,7 +9,9 @@ and 896 x 896 images (784 visual tokens), one process per arm:
 2. the teacher on transformers (`engines/transformers/teacher.teacher_scores`): response positions per second with the prompt shared
    by its 8 responses (one prefix, as the code runs) and with every response scored alone (its own prefix); and
    with its weights held in bf16 (frozen roles load in the compute dtype) against fp32 cast by autocast on every op;
-3. the loss head's backward before / after: `benchmarks/bench_loss_head.py --device cuda`.
+3. the learner's micro-batch on 8 responses of long-tailed lengths (as `benchmarks/bench_packing.py` draws them,
+   mean ~450 of 1,024) in left-padded rows against one packed row (`pools.learner.packing`): seconds and peak memory;
+4. the loss head's backward before / after: `benchmarks/bench_loss_head.py --device cuda`.
 
     python benchmarks/gpu_check.py [--tokens 450] [--small]
 
@@ -63,8 +65,9 @@ def best_of(repeats: int, run) -> float:
     return min(times)
 
 
-def inputs(model_dir: Path, responses: int, tokens: int, top_k: int):
-    """One prompt, its reduced selection at 5%, and `responses` random rollouts with random teacher scores."""
+def inputs(model_dir: Path, responses: int, tokens: int | list[int], top_k: int):
+    """One prompt, its reduced selection at 5%, and `responses` random rollouts (`tokens` each, or each its own of a
+    list) with random teacher scores."""
     from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.core.wire import Rollout, TeacherScore
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
@@ -77,12 +80,13 @@ def inputs(model_dir: Path, responses: int, tokens: int, top_k: int):
     kept = torch.randperm(n_visual)[: tokens_to_keep(n_visual, 500, 32)].sort().values
     generator = torch.Generator().manual_seed(0)
     rollouts, scores = [], []
-    for _ in range(responses):
-        ids = torch.randint(0, vocab, (tokens,), generator=generator)
-        top = torch.randint(0, vocab, (tokens, top_k), generator=generator)
-        rollouts.append(Rollout(0, ids, torch.full((tokens,), -2.0), top, [kept], 500, "length"))
-        scores.append(TeacherScore(torch.randint(0, vocab, (tokens, top_k), generator=generator).to(torch.int32),
-                                   -torch.rand(tokens, top_k, generator=generator) * 5, -torch.rand(tokens, top_k + 1, generator=generator) * 5))
+    for i in range(responses):
+        tokens_i = tokens[i] if isinstance(tokens, list) else tokens
+        ids = torch.randint(0, vocab, (tokens_i,), generator=generator)
+        top = torch.randint(0, vocab, (tokens_i, top_k), generator=generator)
+        rollouts.append(Rollout(0, ids, torch.full((tokens_i,), -2.0), top, [kept], 500, "length"))
+        scores.append(TeacherScore(torch.randint(0, vocab, (tokens_i, top_k), generator=generator).to(torch.int32),
+                                   -torch.rand(tokens_i, top_k, generator=generator) * 5, -torch.rand(tokens_i, top_k + 1, generator=generator) * 5))
     return prompt, rollouts, scores
 
 
@@ -105,6 +109,33 @@ def learner_arm(model_dir: Path, tokens: int, device: str) -> dict:
 
     seconds = best_of(2, step)
     return {"seconds": seconds, "missing": list(missing_kernels("qwen3_5", on_gpu=True))}
+
+
+def packing_arm(model_dir: Path, tokens: int, device: str) -> dict:
+    """The learner's micro-batch on long-tailed response lengths, padded rows against one packed row."""
+    from bench_packing import response_lengths
+
+    from lt_opd_ray.config.schema import ObjectiveConfig
+    from lt_opd_ray.models.adapter import QwenVLM
+    from lt_opd_ray.models.loading import compute_precision, load_vlm
+    from lt_opd_ray.models.loss import student_loss
+
+    _, model = load_vlm(str(model_dir), device=device)
+    vlm = QwenVLM(model.train())
+    prompt, rollouts, scores = inputs(model_dir, 8, response_lengths(8, max(tokens * 2, 2)), 100)
+    out = {}
+    for packed in (False, True):
+        def step(packed=packed):
+            model.zero_grad(set_to_none=True)
+            with compute_precision("bfloat16", device):
+                loss, _ = student_loss(vlm, {0: prompt}, rollouts, scores, ObjectiveConfig(top_k=100, logsoftmax_chunk=1024), packed=packed)
+            loss.backward()
+
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out["packed" if packed else "padded"] = {
+            "seconds": best_of(2, step), "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0}
+    return {**out, "lengths": [r.response_ids.numel() for r in rollouts]}
 
 
 def teacher_arm(model_dir: Path, tokens: int, device: str) -> dict:
@@ -134,7 +165,8 @@ def teacher_arm(model_dir: Path, tokens: int, device: str) -> dict:
 def child(args) -> None:
     if os.environ.get(HIDDEN_KERNELS):
         hide_kernels()
-    arm = learner_arm if args.arm == "learner" else teacher_arm
+    sys.path.insert(0, str(Path(__file__).parent))
+    arm = {"learner": learner_arm, "packing": packing_arm, "teacher": teacher_arm}[args.arm]
     print(json.dumps(arm(Path(args.model), args.tokens, args.device)))
 
 
@@ -152,7 +184,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=450, help="response tokens per rollout")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--arm", choices=["learner", "teacher"], help=argparse.SUPPRESS)
+    parser.add_argument("--arm", choices=["learner", "packing", "teacher"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arm:
@@ -168,6 +200,11 @@ def main() -> None:
         for hidden in (False, True):
             result = run_child("learner", model, args, hidden)
             print(f"| {'kernels hidden' if hidden else 'as installed'} | {', '.join(result['missing']) or 'none'} | {result['seconds']:.3f} |")
+        packing = run_child("packing", model, args, False)
+        padded, packed = packing["padded"], packing["packed"]
+        print(f"learner micro-batch, response lengths {sorted(packing['lengths'])}: padded rows {padded['seconds']:.3f} s,"
+              f" {padded['peak_gb']:.2f} GB peak; one packed row {packed['seconds']:.3f} s, {packed['peak_gb']:.2f} GB peak"
+              f" ({packed['seconds'] / padded['seconds']:.2f}x the seconds)")
         teacher = run_child("teacher", model, args, False)
         print(f"teacher (transformers) response positions/s: prompt shared by its 8 responses {teacher['shared']:.0f},"
               f" each response alone {teacher['alone']:.0f} ({teacher['shared'] / teacher['alone']:.2f}x);"
