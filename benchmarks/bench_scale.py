@@ -84,7 +84,8 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     encoded, rollouts, scores = synthetic_share(str(model_dir), prompts, 8, response_tokens, top_k, 500, 32 if "vocab" in model_path else 2)
     objective = ObjectiveConfig(top_k=top_k, logsoftmax_chunk=chunk)
     groups = [StreamedGroup([r for r in rollouts if r.prompt_index == p], lambda: []) for p in encoded]  # packing only: no scores read
-    micro = list(MicroBatchStream(iter(groups), lambda indices: [encoded[i] for i in indices], budget))  # the learner's own packing
+    stream = MicroBatchStream(iter(groups), lambda indices: [encoded[i] for i in indices], budget, False, dict.fromkeys(encoded, 0), packed=True)
+    micro = [batch for _, batch in stream if batch is not None]  # the learner's own micro-batches (packed rows, its default)
     process, peak, running = psutil.Process(), [0], [True]
 
     def sample_rss():
@@ -98,7 +99,8 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     begin = time.perf_counter()
     release = ctypes.CDLL("libc.so.6").malloc_trim  # hand freed heap back to the OS, so RSS tracks live memory
     for batch in micro:
-        loss, _ = student_loss(vlm, encoded, [rollouts[i] for i in batch.sequences], [scores[i] for i in batch.sequences], objective, len(rollouts))
+        loss, _ = student_loss(vlm, encoded, [rollouts[i] for i in batch.sequences], [scores[i] for i in batch.sequences], objective, len(rollouts),
+                               packed=True)
         loss.backward()
         del loss
         release(0)
