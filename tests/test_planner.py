@@ -259,8 +259,20 @@ def test_a_job_without_a_teacher_is_planned_without_one_and_names_the_gpus_it_fr
     assert pool_demands(load_job(REPO / "jobs/train_qwen35.yaml", [*rl, *judged]))["reward"] == {"CPU": 2.0, "GPU": 2.0}
     assert "reward" not in pool_demands(job)
     out = subprocess.run([*cli, *(f"--set={o}" for o in [*rl, *judged])], cwd=REPO, capture_output=True, text=True)
-    assert "reward judge (reward.judge tiny:qwen3_5): pools.reward takes 2 GPU(s) (2 replica(s) x 1) of the 6; the splits below share the other 4" in out.stdout, out.stderr
+    assert ("reward judge (reward.judge tiny:qwen3_5, the student's layout (tiny:qwen3_5/config.json not here)): pools.reward takes 2 GPU(s)"
+            " (2 replica(s) x 1) of the 6; the splits below share the other 4. Its forwards: ") in out.stdout, out.stderr
     assert re.search(r"\nsplit\s+1/0/3\s", out.stdout), out.stdout  # the job's own 4/0/2 needs more than the 4 left: the best split of 4
+    # the judge's time: a full-token prefill per response (prompt, mean response, question), the images once per prompt
+    from dataclasses import replace
+
+    from lt_opd_ray.planning.planner import judge_seconds
+
+    seconds = float(re.search(r"Its forwards: ([0-9.]+) s an update", out.stdout)[1])
+    shapes = paper_shapes()
+    assert seconds == pytest.approx(judge_seconds(CONFIG, shapes, GPUS["h200"], 2, EFFICIENCY), abs=0.05)
+    assert judge_seconds(CONFIG, shapes, GPUS["h200"], 1, EFFICIENCY) == pytest.approx(2 * judge_seconds(CONFIG, shapes, GPUS["h200"], 2, EFFICIENCY))
+    doubled = judge_seconds(CONFIG, replace(shapes, n=2 * shapes.n), GPUS["h200"], 2, EFFICIENCY) / judge_seconds(CONFIG, shapes, GPUS["h200"], 2, EFFICIENCY)
+    assert 1.5 < doubled < 2  # twice the responses: twice the language model, the same vision tower
 
 
 def test_several_optimizer_steps_an_update_cost_the_optimizer_each_and_the_old_policys_forward():

@@ -41,6 +41,7 @@ def cmd_plan(args) -> int:
         SCHEDULES,
         best_split,
         job_split,
+        judge_seconds,
         reward_gpus,
         teacher_gpus,
         learner_gb_per_gpu,
@@ -112,11 +113,16 @@ def cmd_plan(args) -> int:
                                                        " (the prompt prefilled with every response)") if shapes.teacher_backend else
              f"no teacher pool (objective.mode {job.objective.mode} reads no teacher scores): the {teacher_gpus(job)} GPU(s) of"
              " pools.teacher are free, and the splits below give the teacher none"))
-    if job.reward.uses_judge:
-        reward = job.pools.reward
-        print(f"reward judge (reward.judge {job.reward.judge}): pools.reward takes {reward_gpus(job)} GPU(s) ({reward.replicas} replica(s)"
-              f" x {reward.gpus:g}) of the {args.gpus}; the splits below share the other {gpus} and do not model the judge's time")
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
+    if job.reward.uses_judge:
+        reward, judge_config = job.pools.reward, Path(job.reward.judge) / "config.json"
+        layout = (json.loads(judge_config.read_text()), str(judge_config)) if judge_config.exists() else (config, f"the student's layout ({judge_config} not here)")
+        judged = judge_seconds(layout[0], shapes, gpu, reward_gpus(job), efficiency) if reward_gpus(job) else float("inf")
+        rollout = rows[0][1].phases["rollout"]
+        print(f"reward judge (reward.judge {job.reward.judge}, {layout[1]}): pools.reward takes {reward_gpus(job)} GPU(s) ({reward.replicas}"
+              f" replica(s) x {reward.gpus:g}) of the {args.gpus}; the splits below share the other {gpus}. Its forwards: {judged:.1f} s an update,"
+              f" while the rollouts take {rollout:.1f}s ({rows[0][0]})" + ("" if judged <= rollout else
+                                                                            ": the judge is slower than the rollouts it scores and bounds the update"))
     rows += best
     print(f"{'':<24} {'GPUs r/t/l':>10} {'rollout':>8} {'teacher':>8} {'learner':>8} {'sync':>6} | "
           + " ".join(f"{name + ' s/upd':>19}" for name in SCHEDULES))

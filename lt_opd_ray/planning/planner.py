@@ -392,6 +392,20 @@ def job_split(job) -> tuple[int, int, int]:
             max(1, math.ceil(pools.learner.ranks * pools.learner.gpus)))
 
 
+JUDGE_QUESTION_TOKENS = 40  # the judge's question around a response: the reference answer and the yes/no ask (evals/judge.py)
+
+
+def judge_seconds(config: dict, shapes: Shapes, gpu: GPU, gpus: int, efficiency: dict) -> float:
+    """The reward judge's forwards of one update on its `gpus`, `config` its model's layout: per response one
+    full-token prefill of the prompt, the mean response and the question around it (the head at its last position
+    only), each prompt's images encoded once for its group."""
+    grids, text_tokens = shapes.prompt_grids(config)
+    asked = text_tokens + round(efficiency["mean_response_fraction"] * shapes.max_new_tokens) + JUDGE_QUESTION_TOKENS
+    question = prefill_cost(config, asked, grids, 10000, shapes.k_min)  # every visual token kept
+    flops = shapes.prompts * question.vision_flops + shapes.prompts * shapes.n * question.lm_flops
+    return flops / gpus / (gpu.bf16_tflops * 1e12 * efficiency["prefill_mfu"])
+
+
 def reward_gpus(job) -> int:
     """The GPUs the reward judge's pool takes at its initial replicas; none where the reward needs no model."""
     return math.ceil(job.pools.reward.replicas * job.pools.reward.gpus) if job.reward.uses_judge else 0
