@@ -89,11 +89,12 @@ AttentionMaskInterface.register(PACKED_ATTENTION, packed_mask)
 def use_packed_attention(model) -> None:
     """Give `model`'s attention `packed_attention` (once; what was SDPA stays SDPA for every unpacked call), and
     Qwen3.5's linear attention its per-sequence functions. Refused where either would not take."""
+    segment_linear_attention()  # once per process
+    if model.config.get_text_config()._attn_implementation == PACKED_ATTENTION:
+        return  # the model was set up by an earlier call: every packed forward comes here first
+    model.set_attn_implementation(PACKED_ATTENTION)
     if model.config.get_text_config()._attn_implementation != PACKED_ATTENTION:
-        model.set_attn_implementation(PACKED_ATTENTION)
-        if model.config.get_text_config()._attn_implementation != PACKED_ATTENTION:
-            raise ValueError(f"{type(model).__name__} keeps its attention implementation: packed rows need pools.*.packing false")
-    segment_linear_attention()
+        raise ValueError(f"{type(model).__name__} keeps its attention implementation: packed rows need pools.*.packing false")
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
     for module in model.modules():  # another family's linear attention calls functions of its own, which nothing wraps
