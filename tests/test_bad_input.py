@@ -268,6 +268,9 @@ BAD_COMMAND_LINES = [
     ("plan jobs/train_qwen35.yaml --gpus 0", "argument --gpus: 0 is out of range: 1 or more"),
     ("plan jobs/train_qwen35.yaml --gpus -4", "argument --gpus: -4 is out of range: 1 or more"),
     ("plan jobs/train_qwen35.yaml --gpus 8 --efficiency link=7", "plan: --efficiency 'link=7': a fraction, more than 0 and at most 1"),
+    ("plan jobs/train_qwen35.yaml --gpus 6 --gpu h200 --preset qwen3.5-4b --set objective.mode=grpo --set optimizer.steps_per_update=1"
+     " --set reward.name=judge --set reward.judge={tmp}/brokenjudge --set pools.reward.gpus=1",
+     "plan: reward.judge {tmp}/brokenjudge/config.json: not a readable config.json"),
     ("efficiency {tmp}/llama", "efficiency: {tmp}/llama/config.json: model_type 'llama' has no visual-token pruning support; supported:"),
     ("efficiency --preset qwen3.5-4b --budgets 0 20000", "argument --budgets: 0 is out of range: from 1 to 10000"),
     ("efficiency --preset qwen3.5-4b --text-tokens -5", "argument --text-tokens: -5 is out of range: 0 or more"),
@@ -304,6 +307,8 @@ def test_every_command_refuses_bad_input_in_a_sentence_without_a_traceback(tmp_p
     pope, _, _ = fixture("pope", tmp_path)
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "brokenjudge").mkdir()
+    (tmp_path / "brokenjudge" / "config.json").write_text("{not json")
     (tmp_path / "notes.png").write_bytes(random_image(0).tobytes())
     run = tmp_path / "run"
     run.mkdir()

@@ -116,7 +116,11 @@ def cmd_plan(args) -> int:
     rows = [("job's split" if split == job_split(job) else "split", plan(config, shapes, gpu, split, efficiency))]
     if job.reward.uses_judge:
         reward, judge_config = job.pools.reward, Path(job.reward.judge) / "config.json"
-        layout = (json.loads(judge_config.read_text()), str(judge_config)) if judge_config.exists() else (config, f"the student's layout ({judge_config} not here)")
+        try:
+            layout = (json.loads(judge_config.read_text()), str(judge_config)) if judge_config.exists() else (config, f"the student's layout ({judge_config} not here)")
+        except (OSError, ValueError) as exc:
+            print(f"plan: reward.judge {judge_config}: not a readable config.json ({exc})", file=sys.stderr)
+            return 2
         judged = judge_seconds(layout[0], shapes, gpu, reward_gpus(job), efficiency) if reward_gpus(job) else float("inf")
         rollout = rows[0][1].phases["rollout"]
         print(f"reward judge (reward.judge {job.reward.judge}, {layout[1]}): pools.reward takes {reward_gpus(job)} GPU(s) ({reward.replicas}"
