@@ -419,7 +419,13 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     with pytest.raises(ValueError, match=r"eval.data 'synthetic:16' is not a toy task's rows"):
         run_ablation(str(rows), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0])
     assert not (tmp_path / "refused").exists()  # refused before anything was written
-    study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 3.0])
+    grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["sft"], lr_scales=[3.0])
+    # the grid extended on resume (its chosen scale was an end of it) before any seed trained: 3.0's run is kept
+    study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 3.0], resume=True)
+    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and [r["lr_scale"] for r in study["tuning_runs"]] == [3.0, 0.1]
+    assert study["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"]
+    with pytest.raises(ValueError, match=r"another study \(lr_scales \[0.1, 3.0\] \(now \[0.1, 0.3, 3.0\]\) after its seeds trained"):
+        run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 0.3, 3.0], resume=True)
     assert study["validation"]["rows"] == "toy-circles-validation:16"
     validation, held_out = (load_samples(f"toy-circles-{split}:16") for split in ("validation", "test"))
     assert not {s.uid for s in validation} & {s.uid for s in held_out} and all("-validation-" in s.uid for s in validation)

@@ -274,7 +274,8 @@ def register(sub) -> None:
     ablation.add_argument("--lr-scales", type=float, nargs="+", default=None, metavar="SCALE",
                           help="choose each arm's learning rates first: one run per scale of the job's (e.g. 0.3 1 3), scored on"
                                " the toy task's validation rows; the arm's seeds train at the best")
-    ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study) and train only the missing ones")
+    ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study; --lr-scales may add"
+                          " scales while no seed has trained) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random VLM folder of a supported family (offline)")

@@ -178,7 +178,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                  resume: bool = False, lr_scales: list[float] | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
-    learning-rate scales) and train only the runs it lacks; the wall time adds up over the invocations.
+    learning-rate scales, or those scales and more while no seed has trained) and train only the runs it lacks; the
+    wall time adds up over the invocations.
     `lr_scales`: each arm's learning rates chosen first on validation rows (see the module's docstring)."""
     import ray
 
@@ -214,7 +215,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales) if resume else {}
     runs, tuning = earlier.get("runs", []), earlier.get("tuning_runs", [])
     done = {(r["arm"], r["seed"]) for r in runs}
-    begin -= finished_seconds(out_dir) if resume and runs else 0.0
+    begin -= finished_seconds(out_dir) if earlier else 0.0
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
                "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
                "trained_with": base.selector.name,
@@ -279,9 +280,19 @@ def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: l
     earlier = json.loads(path.read_text())
     wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
               "trained_with": base.selector.name, "lr_scales": lr_scales}
+    if extends_grid(earlier, lr_scales):
+        wanted["lr_scales"] = earlier["lr_scales"]
     if differing := [f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
-        raise ValueError(f"{path}: another study ({'; '.join(differing)}); resume it with its own settings or choose another --out")
+        seeded = " after its seeds trained at the scales that grid chose" if earlier.get("runs") and earlier.get("lr_scales") else ""
+        raise ValueError(f"{path}: another study ({'; '.join(differing)}{seeded}); resume it with its own settings or choose another --out")
     return earlier
+
+
+def extends_grid(earlier: dict, lr_scales: list[float] | None) -> bool:
+    """Whether a resumed study's `lr_scales` add scales to its earlier grid before any of its seeds trained: the
+    tuning runs of the earlier scales are kept, the added ones train, and the choice is made again over them all."""
+    before = earlier.get("lr_scales")
+    return bool(before and lr_scales) and set(before) < set(lr_scales) and not earlier.get("runs")
 
 
 def finished_seconds(out_dir: Path) -> float:
