@@ -325,6 +325,51 @@ def test_the_ordering_report_weighs_each_step_against_its_standard_error():
     assert ordering_lines([rows[0], rows[4]], "cdpruner")[0].startswith("- untrained < LT-OPD: difference +0.290")
 
 
+def test_the_arms_the_paper_puts_below_lt_opd_are_weighed_against_their_standard_error():
+    from lt_opd_ray.tools.ablation_report import below_lt_opd_lines
+
+    def row(arm, mean, se):
+        return {"arm": arm, "evaluated_with": "cdpruner", "retain_mean": mean, "retain_se": se}
+
+    rows = [row("untrained", 0.6, 0.02), row("lt_opd", 0.70, 0.03), row("grpo", 0.60, 0.04), row("gspo", 0.66, 0.0),
+            row("dapo", 0.80, 0.0), row("lt_opd_no_hold", 0.71, 0.01), row("sft", 0.1, 0.0)]
+    lines = below_lt_opd_lines(rows, "cdpruner")
+    assert lines[-4:] == ["- GRPO (answer reward) < LT-OPD: d = +0.100 ± 0.050 (SE): not shown",  # 0.1 = 2 SE: not above
+                          "- DAPO (answer reward) < LT-OPD: d = -0.100 ± 0.030 (SE): reversed",
+                          "- GSPO (answer reward) < LT-OPD: d = +0.040 ± 0.030 (SE): not shown",
+                          "- LT-OPD, no final plateau < LT-OPD: d = -0.010 ± 0.032 (SE): not shown"]
+    rows[2]["retain_mean"] = 0.59
+    assert below_lt_opd_lines(rows, "cdpruner")[-4].endswith("d = +0.110 ± 0.050 (SE): shown")
+    assert below_lt_opd_lines([r for r in rows if r["arm"] != "lt_opd"], "cdpruner") == []  # nothing to weigh against
+    assert below_lt_opd_lines(rows[:2], "cdpruner") == [] and below_lt_opd_lines(rows, "divprune") == []
+
+
+def test_a_curve_is_flat_when_its_last_two_evaluations_are_within_2_se_of_the_two_before():
+    from lt_opd_ray.tools.ablation_report import flatness, flatness_lines
+
+    def run(arm, seed, evals):  # evaluated every 20 updates, as the study's job; updates between carry no evaluation
+        curve = [{"step": step, "loss": 0.1, "eval": {}} for step in range(1, 21 * len(evals))]
+        for n, accuracy in enumerate(evals):
+            curve[20 * (n + 1) - 1]["eval"] = {"cdpruner": accuracy}
+        return {"arm": arm, "seed": seed, "curve": curve}
+
+    rising = [[0.1, 0.40, 0.42, 0.48, 0.50], [0.1, 0.41, 0.41, 0.47, 0.51], [0.1, 0.40, 0.43, 0.49, 0.48]]
+    level = [[0.1, 0.50, 0.48, 0.52, 0.47], [0.1, 0.45, 0.50, 0.46, 0.50], [0.1, 0.49, 0.47, 0.46, 0.47]]
+    results = {"teacher": {"full": 0.8}, "runs": [run("lt_opd", s, e) for s, e in enumerate(rising)] + [run("grpo", s, e) for s, e in enumerate(level)]}
+    for arm, seeds in (("lt_opd", rising), ("grpo", level)):  # brute force: each seed's difference, its mean and SE
+        d = [((e[3] + e[4]) - (e[1] + e[2])) / 2 / 0.8 for e in seeds]
+        mean = sum(d) / 3
+        se = (sum((x - mean) ** 2 for x in d) / 2) ** 0.5 / 3**0.5
+        weighed = flatness(results, arm, "cdpruner")
+        assert weighed["d"] == pytest.approx(mean) and weighed["se"] == pytest.approx(se) and weighed["steps"] == [40, 60, 80, 100]
+        assert weighed["flat"] == (abs(mean) <= 2 * se)
+    assert not flatness(results, "lt_opd", "cdpruner")["flat"] and flatness(results, "grpo", "cdpruner")["flat"]
+    lines = flatness_lines(results, "cdpruner")
+    assert "updates 80 and 100 minus the mean at 40 and 60" in lines[1] and lines[-1] == "Not flat: LT-OPD."
+    results["runs"] = results["runs"][:1] + results["runs"][3:]  # one LT-OPD seed: no standard error, no verdict for it
+    assert flatness(results, "lt_opd", "cdpruner") is None and flatness_lines(results, "cdpruner")[-1] == "Every arm's curve is flat."
+
+
 # ---------------------------------------------------------------- trained teacher (slow: trains it once)
 @pytest.fixture(scope="module")
 def teacher():

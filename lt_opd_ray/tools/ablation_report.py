@@ -1,5 +1,7 @@
 """The toy ablation's report: retain per arm (and per kind of question, averaged over kinds as the paper averages
-its benchmarks), the paper's ordering weighed step by step against its standard error, and the curves."""
+its benchmarks), the paper's ordering weighed step by step against its standard error, the arms the paper puts below
+LT-OPD weighed the same way, each arm's share of the oracle's gap, whether each arm's curve has flattened, and the
+curves."""
 
 from __future__ import annotations
 
@@ -98,6 +100,55 @@ def ordering_lines(rows: list[dict], selector: str) -> list[str]:
     return lines
 
 
+# the paper's other claims: each RL baseline, and LT-OPD without its final plateau, below LT-OPD
+BELOW_LT_OPD = ("grpo", "dapo", "gspo", "lt_opd_no_hold")
+
+
+def below_lt_opd_lines(rows: list[dict], selector: str) -> list[str]:
+    """Each arm of BELOW_LT_OPD that ran against LT-OPD on `selector`: d = LT-OPD - arm and SE(d) = hypot of their
+    SEs; "shown" when d > 2 SE(d), "reversed" when d < -2 SE(d), "not shown" otherwise."""
+    by_arm = {r["arm"]: r for r in rows if r["evaluated_with"] == selector}
+    if "lt_opd" not in by_arm:
+        return []
+    lines = []
+    for arm in (a for a in BELOW_LT_OPD if a in by_arm):
+        d = by_arm["lt_opd"]["retain_mean"] - by_arm[arm]["retain_mean"]
+        se = math.hypot(by_arm["lt_opd"]["retain_se"], by_arm[arm]["retain_se"])
+        verdict = "shown" if d > 2 * se else "reversed" if d < -2 * se else "not shown"
+        lines.append(f"- {LABELS[arm]} < LT-OPD: d = {d:+.3f} ± {se:.3f} (SE): {verdict}")
+    if not lines:
+        return []
+    return ["", f"Below LT-OPD, evaluated with {selector} (d = LT-OPD - arm; shown when d > 2 SE, reversed when d < -2 SE):", "", *lines]
+
+
+def flatness(results: dict, arm: str, selector: str) -> dict | None:
+    """Whether `arm`'s held-out curve on `selector` has flattened: per seed, d = the mean of its last two evaluations
+    minus the mean of the two before them (retain, the teacher's full-token accuracy dividing); flat when |mean d| is
+    within 2 standard errors of d over the seeds. None with fewer than two seeds or four evaluations a run."""
+    full = results["teacher"]["full"]
+    evaluated = [[p for p in r["curve"] if p.get("eval")] for r in results["runs"] if r["arm"] == arm]
+    if len(evaluated) < 2 or min(map(len, evaluated)) < 4:
+        return None
+    d = [(e[-1]["eval"][selector] + e[-2]["eval"][selector]) / 2 / full - (e[-3]["eval"][selector] + e[-4]["eval"][selector]) / 2 / full
+         for e in evaluated]
+    se = statistics.stdev(d) / math.sqrt(len(d))
+    return {"d": statistics.fmean(d), "se": se, "flat": abs(statistics.fmean(d)) <= 2 * se, "steps": [p["step"] for p in evaluated[0][-4:]]}
+
+
+def flatness_lines(results: dict, selector: str) -> list[str]:
+    """Each arm's flatness (see `flatness`), and the arms that have not flattened."""
+    arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
+    weighed = {arm: f for arm in arms if (f := flatness(results, arm, selector)) is not None}
+    if not weighed:
+        return []
+    steps = next(iter(weighed.values()))["steps"]
+    lines = ["", f"Curves until flat, evaluated with {selector}: per seed, the mean of the evaluations at updates {steps[2]} and"
+             f" {steps[3]} minus the mean at {steps[0]} and {steps[1]}; flat when the mean over seeds is within 2 SE:", ""]
+    lines += [f"- {LABELS[arm]}: {f['d']:+.3f} ± {f['se']:.3f} (SE): {'flat' if f['flat'] else 'not flat'}" for arm, f in weighed.items()]
+    rising = [LABELS[arm] for arm, f in weighed.items() if not f["flat"]]
+    return lines + ["", f"Not flat: {', '.join(rising)}." if rising else "Every arm's curve is flat."]
+
+
 def gap_share_lines(rows: list[dict], selector: str) -> list[str]:
     """Where the oracle ran: each arm's share of the gap it recovers on `selector`, (arm - untrained) / (oracle -
     untrained), from the means; an arm may pass 100% (SFT on hard labels bounds no distillation). No shares where the
@@ -159,7 +210,9 @@ def write_report(results: dict, out_dir: Path) -> None:
     lines += ["", f"The paper's ordering{' on the mean over kinds' if ordered is not rows else ''}, evaluated with {results['trained_with']}"
               " (a step holds when the difference exceeds 2 SE; the last, `<=`, when it is not below -2 SE):", ""]
     lines += ordering_lines(ordered, results["trained_with"])
+    lines += below_lt_opd_lines(ordered, results["trained_with"])
     lines += gap_share_lines(ordered, results["trained_with"])
+    lines += flatness_lines(results, results["trained_with"])
     lines += tuning_lines(results)
     (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
     csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,retain_se,seeds"]
