@@ -100,6 +100,40 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
     assert main(["validate", str(job), *data, "--set=reward.name=format"]) == 0  # reads no answer
 
 
+def test_a_judge_whose_template_thinks_gives_its_verdict_at_once(tiny_dirs, tmp_path):
+    """Under a chat template that opens a thinking block after the assistant's turn (as Qwen3.5's does), the judge's
+    prompt closes it empty (the template's `enable_thinking` switch), so its reward is read at its answer's first
+    token, not at the block's first thought."""
+    import dataclasses
+    import shutil
+
+    import torch
+
+    from lt_opd_ray.config.schema import DataConfig
+    from lt_opd_ray.evals.judge import Judge, judge_question
+    from lt_opd_ray.models.processor import encode_samples
+    from lt_opd_ray.sources.resolve import load_samples
+
+    thinking = shutil.copytree(tiny_dirs["qwen3_5"], tmp_path / "thinking")
+    template = thinking / "chat_template.jinja"
+    opened = "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    assert template.read_text().count("<|im_start|>assistant\n") == 1
+    template.write_text(template.read_text().replace("<|im_start|>assistant\n", opened))
+    (row,) = load_samples("synthetic:1")
+    judge = Judge(str(thinking), DataConfig(path="synthetic:1", max_pixels=65536))
+    (value,) = judge([row], [f"<answer>{row.answer}</answer>"])
+    asked = dataclasses.replace(row, question=judge_question(row, f"<answer>{row.answer}</answer>"))
+    (prompt,) = encode_samples(judge.processor, [asked], answer_at_once=True)
+    decode = judge.processor.tokenizer.decode
+    assert decode(prompt.input_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert decode(encode_samples(judge.processor, [asked])[0].input_ids).endswith("<|im_start|>assistant\n<think>\n")  # a run's own prompts think
+    with torch.no_grad():
+        p = judge.model(input_ids=prompt.input_ids[None], mm_token_type_ids=prompt.mm_token_type_ids[None], pixel_values=prompt.pixel_values,
+                        image_grid_thw=prompt.image_grid_thw).logits[0, -1].double().softmax(dim=0)
+    p_yes, p_no = (float(p[list(ids)].sum()) for ids in (judge.yes, judge.no))
+    assert value == pytest.approx(p_yes / (p_yes + p_no), rel=1e-5)
+
+
 def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_response(tiny_dirs):
     """A reward that needs a model: the judge's reward for each response is P(yes) / (P(yes) + P(no)) (either
     capitalised) at its next token after being asked about the response. The judge asks about a call's responses in

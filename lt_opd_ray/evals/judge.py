@@ -1,8 +1,8 @@
 """A reward that needs a model: a VLM judge (`reward.name: judge`, the model `reward.judge`) asked, for each response,
 whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" (either
-capitalised) for the first token of its answer. It reads the row's images, question and answer and the response. A
-judge whose chat template opens a thinking block at that token is read there too: use one that answers at once. A
-call's questions run packed end to end in rows of at most `micro_batch_tokens` (models/packing.py, core/microbatch.py),
+capitalised) for the first token of its answer. It reads the row's images, question and answer and the response. Its
+prompt ends where its answer begins: a chat template that opens a thinking block after the assistant's turn (Qwen3,
+Qwen3.5) is asked to close it empty (`enable_thinking=False`), so the verdict is the next token. A call's questions run packed end to end in rows of at most `micro_batch_tokens` (models/packing.py, core/microbatch.py),
 each row's images encoded once per call however many of its responses are asked about. In a run it serves from its
 own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
 """
@@ -58,7 +58,7 @@ class Judge:
         from lt_opd_ray.models.processor import encode_samples
 
         asked = [dataclasses.replace(s, question=judge_question(s, r)) for s, r in zip(samples, responses, strict=True)]
-        prompts = encode_samples(self.processor, asked)
+        prompts = encode_samples(self.processor, asked, answer_at_once=True)
         features = {}  # a row's images, encoded once: its responses' questions differ in text only
         values = [0.0] * len(prompts)
         for batch in pack([Question(i, i, p.input_ids.numel()) for i, p in enumerate(prompts)], self.micro_batch_tokens, packed=True):

@@ -168,8 +168,13 @@ class VLMProcessor:
             self._video_processor = getattr(transformers, self.family.video_processor).from_pretrained(self.model_dir)
         return self._video_processor
 
-    def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample", video: Any = None) -> PromptInputs:
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def encode(self, messages: list[dict], images: list[Any], sample_id: str = "sample", video: Any = None,
+               answer_at_once: bool = False) -> PromptInputs:
+        """`answer_at_once`: the prompt ends where the model's answer begins, also under a chat template that opens a
+        thinking block after the assistant's turn (Qwen3 / Qwen3.5 close it empty given `enable_thinking=False`;
+        a template without that switch renders as it would)."""
+        thinking = {"enable_thinking": False} if answer_at_once else {}
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **thinking)
         placeholders = rendered.count(self.image_token)
         if placeholders == 0 and video is None:
             raise InputError(f"{sample_id}: prompt has no image placeholder (no {{'type': 'image'}} part in messages)")
@@ -387,7 +392,7 @@ def sample_images(sample) -> list:
     return [load_image(image, f"{sample.uid}: image {position}") for position, image in enumerate(sample.images)]
 
 
-def encode_samples(processor: VLMProcessor, samples, system_prompt: str | None = None) -> list[PromptInputs]:
-    """Training rows (uid, images, video, question) -> full-token prompts."""
-    return [processor.encode(question_messages(s.question, system_prompt, len(s.images), s.video is not None), list(s.images), s.uid, s.video)
-            for s in samples]
+def encode_samples(processor: VLMProcessor, samples, system_prompt: str | None = None, answer_at_once: bool = False) -> list[PromptInputs]:
+    """Training rows (uid, images, video, question) -> full-token prompts (`answer_at_once`: see `VLMProcessor.encode`)."""
+    return [processor.encode(question_messages(s.question, system_prompt, len(s.images), s.video is not None), list(s.images), s.uid, s.video,
+                             answer_at_once) for s in samples]
