@@ -31,7 +31,6 @@ from lt_opd_ray.core.wire import (
     WeightsReceived,
 )
 from lt_opd_ray.runtime.resources import placement_here
-from lt_opd_ray.runtime.reward_pool import JudgeClient, reward_app
 from lt_opd_ray.runtime.waits import RoleDiedError, wait_for
 
 # A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
@@ -88,7 +87,11 @@ class RolloutWorker:
         transformers.logging.set_verbosity_error()
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
-        judge = JudgeClient(reward_app(job), job.schedule.liveness_timeout_s) if job.reward.uses_judge else None
+        judge = None
+        if job.reward.uses_judge:  # Ray Serve's import (~1 CPU-second a process) only where the judge's app is asked
+            from lt_opd_ray.runtime.reward_pool import JudgeClient, reward_app
+
+            judge = JudgeClient(reward_app(job), job.schedule.liveness_timeout_s)
         self.reward = JobReward.of(job, judge)  # the judge's pool is asked as the worker gives rewards
         self.rewarding = threading.Lock()
         self.weights_version: int | None = 0  # None while an update is half written
