@@ -156,6 +156,8 @@ def test_not_yaml_and_not_a_mapping():
     ("pools: {rollout: {cpus: .inf}}", "pools.rollout.cpus", "finite number"),
     ("eval: {data: 'synthetic:0'}", "eval.data", "'synthetic:0': expected synthetic:<count from 1 to 100,000>"),
     ("eval: {data: 'synthetic:4@8x8'}", "eval.data", "sides of at least 32 pixels"),
+    ("objective: {clip_high: 0.3}", "objective", "objective.clip_high is the RL baselines' (grpo, dapo, gspo); objective.mode lt_opd"),
+    ("objective: {mode: grpo, clip_low: 1.5}", "objective.clip_low", "less than 1"),
 ])
 def test_values_that_would_fail_later_are_refused_by_validate(extra, where, reason):
     problems, _ = problems_of(MINIMAL + extra + "\n")

@@ -384,6 +384,15 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
             assert stats.importance_weight == 1.0 and stats.clipped == 0.0  # exp(0): one optimizer step per update
         else:
             assert stats.clipped > 0  # the clip binds somewhere (for GSPO, on whole responses)
+            # objective.clip_low / clip_high replace the paper's range: the loss is the formula's at the job's range
+            wider = job.objective.model_copy(update={"clip_low": low / 2, "clip_high": high * 2})
+            assert wider.clip_range == (low / 2, high * 2)
+            widened, _ = student_loss(trainer.student, prompts, rollouts, scores, wider, policy=policy)
+            formula = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low / 2, clip_high=high * 2)
+            if kl_coef:
+                formula = formula + (reference - policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high))
+            assert float(widened.detach()) == pytest.approx(float(formula.detach()), rel=1e-4, abs=1e-7)
+            assert float(widened.detach()) != pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-7)  # the range acts here
 
 
 def test_later_steps_of_an_update_compare_with_the_weights_it_started_from(tiny_dirs, samples):

@@ -157,6 +157,11 @@ class ObjectiveConfig(StrictModel):
     toward the full-token model, part of LT-OPD's own signal. The KL is taken over the top-k union plus a tail bin
     (`reverse_kl` of the distillation modes, exact on that support, not a sampled estimate). 0 (the default, DAPO's and
     GSPO's practice): no KL term and no teacher pool."""
+    clip_low: float | None = Field(None, gt=0.0, lt=1.0)
+    """The RL baselines' clip range on their ratio is [1 - clip_low, 1 + clip_high]; unset, each paper's own (GRPO
+    0.2 / 0.2, DAPO's clip-higher 0.2 / 0.28, GSPO 3e-4 / 4e-4 on its length-normalised sequence ratio)."""
+    clip_high: float | None = Field(None, gt=0.0)
+    """See `clip_low`."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
     """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
     top_k: int = Field(100, ge=1, le=MAX_TOP_K)
@@ -200,11 +205,20 @@ class ObjectiveConfig(StrictModel):
             return self.kl_coef > 0
         return not self.cross_entropy
 
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): an RL baseline's ratio is clipped to [1 - low, 1 + high] (`clip_low`, `clip_high`, else its paper's)."""
+        from lt_opd_ray.core.rl import CLIP_RANGES  # torch's module: the config stays importable without it
+
+        low, high = CLIP_RANGES[self.mode]
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
+
     @model_validator(mode="after")
-    def _kl_term_of_the_rl_baselines(self) -> ObjectiveConfig:
-        if self.kl_coef and not self.policy_gradient:
-            raise ValueError(f"objective.kl_coef weighs the RL baselines' KL term (grpo, dapo, gspo); objective.mode {self.mode}"
-                             " has none (the distillation modes' loss is a divergence from the teacher already)")
+    def _terms_of_the_rl_baselines(self) -> ObjectiveConfig:
+        for name in ("kl_coef", "clip_low", "clip_high"):
+            if getattr(self, name) and not self.policy_gradient:
+                raise ValueError(f"objective.{name} is the RL baselines' (grpo, dapo, gspo); objective.mode {self.mode} has no such"
+                                 " term (the distillation modes' loss is a divergence from the teacher already)")
         return self
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from lt_opd_ray.core.objective import divergence, gather_log_probs, lt_opd_token_losses, union_support
-from lt_opd_ray.core.rl import CLIP_RANGES, TOKEN_MEAN, group_advantages, sequence_terms
+from lt_opd_ray.core.rl import TOKEN_MEAN, group_advantages, sequence_terms
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import TEXT, PromptInputs
@@ -252,7 +252,7 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
     old = pad_sequence([lp[:, 0].detach() if given is None else given.to(device, lp.dtype) for lp, given in zip(sampled_logp, policy.old_logp)],
                        batch_first=True)
     mask = pad_sequence([torch.ones(lp.shape[0], device=device) for lp in sampled_logp], batch_first=True)
-    low, high = CLIP_RANGES[objective.mode]
+    low, high = objective.clip_range
     terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high)
     kl = overlap = None
     if reference is not None:
