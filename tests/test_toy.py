@@ -456,7 +456,7 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
 
     base = tmp_path / "toy_circles.yaml"
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
-                    .replace("export_port: 8091", "export_port: 8096"))
+                    .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", "export_port: 8096"))
     with pytest.raises(ValueError, match=r"--lr-scales 1.0 1.0: distinct positive scales"):
         run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0, 1.0])
     rows = tmp_path / "rows.yaml"  # held-out rows that are not a toy task's: no validation split to choose on
@@ -464,26 +464,70 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     with pytest.raises(ValueError, match=r"eval.data 'synthetic:16' is not a toy task's rows"):
         run_ablation(str(rows), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0])
     assert not (tmp_path / "refused").exists()  # refused before anything was written
-    grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["sft"], lr_scales=[3.0])
-    # the grid extended on resume (its chosen scale was an end of it) before any seed trained: 3.0's run is kept
-    study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 3.0], resume=True)
-    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and [r["lr_scale"] for r in study["tuning_runs"]] == [3.0, 0.1]
+    with pytest.raises(ValueError, match=r"--rl-variants are tried at each RL arm's learning rates chosen on validation rows"):
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], rl_variants=["2x_clip"])
+    with pytest.raises(ValueError, match=r"--rl-variants 2x_clip 3x_clip: distinct names of 2x_group, 0.5x_clip, 2x_clip"):
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[1.0], rl_variants=["2x_clip", "3x_clip"])
+    grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["grpo"], lr_scales=[3.0])
+    # the grid extended on resume (its chosen scale was an end of it), and an RL variant added, before any seed
+    # trained: 3.0's run is kept (the study's variants, RL_VARIANTS, test_the_rl_arms_variants_...)
+    study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 3.0], resume=True,
+                         rl_variants=["2x_group"])
+    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and [r["lr_scale"] for r in study["tuning_runs"]][:2] == [3.0, 0.1]
     assert study["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"]
     with pytest.raises(ValueError, match=r"another study \(lr_scales \[0.1, 3.0\] \(now \[0.1, 0.3, 3.0\]\) after its seeds trained"):
-        run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.1, 0.3, 3.0], resume=True)
+        run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 0.3, 3.0], resume=True,
+                     rl_variants=["2x_group"])
     assert study["validation"]["rows"] == "toy-circles-validation:16"
     validation, held_out = (load_samples(f"toy-circles-{split}:16") for split in ("validation", "test"))
     assert not {s.uid for s in validation} & {s.uid for s in held_out} and all("-validation-" in s.uid for s in validation)
-    tuned = {r["lr_scale"]: r["retain"] for r in study["tuning_runs"]}
+    tuned = {r["lr_scale"]: r["retain"] for r in study["tuning_runs"] if r["variant"] is None}
     assert sorted(tuned) == [0.1, 3.0] and all(0 <= r <= 1.5 for r in tuned.values())
     chosen = max(tuned, key=lambda scale: (tuned[scale], -[0.1, 3.0].index(scale)))
-    assert study["chosen_lr_scale"] == {"sft": chosen} and [r["lr_scale"] for r in study["runs"]] == [chosen]
-    assert (tmp_path / "study" / "tuning" / "lr0.1" / "sft" / f"seed{TUNING_SEED}" / "final").is_dir()
+    varied = {r["variant"]: r["retain"] for r in study["tuning_runs"] if r["lr_scale"] == chosen}  # its own settings and each variant
+    assert list(varied) == [None, "2x_group"] and len(study["tuning_runs"]) == 3
+    variant = max(varied, key=lambda v: (varied[v], -list(varied).index(v)))
+    assert (study["chosen_lr_scale"], study["chosen_variant"]) == ({"grpo": chosen}, {"grpo": variant})
+    assert [(r["lr_scale"], r["variant"]) for r in study["runs"]] == [(chosen, variant)]
+    assert (tmp_path / "study" / "tuning" / "lr0.1" / "grpo" / f"seed{TUNING_SEED}" / "final").is_dir()
+    assert (tmp_path / "study" / "tuning" / f"lr{chosen:g}-2x_group" / "grpo" / f"seed{TUNING_SEED}" / "final").is_dir()
     table = (tmp_path / "study" / "retain_table.md").read_text()
-    assert f"| SFT on the data's responses | {tuned[0.1]:.3f} | {tuned[3.0]:.3f} | {chosen}x |" in table
+    assert f"| GRPO (answer reward) | {tuned[0.1]:.3f} | {tuned[3.0]:.3f} | {chosen}x |" in table
+    assert (f"| GRPO (answer reward) | {chosen:g}x | " + " | ".join(f"{varied[v]:.3f}" for v in varied) + f" | {variant or 'its own'} |") in table
     job = load_job(base)
     scaled = arm_job(job, "sft", 0, tmp_path, steps=1, lr_scale=3.0).optimizer.lr
     assert scaled.model_dump() == pytest.approx({module: 3.0 * rate for module, rate in job.optimizer.lr.model_dump().items()})
+
+
+def test_the_rl_arms_variants_change_their_group_size_or_clip_range_and_nothing_else(tmp_path):
+    """RL_VARIANTS on the RL arms' jobs: twice the group with half the prompts (the same responses an update), the
+    paper's clip range halved or doubled; no other field moves. The choice among an arm's own settings and its
+    variants is the highest validation retain at its chosen scale, a tie going to its own settings."""
+    from lt_opd_ray.core.rl import CLIP_RANGES
+    from lt_opd_ray.tools.ablation import RL_VARIANTS, arm_job, chosen_lr_scale, chosen_variant
+
+    base = load_job("jobs/toy_discs.yaml")
+    for arm in ("grpo", "dapo", "gspo"):
+        own = arm_job(base, arm, 0, tmp_path).model_dump()
+        low, high = CLIP_RANGES[arm]
+        for variant, changed in zip(RL_VARIANTS, ({"sampling": {"n": 8, "prompts_per_step": 8}},
+                                                  {"objective": {"clip_low": low / 2, "clip_high": high / 2}},
+                                                  {"objective": {"clip_low": low * 2, "clip_high": high * 2}})):
+            job = arm_job(base, arm, 0, tmp_path, variant=variant)
+            expected = {section: {**own[section], **fields} for section, fields in changed.items()}
+            assert {section: getattr(job, section).model_dump() for section in changed} == expected
+            assert {k: v for k, v in job.model_dump().items() if k not in changed} == {k: v for k, v in own.items() if k not in changed}
+            assert job.sampling.n * job.sampling.prompts_per_step == 64 and job.optimizer.steps_per_update == 4  # four mini-batches still
+    with pytest.raises(ValueError, match="variant 2x_clip is an RL arm's \\(grpo, dapo, gspo\\), not lt_opd's"):
+        arm_job(base, "lt_opd", 0, tmp_path, variant="2x_clip")
+    tuning = [{"arm": "grpo", "lr_scale": 1.0, "variant": None, "retain": 0.6}, {"arm": "grpo", "lr_scale": 0.3, "retain": 0.6},
+              {"arm": "grpo", "lr_scale": 1.0, "variant": "2x_group", "retain": 0.9},  # a variant never chooses the scale
+              {"arm": "grpo", "lr_scale": 1.0, "variant": "0.5x_clip", "retain": 0.6}, {"arm": "grpo", "lr_scale": 0.3, "variant": "2x_clip", "retain": 0.95}]
+    assert chosen_lr_scale(tuning, "grpo", [1.0, 0.3]) == 1.0 and chosen_lr_scale(tuning, "grpo", [0.3, 1.0]) == 0.3  # a tie: listed first
+    assert chosen_variant(tuning, "grpo", 1.0, list(RL_VARIANTS)) == "2x_group"  # 0.95 was at another scale
+    assert chosen_variant(tuning, "grpo", 1.0, ["0.5x_clip"]) is None  # only the variants the study tries; a tie: its own
+    tuning[2]["retain"] = 0.6
+    assert chosen_variant(tuning, "grpo", 1.0, list(RL_VARIANTS)) is None
 
 
 def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):

@@ -206,7 +206,7 @@ def cmd_ablation(args) -> int:
         return 2
     try:
         results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms, resume=args.resume,
-                               lr_scales=args.lr_scales)
+                               lr_scales=args.lr_scales, rl_variants=args.rl_variants)
     except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
@@ -274,8 +274,12 @@ def register(sub) -> None:
     ablation.add_argument("--lr-scales", type=float, nargs="+", default=None, metavar="SCALE",
                           help="choose each arm's learning rates first: one run per scale of the job's (e.g. 0.3 1 3), scored on"
                                " the toy task's validation rows; the arm's seeds train at the best")
+    ablation.add_argument("--rl-variants", nargs="+", default=None, metavar="VARIANT",
+                          help="then try each RL arm at its chosen learning rates with these variants: 2x_group (twice the group,"
+                               " half the prompts), 0.5x_clip, 2x_clip (its clip range halved, doubled), scored on the validation"
+                               " rows; its seeds train with the best, or its own settings")
     ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study; --lr-scales may add"
-                          " scales while no seed has trained) and train only the missing ones")
+                          " scales, --rl-variants variants, while no seed has trained) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random VLM folder of a supported family (offline)")

@@ -25,7 +25,9 @@ table also shows a student trained with one selector and evaluated with another.
 With `lr_scales`, every arm first trains once per scale of the job's learning rates (seed TUNING_SEED, never a
 study seed) and each student is scored on validation rows (a split apart from the training and held-out rows): its
 retain at the budget with the selector it trained with, averaged over the kinds of question. The arm's seeds then
-train at the scale that scored highest, so every arm gets the same care.
+train at the scale that scored highest, so every arm gets the same care. With `rl_variants` too, each RL arm then
+trains once per variant named in it (of RL_VARIANTS: its group size, its clip range) at its chosen scale, scored
+the same way; its seeds train with the variant that scored highest, or with none where the arm's own settings did.
 Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
 held-out items; mean ± standard error over seeds.
 """
@@ -38,9 +40,9 @@ import time
 from pathlib import Path
 
 from lt_opd_ray.config.loading import load_job
-from lt_opd_ray.config.schema import JobConfig
+from lt_opd_ray.config.schema import POLICY_GRADIENT, JobConfig
 from lt_opd_ray.core.curriculum import BPS
-from lt_opd_ray.tools.ablation_report import write_report
+from lt_opd_ray.tools.ablation_report import RL_ARMS, write_report
 
 ARMS: dict[str, dict] = {
     "sft": {"objective": {"mode": "sft"}, "sampling": {"n": 1}},
@@ -72,11 +74,30 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 TUNING_SEED = 1000  # the learning-rate runs' seed: apart from the study's seeds 0..N-1
+# The RL arms' other settings, tried at each one's chosen learning rates: its group of responses twice as large (the
+# same responses an update: half the prompts), and its paper's clip range halved and doubled.
+RL_VARIANTS = ("2x_group", "0.5x_clip", "2x_clip")
 
 
-def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None = None, lr_scale: float = 1.0) -> JobConfig:
-    """The base job specialised to one arm and seed, its learning rates times `lr_scale`; `steps` rescales the
-    curriculum to a shorter run."""
+def apply_variant(data: dict, variant: str) -> None:
+    """One of RL_VARIANTS on an RL arm's job (as a dict)."""
+    from lt_opd_ray.core.rl import CLIP_RANGES
+
+    if variant == "2x_group":
+        sampling = data["sampling"]
+        if sampling["prompts_per_step"] % 2:
+            raise ValueError(f"variant 2x_group halves sampling.prompts_per_step {sampling['prompts_per_step']}: it must be even")
+        sampling.update(n=2 * sampling["n"], prompts_per_step=sampling["prompts_per_step"] // 2)
+        return
+    factor = {"0.5x_clip": 0.5, "2x_clip": 2.0}[variant]
+    low, high = CLIP_RANGES[data["objective"]["mode"]]
+    data["objective"].update(clip_low=low * factor, clip_high=high * factor)
+
+
+def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None = None, lr_scale: float = 1.0,
+            variant: str | None = None) -> JobConfig:
+    """The base job specialised to one arm and seed, its learning rates times `lr_scale`, an RL arm's `variant` (of
+    RL_VARIANTS) applied; `steps` rescales the curriculum to a shorter run."""
     data = base.model_dump()
     if steps is not None:
         scale = steps / base.budget.total_steps
@@ -95,7 +116,11 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
         data["data"]["path"] = reference_rows(base)
     if arm == "dapo":
         data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
-    if data["objective"]["mode"] in ("grpo", "dapo", "gspo"):  # at least one prompt per rank and mini-batch
+    if variant is not None:
+        if arm not in RL_ARMS:
+            raise ValueError(f"variant {variant} is an RL arm's ({', '.join(RL_ARMS)}), not {arm}'s")
+        apply_variant(data, variant)
+    if data["objective"]["mode"] in POLICY_GRADIENT:  # at least one prompt per rank and mini-batch
         prompts_per_rank = data["sampling"]["prompts_per_step"] // data["pools"]["learner"]["ranks"]
         data["optimizer"]["steps_per_update"] = max(1, min(RL_STEPS_PER_UPDATE, prompts_per_rank))
     data["optimizer"]["lr"] = {module: rate * lr_scale for module, rate in data["optimizer"]["lr"].items()}
@@ -175,12 +200,13 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
-                 resume: bool = False, lr_scales: list[float] | None = None) -> dict:
+                 resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
-    learning-rate scales, or those scales and more while no seed has trained) and train only the runs it lacks; the
-    wall time adds up over the invocations.
-    `lr_scales`: each arm's learning rates chosen first on validation rows (see the module's docstring)."""
+    learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
+    the wall time adds up over the invocations.
+    `lr_scales`: each arm's learning rates chosen first on validation rows; `rl_variants`: then each RL arm's
+    settings among these variants of RL_VARIANTS (see the module's docstring)."""
     import ray
 
     from lt_opd_ray.runtime.launch import claim_run_folder, init_ray, run
@@ -194,6 +220,11 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
     if lr_scales is not None and (not lr_scales or min(lr_scales) <= 0 or len(set(lr_scales)) != len(lr_scales)):
         raise ValueError(f"--lr-scales {' '.join(map(str, lr_scales))}: distinct positive scales of the job's learning rates")
+    rl_variants = list(rl_variants or [])
+    if not set(rl_variants) <= set(RL_VARIANTS) or len(set(rl_variants)) != len(rl_variants):
+        raise ValueError(f"--rl-variants {' '.join(rl_variants)}: distinct names of {', '.join(RL_VARIANTS)}")
+    if rl_variants and not lr_scales:
+        raise ValueError("--rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too")
     validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -212,7 +243,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
     if len(sets) > 1:
         print("  by kind of question: " + "; ".join(f"{kind} full {a['full']:.3f}" for kind, a in teacher_by_kind.items()), flush=True)
-    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales) if resume else {}
+    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants) if resume else {}
     runs, tuning = earlier.get("runs", []), earlier.get("tuning_runs", [])
     done = {(r["arm"], r["seed"]) for r in runs}
     begin -= finished_seconds(out_dir) if earlier else 0.0
@@ -220,7 +251,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
                "trained_with": base.selector.name,
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False,
-               "lr_scales": lr_scales, "tuning_runs": tuning, "chosen_lr_scale": {},
+               "lr_scales": lr_scales, "rl_variants": rl_variants, "tuning_runs": tuning, "chosen_lr_scale": {}, "chosen_variant": {},
                **({"teacher_by_kind": teacher_by_kind, "kind_items": {k: len(v) for k, v in sets.items()}} if len(sets) > 1 else {})}
     init_ray(base)
     try:
@@ -228,34 +259,44 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
             validation = eval_sets(base, validation_spec)
             teacher_on_validation = evaluate(resolve_model_dir(base.model.path), base, validation, full_tokens=True)
             results["validation"] = {"rows": validation_spec, "teacher_by_kind": teacher_on_validation}
-            tuned = {(r["arm"], r["lr_scale"]) for r in tuning}
+
+            def tune(arm: str, scale: float, variant: str | None) -> None:
+                """One validation run of `arm` at `scale` (with `variant`), unless the study has it."""
+                if any((r["arm"], r["lr_scale"], r.get("variant")) == (arm, scale, variant) for r in tuning):
+                    return
+                folder = f"lr{scale:g}" + (f"-{variant}" if variant else "")
+                job = arm_job(base, arm, TUNING_SEED, out_dir / "tuning" / folder, steps, scale, variant)
+                claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)
+                started = time.perf_counter()
+                run(job)
+                accuracy = evaluate(str(Path(job.checkpoint.dir) / "final"), job, validation, full_tokens=False)
+                tuning.append({"arm": arm, "lr_scale": scale, "variant": variant, "seconds": time.perf_counter() - started,
+                               "accuracy": accuracy, "retain": mean_retain(accuracy, teacher_on_validation, base.selector.name)})
+                print(f"{arm} at {scale:g}x the learning rates{f', {variant}' if variant else ''}: validation retain"
+                      f" {tuning[-1]['retain']:.3f}", flush=True)
+                save_results(results, out_dir, begin)
+
             for arm in arms:
                 for scale in lr_scales:
-                    if (arm, scale) in tuned:
-                        continue
-                    job = arm_job(base, arm, TUNING_SEED, out_dir / "tuning" / f"lr{scale:g}", steps, scale)
-                    claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)
-                    started = time.perf_counter()
-                    run(job)
-                    accuracy = evaluate(str(Path(job.checkpoint.dir) / "final"), job, validation, full_tokens=False)
-                    tuning.append({"arm": arm, "lr_scale": scale, "seconds": time.perf_counter() - started, "accuracy": accuracy,
-                                   "retain": mean_retain(accuracy, teacher_on_validation, base.selector.name)})
-                    print(f"{arm} at {scale:g}x the learning rates: validation retain {tuning[-1]['retain']:.3f}", flush=True)
-                    save_results(results, out_dir, begin)
-            for arm in arms:  # the highest validation retain; a tie goes to the scale listed first
-                scored = [r for r in tuning if r["arm"] == arm]
-                results["chosen_lr_scale"][arm] = max(scored, key=lambda r: (r["retain"], -lr_scales.index(r["lr_scale"])))["lr_scale"]
+                    tune(arm, scale, None)
+            for arm in arms:
+                results["chosen_lr_scale"][arm] = chosen_lr_scale(tuning, arm, lr_scales)
+            for arm in [a for a in arms if a in RL_ARMS] if rl_variants else []:
+                for variant in rl_variants:
+                    tune(arm, results["chosen_lr_scale"][arm], variant)
+                results["chosen_variant"][arm] = chosen_variant(tuning, arm, results["chosen_lr_scale"][arm], rl_variants)
         for seed in seeds:
             for arm in arms:
                 if (arm, seed) in done:
                     continue
-                job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0))
+                job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm))
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
                 logs = run(job)
                 final = logs[-1].eval_accuracy
                 runs.append({
-                    "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "seconds": time.perf_counter() - started, "final": final,
+                    "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm),
+                    "seconds": time.perf_counter() - started, "final": final,
                     "curve": [{"step": log.step + 1, "budget_bps": log.budget_bps, "loss": log.loss,
                                "divergence": log.divergence, "reward": log.reward_mean, "eval": log.eval_accuracy} for log in logs],
                 })
@@ -271,7 +312,22 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     return results
 
 
-def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None) -> dict:
+def chosen_lr_scale(tuning: list[dict], arm: str, lr_scales: list[float]) -> float:
+    """The scale of `arm`'s highest validation retain among its runs without a variant; a tie goes to the scale
+    listed first."""
+    scored = [r for r in tuning if r["arm"] == arm and not r.get("variant") and r["lr_scale"] in lr_scales]
+    return max(scored, key=lambda r: (r["retain"], -lr_scales.index(r["lr_scale"])))["lr_scale"]
+
+
+def chosen_variant(tuning: list[dict], arm: str, scale: float, variants: list[str]) -> str | None:
+    """The one of `variants` with `arm`'s highest validation retain at `scale`, None (its own settings) where they
+    scored highest; a tie goes to its own settings, then to the variant listed first."""
+    order = [None, *variants]
+    scored = [r for r in tuning if r["arm"] == arm and r["lr_scale"] == scale and r.get("variant") in order]
+    return max(scored, key=lambda r: (r["retain"], -order.index(r.get("variant"))))["variant"] if scored else None
+
+
+def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None, rl_variants: list[str] = ()) -> dict:
     """What a cut-short study in `out_dir` finished (its "runs" and "tuning_runs"), when it is this study; a
     ValueError naming the difference otherwise (a resumed study never mixes runs of another)."""
     path = out_dir / "results.json"
@@ -279,20 +335,17 @@ def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: l
         return {}
     earlier = json.loads(path.read_text())
     wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
-              "trained_with": base.selector.name, "lr_scales": lr_scales}
-    if extends_grid(earlier, lr_scales):
-        wanted["lr_scales"] = earlier["lr_scales"]
+              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants)}
+    earlier.setdefault("rl_variants", [])  # a study from before RL variants existed tried none
+    if not earlier.get("runs"):  # no seed trained yet: the tuning may grow (more scales, more variants); its runs are kept
+        for key in ("lr_scales", "rl_variants"):
+            before, now = earlier.get(key), wanted[key]
+            if before is not None and now and set(before) < set(now):
+                wanted[key] = before
     if differing := [f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
-        seeded = " after its seeds trained at the scales that grid chose" if earlier.get("runs") and earlier.get("lr_scales") else ""
+        seeded = " after its seeds trained with the settings it chose" if earlier.get("runs") and earlier.get("lr_scales") else ""
         raise ValueError(f"{path}: another study ({'; '.join(differing)}{seeded}); resume it with its own settings or choose another --out")
     return earlier
-
-
-def extends_grid(earlier: dict, lr_scales: list[float] | None) -> bool:
-    """Whether a resumed study's `lr_scales` add scales to its earlier grid before any of its seeds trained: the
-    tuning runs of the earlier scales are kept, the added ones train, and the choice is made again over them all."""
-    before = earlier.get("lr_scales")
-    return bool(before and lr_scales) and set(before) < set(lr_scales) and not earlier.get("runs")
 
 
 def finished_seconds(out_dir: Path) -> float:

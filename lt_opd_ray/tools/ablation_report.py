@@ -26,7 +26,7 @@ LABELS = {
     "oracle_sft": "SFT on the true labels (oracle)",
 }
 ORACLE = "oracle_sft"  # the true labels at this selector and budget: the recoverable gap's measure (an estimate, not a proof)
-REWARDED = ("grpo", "dapo", "gspo")  # their loss is ~0 by construction (centred advantages): their panel shows the reward
+RL_ARMS = ("grpo", "dapo", "gspo")  # their loss is ~0 by construction (centred advantages): their panel shows the reward
 
 
 # the paper's ordering at 5% (68.6 < 70.4 < 77.6 < 81.5 <= 82.3)
@@ -101,7 +101,7 @@ def ordering_lines(rows: list[dict], selector: str) -> list[str]:
 
 
 # the paper's other claims: each RL baseline, and LT-OPD without its final plateau, below LT-OPD
-BELOW_LT_OPD = ("grpo", "dapo", "gspo", "lt_opd_no_hold")
+BELOW_LT_OPD = (*RL_ARMS, "lt_opd_no_hold")
 
 
 def below_lt_opd_lines(rows: list[dict], selector: str) -> list[str]:
@@ -176,9 +176,23 @@ def tuning_lines(results: dict) -> list[str]:
              " the arm's seeds trained at the chosen scale.", "",
              "| arm | " + " | ".join(f"{scale:g}x" for scale in scales) + " | chosen |", "|---|" + "---|" * (len(scales) + 1)]
     for arm in dict.fromkeys(r["arm"] for r in tuning):
-        score = {r["lr_scale"]: r["retain"] for r in tuning if r["arm"] == arm}
+        score = {r["lr_scale"]: r["retain"] for r in tuning if r["arm"] == arm and not r.get("variant")}
         lines.append(f"| {LABELS[arm]} | " + " | ".join(f"{score[s]:.3f}" if s in score else "-" for s in scales)
                      + f" | {results['chosen_lr_scale'].get(arm, '-')}{'x' if arm in results['chosen_lr_scale'] else ''} |")
+    varied = [r for r in tuning if r.get("variant")]
+    if not varied:
+        return lines
+    variants = list(dict.fromkeys(r["variant"] for r in varied))
+    lines += ["", "The RL arms' group size and clip range, tried at each arm's chosen learning rates (validation retain as above;"
+              " `2x_group`: groups twice as large, half the prompts, the same responses an update; `0.5x_clip` / `2x_clip`: its"
+              " paper's clip range halved / doubled); the arm's seeds trained with the chosen one.", "",
+              "| arm | at | its own | " + " | ".join(variants) + " | chosen |", "|---|---|---|" + "---|" * (len(variants) + 1)]
+    for arm in dict.fromkeys(r["arm"] for r in varied):
+        scale = results["chosen_lr_scale"].get(arm)
+        score = {r.get("variant"): r["retain"] for r in tuning if r["arm"] == arm and r["lr_scale"] == scale}
+        chosen = results.get("chosen_variant", {}).get(arm, "-")  # None: its own settings
+        lines.append(f"| {LABELS[arm]} | {scale:g}x | " + " | ".join(f"{score[v]:.3f}" if v in score else "-" for v in [None, *variants])
+                     + f" | {chosen or 'its own'} |")
     return lines
 
 
@@ -247,11 +261,11 @@ def plot_curves(results: dict, path: Path) -> list[str]:
         line, = left.plot([0, *evaluated], [untrained, *map(statistics.fmean, per_seed)], marker="o", label=LABELS[arm])
         left.fill_between([0, *evaluated], [untrained, *map(min, per_seed)], [untrained, *map(max, per_seed)], color=line.get_color(), alpha=0.15)
         steps = [p["step"] for p in curves[0]]
-        shown = "reward" if arm in REWARDED else "loss"
+        shown = "reward" if arm in RL_ARMS else "loss"
         values = [[c[i][shown] for c in curves] for i in range(len(steps))]
         loss_axis.plot(steps, list(map(statistics.fmean, values)), color=line.get_color())
         loss_axis.fill_between(steps, list(map(min, values)), list(map(max, values)), color=line.get_color(), alpha=0.15)
-        if arm in REWARDED:
+        if arm in RL_ARMS:
             loss_axis.set(xlabel="update", ylabel="mean reward of the update's rollouts", title=LABELS[arm])
         else:
             loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
