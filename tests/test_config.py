@@ -95,6 +95,13 @@ def test_the_requests_in_flight_are_the_groups_the_rollout_pool_makes(prompts, r
     assert (job.teacher_admission_note() is None) == (slots >= groups * (1 + staleness))
 
 
+def test_an_rl_baselines_clip_range_is_its_papers_where_the_job_sets_none_of_it():
+    from lt_opd_ray.config.schema import ObjectiveConfig
+
+    assert [ObjectiveConfig(mode=mode).clip_range for mode in ("grpo", "dapo", "gspo")] == [(0.2, 0.2), (0.2, 0.28), (3e-4, 4e-4)]
+    assert ObjectiveConfig(mode="dapo", clip_high=0.3).clip_range == (0.2, 0.3) and ObjectiveConfig(mode="gspo", clip_low=1e-3).clip_range == (1e-3, 4e-4)
+
+
 def test_unknown_key_is_an_error_with_path_and_line():
     problems, message = problems_of(MINIMAL + "budget:\n  start_bps: 2500\n  warmup: 3\n")
     assert problems == [("budget.warmup (line 7)", "unknown key; did you mean warm_steps?")]  # the nearest key there

@@ -385,14 +385,14 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
         else:
             assert stats.clipped > 0  # the clip binds somewhere (for GSPO, on whole responses)
             # objective.clip_low / clip_high replace the paper's range: the loss is the formula's at the job's range
-            wider = job.objective.model_copy(update={"clip_low": low / 2, "clip_high": high * 2})
-            assert wider.clip_range == (low / 2, high * 2)
-            widened, _ = student_loss(trainer.student, prompts, rollouts, scores, wider, policy=policy)
+            moved = job.objective.model_copy(update={"clip_low": low / 2, "clip_high": high * 2})
+            assert moved.clip_range == (low / 2, high * 2)
+            at_range, _ = student_loss(trainer.student, prompts, rollouts, scores, moved, policy=policy)
             formula = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low / 2, clip_high=high * 2)
             if kl_coef:
                 formula = formula + (reference - policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high))
-            assert float(widened.detach()) == pytest.approx(float(formula.detach()), rel=1e-4, abs=1e-7)
-            assert float(widened.detach()) != pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-7)  # the range acts here
+            assert float(at_range.detach()) == pytest.approx(float(formula.detach()), rel=1e-4, abs=1e-7)
+            assert float(at_range.detach()) != pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-7)  # the range acts here
 
 
 def test_later_steps_of_an_update_compare_with_the_weights_it_started_from(tiny_dirs, samples):

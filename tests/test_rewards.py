@@ -103,7 +103,7 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
 def test_a_judge_whose_template_thinks_gives_its_verdict_at_once(tiny_dirs, tmp_path):
     """Under a chat template that opens a thinking block after the assistant's turn (as Qwen3.5's does), the judge's
     prompt closes it empty (the template's `enable_thinking` switch), so its reward is read at its answer's first
-    token, not at the block's first thought."""
+    token, not at the block's first thought; a template that opens one whatever it is asked is refused."""
     import dataclasses
     import shutil
 
@@ -132,6 +132,9 @@ def test_a_judge_whose_template_thinks_gives_its_verdict_at_once(tiny_dirs, tmp_
                         image_grid_thw=prompt.image_grid_thw).logits[0, -1].double().softmax(dim=0)
     p_yes, p_no = (float(p[list(ids)].sum()) for ids in (judge.yes, judge.no))
     assert value == pytest.approx(p_yes / (p_yes + p_no), rel=1e-5)
+    template.write_text(template.read_text().replace(opened, "<|im_start|>assistant\n<think>\n"))  # thinks whatever it is asked
+    with pytest.raises(ValueError, match="its chat template opens a thinking block after the question even with enable_thinking=False"):
+        Judge(str(thinking), DataConfig(path="synthetic:1", max_pixels=65536))
 
 
 def test_the_judge_rewards_its_probability_of_yes_after_the_question_about_each_response(tiny_dirs):

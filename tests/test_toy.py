@@ -331,15 +331,16 @@ def test_the_arms_the_paper_puts_below_lt_opd_are_weighed_against_their_standard
     def row(arm, mean, se):
         return {"arm": arm, "evaluated_with": "cdpruner", "retain_mean": mean, "retain_se": se}
 
-    rows = [row("untrained", 0.6, 0.02), row("lt_opd", 0.70, 0.03), row("grpo", 0.60, 0.04), row("gspo", 0.66, 0.0),
-            row("dapo", 0.80, 0.0), row("lt_opd_no_hold", 0.71, 0.01), row("sft", 0.1, 0.0)]
+    rows = [row("untrained", 0.5, 0.02), row("lt_opd", 0.75, 0.0625), row("grpo", 0.5, 0.0), row("gspo", 0.6875, 0.0),
+            row("dapo", 0.875, 0.0), row("lt_opd_no_hold", 0.625, 0.0625), row("sft", 0.1, 0.0)]  # binary fractions: exact d and SE
     lines = below_lt_opd_lines(rows, "cdpruner")
-    assert lines[-4:] == ["- GRPO (answer reward) < LT-OPD: d = +0.100 ± 0.050 (SE): not shown",  # 0.1 = 2 SE: not above
-                          "- DAPO (answer reward) < LT-OPD: d = -0.100 ± 0.030 (SE): reversed",
-                          "- GSPO (answer reward) < LT-OPD: d = +0.040 ± 0.030 (SE): not shown",
-                          "- LT-OPD, no final plateau < LT-OPD: d = -0.010 ± 0.032 (SE): not shown"]
-    rows[2]["retain_mean"] = 0.59
-    assert below_lt_opd_lines(rows, "cdpruner")[-4].endswith("d = +0.110 ± 0.050 (SE): shown")
+    assert lines[-4:] == ["- GRPO (answer reward) < LT-OPD: d = +0.250 ± 0.062 (SE): shown",
+                          "- DAPO (answer reward) < LT-OPD: d = -0.125 ± 0.062 (SE): not shown",  # exactly -2 SE: not beyond it
+                          "- GSPO (answer reward) < LT-OPD: d = +0.062 ± 0.062 (SE): not shown",
+                          "- LT-OPD, no final plateau < LT-OPD: d = +0.125 ± 0.088 (SE): not shown"]
+    rows[2]["retain_mean"], rows[3]["retain_mean"], rows[4]["retain_mean"] = 0.625, 0.625 - 2**-20, 0.875 + 2**-20  # GRPO, GSPO, DAPO
+    assert [line.rsplit(": ", 1)[1] for line in below_lt_opd_lines(rows, "cdpruner")[-4:-1]] == ["not shown", "reversed", "shown"]
+    assert below_lt_opd_lines(rows, "cdpruner")[-4].endswith("d = +0.125 ± 0.062 (SE): not shown")  # exactly 2 SE: not above it
     assert below_lt_opd_lines([r for r in rows if r["arm"] != "lt_opd"], "cdpruner") == []  # nothing to weigh against
     assert below_lt_opd_lines(rows[:2], "cdpruner") == [] and below_lt_opd_lines(rows, "divprune") == []
 
@@ -471,10 +472,15 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["grpo"], lr_scales=[3.0])
     # the grid extended on resume (its chosen scale was an end of it), and an RL variant added, before any seed
     # trained: 3.0's run is kept (the study's variants, RL_VARIANTS, test_the_rl_arms_variants_...)
+    stopped = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 3.0], resume=True,
+                           rl_variants=["2x_group"])
+    # of two scales the chosen one is an end of the grid: the study stops before its variants and seeds
+    assert stopped["grid_ends"] == stopped["chosen_lr_scale"] and not stopped["complete"] and not stopped["runs"]
+    assert [r["lr_scale"] for r in stopped["tuning_runs"]] == [3.0, 0.1]
     study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 3.0], resume=True,
-                         rl_variants=["2x_group"])
-    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and [r["lr_scale"] for r in study["tuning_runs"]][:2] == [3.0, 0.1]
-    assert study["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"]
+                         rl_variants=["2x_group"], accept_grid_ends=True)
+    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and study["tuning_runs"][:2] == stopped["tuning_runs"]
+    assert study["seconds"] > stopped["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"] and study["complete"]
     with pytest.raises(ValueError, match=r"another study \(lr_scales \[0.1, 3.0\] \(now \[0.1, 0.3, 3.0\]\) after its seeds trained"):
         run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 0.3, 3.0], resume=True,
                      rl_variants=["2x_group"])
@@ -520,7 +526,7 @@ def test_the_rl_arms_variants_change_their_group_size_or_clip_range_and_nothing_
             assert job.sampling.n * job.sampling.prompts_per_step == 64 and job.optimizer.steps_per_update == 4  # four mini-batches still
     with pytest.raises(ValueError, match="variant 2x_clip is an RL arm's \\(grpo, dapo, gspo\\), not lt_opd's"):
         arm_job(base, "lt_opd", 0, tmp_path, variant="2x_clip")
-    tuning = [{"arm": "grpo", "lr_scale": 1.0, "variant": None, "retain": 0.6}, {"arm": "grpo", "lr_scale": 0.3, "retain": 0.6},
+    tuning = [{"arm": "grpo", "lr_scale": 1.0, "retain": 0.6}, {"arm": "grpo", "lr_scale": 0.3, "retain": 0.6},  # runs before variants: no key
               {"arm": "grpo", "lr_scale": 1.0, "variant": "2x_group", "retain": 0.9},  # a variant never chooses the scale
               {"arm": "grpo", "lr_scale": 1.0, "variant": "0.5x_clip", "retain": 0.6}, {"arm": "grpo", "lr_scale": 0.3, "variant": "2x_clip", "retain": 0.95}]
     assert chosen_lr_scale(tuning, "grpo", [1.0, 0.3]) == 1.0 and chosen_lr_scale(tuning, "grpo", [0.3, 1.0]) == 0.3  # a tie: listed first

@@ -206,12 +206,16 @@ def cmd_ablation(args) -> int:
         return 2
     try:
         results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms, resume=args.resume,
-                               lr_scales=args.lr_scales, rl_variants=args.rl_variants)
+                               lr_scales=args.lr_scales, rl_variants=args.rl_variants, accept_grid_ends=args.accept_grid_ends)
     except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
     print((Path(args.out) / "retain_table.md").read_text())
     print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, curves.png in {results['seconds'] / 60:.1f} min")
+    if "grid_ends" in results:
+        print("ablation: stopped after the learning-rate runs: " + ", ".join(f"{arm} chose {scale:g}x" for arm, scale in results["grid_ends"].items())
+              + ", an end of --lr-scales; add a scale beyond it and --resume (or --accept-grid-ends)", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -278,6 +282,9 @@ def register(sub) -> None:
                           help="then try each RL arm at its chosen learning rates with these variants: 2x_group (twice the group,"
                                " half the prompts), 0.5x_clip, 2x_clip (its clip range halved, doubled), scored on the validation"
                                " rows; its seeds train with the best, or its own settings")
+    ablation.add_argument("--accept-grid-ends", action="store_true",
+                          help="go on to the variants and seeds when an arm's learning rates are chosen at an end of --lr-scales"
+                               " (by default the study stops there, exit 3, so that the grid is extended first)")
     ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study; --lr-scales may add"
                           " scales, --rl-variants variants, while no seed has trained) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)

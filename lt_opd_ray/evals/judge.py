@@ -2,7 +2,8 @@
 whether it gives its row's reference answer; the reward is the judge's probability of "yes" against "no" (either
 capitalised) for the first token of its answer. It reads the row's images, question and answer and the response. Its
 prompt ends where its answer begins: a chat template that opens a thinking block after the assistant's turn (Qwen3,
-Qwen3.5) is asked to close it empty (`enable_thinking=False`), so the verdict is the next token. A call's questions run packed end to end in rows of at most `micro_batch_tokens` (models/packing.py, core/microbatch.py),
+Qwen3.5) is asked to close it empty (`enable_thinking=False`), so the verdict is the next token; a template that
+opens one anyway is refused. A call's questions run packed end to end in rows of at most `micro_batch_tokens` (models/packing.py, core/microbatch.py),
 each row's images encoded once per call however many of its responses are asked about. In a run it serves from its
 own Ray Serve pool (`pools.reward`, runtime/reward_pool.py); the reference calls it in process.
 """
@@ -41,6 +42,11 @@ class Judge:
         self.model = model.eval().requires_grad_(False)
         self.vlm, self.micro_batch_tokens = QwenVLM(self.model), micro_batch_tokens
         self.processor = VLMProcessor.for_data(model_dir, data)
+        asked = self.processor.tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False, add_generation_prompt=True,
+                                                             enable_thinking=False)
+        if asked.rfind("<think>") > asked.rfind("</think>"):  # its verdict would be read at its first thought
+            raise ValueError(f"the judge {model_path}: its chat template opens a thinking block after the question even with"
+                             " enable_thinking=False; use a judge that answers at once")
         self.yes, self.no = (sorted({self.first_token(form) for form in (word, word.capitalize())}) for word in VERDICTS)
         if set(self.yes) & set(self.no):
             raise ValueError(f"the judge's tokenizer begins {VERDICTS[0]!r} and {VERDICTS[1]!r} with the same token: it cannot tell them apart")

@@ -80,8 +80,9 @@ RL_VARIANTS = ("2x_group", "0.5x_clip", "2x_clip")
 
 
 def apply_variant(data: dict, variant: str) -> None:
-    """One of RL_VARIANTS on an RL arm's job (as a dict)."""
-    from lt_opd_ray.core.rl import CLIP_RANGES
+    """One of RL_VARIANTS on an RL arm's job (as a dict): its group size, or its clip range (the job's, else its
+    paper's) scaled."""
+    from lt_opd_ray.config.schema import ObjectiveConfig
 
     if variant == "2x_group":
         sampling = data["sampling"]
@@ -90,7 +91,7 @@ def apply_variant(data: dict, variant: str) -> None:
         sampling.update(n=2 * sampling["n"], prompts_per_step=sampling["prompts_per_step"] // 2)
         return
     factor = {"0.5x_clip": 0.5, "2x_clip": 2.0}[variant]
-    low, high = CLIP_RANGES[data["objective"]["mode"]]
+    low, high = ObjectiveConfig.model_validate(data["objective"]).clip_range
     data["objective"].update(clip_low=low * factor, clip_high=high * factor)
 
 
@@ -200,13 +201,17 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
-                 resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None) -> dict:
+                 resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
+                 accept_grid_ends: bool = False) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
     the wall time adds up over the invocations.
     `lr_scales`: each arm's learning rates chosen first on validation rows; `rl_variants`: then each RL arm's
-    settings among these variants of RL_VARIANTS (see the module's docstring)."""
+    settings among these variants of RL_VARIANTS (see the module's docstring). Where an arm's chosen scale is the
+    smallest or largest of `lr_scales`, the study stops after the learning-rate runs (results["complete"] False,
+    results["grid_ends"] naming them), so that the grid is extended that way before anything trains at it; unless
+    `accept_grid_ends`."""
     import ray
 
     from lt_opd_ray.runtime.launch import claim_run_folder, init_ray, run
@@ -281,6 +286,14 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                     tune(arm, scale, None)
             for arm in arms:
                 results["chosen_lr_scale"][arm] = chosen_lr_scale(tuning, arm, lr_scales)
+            ends = {arm: scale for arm, scale in results["chosen_lr_scale"].items() if len(lr_scales) > 1 and scale in (min(lr_scales), max(lr_scales))}
+            if ends and not accept_grid_ends:
+                results["grid_ends"] = ends
+                print("stopped before the variants and seeds: the learning rates chosen at an end of the grid ("
+                      + ", ".join(f"{arm} {scale:g}x" for arm, scale in ends.items()) + "); extend --lr-scales that way and --resume,"
+                      " or --accept-grid-ends", flush=True)
+                save_results(results, out_dir, begin)
+                return results
             for arm in [a for a in arms if a in RL_ARMS] if rl_variants else []:
                 for variant in rl_variants:
                     tune(arm, results["chosen_lr_scale"][arm], variant)
@@ -324,7 +337,7 @@ def chosen_variant(tuning: list[dict], arm: str, scale: float, variants: list[st
     scored highest; a tie goes to its own settings, then to the variant listed first."""
     order = [None, *variants]
     scored = [r for r in tuning if r["arm"] == arm and r["lr_scale"] == scale and r.get("variant") in order]
-    return max(scored, key=lambda r: (r["retain"], -order.index(r.get("variant"))))["variant"] if scored else None
+    return max(scored, key=lambda r: (r["retain"], -order.index(r.get("variant")))).get("variant") if scored else None
 
 
 def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None, rl_variants: list[str] = ()) -> dict:

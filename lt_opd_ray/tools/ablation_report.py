@@ -187,12 +187,11 @@ def tuning_lines(results: dict) -> list[str]:
               " `2x_group`: groups twice as large, half the prompts, the same responses an update; `0.5x_clip` / `2x_clip`: its"
               " paper's clip range halved / doubled); the arm's seeds trained with the chosen one.", "",
               "| arm | at | its own | " + " | ".join(variants) + " | chosen |", "|---|---|---|" + "---|" * (len(variants) + 1)]
-    for arm in dict.fromkeys(r["arm"] for r in varied):
-        scale = results["chosen_lr_scale"].get(arm)
+    for arm, scale in dict.fromkeys((r["arm"], r["lr_scale"]) for r in varied):  # every scale variants ran at, chosen or not
         score = {r.get("variant"): r["retain"] for r in tuning if r["arm"] == arm and r["lr_scale"] == scale}
-        chosen = results.get("chosen_variant", {}).get(arm, "-")  # None: its own settings
+        chosen = results.get("chosen_variant", {}).get(arm, "-") if results["chosen_lr_scale"].get(arm) == scale else "-"
         lines.append(f"| {LABELS[arm]} | {scale:g}x | " + " | ".join(f"{score[v]:.3f}" if v in score else "-" for v in [None, *variants])
-                     + f" | {chosen or 'its own'} |")
+                     + f" | {chosen or 'its own'} |")  # None: its own settings
     return lines
 
 
