@@ -217,8 +217,8 @@ class ObjectiveConfig(StrictModel):
     def _terms_of_the_rl_baselines(self) -> ObjectiveConfig:
         for name in ("kl_coef", "clip_low", "clip_high"):
             if getattr(self, name) and not self.policy_gradient:
-                raise ValueError(f"objective.{name} is the RL baselines' (grpo, dapo, gspo); objective.mode {self.mode} has no such"
-                                 " term (the distillation modes' loss is a divergence from the teacher already)")
+                raise ValueError(f"objective.{name} is the RL baselines' (grpo, dapo, gspo); objective.mode {self.mode} trains no"
+                                 " clipped policy gradient")
         return self
 
 
