@@ -354,7 +354,7 @@ class FakeLearnerGroup:
         self.roles, self.job = roles, job
         self.actors = [FakeActor(f"learner-{r}") for r in range(job.pools.learner.ranks)]
         self.substitutes = [Substitutes() for _ in self.actors]
-        self.score_requests = [ScoreRequests(roles.teacher_role.request) for _ in self.actors]
+        self.score_requests = [ScoreRequests(lambda *request: roles.teacher_role.request(*request)) for _ in self.actors]  # a job without a teacher asks none
         self.version, self.digest = 0, INITIAL
         self.history = {0: INITIAL}  # version -> digest, as the weights moved in this process (and as loaded)
         self.trained: dict[int, list[tuple]] = {}  # update -> its records, sorted
@@ -473,14 +473,36 @@ class FakeBroadcaster:
         return results[0]
 
 
+class FakeRewardPool:
+    """The reward judge's pool (runtime/reward_pool.RewardService) as the driver sees it: started, waited for,
+    stopped; `roles.judge_fails_to_start` makes its replicas never answer."""
+
+    app_name = "fake-reward"
+
+    def __init__(self, roles: FakeRoles, job):
+        self.roles = roles
+
+    def wait_ready(self) -> float:
+        if self.roles.judge_fails_to_start:
+            raise NoAnswerError("reward judge: no answer after 1800 s from the Serve app fake-reward")
+        return time.time()
+
+    def placements(self) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        self.roles.stopped.append("reward judge")
+
+
 class FakeRoles:
     """Where a driver under test gets its roles (runtime/roles.Roles); `faults` are consumed as they strike."""
 
     def __init__(self, faults: list[Fault] = (), concurrent: bool = False, sample_seconds: float = 0.0, learners_fail_to_start: bool = False,
-                 teacher_slots: int = 8):
+                 teacher_slots: int = 8, judge_fails_to_start: bool = False):
         self.objects = LocalObjects()
         self.faults = list(faults)
         self.concurrent, self.sample_seconds, self.learners_fail_to_start = concurrent, sample_seconds, learners_fail_to_start
+        self.judge_fails_to_start = judge_fails_to_start
         self.teacher_slots = teacher_slots
         self.sampling_allowed = threading.Event()  # cleared: every worker holds its groups until it is set
         self.sampling_allowed.set()
@@ -504,6 +526,9 @@ class FakeRoles:
     def teacher(self, job) -> FakeTeacher:
         self.teacher_role = FakeTeacher(self, job)
         return self.teacher_role
+
+    def reward_pool(self, job) -> FakeRewardPool:
+        return FakeRewardPool(self, job)
 
     def broadcaster(self, learners, rollouts, timeout_s: float) -> FakeBroadcaster:
         return FakeBroadcaster(self, learners, rollouts, timeout_s)

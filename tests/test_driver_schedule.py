@@ -214,3 +214,17 @@ def test_a_pool_that_fails_to_start_stops_the_ones_already_started(tmp_path):
     with pytest.raises(NoAnswerError, match="learner-1"):
         Driver(fake_job(tmp_path), roles=roles)
     assert sorted(roles.stopped) == ["learners", "rollout workers", "teacher"]
+
+
+def test_a_judge_pool_that_fails_to_start_stops_itself_and_the_pools_started_beside_it(tmp_path):
+    """A reward judged by a model (GRPO: no teacher pool): its Serve pool starts first and never answers; the run
+    ends naming it, and every pool it started, the judge's included, is stopped."""
+    job = fake_job(tmp_path)
+    judge = tmp_path / "fake-model"
+    job = job.model_copy(update={"objective": job.objective.model_copy(update={"mode": "grpo"}),
+                                 "reward": job.reward.model_copy(update={"name": "judge", "judge": str(judge)})})
+    assert job.reward.uses_judge and not job.objective.teacher_scores
+    roles = FakeRoles(judge_fails_to_start=True)
+    with pytest.raises(NoAnswerError, match="reward judge: no answer after 1800 s"):
+        Driver(job, roles=roles)
+    assert sorted(roles.stopped) == ["learners", "reward judge", "rollout workers"]
