@@ -373,6 +373,25 @@ def test_a_curve_is_flat_when_its_last_two_evaluations_are_within_2_se_of_the_tw
 
 # ---------------------------------------------------------------- trained teacher (slow: trains it once)
 @pytest.fixture(scope="module")
+def study_cluster():
+    """One local Ray cluster for the module's studies (run_ablation uses a session that is up; it starts and stops
+    its own otherwise), as `lt-opd ablation` starts it for the study's job."""
+    import ray
+    from ray import serve
+
+    from lt_opd_ray.runtime.launch import init_ray
+
+    job = load_job(BASE_JOB)
+    init_ray(job.model_copy(update={"metrics": job.metrics.model_copy(update={"export_port": STUDY_METRICS_PORT})}))
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+STUDY_METRICS_PORT = 8096  # not the port of a study running on this machine (8091)
+
+
+@pytest.fixture(scope="module")
 def teacher():
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
@@ -421,7 +440,7 @@ def test_evaluation_at_full_tokens_agrees_with_transformers_generate(teacher):
 
 
 @pytest.mark.slow
-def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report(teacher, tmp_path):
+def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report(teacher, study_cluster, tmp_path):
     """Two arms, two updates each, through Ray + DeepSpeed + Serve, the second added by a resume (a study cut short,
     then run on: the finished run is kept as it was, only the missing one trains): every finished run's curve, the
     table and the figure are written. Whether training recovers what pruning loses is the first run's test
@@ -447,7 +466,7 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     assert (study / "curves.png").stat().st_size > 0 and "LT-OPD" in (study / "retain_table.md").read_text()
 
 
-def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher, tmp_path):
+def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher, study_cluster, tmp_path):
     """`lr_scales`: the arm trains once per scale (its own seed, not a study seed), each student scored on the toy
     task's validation rows (a split apart from the training and held-out rows); the study's seed trains at the scale
     that scored highest, and the report's table shows every score and the choice."""

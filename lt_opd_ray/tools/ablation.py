@@ -258,7 +258,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False,
                "lr_scales": lr_scales, "rl_variants": rl_variants, "tuning_runs": tuning, "chosen_lr_scale": {}, "chosen_variant": {},
                **({"teacher_by_kind": teacher_by_kind, "kind_items": {k: len(v) for k, v in sets.items()}} if len(sets) > 1 else {})}
-    init_ray(base)
+    own_cluster = not ray.is_initialized()  # a caller's Ray session (a notebook's, a test module's) is used as it is
+    if own_cluster:
+        init_ray(base)
     try:
         if lr_scales:
             validation = eval_sets(base, validation_spec)
@@ -319,7 +321,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                       + f"  ({runs[-1]['seconds']:.0f}s)", flush=True)
                 save_results(results, out_dir, begin)  # a study cut short keeps every finished run
     finally:
-        ray.shutdown()
+        if own_cluster:
+            ray.shutdown()
     results["complete"] = True
     save_results(results, out_dir, begin)
     return results
