@@ -14,10 +14,12 @@ import re
 from collections import Counter
 
 import pytest
+
 from conftest import job_for
 from fake_roles import FakeRoles, Fault, reference_digests, response_tokens
 
 import lt_opd_ray.runtime.waits as waits
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.batch_order import batches
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, deal, group_bounds
@@ -219,10 +221,10 @@ def test_a_pool_that_fails_to_start_stops_the_ones_already_started(tmp_path):
 def test_a_judge_pool_that_fails_to_start_stops_itself_and_the_pools_started_beside_it(tmp_path):
     """A reward judged by a model (GRPO: no teacher pool): its Serve pool starts first and never answers; the run
     ends naming it, and every pool it started, the judge's included, is stopped."""
-    job = fake_job(tmp_path)
-    judge = tmp_path / "fake-model"
-    job = job.model_copy(update={"objective": job.objective.model_copy(update={"mode": "grpo"}),
-                                 "reward": job.reward.model_copy(update={"name": "judge", "judge": str(judge)})})
+    data = fake_job(tmp_path).model_dump()
+    data["objective"]["mode"] = "grpo"
+    data["reward"].update(name="judge", judge=str(tmp_path / "fake-model"))
+    job = JobConfig.model_validate(data)
     assert job.reward.uses_judge and not job.objective.teacher_scores
     roles = FakeRoles(judge_fails_to_start=True)
     with pytest.raises(NoAnswerError, match="reward judge: no answer after 1800 s"):

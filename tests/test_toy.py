@@ -472,6 +472,8 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     that scored highest, and the report's table shows every score and the choice."""
     from lt_opd_ray.sources.resolve import load_samples
     from lt_opd_ray.config.loading import load_job
+    import ray
+
     from lt_opd_ray.tools.ablation import TUNING_SEED, arm_job, run_ablation
 
     base = tmp_path / "toy_circles.yaml"
@@ -489,17 +491,14 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     with pytest.raises(ValueError, match=r"--rl-variants 2x_clip 3x_clip: distinct names of 2x_group, 0.5x_clip, 2x_clip"):
         run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[1.0], rl_variants=["2x_clip", "3x_clip"])
     grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["grpo"], lr_scales=[3.0])
+    assert grid["complete"] and "grid_ends" not in grid and ray.is_initialized()  # one scale has no end; the module's Ray stays up
     # the grid extended on resume (its chosen scale was an end of it), and an RL variant added, before any seed
     # trained: 3.0's run is kept (the study's variants, RL_VARIANTS, test_the_rl_arms_variants_...)
-    stopped = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 3.0], resume=True,
-                           rl_variants=["2x_group"])
-    # of two scales the chosen one is an end of the grid: the study stops before its variants and seeds
-    assert stopped["grid_ends"] == stopped["chosen_lr_scale"] and not stopped["complete"] and not stopped["runs"]
-    assert [r["lr_scale"] for r in stopped["tuning_runs"]] == [3.0, 0.1]
+    # of two scales the chosen one is an end of the grid where it scores above the other (the stop: the next test)
     study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 3.0], resume=True,
                          rl_variants=["2x_group"], accept_grid_ends=True)
-    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and study["tuning_runs"][:2] == stopped["tuning_runs"]
-    assert study["seconds"] > stopped["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"] and study["complete"]
+    assert study["tuning_runs"][0] == grid["tuning_runs"][0] and [r["lr_scale"] for r in study["tuning_runs"]][:2] == [3.0, 0.1]
+    assert study["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"] and study["complete"] and ray.is_initialized()
     with pytest.raises(ValueError, match=r"another study \(lr_scales \[0.1, 3.0\] \(now \[0.1, 0.3, 3.0\]\) after its seeds trained"):
         run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 0.3, 3.0], resume=True,
                      rl_variants=["2x_group"])
@@ -524,12 +523,37 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     assert scaled.model_dump() == pytest.approx({module: 3.0 * rate for module, rate in job.optimizer.lr.model_dump().items()})
 
 
+def test_a_study_whose_learning_rates_are_chosen_at_an_end_of_the_grid_stops_before_its_seeds(teacher, study_cluster, tmp_path):
+    """The plan's rule: an arm whose best scale is an end of the grid (above every other) has the grid extended that
+    way before anything trains at it. A study holding such validation scores (as a cut-short study would) stops after
+    its learning-rate runs, naming the arm, and trains nothing."""
+    import ray
+
+    from lt_opd_ray.tools.ablation import run_ablation
+
+    base = tmp_path / "toy_circles.yaml"
+    base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
+                    .replace("export_port: 8091", "export_port: 8096"))
+    job, study = load_job(base), tmp_path / "study"
+    study.mkdir()
+    held = {"base_job": str(base), "steps": 1, "budget_bps": job.eval_budget_bps, "selectors": list(job.eval.selectors),
+            "trained_with": job.selector.name, "lr_scales": [0.3, 1.0], "rl_variants": [], "runs": [], "seconds": 60.0,
+            "tuning_runs": [{"arm": "sft", "lr_scale": scale, "variant": None, "seconds": 1.0, "accuracy": {}, "retain": retain}
+                            for scale, retain in ((0.3, 0.7), (1.0, 0.6))]}
+    (study / "results.json").write_text(json.dumps(held))
+    stopped = run_ablation(str(base), str(study), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.3, 1.0], resume=True)
+    assert stopped["grid_ends"] == {"sft": 0.3} and not stopped["complete"] and not stopped["runs"] and ray.is_initialized()
+    saved = json.loads((study / "results.json").read_text())
+    assert saved["grid_ends"] == {"sft": 0.3} and saved["tuning_runs"] == held["tuning_runs"] and not (study / "sft").exists()
+    assert saved["seconds"] > held["seconds"]
+
+
 def test_the_rl_arms_variants_change_their_group_size_or_clip_range_and_nothing_else(tmp_path):
     """RL_VARIANTS on the RL arms' jobs: twice the group with half the prompts (the same responses an update), the
     paper's clip range halved or doubled; no other field moves. The choice among an arm's own settings and its
     variants is the highest validation retain at its chosen scale, a tie going to its own settings."""
     from lt_opd_ray.core.rl import CLIP_RANGES
-    from lt_opd_ray.tools.ablation import RL_VARIANTS, arm_job, chosen_lr_scale, chosen_variant
+    from lt_opd_ray.tools.ablation import RL_VARIANTS, arm_job, chosen_lr_scale, chosen_variant, grid_ends
 
     base = load_job("jobs/toy_discs.yaml")
     for arm in ("grpo", "dapo", "gspo"):
@@ -549,6 +573,13 @@ def test_the_rl_arms_variants_change_their_group_size_or_clip_range_and_nothing_
               {"arm": "grpo", "lr_scale": 1.0, "variant": "2x_group", "retain": 0.9},  # a variant never chooses the scale
               {"arm": "grpo", "lr_scale": 1.0, "variant": "0.5x_clip", "retain": 0.6}, {"arm": "grpo", "lr_scale": 0.3, "variant": "2x_clip", "retain": 0.95}]
     assert chosen_lr_scale(tuning, "grpo", [1.0, 0.3]) == 1.0 and chosen_lr_scale(tuning, "grpo", [0.3, 1.0]) == 0.3  # a tie: listed first
+    scores = [{"arm": arm, "lr_scale": scale, "retain": retain} for arm, row in {"a": (0.5, 0.6, 0.4), "b": (0.6, 0.6, 0.4), "c": (0.4, 0.5, 0.6),
+                                                                                 "d": (0.6, 0.5, 0.4)}.items() for scale, retain in zip((0.3, 1.0, 3.0), row)]
+    scores.append({"arm": "d", "lr_scale": 3.0, "variant": "2x_clip", "retain": 0.9})  # variants choose no scale and make no end
+    chosen = {arm: chosen_lr_scale(scores, arm, [0.3, 1.0, 3.0]) for arm in "abcd"}
+    assert chosen == {"a": 1.0, "b": 0.3, "c": 3.0, "d": 0.3}  # b: a tie, the scale listed first
+    assert grid_ends(scores, chosen, [0.3, 1.0, 3.0]) == {"c": 3.0, "d": 0.3}  # b's end ties an inner scale: nothing beyond to look for
+    assert grid_ends(scores, {"c": 3.0}, [3.0]) == {}  # one scale has no ends
     assert chosen_variant(tuning, "grpo", 1.0, list(RL_VARIANTS)) == "2x_group"  # 0.95 was at another scale
     assert chosen_variant(tuning, "grpo", 1.0, ["0.5x_clip"]) is None  # only the variants the study tries; a tie: its own
     tuning[2]["retain"] = 0.6

@@ -215,7 +215,7 @@ def cmd_ablation(args) -> int:
     if "grid_ends" in results:
         print("ablation: stopped after the learning-rate runs: " + ", ".join(f"{arm} chose {scale:g}x" for arm, scale in results["grid_ends"].items())
               + ", an end of --lr-scales; add a scale beyond it and --resume (or --accept-grid-ends)", file=sys.stderr)
-        return 3
+        return EXIT_RESUMABLE
     return 0
 
 

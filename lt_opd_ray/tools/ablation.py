@@ -209,9 +209,10 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     the wall time adds up over the invocations.
     `lr_scales`: each arm's learning rates chosen first on validation rows; `rl_variants`: then each RL arm's
     settings among these variants of RL_VARIANTS (see the module's docstring). Where an arm's chosen scale is the
-    smallest or largest of `lr_scales`, the study stops after the learning-rate runs (results["complete"] False,
-    results["grid_ends"] naming them), so that the grid is extended that way before anything trains at it; unless
-    `accept_grid_ends`."""
+    smallest or largest of `lr_scales` (`grid_ends`), the study stops after the learning-rate runs (results["complete"]
+    False, results["grid_ends"] naming them), so that the grid is extended that way before anything trains at it;
+    unless `accept_grid_ends`, or seeds have trained. A Ray session already up (one `runtime.launch.init_ray` started,
+    with the workers' environment) is used and left up; otherwise the study starts its own and stops it."""
     import ray
 
     from lt_opd_ray.runtime.launch import claim_run_folder, init_ray, run
@@ -258,7 +259,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False,
                "lr_scales": lr_scales, "rl_variants": rl_variants, "tuning_runs": tuning, "chosen_lr_scale": {}, "chosen_variant": {},
                **({"teacher_by_kind": teacher_by_kind, "kind_items": {k: len(v) for k, v in sets.items()}} if len(sets) > 1 else {})}
-    own_cluster = not ray.is_initialized()  # a caller's Ray session (a notebook's, a test module's) is used as it is
+    own_cluster = not ray.is_initialized()  # a session already up (a test module's) is used as it is: start it with init_ray(job)
     if own_cluster:
         init_ray(base)
     try:
@@ -288,8 +289,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                     tune(arm, scale, None)
             for arm in arms:
                 results["chosen_lr_scale"][arm] = chosen_lr_scale(tuning, arm, lr_scales)
-            ends = {arm: scale for arm, scale in results["chosen_lr_scale"].items() if len(lr_scales) > 1 and scale in (min(lr_scales), max(lr_scales))}
-            if ends and not accept_grid_ends:
+            ends = grid_ends(tuning, results["chosen_lr_scale"], lr_scales)
+            if ends and not accept_grid_ends and not runs:  # once seeds trained, the grid is the study's: nothing to extend
                 results["grid_ends"] = ends
                 print("stopped before the variants and seeds: the learning rates chosen at an end of the grid ("
                       + ", ".join(f"{arm} {scale:g}x" for arm, scale in ends.items()) + "); extend --lr-scales that way and --resume,"
@@ -333,6 +334,19 @@ def chosen_lr_scale(tuning: list[dict], arm: str, lr_scales: list[float]) -> flo
     listed first."""
     scored = [r for r in tuning if r["arm"] == arm and not r.get("variant") and r["lr_scale"] in lr_scales]
     return max(scored, key=lambda r: (r["retain"], -lr_scales.index(r["lr_scale"])))["lr_scale"]
+
+
+def grid_ends(tuning: list[dict], chosen: dict[str, float], lr_scales: list[float]) -> dict[str, float]:
+    """The arms whose chosen scale is the smallest or largest of a grid of several, scoring strictly above every other
+    scale (a tie with an inner scale leaves nothing to look for beyond the end)."""
+    ends = {}
+    for arm, scale in chosen.items():
+        if len(lr_scales) < 2 or scale not in (min(lr_scales), max(lr_scales)):
+            continue
+        score = {r["lr_scale"]: r["retain"] for r in tuning if r["arm"] == arm and not r.get("variant") and r["lr_scale"] in lr_scales}
+        if all(score[scale] > retain for other, retain in score.items() if other != scale):
+            ends[arm] = scale
+    return ends
 
 
 def chosen_variant(tuning: list[dict], arm: str, scale: float, variants: list[str]) -> str | None:
