@@ -53,7 +53,7 @@ PANELS = [
     ("Held-out accuracy at the evaluation budget", "percentunit",
      [(f"ray_lt_opd_eval_accuracy{{{RUN}}}", "{{selector}} at {{budget_bps}} bps")]),
     ("Importance weight", "short", [(f"ray_lt_opd_importance_weight{{{RUN}}}", "{{actor}}")]),
-    ("Importance weights clipped, responses cut at max_new_tokens", "percentunit",
+    ("Importance weights clipped (RL baselines: ratios the clip stops), responses cut at max_new_tokens", "percentunit",
      [(f"ray_lt_opd_importance_clipped_share{{{RUN}}}", "clipped {{actor}}"), (f"ray_lt_opd_truncated_share{{{RUN}}}", "cut {{actor}}")]),
     ("Rollout/learner log-prob gap of the sampled tokens", "short", [(f"ray_lt_opd_logprob_gap{{{RUN}}}", "{{actor}}")]),
     ("Response length (tokens)", "short", [(f"ray_lt_opd_response_tokens{{{RUN}}}", "{{stat}} {{actor}}")]),
