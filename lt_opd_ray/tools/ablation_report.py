@@ -166,6 +166,15 @@ def gap_share_lines(rows: list[dict], selector: str) -> list[str]:
     return lines + [f"- {LABELS[arm]}: {(r['retain_mean'] - floor['retain_mean']) / gap:+.0%}" for arm, r in by_arm.items() if arm not in ("untrained", ORACLE)]
 
 
+def untrained_on_validation(results: dict) -> str:
+    """`; the untrained student's: <retain>` on the validation rows, with the selector trained with, where known."""
+    teacher = results.get("validation", {}).get("teacher_by_kind")
+    if not teacher:
+        return ""
+    selector = results["trained_with"]
+    return f"; the untrained student's: {sum(a[selector] / a['full'] for a in teacher.values()) / len(teacher):.3f}"
+
+
 def tuning_lines(results: dict) -> list[str]:
     """Each arm's validation retain at every scale of the job's learning rates, and the scale its seeds trained at."""
     scales, tuning = results.get("lr_scales"), results.get("tuning_runs", [])
@@ -173,7 +182,7 @@ def tuning_lines(results: dict) -> list[str]:
         return []
     lines = ["", f"Learning rates chosen on validation rows ({results['validation']['rows']}, apart from the training and held-out"
              f" rows): retain with {results['trained_with']} averaged over the kinds, one run per scale of the job's learning rates;"
-             " the arm's seeds trained at the chosen scale.", "",
+             " the arm's seeds trained at the chosen scale" + untrained_on_validation(results) + ".", "",
              "| arm | " + " | ".join(f"{scale:g}x" for scale in scales) + " | chosen |", "|---|" + "---|" * (len(scales) + 1)]
     for arm in dict.fromkeys(r["arm"] for r in tuning):
         score = {r["lr_scale"]: r["retain"] for r in tuning if r["arm"] == arm and not r.get("variant")}
