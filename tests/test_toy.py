@@ -548,6 +548,33 @@ def test_a_study_whose_learning_rates_are_chosen_at_an_end_of_the_grid_stops_bef
     assert saved["seconds"] > held["seconds"]
 
 
+def test_a_study_stopped_by_sigterm_inside_a_run_keeps_what_it_finished_and_says_so(teacher, study_cluster, tmp_path):
+    """SIGTERM while an arm trains: the run stops after the update in progress (checkpointed), and the study stops
+    with it, naming the run, instead of evaluating a student that was not finished; results.json keeps its runs."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from lt_opd_ray.tools.ablation import StudyStopped, run_ablation
+
+    base = tmp_path / "toy_circles.yaml"
+    base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
+                    .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", "export_port: 8096"))
+    steps_log = tmp_path / "study" / "sft" / "seed1" / "steps.jsonl"  # the second run's (SFT: no teacher pool to start)
+
+    def terminate_after_the_first_update():
+        while not (steps_log.exists() and steps_log.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_after_the_first_update, daemon=True).start()
+    with pytest.raises(StudyStopped, match=r"toy-circles-sft-s1 stopped after update [12] of 3: results.json keeps the finished runs"):
+        run_ablation(str(base), str(tmp_path / "study"), seeds=[0, 1], steps=3, arms=["sft"])
+    saved = json.loads((tmp_path / "study" / "results.json").read_text())
+    assert [(r["arm"], r["seed"]) for r in saved["runs"]] == [("sft", 0)] and not saved["complete"] and not (steps_log.parent / "final").exists()
+
+
 def test_the_rl_arms_variants_change_their_group_size_or_clip_range_and_nothing_else(tmp_path):
     """RL_VARIANTS on the RL arms' jobs: twice the group with half the prompts (the same responses an update), the
     paper's clip range halved or doubled; no other field moves. The choice among an arm's own settings and its

@@ -199,7 +199,7 @@ def cmd_check_cluster(args) -> int:
 def cmd_ablation(args) -> int:
     import transformers
 
-    from lt_opd_ray.tools.ablation import run_ablation
+    from lt_opd_ray.tools.ablation import StudyStopped, run_ablation
 
     transformers.logging.set_verbosity_error()
     if load_job_or_report(args.job) is None:
@@ -210,6 +210,9 @@ def cmd_ablation(args) -> int:
     except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
+    except StudyStopped as exc:  # SIGTERM inside a run
+        print(f"ablation: {exc}", file=sys.stderr)
+        return EXIT_RESUMABLE
     print((Path(args.out) / "retain_table.md").read_text())
     print(f"wrote {args.out}/results.json, retain_table.md, retain_table.csv, curves.png in {results['seconds'] / 60:.1f} min")
     if "grid_ends" in results:

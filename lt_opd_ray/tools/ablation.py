@@ -276,7 +276,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 job = arm_job(base, arm, TUNING_SEED, out_dir / "tuning" / folder, steps, scale, variant)
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)
                 started = time.perf_counter()
-                run(job)
+                trained(job, run(job))
                 accuracy = evaluate(str(Path(job.checkpoint.dir) / "final"), job, validation, full_tokens=False)
                 tuning.append({"arm": arm, "lr_scale": scale, "variant": variant, "seconds": time.perf_counter() - started,
                                "accuracy": accuracy, "retain": mean_retain(accuracy, teacher_on_validation, base.selector.name)})
@@ -308,7 +308,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm))
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
-                logs = run(job)
+                logs = trained(job, run(job))
                 final = logs[-1].eval_accuracy
                 runs.append({
                     "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm),
@@ -327,6 +327,19 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     results["complete"] = True
     save_results(results, out_dir, begin)
     return results
+
+
+class StudyStopped(RuntimeError):
+    """A run of the study stopped before its last update (SIGTERM): results.json keeps every finished run."""
+
+
+def trained(job: JobConfig, logs: list) -> list:
+    """`logs` of a run that reached its last update; StudyStopped where it stopped before (it is trained again on --resume)."""
+    done = logs[-1].step + 1 if logs else 0
+    if done < job.budget.total_steps:
+        raise StudyStopped(f"{job.name} stopped after update {done} of {job.budget.total_steps}: results.json keeps the finished runs;"
+                           " --resume trains this one again")
+    return logs
 
 
 def chosen_lr_scale(tuning: list[dict], arm: str, lr_scales: list[float]) -> float:
