@@ -292,6 +292,11 @@ BAD_COMMAND_LINES = [
     ("export jobs/train_tiny.yaml --out {tmp}/x --step -1", "argument --step: -1 is out of range: 1 or more"),
     ("validate jobs/train_tiny.yaml --set sampling.temperature=1000000", "sampling.temperature (--set): Input should be less than or equal to 10"),
     ("validate {tmp}/twice.yaml", "seed (lines {seed} and {seed_again}): given twice; keep one"),
+    ("ablation jobs/toy_discs.yaml --out {tmp}/study --lr-scales 1 1", "ablation: --lr-scales 1.0 1.0: distinct positive scales"),
+    ("ablation jobs/toy_discs.yaml --out {tmp}/study --arms grpo --lr-scales 1 --rl-variants 3x_clip",
+     "ablation: --rl-variants 3x_clip: distinct names of 2x_group, 0.5x_clip, 2x_clip"),
+    ("ablation jobs/toy_discs.yaml --out {tmp}/study --arms grpo --rl-variants 2x_group",
+     "ablation: --rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too"),
 ]
 
 
