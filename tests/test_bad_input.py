@@ -335,3 +335,27 @@ def test_every_command_refuses_bad_input_in_a_sentence_without_a_traceback(tmp_p
         assert code == (1 if argv[0] == "validate" else 2), (line, code, err)
         assert fragment.format(**where) in err and "Traceback" not in err, (line, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written beside the inputs
+
+
+def test_a_run_whose_metrics_port_another_program_holds_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """Ray's metrics agent ends its node when metrics.export_port is taken, which Ray reports as a start-up timeout
+    naming neither (seen with a second run beside another): refused first, naming the field and the port."""
+    import socket
+
+    import ray
+
+    from lt_opd_ray.cli.main import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray.is_initialized()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = main(["train", "jobs/train_tiny.yaml", "--set", f"metrics.export_port={port}", "--set", f"checkpoint.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"error: job 'tiny' exports its metrics on metrics.export_port {port}, which another program on this machine holds" in err, err
+    assert "Traceback" not in err and not ray.is_initialized()
+    assert not (tmp_path / "run" / "steps.jsonl").exists() and not (tmp_path / "run" / "error.log").exists()

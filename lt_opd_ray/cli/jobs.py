@@ -199,6 +199,7 @@ def cmd_check_cluster(args) -> int:
 def cmd_ablation(args) -> int:
     import transformers
 
+    from lt_opd_ray.runtime.resources import InsufficientResourcesError
     from lt_opd_ray.tools.ablation import StudyStopped, run_ablation
 
     transformers.logging.set_verbosity_error()
@@ -207,7 +208,7 @@ def cmd_ablation(args) -> int:
     try:
         results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms, resume=args.resume,
                                lr_scales=args.lr_scales, rl_variants=args.rl_variants, accept_grid_ends=args.accept_grid_ends)
-    except ValueError as exc:  # unknown arms, a base job without eval data: refused before any run
+    except (ValueError, InsufficientResourcesError) as exc:  # unknown arms, a base job without eval data, a taken port: before any run
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
     except StudyStopped as exc:  # SIGTERM inside a run

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
-from lt_opd_ray.runtime.resources import check_local_machine, machine_cpus
+from lt_opd_ray.runtime.resources import check_export_port, check_local_machine, machine_cpus
 from lt_opd_ray.runtime.run_lock import RemoteLease, RunLock
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
 
@@ -25,8 +25,8 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
     """Join the cluster in RAY_ADDRESS / `address` (as under `ray job submit`), else start a local one.
 
     A local cluster declares this machine's CPUs, and a job whose pools reserve more is refused before it starts
-    (InsufficientResourcesError naming the shortfall); the laptop jobs reserve fractions of a core (cpus: 0.5), so
-    the whole system runs on 2 cores.
+    (InsufficientResourcesError naming the shortfall), as is one whose metrics port another program holds; the laptop
+    jobs reserve fractions of a core (cpus: 0.5), so the whole system runs on 2 cores.
     """
     import logging
 
@@ -39,6 +39,7 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
         return
     cpus = machine_cpus()
     check_local_machine(job, cpus)
+    check_export_port(job)
     os.environ.update(LOCAL_ENV)
     ray.init(
         address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.wire import ActorPlacement, payload_bytes_per_position
@@ -64,6 +65,23 @@ def check_local_machine(job: JobConfig, cpus: int) -> None:
             f"job {job.name!r} does not fit this machine (a local Ray cluster of its {cpus} CPUs): " + "; ".join(problems)
             + ". Lower the pools' cpus (fractions such as 0.5 share a core) or size, or run on a cluster (--address, RAY_ADDRESS)"
         )
+
+
+def check_export_port(job: JobConfig) -> None:
+    """Before a local cluster starts: its metrics port free on this machine. Ray's metrics agent binds
+    metrics.export_port and, finding it taken, ends the node, which Ray reports as a start-up timeout that names
+    neither the port nor the field (seen with a second run beside another)."""
+    port = job.metrics.export_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Ray's HTTP server binds: a closed run's TIME_WAIT is free
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            raise InsufficientResourcesError(
+                f"job {job.name!r} exports its metrics on metrics.export_port {port}, which another program on this machine"
+                f" holds ({exc.strerror}; another run's Ray cluster, or Prometheus): stop it, or give this run a port of its"
+                f" own (--set metrics.export_port=N)"
+            ) from None
 
 
 def autoscaling_note(job: JobConfig, cluster: dict[str, float]) -> str | None:
