@@ -103,6 +103,31 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
     assert circles.TASK.item(0, 0, "train").sample.images[0].read().tobytes() != circles.TASK.item(0, 0, "test").sample.images[0].read().tobytes()
 
 
+
+def painted_whole_image(item) -> bytes:
+    """The discs' board by whole-image masks (no bounding boxes): each pixel centre inside a disc takes its colour
+    (a later disc over an earlier one), then the disc pixels times their tile's factor in float32, capped at 255."""
+    from lt_opd_ray.sources.toy.base import BACKGROUND, COLOURS
+
+    size = circles.IMAGE_SIZE
+    ys, xs = (np.mgrid[0:size, 0:size] + 0.5) / TILE
+    pixels = np.empty((size, size, 3), dtype=np.float32)
+    pixels[:] = BACKGROUND
+    on_disc = np.zeros((size, size), dtype=bool)
+    for colour, (x, y, radius) in zip(item.colours, item.discs):
+        inside = (xs - x) ** 2 + (ys - y) ** 2 <= radius**2
+        pixels[inside], on_disc = COLOURS[colour], on_disc | inside
+    factor = np.kron(np.array(item.shade, dtype=np.float32), np.ones((TILE, TILE), dtype=np.float32))
+    pixels[on_disc] = np.minimum(pixels[on_disc] * factor[on_disc][:, None], 255.0)
+    return pixels.astype(np.uint8).tobytes()
+
+
+def test_the_painted_boards_are_the_whole_image_masks_byte_for_byte():
+    layouts = [circles.layout(i, seed, split) for i in range(8) for seed in (0, 3) for split in ("train", "test")]
+    layouts += [discs.layout(i, 0, split) for i in range(8) for split in ("train", "teacher", "test")]
+    for item in layouts:
+        assert np.asarray(circles.paint(item)).tobytes() == painted_whole_image(item), item
+
 def test_discs_items_answer_their_kind_of_question_as_the_pixels_do():
     """Each kind's answer from the drawn pixels alone: the colour with the most (fewest) pixels, the one whose pixels
     reach the highest row (the lowest column). Close items are close, clear ones clearly apart; the training rows

@@ -101,19 +101,19 @@ def paint(item: Discs):
     from PIL import Image
 
     coordinate = (np.arange(IMAGE_SIZE) + 0.5) / TILE  # pixel centres in tile units
-    pixels = np.empty((IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.float32)
-    pixels[:] = BACKGROUND
-    on_disc = np.zeros((IMAGE_SIZE, IMAGE_SIZE), dtype=bool)
+    tile_of = np.arange(IMAGE_SIZE) // TILE  # each pixel row's (column's) tile
+    shade = np.array(item.shade, dtype=np.float32)  # one brightness factor per tile
+    pixels = np.empty((IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    pixels[...] = np.array(BACKGROUND, dtype=np.uint8)
     for colour, (x, y, radius) in zip(item.colours, item.discs):
         # a disc covers the pixels within its radius of its centre; only its bounding box (and a pixel more) is tested
         rows = slice(max(0, int((y - radius) * TILE) - 1), min(IMAGE_SIZE, int((y + radius) * TILE) + 2))
         cols = slice(max(0, int((x - radius) * TILE) - 1), min(IMAGE_SIZE, int((x + radius) * TILE) + 2))
         inside = (coordinate[None, cols] - x) ** 2 + (coordinate[rows, None] - y) ** 2 <= radius**2
-        pixels[rows, cols][inside] = COLOURS[colour]
-        on_disc[rows, cols] |= inside
-    factor = np.repeat(np.repeat(np.array(item.shade, dtype=np.float32), TILE, axis=0), TILE, axis=1)  # one per tile
-    pixels = np.where(on_disc[..., None], np.minimum(pixels * factor[..., None], 255.0), pixels)
-    return Image.fromarray(pixels.astype(np.uint8))
+        # its colour times each pixel's tile factor in float32, capped at 255, truncated to a byte
+        shaded = np.minimum(np.array(COLOURS[colour], dtype=np.float32) * shade[tile_of[rows]][:, tile_of[cols], None], 255.0)
+        np.copyto(pixels[rows, cols], shaded.astype(np.uint8), where=inside[..., None])
+    return Image.fromarray(pixels)
 
 
 TASK = ToyTask(name="circles", image_size=IMAGE_SIZE, layout=layout, draw=draw, response_tokens=24)
