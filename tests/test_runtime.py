@@ -76,14 +76,15 @@ def distance(a: dict, b: dict) -> float:
 @dataclass
 class Trajectory:
     """One run's updates: each update's loss and (pre-clip) gradient norm, and the weights each update started from
-    (weights[u]; weights[-1] after the last). The reference also keeps update 0's gradient and each entry's learning
-    rate in that step."""
+    (weights[u]; weights[-1] after the last). The reference also keeps update 0's gradient, each entry's learning
+    rate in that step, and its update reports."""
 
     losses: list[float]
     grad_norms: list[float]
     weights: list[dict]
     first_gradient: dict | None = None
     first_lr: dict | None = None
+    reports: list | None = None
 
 
 def snapshot(model: torch.nn.Module) -> dict:
@@ -103,7 +104,7 @@ def reference_trajectory(job, steps) -> Trajectory:
             gradient = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
             lr = {n: lr_of[id(p)] for n, p in model.named_parameters()}
         weights.append(snapshot(model))
-    return Trajectory([r.stats.loss for r in reports], [r.grad_norm for r in reports], weights, gradient, lr)
+    return Trajectory([r.stats.loss for r in reports], [r.grad_norm for r in reports], weights, gradient, lr, reports)
 
 
 @contextmanager
@@ -796,7 +797,8 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     extra = f"reward: {{name: 'user_rewards:letters', overlong_buffer: 3}}\nschedule: {{max_staleness: {staleness}}}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=2 * steps, steps_per_update=steps, zero_stage=3 if steps > 1 else 2, name=f"rl-{mode}", mode=mode, max_new_tokens=8, stop=[" "],
                   micro_batch_tokens=120, kl_coef=kl_coef, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
-    reports, _ = reference_run(job, 2)
+    reference = reference_trajectory(job, 2)
+    reports = reference.reports
     with driven(job, 2) as (driver, logs, run):
         assert (driver.teacher is None, f"rl-{mode}-teacher" in serve.status().applications) == (not kl_coef, bool(kl_coef))
     # the preconditions the test rests on: lengths that differ, on each rank and between them; several micro-batches
@@ -810,7 +812,7 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     if kl_coef:
         assert [log.divergence for log in logs] == pytest.approx([r.stats.divergence for r in reports], rel=1e-4) and logs[1].divergence > 0
     assert [log.staleness for log in logs] == [0, staleness]
-    assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps, steps_per_update=steps)
+    assert_reproduces(run, reference, job.optimizer.eps, steps_per_update=steps)
 
 
 def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, tiny_dirs, tmp_path, capsys):
@@ -859,7 +861,8 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
 
         driver.sample_slots = sample_then_kill
 
-    reports, _ = reference_run(job, 3)
+    reference = reference_trajectory(job, 3)
+    reports = reference.reports
     with driven(job, 3, prepare=kill_on_drawn_rows) as (_, logs, run):
         pass
     out = capsys.readouterr().out
@@ -869,7 +872,7 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
             " replaced now and given weights v0)") in out, out
     assert [(log.resampled_groups, log.flat_groups) for log in logs] == [(r.resampled_groups, r.flat_groups) for r in reports] == expected
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
-    assert_reproduces(run, reference_trajectory(job, 3), job.optimizer.eps)
+    assert_reproduces(run, reference, job.optimizer.eps)
     first, again, weights = driver_run(job, 3, resume=True)
     assert first == 2 and (again[0].resampled_groups, again[0].flat_groups, again[0].reward_mean) == (
         logs[2].resampled_groups, logs[2].flat_groups, logs[2].reward_mean)
@@ -889,7 +892,8 @@ def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the
 
     extra = f"reward: {{name: judge, judge: '{tiny_dirs['qwen3_5']}'}}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, n=4, prompts=2, name="rl-judge", mode="grpo", extra=extra)
-    reports, _ = reference_run(job, 2)
+    reference = reference_trajectory(job, 2)
+    reports = reference.reports
     rows = load_samples("synthetic:4")
     calls = [(rows[i : i + 1] * count, [f"answer {i}{' yes' * j}" for j in range(count)]) for i, count in enumerate((1, 3, 2, 4))]
     with driven(job, 2) as (driver, logs, run):
@@ -904,7 +908,10 @@ def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the
     assert not any(name.startswith("rl-judge") for name in serve.status().applications)
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-5)
     assert 0 < logs[0].reward_mean < 1 and logs[0].reward_std > 0 and all(log.grad_norm > 0 for log in logs)
-    assert_reproduces(run, reference_trajectory(job, 2), job.optimizer.eps)
+    # GRPO's loss on policy is minus the mean of each group's normalised advantages: zero, but for their rounding, which
+    # dividing the judge's close probabilities by their spread amplifies (measured: 3.6e-6 here, 6.2e-6 the reference's,
+    # as the batches the judge scores in differ); the loss is held to that zero, the gradient and weights as always
+    assert_reproduces(run, reference, job.optimizer.eps, abs_=1e-5)
 
 
 def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):

@@ -7,6 +7,8 @@ kernel: a Linear layer. PyTorch's CPU convolution computes it several times slow
 (forward and backward; benchmarks.md, "Patch embeddings"), the largest single cost of a toy update in every role.
 The layers keep their class's parameters, names and shapes (checkpoints, weight sync and export see no change);
 only their forward runs the product, and any input that is not one kernel in size still runs the convolution.
+Like every Linear layer of the model (and unlike oneDNN's convolution), a patch's embedding may round differently,
+by an ulp, with the number of patches in the call when that number is small (BLAS picks its kernel by size).
 """
 
 from __future__ import annotations

@@ -238,6 +238,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     if not resume and out_dir.is_dir() and any(out_dir.iterdir()):  # a study's results and runs are never written over
         held = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
         raise ValueError(f"{out_dir} holds {held}; a new study needs a new or empty --out")
+    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants) if resume else {}
     out_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     from lt_opd_ray.sources.resolve import resolve_model_dir
@@ -249,7 +250,6 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
           + ", ".join(f"{s} {teacher[s]:.3f}" for s in base.eval.selectors), flush=True)
     if len(sets) > 1:
         print("  by kind of question: " + "; ".join(f"{kind} full {a['full']:.3f}" for kind, a in teacher_by_kind.items()), flush=True)
-    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants) if resume else {}
     runs, tuning = earlier.get("runs", []), earlier.get("tuning_runs", [])
     done = {(r["arm"], r["seed"]) for r in runs}
     begin -= finished_seconds(out_dir) if earlier else 0.0
