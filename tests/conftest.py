@@ -18,6 +18,22 @@ VLLM_FAMILIES = [name for name, family in DESCRIPTIONS.items() if family.vllm_mo
 os.environ.setdefault("LT_OPD_CHECK_COLLECTIVES", "1")
 
 
+def pytest_report_header(config) -> str:
+    """The CPU the run's figures belong to (fp32 kernels, and so rounding and speed, differ between CPUs)."""
+    import platform
+
+    from lt_opd_ray.runtime.resources import machine_cpus
+
+    flags = model = ""
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            model = model or (value.strip() if key.strip() == "model name" else "")
+            flags = flags or (value if key.strip() == "flags" else "")
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else platform.machine()
+    return f"cpu: {model or platform.processor()}, {isa}, {machine_cpus()} cores for this process"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
