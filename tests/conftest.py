@@ -26,12 +26,13 @@ def pytest_report_header(config) -> str:
 
     flags = model = ""
     if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            model = model or (value.strip() if key.strip() == "model name" else "")
-            flags = flags or (value if key.strip() == "flags" else "")
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                model = model or (value.strip() if key.strip() == "model name" else "")
+                flags = flags or (value if key.strip() == "flags" else "")
     isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else platform.machine()
-    return f"cpu: {model or platform.processor()}, {isa}, {machine_cpus()} cores for this process"
+    return f"cpu: {model or platform.processor() or 'unnamed'}, {isa}, {machine_cpus()} cores for this process"
 
 
 def pytest_collection_modifyitems(config, items):

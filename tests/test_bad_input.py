@@ -349,13 +349,16 @@ def test_a_run_whose_metrics_port_another_program_holds_is_refused_before_ray_st
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert not ray.is_initialized()
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "steps.jsonl").write_text('{"step": 0}\n')  # an earlier run, which --force would move aside
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        code = main(["train", "jobs/train_tiny.yaml", "--set", f"metrics.export_port={port}", "--set", f"checkpoint.dir={tmp_path / 'run'}"])
+        code = main(["train", "jobs/train_tiny.yaml", "--force", "--set", f"metrics.export_port={port}", "--set", f"checkpoint.dir={earlier}"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert f"error: job 'tiny' exports its metrics on metrics.export_port {port}, which another program on this machine holds" in err, err
     assert "Traceback" not in err and not ray.is_initialized()
-    assert not (tmp_path / "run" / "steps.jsonl").exists() and not (tmp_path / "run" / "error.log").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and sorted(p.name for p in earlier.iterdir()) == ["steps.jsonl"]  # nothing moved or written

@@ -103,7 +103,6 @@ def test_circles_items_answer_the_biggest_disc_after_listing_colours_in_reading_
     assert circles.TASK.item(0, 0, "train").sample.images[0].read().tobytes() != circles.TASK.item(0, 0, "test").sample.images[0].read().tobytes()
 
 
-
 def painted_whole_image(item) -> bytes:
     """The discs' board by whole-image masks (no bounding boxes): each pixel centre inside a disc takes its colour
     (a later disc over an earlier one), then the disc pixels times their tile's factor in float32, capped at 255."""
@@ -127,6 +126,7 @@ def test_the_painted_boards_are_the_whole_image_masks_byte_for_byte():
     layouts += [discs.layout(i, 0, split) for i in range(8) for split in ("train", "teacher", "test")]
     for item in layouts:
         assert np.asarray(circles.paint(item)).tobytes() == painted_whole_image(item), item
+
 
 def test_discs_items_answer_their_kind_of_question_as_the_pixels_do():
     """Each kind's answer from the drawn pixels alone: the colour with the most (fewest) pixels, the one whose pixels
@@ -465,12 +465,16 @@ def test_evaluation_at_full_tokens_agrees_with_transformers_generate(teacher):
 
 
 @pytest.mark.slow
-def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report(teacher, study_cluster, tmp_path):
+def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report(teacher, study_cluster, tmp_path, monkeypatch):
     """Two arms, two updates each, through Ray + DeepSpeed + Serve, the second added by a resume (a study cut short,
     then run on: the finished run is kept as it was, only the missing one trains): every finished run's curve, the
     table and the figure are written. Whether training recovers what pruning loses is the first run's test
     (test_main_job.py) and the study's (docs/ablation/README.md)."""
+    from lt_opd_ray.tools import ablation
     from lt_opd_ray.tools.ablation import run_ablation
+
+    def refuse_to_evaluate(*args, **kwargs):
+        raise AssertionError("evaluated before the resume was checked")
 
     base = tmp_path / "toy_circles.yaml"  # the study's job, evaluated on 64 held-out items instead of 512 (for time)
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64")
@@ -480,7 +484,8 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     saved = json.loads((study / "results.json").read_text())
     assert saved["complete"] and [(r["arm"], r["seed"]) for r in saved["runs"]] == [("sft", 0)]
     assert saved["teacher"]["full"] == first["teacher"]["full"] >= 0.95 and saved["eval_items"] == 64
-    with pytest.raises(ValueError, match=r"another study \(steps 2 \(now 3\)\)"):
+    with monkeypatch.context() as patched, pytest.raises(ValueError, match=r"another study \(steps 2 \(now 3\)\)"):
+        patched.setattr(ablation, "evaluate", refuse_to_evaluate)  # refused before the teacher is evaluated
         run_ablation(str(base), str(study), seeds=[0], steps=3, arms=["sft", "lt_opd"], resume=True)
     resumed = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft", "lt_opd"], resume=True)
     final = json.loads((study / "results.json").read_text())

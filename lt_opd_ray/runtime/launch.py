@@ -37,19 +37,26 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)  # the job's runtime env applies
         return
-    cpus = machine_cpus()
-    check_local_machine(job, cpus)
-    check_export_port(job)
+    check_local_start(job)
     os.environ.update(LOCAL_ENV)
     ray.init(
         address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine
-        num_cpus=cpus,
+        num_cpus=machine_cpus(),
         include_dashboard=False,
         runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_ENV}},
         log_to_driver=False,
         logging_level=logging.WARNING,
         _metrics_export_port=job.metrics.export_port,
     )
+
+
+def check_local_start(job: JobConfig, address: str | None = None) -> None:
+    """What a local cluster needs of this machine (its CPUs, the metrics port free), checked before a run or a study
+    writes or evaluates anything; nothing where the job joins a cluster (`address`, RAY_ADDRESS)."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return
+    check_local_machine(job, machine_cpus())
+    check_export_port(job)
 
 
 def format_accuracy(accuracy: dict[str, float], full: float | None) -> str:
@@ -127,6 +134,7 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
+    check_local_start(job, address)  # before the folder is locked or an earlier run moved aside
     storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
     storage.check_reachable()  # before the lease is written there: a storage that does not answer is named as such
     lock = RunLock.acquire(storage.local, f"lt-opd train {job.name}")

@@ -72,16 +72,17 @@ def check_export_port(job: JobConfig) -> None:
     metrics.export_port and, finding it taken, ends the node, which Ray reports as a start-up timeout that names
     neither the port nor the field (seen with a second run beside another)."""
     port = job.metrics.export_port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Ray's HTTP server binds: a closed run's TIME_WAIT is free
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as exc:
-            raise InsufficientResourcesError(
-                f"job {job.name!r} exports its metrics on metrics.export_port {port}, which another program on this machine"
-                f" holds ({exc.strerror}; another run's Ray cluster, or Prometheus): stop it, or give this run a port of its"
-                f" own (--set metrics.export_port=N)"
-            ) from None
+    for address in ("0.0.0.0", "127.0.0.1"):  # Ray binds every interface, or loopback where that is the node's address
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Ray's HTTP server binds: a closed run's TIME_WAIT is free
+            try:
+                probe.bind((address, port))
+            except OSError as exc:
+                raise InsufficientResourcesError(
+                    f"job {job.name!r} exports its metrics on metrics.export_port {port}, which another program on this machine"
+                    f" holds ({exc.strerror}; another run's Ray cluster, or Prometheus): stop it, or give this run a port of its"
+                    f" own (--set metrics.export_port=N)"
+                ) from None
 
 
 def autoscaling_note(job: JobConfig, cluster: dict[str, float]) -> str | None:

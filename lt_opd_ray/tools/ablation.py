@@ -215,7 +215,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     with the workers' environment) is used and left up; otherwise the study starts its own and stops it."""
     import ray
 
-    from lt_opd_ray.runtime.launch import claim_run_folder, init_ray, run
+    from lt_opd_ray.runtime.launch import check_local_start, claim_run_folder, init_ray, run
 
     base = load_job(base_path)
     if not base.eval.data:
@@ -232,6 +232,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     if rl_variants and not lr_scales:
         raise ValueError("--rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too")
     validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
+    if not ray.is_initialized():
+        check_local_start(base)  # the cluster the study will start: this machine's CPUs, its metrics port free
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} is a file; --out names the study's folder")
