@@ -18,6 +18,7 @@ from lt_opd_ray.core.batch_order import batches  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.launch import WORKER_ENV  # noqa: E402
+from lt_opd_ray.runtime.learner_group import free_port  # noqa: E402
 from lt_opd_ray.runtime.preflight import PreflightError
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
 from lt_opd_ray.sources.resolve import load_samples
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-METRICS_PORT = 8097
+METRICS_PORT = free_port()  # a port nothing on this machine holds (a run beside the suite may hold any fixed one)
 
 
 @pytest.fixture(scope="module")

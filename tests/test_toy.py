@@ -12,6 +12,7 @@ import torch
 
 from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.curriculum import BPS
+from lt_opd_ray.runtime.learner_group import free_port
 from lt_opd_ray.sources.toy import board, circles, discs, sizes
 from lt_opd_ray.sources.toy.base import TILE
 from lt_opd_ray.sources.resolve import load_samples
@@ -413,7 +414,7 @@ def study_cluster():
     ray.shutdown()
 
 
-STUDY_METRICS_PORT = 8096  # not the port of a study running on this machine (8091)
+STUDY_METRICS_PORT = free_port()  # not the port of a study running on this machine (8091), nor any other taken one
 
 
 @pytest.fixture(scope="module")
@@ -478,7 +479,7 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
 
     base = tmp_path / "toy_circles.yaml"  # the study's job, evaluated on 64 held-out items instead of 512 (for time)
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64")
-                    .replace("export_port: 8091", "export_port: 8096"))  # not the port of a study running on this machine
+                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))  # not the port of a study running on this machine
     study = tmp_path / "study"  # a new study's --out is new or empty
     first = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft"])
     saved = json.loads((study / "results.json").read_text())
@@ -508,7 +509,7 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
 
     base = tmp_path / "toy_circles.yaml"
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
-                    .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", "export_port: 8096"))
+                    .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
     with pytest.raises(ValueError, match=r"--lr-scales 1.0 1.0: distinct positive scales"):
         run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0, 1.0])
     rows = tmp_path / "rows.yaml"  # held-out rows that are not a toy task's: no validation split to choose on
@@ -563,7 +564,7 @@ def test_a_study_whose_learning_rates_are_chosen_at_an_end_of_the_grid_stops_bef
 
     base = tmp_path / "toy_circles.yaml"
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
-                    .replace("export_port: 8091", "export_port: 8096"))
+                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
     job, study = load_job(base), tmp_path / "study"
     study.mkdir()
     held = {"base_job": str(base), "steps": 1, "budget_bps": job.eval_budget_bps, "selectors": list(job.eval.selectors),
@@ -590,7 +591,7 @@ def test_a_study_stopped_by_sigterm_inside_a_run_keeps_what_it_finished_and_says
 
     base = tmp_path / "toy_circles.yaml"
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
-                    .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", "export_port: 8096"))
+                    .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
     steps_log = tmp_path / "study" / "sft" / "seed1" / "steps.jsonl"  # the second run's (SFT: no teacher pool to start)
 
     def terminate_after_the_first_update():
