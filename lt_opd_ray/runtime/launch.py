@@ -134,16 +134,16 @@ def train(job: JobConfig, steps: int | None = None, resume: bool = False, addres
 
     if problems := read_job_inputs(job, draw_generated=False)[1]:  # before Ray starts; preflight reads them again, in full
         raise PreflightError(f"job {job.name!r} cannot start:\n  " + "\n  ".join(problems))
-    check_local_start(job, address)  # before the folder is locked or an earlier run moved aside
     storage = RunStorage(job.checkpoint.dir, job.checkpoint.staging_dir)
     storage.check_reachable()  # before the lease is written there: a storage that does not answer is named as such
-    lock = RunLock.acquire(storage.local, f"lt-opd train {job.name}")
+    lock = RunLock.acquire(storage.local, f"lt-opd train {job.name}")  # first: a live run in the folder is named as such
     try:
         lease = RemoteLease.acquire(storage, f"lt-opd train {job.name}") if storage.remote else None  # other hosts, same URI
     except BaseException:
         lock.release()
         raise
     try:
+        check_local_start(job, address)  # before an earlier run is moved aside (--force)
         claim_run_folder(job.checkpoint.dir, resume, force, job.checkpoint.staging_dir)
         begin = time.perf_counter()
         init_ray(job, address)
