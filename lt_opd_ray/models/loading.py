@@ -31,6 +31,7 @@ def load_vlm(path: str | Path, device: str | None = None, token_merge: bool = Fa
     from transformers import AutoModelForImageTextToText
 
     from lt_opd_ray.models import token_merge as merging
+    from lt_opd_ray.models.patch_embedding import patches_as_matmul
 
     model_dir = model_folder(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,6 +43,7 @@ def load_vlm(path: str | Path, device: str | None = None, token_merge: bool = Fa
         del partitioned
     else:
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    patches_as_matmul(model)  # the vision tower's patch embedding as the matrix product it is (models/patch_embedding.py)
     if merging.configured(model.config) or token_merge:
         saved = merging.saved_tensors(model_dir) if merging.configured(model.config) else None
         gate = model.model.language_model.layers[0].mlp.gate_proj.weight  # the head starts from it (no saved head)
