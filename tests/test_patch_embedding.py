@@ -13,43 +13,28 @@ from lt_opd_ray.models.patch_embedding import PatchConv2d, PatchConv3d, patches_
 def values_and_gradients(layer: nn.Module, x: torch.Tensor):
     x = x.clone().requires_grad_(True)
     out = layer(x)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()  # a gradient that differs per output
-    return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype)).sum().backward()  # a gradient that differs per output
+    return out.detach(), x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
 
 
 @pytest.mark.parametrize("conv, shape", [
     (nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 4, 4)), (5, 3, 2, 4, 4)),  # Qwen-VL's patch embedding, small
+    (nn.Conv3d(3, 16, kernel_size=(2, 16, 16), stride=(2, 16, 16)), (300, 3, 2, 16, 16)),  # Qwen3.5's patch, 300 of them
+    (nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 4, 4), bias=False), (0, 3, 2, 4, 4)),  # no bias, no patches
     (nn.Conv2d(6, 4, kernel_size=2, stride=2), (7, 6, 2, 2)),  # GLM-4V's 2 x 2 downsampling
 ])
 def test_a_kernel_sized_input_gives_the_convolutions_values_and_gradients(conv, shape):
+    """Against the convolution in fp64 (the product's fp32 rounding alone; oneDNN's fp32 bias gradient over 300
+    patches is itself 2e-4 from it, the product's 6e-6: measured)."""
     torch.manual_seed(0)
     switched = copy.deepcopy(conv)
     assert patches_as_matmul(switched) == [""] and isinstance(switched, (PatchConv2d, PatchConv3d))
     x = torch.randn(shape)
-    for ours, reference in zip(values_and_gradients(switched, x), values_and_gradients(conv, x)):
-        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    for ours, exact in zip(values_and_gradients(switched, x), values_and_gradients(copy.deepcopy(conv).double(), x.double())):
+        # fp32 rounding of sums over a kernel's up to 1,536 entries (values) or 300 patches (gradients, entries up to ~35)
+        torch.testing.assert_close(ours, None if exact is None else exact.float(), rtol=1e-5, atol=5e-5)
     larger = torch.randn(2, *shape[1:2], *(2 * n for n in shape[2:]))  # not one kernel in size: the convolution runs
     torch.testing.assert_close(switched(larger), conv(larger), rtol=0, atol=0)
-
-
-def test_a_patch_embeds_alike_whatever_the_rows_and_threads_sharing_its_call():
-    """Bit for bit: each patch's embedding from one call of 900 patches, from calls of 1-100 patches, and on one thread.
-    The reference-equality tests rely on it (a role and the in-process reference batch the same patches differently);
-    without the padding to MIN_ROWS, calls of 7 rows round ~40% of the values differently (measured)."""
-    torch.manual_seed(0)
-    layer = copy.deepcopy(nn.Conv3d(3, 64, kernel_size=(2, 16, 16), stride=(2, 16, 16)))  # Qwen3.5's patch, toy width
-    patches_as_matmul(layer)
-    x = torch.randn(900, 3, 2, 16, 16)
-    with torch.no_grad():
-        whole = layer(x)
-        for rows in (1, 7, 40, 100):
-            assert torch.equal(torch.cat([layer(x[i:i + rows]) for i in range(0, len(x), rows)]), whole), rows
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x), whole) and torch.equal(torch.cat([layer(x[i:i + 7]) for i in range(0, 900, 7)]), whole)
-        finally:
-            torch.set_num_threads(threads)
 
 
 def test_only_unpadded_ungrouped_convolutions_whose_kernel_is_their_stride_switch():

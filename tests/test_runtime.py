@@ -47,7 +47,7 @@ def cluster():
 
 @contextmanager
 def one_thread():
-    """The single process computes on one thread, as each actor does (Ray gives an actor of one CPU one thread): a BLAS
+    """The single process computes on one thread, as an actor of one CPU does (Ray sets its OMP_NUM_THREADS to 1): a BLAS
     product's reduction order follows the thread count, which Adam's first updates amplify where a gradient sits at
     rounding noise (the exported student 2.0e-3 from the reference after 5 updates on the test process's two threads)."""
     threads = torch.get_num_threads()

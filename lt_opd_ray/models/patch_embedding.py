@@ -7,10 +7,9 @@ kernel: a Linear layer. PyTorch's CPU convolution computes it several times slow
 (forward and backward; benchmarks.md, "Patch embeddings"), the largest single cost of a toy update in every role.
 The layers keep their class's parameters, names and shapes (checkpoints, weight sync and export see no change);
 only their forward runs the product, and any input that is not one kernel in size still runs the convolution.
-A BLAS product picks its kernel by the number of rows in the call, and below a few dozen rows (measured: ~16 on one
-thread, ~40 on two) a row rounds differently with how many rows share it, where oneDNN's convolution computes each
-patch alike; the product therefore always runs on at least `MIN_ROWS` rows (zero rows added and dropped), so a
-patch's embedding is the same in every role, batch and split (tests/test_patch_embedding.py).
+Like every Linear layer of the tower after it (and unlike oneDNN's convolution), a patch's embedding may round
+differently, by an ulp, with the number of patches in the call when that number is small (BLAS picks its kernel by
+size), and its weight gradient with the thread count (the reduction over patches is split across threads).
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-MIN_ROWS = 256  # well above the row count where the CPU BLAS stops choosing its kernel by it (the docstring)
 
 
 class _PatchAsMatmul:
@@ -29,9 +26,7 @@ class _PatchAsMatmul:
         if tuple(x.shape[2:]) != tuple(self.kernel_size):
             return super().forward(x)
         # out[n, o] = sum over (c, kernel positions) of x[n, c, ...] * weight[o, c, ...] + bias[o]
-        patches = x.reshape(x.shape[0], -1)
-        padded = F.pad(patches, (0, 0, 0, MIN_ROWS - len(patches))) if len(patches) < MIN_ROWS else patches
-        out = F.linear(padded, self.weight.reshape(self.out_channels, -1), self.bias)[: len(patches)]
+        out = F.linear(x.flatten(1), self.weight.flatten(1), self.bias)
         return out.view(x.shape[0], self.out_channels, *(1,) * len(self.kernel_size))
 
 
