@@ -362,3 +362,16 @@ def test_a_run_whose_metrics_port_another_program_holds_is_refused_before_ray_st
     assert f"error: job 'tiny' exports its metrics on metrics.export_port {port}, which another program on this machine holds" in err, err
     assert "Traceback" not in err and not ray.is_initialized()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and sorted(p.name for p in earlier.iterdir()) == ["steps.jsonl"]  # nothing moved or written
+
+    # a study the same way, before its teacher is evaluated or its folder made (ablation takes no --set: a job file)
+    study_job = tmp_path / "toy.yaml"
+    study_job.write_text(Path("jobs/toy_circles_quick.yaml").read_text().replace("export_port: 8091", f"export_port: {port}"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        code = main(["ablation", str(study_job), "--arms", "lt_opd", "--seeds", "1", "--out", str(tmp_path / "study")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"ablation: job 'toy-circles-quick' exports its metrics on metrics.export_port {port}, which another program" in err, err
+    assert "Traceback" not in err and "teacher:" not in capsys.readouterr().out and not ray.is_initialized()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "toy.yaml"]  # no study folder

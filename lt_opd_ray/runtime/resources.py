@@ -81,7 +81,7 @@ def check_export_port(job: JobConfig) -> None:
                 raise InsufficientResourcesError(
                     f"job {job.name!r} exports its metrics on metrics.export_port {port}, which another program on this machine"
                     f" holds ({exc.strerror}; another run's Ray cluster, or Prometheus): stop it, or give this run a port of its"
-                    f" own (--set metrics.export_port=N)"
+                    f" own (metrics.export_port in the job's YAML; lt-opd train also takes --set metrics.export_port=N)"
                 ) from None
 
 
