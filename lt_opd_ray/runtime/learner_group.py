@@ -23,7 +23,6 @@ from lt_opd_ray.core.wire import (
 from lt_opd_ray.runtime.group_receiver import GroupReceiver, ScoreRequests, Substitutes
 from lt_opd_ray.runtime.resources import placement_here
 from lt_opd_ray.runtime.rollout_pool import CONTROL
-from lt_opd_ray.runtime.teacher import ask_teacher
 from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for, wait_watched
 
 # The learner's own threads beside the step: "control" (liveness, substitutes, sync aborts) and "sync" (forming the
@@ -53,6 +52,14 @@ def rank_requests(groups: list, ranks: int) -> list[list[tuple]]:
     for group in groups:
         requests[group.learner_rank].append((group.group, group.update, group.start, group.stop))
     return requests
+
+
+def ask_teacher(scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
+    """`runtime.teacher.ask_teacher`, imported on a rank's first request: a job without a teacher (the RL baselines,
+    SFT) never imports Ray Serve in its learners (~1 CPU-second a rank start)."""
+    from lt_opd_ray.runtime import teacher
+
+    return teacher.ask_teacher(scoring, group_ref, update, start, stop)
 
 
 class LearnerActor:
