@@ -36,12 +36,82 @@ def pytest_report_header(config) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
+    group_the_shared_clusters_modules(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------ the Ray cluster the job-running modules share
+SHARED_CLUSTER = {"modules": set(), "running": False}
+
+
+def group_the_shared_clusters_modules(items) -> None:
+    """The modules with a test that runs on `cluster` run one after another, where the first of them stood (each
+    module's own order kept), so the cluster and Serve's controller start once for all of them, not once each."""
+    modules = {module_of(item) for item in items if "cluster" in getattr(item, "fixturenames", ())}
+    SHARED_CLUSTER["modules"] = modules
+    shared = [item for item in items if module_of(item) in modules]
+    if shared:
+        first = items.index(shared[0])
+        rest = [item for item in items if module_of(item) not in modules]
+        items[:] = rest[:first] + shared + rest[first:]
+
+
+def module_of(item) -> str:
+    return getattr(getattr(item, "module", None), "__name__", "")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test of any other module gets a process without the shared cluster (it may start a cluster of its own)."""
+    if SHARED_CLUSTER["running"] and module_of(item) not in SHARED_CLUSTER["modules"]:
+        stop_shared_cluster()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if SHARED_CLUSTER["running"]:
+        stop_shared_cluster()
+
+
+@pytest.fixture(scope="module")
+def cluster(metrics_port):
+    """The local Ray cluster of the modules that run jobs in this process (8 CPUs, the workers' env, tests/ on their
+    PYTHONPATH for user_rewards.py, Ray's metrics on `metrics_port`), started by the first test that asks for it and
+    kept until a test of another module runs; yields its GCS address."""
+    import ray
+
+    from lt_opd_ray.runtime.launch import WORKER_ENV
+
+    if not SHARED_CLUSTER["running"]:
+        assert not ray.is_initialized(), "an earlier test left a Ray session of its own in this process"
+        os.environ.update(WORKER_ENV)
+        tests = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}}, _metrics_export_port=metrics_port)
+        SHARED_CLUSTER["running"] = True
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def metrics_port() -> int:
+    """Where the shared cluster exports Ray's metrics: a port nothing on this machine holds (a run beside the suite may
+    hold any fixed one)."""
+    from lt_opd_ray.runtime.learner_group import free_port
+
+    return free_port()
+
+
+def stop_shared_cluster() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    SHARED_CLUSTER["running"] = False
 
 
 @pytest.fixture(autouse=True)
@@ -69,18 +139,6 @@ def bomb_png(side: int = 20000) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
-
-
-def start_local_ray(num_cpus: int) -> None:
-    """A Ray cluster of the test module's own (even beside another on this machine), with the workers' env."""
-    import os
-
-    import ray
-
-    from lt_opd_ray.runtime.launch import WORKER_ENV
-
-    os.environ.update(WORKER_ENV)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
 
 
 def stop_ray_started_under(temp_dir: str) -> None:

@@ -17,9 +17,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import ray
 import torch
-from conftest import job_for, start_local_ray
+from conftest import job_for
 
 from lt_opd_ray.core.storage import RunStorage
 from lt_opd_ray.runtime.checkpoint import CheckpointStore, PassedOver, Restored
@@ -30,13 +29,6 @@ from lt_opd_ray.runtime.launch import RunFolderError, claim_run_folder, start_hi
 from lt_opd_ray.serving.export import ExportError, export_student
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    start_local_ray(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def small_job(model_dir, folder, keep=STEPS, name="ck"):

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 import torch
-from conftest import job_for, start_local_ray
+from conftest import job_for
 from ray import serve
 
 from lt_opd_ray.runtime.driver import Driver
@@ -22,14 +22,6 @@ from lt_opd_ray.runtime.teacher import TeacherService
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
 
 STEPS = 4  # budget.decay_end of job_for
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    start_local_ray(num_cpus=6)
-    yield
-    serve.shutdown()
-    ray.shutdown()
 
 
 def fault_job(model_dir, folder, name, **overrides):

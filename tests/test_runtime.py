@@ -17,32 +17,12 @@ from conftest import job_for  # noqa: E402
 from lt_opd_ray.core.batch_order import batches  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
 from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.launch import WORKER_ENV  # noqa: E402
-from lt_opd_ray.runtime.learner_group import free_port  # noqa: E402
 from lt_opd_ray.runtime.preflight import PreflightError
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
 from lt_opd_ray.sources.resolve import load_samples
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
-
-
-METRICS_PORT = free_port()  # a port nothing on this machine holds (a run beside the suite may hold any fixed one)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.update(WORKER_ENV)
-    tests = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # tests/user_rewards.py
-    ray.init(
-        num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}},
-        _metrics_export_port=METRICS_PORT,
-    )
-    yield ray.get_runtime_context().gcs_address
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 @contextmanager
@@ -440,14 +420,14 @@ def response_log_probs(model_dir, weights: dict | None, job, samples, rollouts) 
         return torch.cat([gather_log_probs(h, vlm.lm_head.weight, r.response_ids[:, None], 64)[:, 0] for h, r in zip(hidden, rollouts)])
 
 
-def scrape_lt_opd_metrics(job_name: str) -> set[str]:
+def scrape_lt_opd_metrics(port: int, job_name: str) -> set[str]:
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lt_opd_") and f'run="{job_name}"' in line}
 
 
-def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replaced_and_metrics_are_exported(cluster, tiny_dirs, tmp_path):
+def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replaced_and_metrics_are_exported(cluster, metrics_port, tiny_dirs, tmp_path):
     """Two ZeRO-3 ranks under a 40-token micro-batch budget, the learning rate warmed up over 4 updates among ~6
     micro-batches each (a schedule stepped per micro-batch, or not at all, moves the weights away from the
     reference's), two rollout workers (each rollout is seeded by its update, sample and response, not by its worker):
@@ -478,7 +458,7 @@ def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replac
         }
         deadline, found = time.time() + 90, set()
         while time.time() < deadline and not wanted <= found:
-            found = scrape_lt_opd_metrics(job.name)
+            found = scrape_lt_opd_metrics(metrics_port, job.name)
             time.sleep(2)
         assert wanted <= found, wanted - found
 

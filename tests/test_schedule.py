@@ -9,13 +9,15 @@ train, and an exact resume with rollouts in flight.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 from conftest import job_for
-from test_runtime import cluster, driver_run, reference_run, relative_distance  # noqa: F401  (cluster: the module's Ray)
+from test_runtime import driver_run, reference_run, relative_distance
 
 from lt_opd_ray.config.schema import LearningRates
 from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError
@@ -45,7 +47,7 @@ def lagged_job(model_dir, folder, ranks: int, name: str):
 
 
 @pytest.fixture(scope="module")
-def lagged_runs(cluster, tiny_dirs, tmp_path_factory):  # noqa: F811
+def lagged_runs(cluster, tiny_dirs, tmp_path_factory):
     """ranks -> (the job, its driver's step logs and final weights), each run once for the module."""
     runs = {}
 
@@ -87,7 +89,7 @@ def test_staleness_one_reproduces_the_lagged_reference(lagged_runs, lagged_refer
 
 
 @pytest.fixture(scope="module")
-def nothing_learned(cluster, tiny_dirs, tmp_path_factory):  # noqa: F811
+def nothing_learned(cluster, tiny_dirs, tmp_path_factory):
     """Step logs of a synchronous (max_staleness 0) run that learns nothing (every learning rate 0), one rollout
     worker: the rollouts every run of these weights samples, whatever its staleness or its workers (a rollout is
     seeded by its update, sample and response; its recorded log-probs round with the batch its worker sampled)."""
@@ -137,12 +139,15 @@ def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(no
     assert [log.staleness for log in logs] == [0, 1, 1, 1]  # update 2's resampled group is fresher, its other is not
 
 
-def test_resume_with_rollouts_in_flight_continues_exactly(lagged_runs, tiny_dirs, tmp_path):
-    """Cut after the step-2 checkpoint and resumed, the lagged run continues as the one that ran straight through."""
-    _, straight_logs, straight_weights = lagged_runs(1)
-    job = lagged_job(tiny_dirs["qwen3_5"], tmp_path, 1, "flight")
-    driver_run(job, 2)  # stops after the step-2 checkpoint, which keeps update 2's rollouts (sampled by v1)
-    assert (tmp_path / "step-2" / "in_flight.pt").exists()
+def test_resume_with_rollouts_in_flight_continues_exactly(lagged_runs, tmp_path):
+    """The lagged run cut after its step-2 checkpoint (its folder as a run stopped there leaves it) and resumed
+    continues as the run went on."""
+    job, straight_logs, straight_weights = lagged_runs(1)
+    cut = tmp_path / "cut"
+    shutil.copytree(Path(job.checkpoint.dir) / "step-2", cut / "step-2")
+    (cut / "latest").write_text("step-2")
+    assert (cut / "step-2" / "in_flight.pt").exists()  # update 2's rollouts, sampled by v1 while update 1 trained
+    job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(cut)})})
     first, resumed_logs, resumed_weights = driver_run(job, STEPS, resume=True)
     assert first == 2
     assert [log.staleness for log in resumed_logs] == [1, 1]  # update 2 trained on the kept v1 rollouts, not fresh ones

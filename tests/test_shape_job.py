@@ -8,36 +8,25 @@ over the 248,320-way vocabulary) and changes no shape a sequence has.
 """
 
 import pytest
-import ray
 
 from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.microbatch import Packer, Sequence
 from lt_opd_ray.core.wire import payload_bytes_per_position
 from lt_opd_ray.runtime.driver import Driver
-from lt_opd_ray.runtime.launch import WORKER_ENV
 
 
 @pytest.mark.slow
-def test_one_update_of_the_paper_shaped_job(tmp_path, monkeypatch):
-    for key, value in WORKER_ENV.items():
-        monkeypatch.setenv(key, value)
+def test_one_update_of_the_paper_shaped_job(cluster, tmp_path):
     job = load_job("jobs/train_qwen35_shape.yaml")
     assert job.sampling.n == 8  # the paper's
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(tmp_path / "run")}),
                                  "sampling": job.sampling.model_copy(update={"n": 4})})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    driver = Driver(job)
     try:
-        driver = Driver(job)
-        try:
-            log = driver.run_step()
-            vocab = driver.learners.full_state_dict()["lm_head.weight"].shape[0]
-        finally:
-            driver.shutdown()
+        log = driver.run_step()
+        vocab = driver.learners.full_state_dict()["lm_head.weight"].shape[0]
     finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
+        driver.shutdown()
     assert vocab == 248320
     assert log.sequences == 8 and 8 <= log.tokens <= 8 * 1024
     # the learners ran the packer's micro-batches on the lengths they logged (packed rows: each rank's 4 sequences of

@@ -8,19 +8,11 @@ import time
 
 import pytest
 import ray
-from conftest import start_local_ray
 
 import lt_opd_ray.runtime.waits as waits
 from lt_opd_ray.runtime.waits import NoAnswerError, ProgressMark, Watched, wait_watched
 
 LIVENESS_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    start_local_ray(num_cpus=3)
-    yield
-    ray.shutdown()
 
 
 @ray.remote(num_cpus=1, concurrency_groups={"control": 1})
