@@ -78,14 +78,17 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="module")
-def cluster(metrics_port):
+def cluster(request, metrics_port):
     """The local Ray cluster of the modules that run jobs in this process (8 CPUs, the workers' env, tests/ on their
     PYTHONPATH for user_rewards.py, Ray's metrics on `metrics_port`), started by the first test that asks for it and
-    kept until a test of another module runs; yields its GCS address."""
+    kept until a test of another module runs; yields its GCS address. Each module hands it on as it found it: every
+    CPU free and no Serve app left, else the cluster is stopped (the next module starts a clean one) and the module
+    fails, naming what it left."""
     import ray
 
     from lt_opd_ray.runtime.launch import WORKER_ENV
 
+    SHARED_CLUSTER["modules"].add(request.module.__name__)  # also where a test asks for it by name at run time
     if not SHARED_CLUSTER["running"]:
         assert not ray.is_initialized(), "an earlier test left a Ray session of its own in this process"
         os.environ.update(WORKER_ENV)
@@ -93,7 +96,28 @@ def cluster(metrics_port):
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}}, _metrics_export_port=metrics_port)
         SHARED_CLUSTER["running"] = True
-    return ray.get_runtime_context().gcs_address
+    yield ray.get_runtime_context().gcs_address
+    left = leftovers()
+    if left:
+        stop_shared_cluster()
+        pytest.fail(f"{request.module.__name__} left {left} on the shared Ray cluster", pytrace=False)
+
+
+def leftovers(timeout_s: float = 60.0) -> str:
+    """What the cluster still holds once its actors have had `timeout_s` to go (Ray frees them asynchronously): CPUs
+    reserved, Serve apps; empty when nothing."""
+    import time
+
+    import ray
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
+        apps = sorted(serve.status().applications)
+        if (not busy and not apps) or time.monotonic() > deadline:
+            return "; ".join(filter(None, [f"{busy:g} CPUs reserved" if busy else "", f"Serve apps {apps}" if apps else ""]))
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
@@ -109,9 +133,11 @@ def stop_shared_cluster() -> None:
     import ray
     from ray import serve
 
-    serve.shutdown()
-    ray.shutdown()
     SHARED_CLUSTER["running"] = False
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.core.microbatch import Packer, Sequence
 from lt_opd_ray.core.wire import payload_bytes_per_position
 from lt_opd_ray.runtime.driver import Driver
+from lt_opd_ray.runtime.resources import check_resources
 
 
 @pytest.mark.slow
@@ -21,6 +22,7 @@ def test_one_update_of_the_paper_shaped_job(cluster, tmp_path):
     assert job.sampling.n == 8  # the paper's
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(tmp_path / "run")}),
                                  "sampling": job.sampling.model_copy(update={"n": 4})})
+    check_resources(job, {"CPU": 2.0})  # the pools fit a 2-core box, as the job's header says (the shared cluster has 8)
     driver = Driver(job)
     try:
         log = driver.run_step()
