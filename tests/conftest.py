@@ -103,6 +103,26 @@ def cluster(request, metrics_port):
         pytest.fail(f"{request.module.__name__} left {left} on the shared Ray cluster", pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def kept(cluster):
+    """`KeptRoles` for the module's runs (runtime/kept_roles.py): a run whose pools have the last run's shape starts
+    in its rollout worker's and learner ranks' processes. What is kept is stopped at the module's end and before any
+    test that does not ask for `kept` (it may need the whole cluster, or count the actors it starts)."""
+    from lt_opd_ray.runtime.kept_roles import KeptRoles
+
+    roles = SHARED_CLUSTER["kept"] = KeptRoles()
+    yield roles
+    SHARED_CLUSTER["kept"] = None
+    roles.close()
+
+
+@pytest.fixture(autouse=True)
+def kept_pools_only_where_asked(request):
+    roles = SHARED_CLUSTER.get("kept")
+    if roles is not None and "kept" not in request.fixturenames:
+        roles.close()
+
+
 def leftovers(timeout_s: float = 60.0) -> str:
     """What the cluster still holds once its actors have had `timeout_s` to go (Ray frees them asynchronously): CPUs
     reserved, Serve apps; empty when nothing."""

@@ -36,8 +36,8 @@ def small_job(model_dir, folder, keep=STEPS, name="ck"):
     return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"keep": keep})})
 
 
-def run_steps(job, steps, resume=False):
-    driver = Driver(job, resume=resume)
+def run_steps(job, steps, roles, resume=False):
+    driver = Driver(job, resume=resume, roles=roles)
     try:
         logs = [driver.run_step() for _ in range(steps)]
         return driver.restored, logs
@@ -46,10 +46,10 @@ def run_steps(job, steps, resume=False):
 
 
 @pytest.fixture(scope="module")
-def finished(cluster, tiny_dirs, tmp_path_factory):
+def finished(cluster, kept, tiny_dirs, tmp_path_factory):
     """A run of STEPS updates, checkpointed after each (step-1 .. step-3)."""
     folder = tmp_path_factory.mktemp("finished")
-    run_steps(small_job(tiny_dirs["qwen3_5"], folder), STEPS)
+    run_steps(small_job(tiny_dirs["qwen3_5"], folder), STEPS, kept)
     return folder
 
 
@@ -112,12 +112,12 @@ def test_a_resume_at_another_number_of_optimizer_steps_an_update_is_refused_by_n
         CheckpointStore(two).restore(None, "step-3", [])
 
 
-def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_its_run(finished, tmp_path, tiny_dirs):
+def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_its_run(finished, kept, tmp_path, tiny_dirs):
     folder = copy_of(finished, tmp_path)
     (folder / "latest").unlink()
     (folder / "step-3" / MANIFEST).unlink()  # an unfinished checkpoint (written before its manifest)
     job = small_job(tiny_dirs["qwen3_5"], folder)
-    restored, logs = run_steps(job, 1, resume=True)
+    restored, logs = run_steps(job, 1, kept, resume=True)
     assert isinstance(restored, Restored) and restored.tag == "step-2"
     assert list(map(str, restored.passed_over)) == [f"step-3: {folder / 'step-3' / MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
     assert logs[0].step == 2 and np.isfinite(logs[0].loss)
@@ -126,7 +126,7 @@ def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_
     assert Manifest.read(folder / "step-3").run_id == Manifest.read(folder / "step-1").run_id
 
 
-def test_a_resume_sets_a_damaged_newer_checkpoint_aside_and_prunes_by_age_not_step(finished, tmp_path, tiny_dirs):
+def test_a_resume_sets_a_damaged_newer_checkpoint_aside_and_prunes_by_age_not_step(finished, kept, tmp_path, tiny_dirs):
     """A run wrote step-5 and it was damaged (truncated optimizer); the resume takes step-3 and writes step-4. With
     keep 2, pruning by step number would remove the intact step-3 and keep the damaged step-5."""
     folder = copy_of(finished, tmp_path)
@@ -134,18 +134,18 @@ def test_a_resume_sets_a_damaged_newer_checkpoint_aside_and_prunes_by_age_not_st
     optimizer = sorted((folder / "step-5").glob("*optim_states.pt"))[0]
     optimizer.write_bytes(optimizer.read_bytes()[:100])
     (folder / "latest").write_text("step-5")
-    restored, _ = run_steps(small_job(tiny_dirs["qwen3_5"], folder, keep=2), 1, resume=True)
+    restored, _ = run_steps(small_job(tiny_dirs["qwen3_5"], folder, keep=2), 1, kept, resume=True)
     assert restored.tag == "step-3" and [p.tag for p in restored.passed_over] == ["step-5"]
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-3", "step-4", "step-5.damaged"]
     assert (folder / "latest").read_text() == "step-4"
     assert damage(folder / "step-3") is None and damage(folder / "step-4") is None
 
 
-def test_a_fresh_run_beside_a_finished_one_never_prunes_its_own_newest_checkpoint(finished, tmp_path, tiny_dirs):
+def test_a_fresh_run_beside_a_finished_one_never_prunes_its_own_newest_checkpoint(finished, kept, tmp_path, tiny_dirs):
     folder = copy_of(finished, tmp_path)
     earlier = Manifest.read(folder / "step-3").run_id
     job = small_job(tiny_dirs["qwen3_5"], folder, keep=1)
-    run_steps(job, 1)
+    run_steps(job, 1, kept)
     assert (folder / "latest").read_text() == "step-1"
     assert damage(folder / "step-1") is None and Manifest.read(folder / "step-1").run_id != earlier
     assert all(Manifest.read(folder / f"step-{s}").run_id == earlier for s in (2, 3))  # another run's: not pruned
@@ -207,7 +207,7 @@ def test_a_latest_pointer_that_is_no_checkpoint_name_is_refused_and_moves_nothin
     assert sorted(p.name for p in folder.iterdir()) == before and (tmp_path / "outside" / "keep.txt").read_text() == "mine"
 
 
-def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_dirs, tmp_path, finished):
+def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, kept, tiny_dirs, tmp_path, finished):
     # a real disk that fills: a tmpfs sized for one and a half checkpoints (mounting needs root, as CI runs)
     one = sum(p.stat().st_size for p in (finished / "step-1").rglob("*") if p.is_file())
     mount = tmp_path / "small"
@@ -215,7 +215,7 @@ def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(cluster, tiny_di
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 1.5) + (1 << 20)}", "tmpfs", str(mount)], check=True)
     try:
         job = small_job(tiny_dirs["qwen3_5"], mount / "ck", keep=3)
-        driver = Driver(job)
+        driver = Driver(job, roles=kept)
         try:
             with pytest.raises(CheckpointError) as info:
                 for _ in range(2):
@@ -279,18 +279,18 @@ def test_a_fresh_run_is_refused_a_folder_that_holds_an_earlier_run_unless_forced
     assert (tmp_path / "run-0123abcd4567" / "final").is_dir() and not root.exists()
 
 
-def test_a_run_to_a_storage_uri_resumes_and_exports_from_the_storage_alone(finished, tmp_path, tiny_dirs):
+def test_a_run_to_a_storage_uri_resumes_and_exports_from_the_storage_alone(finished, kept, tmp_path, tiny_dirs):
     """checkpoint.dir as a URI (file://, through pyarrow.fs as s3:// or gs:// would go): every checkpoint is uploaded
     and its staging copy removed; a resume on a machine with an empty staging folder downloads, verifies and continues;
     the exported weights equal those of the same run in a plain folder."""
     uri = f"file://{tmp_path}/bucket/ck"
     job = small_job(tiny_dirs["qwen3_5"], tmp_path / "unused")
     staged = lambda name: job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": uri, "staging_dir": str(tmp_path / name)})})  # noqa: E731
-    run_steps(staged("node-a"), 2)
+    run_steps(staged("node-a"), 2, kept)
     stored = tmp_path / "bucket" / "ck"
     assert (stored / "latest").read_text() == "step-2" and damage(stored / "step-2") is None and damage(stored / "step-1") is None
     assert not list((tmp_path / "node-a").glob("**/*.pt"))  # uploaded, then removed from the staging folder
-    restored, logs = run_steps(staged("node-b"), 1, resume=True)  # a fresh staging folder: everything comes from the storage
+    restored, logs = run_steps(staged("node-b"), 1, kept, resume=True)  # a fresh staging folder: everything comes from the storage
     assert restored.tag == "step-2" and logs[0].step == 2
     assert Manifest.read(stored / "step-3").run_id == Manifest.read(stored / "step-1").run_id
     ours = export_student(staged("node-c"), tmp_path / "from-uri", step=3)

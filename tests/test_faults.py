@@ -42,10 +42,10 @@ def run_to_end(driver, after: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, tiny_dirs, tmp_path_factory):
+def uninterrupted(cluster, kept, tiny_dirs, tmp_path_factory):
     """An uninterrupted run's weights after each update, by step."""
     after = {}
-    run_to_end(Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("straight"), "straight")), after)
+    run_to_end(Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("straight"), "straight"), roles=kept), after)
     return after
 
 
@@ -67,8 +67,8 @@ def wait_until(condition, timeout_s: float = 60.0) -> bool:
     return condition()
 
 
-def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys):
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-kill"))
+def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, kept, tiny_dirs, tmp_path, capsys):
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "teacher-kill"), roles=kept)
     try:
         driver.run_step()
         pid = driver.teacher.handle.pid.remote().result(timeout_s=60)
@@ -90,7 +90,8 @@ def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(
     assert_same_weights(run_to_end(driver), uninterrupted[STEPS])
 
 
-def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_matches(uninterrupted, tiny_dirs, tmp_path):
+def test_a_learner_rank_killed_mid_run_stops_with_one_named_error_and_resume_matches(uninterrupted, kept, tiny_dirs, tmp_path):
+    kept.close()  # the run starts its own pools: its stop must free every CPU
     job = fault_job(tiny_dirs["qwen3_5"], tmp_path, "learner-kill")
     driver = Driver(job)
     driver.run_step()  # checkpoint step-1
@@ -125,7 +126,7 @@ def test_a_frozen_learner_rank_is_named_not_the_rank_waiting_on_it(cluster, tiny
         driver.shutdown()
 
 
-def test_rollout_workers_lost_inside_an_update_are_done_without_then_replaced_and_the_run_matches(uninterrupted, tiny_dirs, tmp_path, capsys,
+def test_rollout_workers_lost_inside_an_update_are_done_without_then_replaced_and_the_run_matches(uninterrupted, kept, tiny_dirs, tmp_path, capsys,
                                                                                                   monkeypatch):
     """On-policy, while the learners wait on update 1's groups: rollout-1 freezes (after the liveness bound it is
     stopped and rollout-0 samples its group: the same rollouts, seeded by update, sample and response), then rollout-0
@@ -135,7 +136,7 @@ def test_rollout_workers_lost_inside_an_update_are_done_without_then_replaced_an
     after REPLACE_ATTEMPTS replacements inside the update (1 here, for time), one line naming the worker."""
     import lt_opd_ray.runtime.driver as driver_module
 
-    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-loss", extra="schedule: {liveness_timeout_s: 8}"))
+    driver = Driver(fault_job(tiny_dirs["qwen3_5"], tmp_path, "rollout-loss", extra="schedule: {liveness_timeout_s: 8}"), roles=kept)
     sample_again, victims, every_time = driver.sample_again, [], []
 
     def then_kill(flight, lost, by):  # the fault: right after groups are handed on, workers die

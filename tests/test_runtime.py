@@ -19,6 +19,7 @@ from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.preflight import PreflightError
 from lt_opd_ray.runtime.resources import InsufficientResourcesError, check_resources  # noqa: E402
+from lt_opd_ray.runtime.roles import RAY_ROLES
 from lt_opd_ray.sources.resolve import load_samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +48,9 @@ def reference_run(job, steps):
         return reports, {n: p.detach().clone() for n, p in trainer.student.model.named_parameters()}
 
 
-def driver_run(job, steps, resume=False):
+def driver_run(job, steps, roles, resume=False):
     """(first step, step logs, final learner weights) of `steps` updates through the distributed driver."""
-    driver = Driver(job, resume=resume)
+    driver = Driver(job, resume=resume, roles=roles)
     try:
         first = driver.step
         logs = [driver.run_step() for _ in range(steps - first if resume else steps)]
@@ -108,11 +109,11 @@ def _reference_trajectory(job, steps) -> Trajectory:
 
 
 @contextmanager
-def driven(job, steps, prepare=None):
+def driven(job, steps, roles, prepare=None):
     """A driver that has run `steps` updates, still up: (driver, step logs, trajectory), the learners' weights
     gathered before and after each update. After each update's sync every rollout worker holds exactly the learners'
     weights, and the sync sent each fp32 parameter once. `prepare(driver)` runs before the first update."""
-    driver = Driver(job)
+    driver = Driver(job, roles=roles)
     try:
         if prepare is not None:
             prepare(driver)
@@ -128,9 +129,9 @@ def driven(job, steps, prepare=None):
         driver.shutdown()
 
 
-def driver_trajectory(job, steps) -> tuple[list, Trajectory]:
+def driver_trajectory(job, steps, roles) -> tuple[list, Trajectory]:
     """The distributed driver's step logs and trajectory (`driven`), the driver stopped."""
-    with driven(job, steps) as (_, logs, run):
+    with driven(job, steps, roles) as (_, logs, run):
         return logs, run
 
 
@@ -252,7 +253,7 @@ def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> N
     "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch, packing",
     [(1, 2, 16384, 2, False, 1, 4, False), (2, 2, 40, 3, False, 1, 1, True), (2, 3, 16384, 2, True, 1, 4, True)],
 )
-def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
+def test_distributed_updates_reproduce_the_reference(cluster, kept, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
                                                     warmup, teacher_batch, packing):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
@@ -266,25 +267,25 @@ def test_distributed_updates_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
                        packing=packing)
     assert (job.teacher_admission_note() is not None) == (teacher_batch == 1)
     reference = reference_trajectory(job, STEPS)
-    logs, run = driver_trajectory(job, STEPS)
+    logs, run = driver_trajectory(job, STEPS, kept)
     assert_equality_case(job, logs, run, reference)
 
 
 @pytest.mark.parametrize("scope", ["image", "prompt"])
-def test_rows_of_two_images_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, scope):
+def test_rows_of_two_images_train_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path, scope):
     """Each row shows two images, pruned to the budget each on its own (scope image) or over their union (scope
     prompt, where one image may keep few tokens or none); the learner replays both images' selections (two index
     sets per prompt) and two ZeRO-2 ranks equal the single process."""
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=2, name=f"two-images-{scope}", images=2,
                   extra=f"selector: {{scope: {scope}}}\n")
     reference = reference_trajectory(job, 2)
-    _, run = driver_trajectory(job, 2)
+    _, run = driver_trajectory(job, 2, kept)
     assert_reproduces(run, reference, job.optimizer.eps)
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
 
 
 @pytest.mark.parametrize("scope", ["image", "clip"])
-def test_video_rows_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, scope):
+def test_video_rows_train_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path, scope):
     """Each row shows a clip (8 frames sampled from 16: four temporal patches, each a run of tokens after its
     timestamp), pruned per temporal patch (scope image) or over the whole clip (scope clip); the learner replays every
     patch's selection and two ZeRO-3 ranks on Qwen3-VL (deepstack features pruned with the same indices) equal the
@@ -297,28 +298,67 @@ def test_video_rows_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_p
     # start from equal weights and every pick is the same.
     steps = 2 if scope == "image" else 1
     reference = reference_trajectory(job, steps)
-    _, run = driver_trajectory(job, steps)
+    _, run = driver_trajectory(job, steps, kept)
     assert_reproduces(run, reference, job.optimizer.eps)
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
 
 
-def test_glm4v_trains_distributed_as_the_reference(cluster, tiny_dirs, tmp_path):
+def test_glm4v_trains_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path):
     """A family other than Qwen's (GLM-4V: its own image tokens and processor, a conv-and-gated projector in the merger
     learning rate) through the whole runtime on transformers engines: two ZeRO-3 ranks equal the single process."""
     job = job_for(tiny_dirs["glm4v"], tmp_path, ranks=2, zero_stage=3, name="glm4v")
     reference = reference_trajectory(job, 2)
-    _, run = driver_trajectory(job, 2)
+    _, run = driver_trajectory(job, 2, kept)
     assert_reproduces(run, reference, job.optimizer.eps)
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
 
 
+def pids_of(driver) -> tuple[list[int], list[int]]:
+    """The processes of a driver's rollout workers and learner ranks."""
+    return ray.get([w.pid.remote() for w in driver.rollouts.workers]), ray.get([a.pid.remote() for a in driver.learners.actors])
+
+
+def test_a_run_on_kept_pools_computes_what_it_computes_on_new_ones(cluster, tiny_dirs, tmp_path):
+    """KeptRoles (runtime/kept_roles.py): a GLM-4V run takes over the rollout worker and the two ZeRO-2 ranks a
+    Qwen3.5 run left (the same processes) and builds its own engines in them; its updates equal the same job's on new
+    pools bit for bit. A run that stopped a worker keeps no rollout pool; close() stops what is kept."""
+    from lt_opd_ray.runtime.kept_roles import KeptRoles, learner_shape, rollout_shape
+
+    job = job_for(tiny_dirs["glm4v"], tmp_path / "kept", name="kept-glm4v")
+    roles = KeptRoles()
+    try:
+        driver = Driver(job_for(tiny_dirs["qwen3_5"], tmp_path / "first", name="kept-qwen"), roles=roles)
+        try:
+            driver.run_step()
+            first_pids = pids_of(driver)
+        finally:
+            driver.shutdown()
+        assert (set(roles.rollouts), set(roles.learners)) == ({rollout_shape(job)}, {learner_shape(job)})
+        driver = Driver(job, roles=roles)
+        try:
+            assert pids_of(driver) == first_pids and roles.takeovers == {"rollout": 1, "learner": 1}
+            logs = [driver.run_step() for _ in range(2)]
+            weights = driver.learners.full_state_dict()
+            driver.rollouts.stop(0)  # a run that stopped a worker leaves its rollout pool unkept
+        finally:
+            driver.shutdown()
+        assert (roles.rollouts, set(roles.learners)) == ({}, {learner_shape(job)})
+    finally:
+        roles.close()
+    assert roles.learners == {} and wait_until_idle() == ray.cluster_resources()["CPU"]  # close() stopped what was kept
+    _, new_logs, new_weights = driver_run(job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(tmp_path / "new")})}),
+                                          2, RAY_ROLES)
+    assert [(log.loss, log.grad_norm) for log in logs] == [(log.loss, log.grad_norm) for log in new_logs]
+    assert sorted(weights) == sorted(new_weights) and all(torch.equal(weights[name], new_weights[name]) for name in weights)
+
+
 @pytest.mark.slow
-def test_distributed_updates_with_the_token_merge_reproduce_the_reference(cluster, tiny_dirs, tmp_path):
+def test_distributed_updates_with_the_token_merge_reproduce_the_reference(cluster, kept, tiny_dirs, tmp_path):
     """selector.merge learnable: the rollouts carry each image's merge route, the learners replay it; the head
     trains at its own learning rate (its output layer leaves zero) and the run equals the single-process reference."""
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=3, name="merge", extra="selector: {merge: learnable}\n")
     reference = reference_trajectory(job, STEPS)
-    _, run = driver_trajectory(job, STEPS)
+    _, run = driver_trajectory(job, STEPS, kept)
     assert_reproduces(run, reference, job.optimizer.eps)
     weights, ref_weights = run.weights[-1], reference.weights[-1]
     assert relative_distance(weights, ref_weights) <= 1e-4
@@ -427,7 +467,7 @@ def scrape_lt_opd_metrics(port: int, job_name: str) -> set[str]:
     return {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_lt_opd_") and f'run="{job_name}"' in line}
 
 
-def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replaced_and_metrics_are_exported(cluster, metrics_port, tiny_dirs, tmp_path):
+def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replaced_and_metrics_are_exported(cluster, kept, metrics_port, tiny_dirs, tmp_path):
     """Two ZeRO-3 ranks under a 40-token micro-batch budget, the learning rate warmed up over 4 updates among ~6
     micro-batches each (a schedule stepped per micro-batch, or not at all, moves the weights away from the
     reference's), two rollout workers (each rollout is seeded by its update, sample and response, not by its worker):
@@ -438,7 +478,7 @@ def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replac
 
     job = equality_job(tiny_dirs, tmp_path, ranks=2, zero_stage=3, micro_batch_tokens=40, prompts=3, checkpointing=False, warmup=4, workers=2)
     reference = reference_trajectory(job, STEPS)
-    with driven(job, STEPS) as (driver, logs, run):
+    with driven(job, STEPS, kept) as (driver, logs, run):
         assert_equality_case(job, logs, run, reference)
         old_pid = ray.get(driver.rollouts.workers[1].pid.remote())
         os.kill(old_pid, signal.SIGKILL)
@@ -758,7 +798,7 @@ def job_vocab(model_dir) -> int:
 
 
 @pytest.mark.parametrize("mode", ["teacher_prefix", "sft"])
-def test_the_baselines_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_path, mode):
+def test_the_baselines_modes_reproduce_the_reference(cluster, kept, tiny_dirs, tmp_path, mode):
     """The baselines: on the teacher's samples (rollout workers sample with their frozen copy) and on the rows' own
     responses (one per row); the learners match the reference. SFT's loss reads no teacher: its job starts no
     teacher pool (no Serve app, no teacher actor). The rows' own responses answer their questions: the workers'
@@ -769,7 +809,7 @@ def test_the_baselines_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
     one_written = {"n": 1, "max_new_tokens": 16, "extra": "reward: {name: answer}\n"} if mode == "sft" else {}
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, name=f"mode-{mode}", mode=mode, **one_written)
     reference = reference_trajectory(job, 2)
-    with driven(job, 2) as (driver, logs, run):
+    with driven(job, 2, kept) as (driver, logs, run):
         apps = serve.status().applications
         roles = sorted({p.actor.split("-")[0] for p in driver.placements})
     assert (f"mode-{mode}-teacher" in apps, roles) == ((False, ["learner", "rollout"]) if mode == "sft" else (True, ["learner", "rollout", "teacher"]))
@@ -782,7 +822,7 @@ def test_the_baselines_modes_reproduce_the_reference(cluster, tiny_dirs, tmp_pat
 
 
 @pytest.mark.parametrize(("mode", "staleness", "steps", "kl_coef"), [("grpo", 0, 1, 0.5), ("dapo", 0, 2, 0.0), ("gspo", 1, 1, 0.0)])
-def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs, tmp_path, mode, staleness, steps, kl_coef):
+def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path, mode, staleness, steps, kl_coef):
     """The RL baselines on two ranks in several micro-batches each, rewarded by a user's own function
     (`module:function` on the workers' path) with DAPO's overlong punishment: no teacher pool, the workers' rewards
     are the reference's, and the learners match it. Responses end at a space (the tiny model's random text), so their
@@ -799,7 +839,7 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
                   micro_batch_tokens=120, kl_coef=kl_coef, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
     reference = reference_trajectory(job, 2)
     reports = reference.reports
-    with driven(job, 2) as (driver, logs, run):
+    with driven(job, 2, kept) as (driver, logs, run):
         assert (driver.teacher is None, f"rl-{mode}-teacher" in serve.status().applications) == (not kl_coef, bool(kl_coef))
     # the preconditions the test rests on: lengths that differ, on each rank and between them; several micro-batches
     assert logs[0].response_tokens_mean < logs[0].response_tokens_max == 8
@@ -815,7 +855,7 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, tiny_dirs,
     assert_reproduces(run, reference, job.optimizer.eps, steps_per_update=steps)
 
 
-def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, tiny_dirs, tmp_path, capsys):
+def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, kept, tiny_dirs, tmp_path, capsys):
     """DAPO's dynamic sampling at staleness 1: a prompt whose four responses all get one reward (a user's reward that
     gives 1 to every response of an even row) gives its slot to a drawn row, up to twice, before the learners start.
     The groups replaced and kept flat are those the rows' parity says, as the reference counts them; the learners
@@ -863,7 +903,7 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
 
     reference = reference_trajectory(job, 3)
     reports = reference.reports
-    with driven(job, 3, prepare=kill_on_drawn_rows) as (_, logs, run):
+    with driven(job, 3, kept, prepare=kill_on_drawn_rows) as (_, logs, run):
         pass
     out = capsys.readouterr().out
     assert f"{killed[1][0]} lost while sampling rewards of update 1's rollout groups (dynamic sampling round 2) (replaced after the update)" in out
@@ -873,13 +913,13 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
     assert [(log.resampled_groups, log.flat_groups) for log in logs] == [(r.resampled_groups, r.flat_groups) for r in reports] == expected
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)
     assert_reproduces(run, reference, job.optimizer.eps)
-    first, again, weights = driver_run(job, 3, resume=True)
+    first, again, weights = driver_run(job, 3, kept, resume=True)
     assert first == 2 and (again[0].resampled_groups, again[0].flat_groups, again[0].reward_mean) == (
         logs[2].resampled_groups, logs[2].flat_groups, logs[2].reward_mean)
     assert again[0].loss == pytest.approx(logs[2].loss, rel=1e-5) and relative_distance(weights, run.weights[3]) <= 1e-5
 
 
-def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the_reference(cluster, tiny_dirs, tmp_path):
+def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the_reference(cluster, kept, tiny_dirs, tmp_path):
     """reward.name judge: the judge model (here the tiny model itself) serves as the job's own Serve app, pools.reward,
     beside the rollout workers and learners (no teacher: GRPO reads none); the workers ask it for every response's
     reward as they sample, the reference asks the same model in process, and the learners match the reference. The
@@ -896,7 +936,7 @@ def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the
     reports = reference.reports
     rows = load_samples("synthetic:4")
     calls = [(rows[i : i + 1] * count, [f"answer {i}{' yes' * j}" for j in range(count)]) for i, count in enumerate((1, 3, 2, 4))]
-    with driven(job, 2) as (driver, logs, run):
+    with driven(job, 2, kept) as (driver, logs, run):
         apps = sorted(name for name in serve.status().applications if name.startswith("rl-judge"))
         roles = sorted({p.actor.split("-")[0] for p in driver.placements})
         pending = [serve.get_app_handle("rl-judge-reward").score.remote(*call) for call in calls]  # joined by the replica's batching
@@ -958,7 +998,7 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
 
 
 @pytest.mark.slow
-def test_a_tied_checkpoint_trains_under_zero3_resumes_and_exports_its_own_names(cluster, tmp_path):
+def test_a_tied_checkpoint_trains_under_zero3_resumes_and_exports_its_own_names(cluster, kept, tmp_path):
     """Qwen3.5-4B ties its embeddings: the head is the embedding, one ZeRO-3 parameter (partitioned at load). Trained
     and resumed as the reference; exported with the checkpoint's own names. (Written into vLLM: the vLLM job test.)"""
     from safetensors import safe_open
@@ -974,8 +1014,8 @@ def test_a_tied_checkpoint_trains_under_zero3_resumes_and_exports_its_own_names(
     tied = build_tiny_model("qwen3_5", tmp_path / "tied", seed=0, tied=True)
     job = job_for(tied, tmp_path / "run", ranks=2, zero_stage=3, every=2, name="tied")
     _, ref_weights = reference_run(job, STEPS)
-    driver_run(job, 2)  # a checkpoint at step 2
-    first, _, weights = driver_run(job, STEPS, resume=True)
+    driver_run(job, 2, kept)  # a checkpoint at step 2
+    first, _, weights = driver_run(job, STEPS, kept, resume=True)
     assert first == 2 and set(weights) == set(ref_weights) == names(tied)  # no separate lm_head anywhere
     assert relative_distance(weights, ref_weights) <= 1e-4
     export_student(job, tmp_path / "served", step=2)  # the ZeRO-3 partitions of a checkpoint, gathered

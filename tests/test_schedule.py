@@ -47,14 +47,14 @@ def lagged_job(model_dir, folder, ranks: int, name: str):
 
 
 @pytest.fixture(scope="module")
-def lagged_runs(cluster, tiny_dirs, tmp_path_factory):
+def lagged_runs(cluster, kept, tiny_dirs, tmp_path_factory):
     """ranks -> (the job, its driver's step logs and final weights), each run once for the module."""
     runs = {}
 
     def run(ranks: int):
         if ranks not in runs:
             job = lagged_job(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp(f"lag{ranks}"), ranks, f"lag{ranks}")
-            _, logs, weights = driver_run(job, STEPS)
+            _, logs, weights = driver_run(job, STEPS, kept)
             runs[ranks] = job, logs, weights
         return runs[ranks]
 
@@ -89,19 +89,19 @@ def test_staleness_one_reproduces_the_lagged_reference(lagged_runs, lagged_refer
 
 
 @pytest.fixture(scope="module")
-def nothing_learned(cluster, tiny_dirs, tmp_path_factory):
+def nothing_learned(cluster, kept, tiny_dirs, tmp_path_factory):
     """Step logs of a synchronous (max_staleness 0) run that learns nothing (every learning rate 0), one rollout
     worker: the rollouts every run of these weights samples, whatever its staleness or its workers (a rollout is
     seeded by its update, sample and response; its recorded log-probs round with the batch its worker sampled)."""
     job = job_for(tiny_dirs["qwen3_5"], tmp_path_factory.mktemp("lr0"), ranks=1, workers=1, name="lr0", total=STEPS)
-    return driver_run(lagged(job, 0, learning=False), STEPS)[1]
+    return driver_run(lagged(job, 0, learning=False), STEPS, kept)[1]
 
 
-def test_with_nothing_learned_staleness_one_samples_the_same_rollouts(nothing_learned, tiny_dirs, tmp_path):
+def test_with_nothing_learned_staleness_one_samples_the_same_rollouts(nothing_learned, kept, tiny_dirs, tmp_path):
     """Pipelined against synchronous: each rollout is seeded by its update, sample and response, never by the moment
     it runs."""
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, workers=1, name="lr0-pipelined", total=STEPS)
-    _, pipelined, _ = driver_run(lagged(job, 1, learning=False), STEPS)
+    _, pipelined, _ = driver_run(lagged(job, 1, learning=False), STEPS, kept)
     assert [log.staleness for log in pipelined] == [0, 1, 1, 1]
     assert [log.tokens for log in pipelined] == [log.tokens for log in nothing_learned]
     assert [log.loss for log in pipelined] == [log.loss for log in nothing_learned]  # same rollouts, same weights: bit for bit
@@ -119,10 +119,10 @@ class KillsAWorker(Driver):
         return flight
 
 
-def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(nothing_learned, tiny_dirs, tmp_path):
+def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(nothing_learned, kept, tiny_dirs, tmp_path):
     steps, expected = STEPS, nothing_learned
     job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, workers=2, name="kill", total=steps), learning=False)
-    driver = KillsAWorker(job)
+    driver = KillsAWorker(job, roles=kept)
     try:
         driver.victim = ray.get(driver.rollouts.workers[1].pid.remote())
         logs = [driver.run_step() for _ in range(steps)]
@@ -139,7 +139,7 @@ def test_a_worker_killed_while_the_learners_train_loses_and_repeats_no_sample(no
     assert [log.staleness for log in logs] == [0, 1, 1, 1]  # update 2's resampled group is fresher, its other is not
 
 
-def test_resume_with_rollouts_in_flight_continues_exactly(lagged_runs, tmp_path):
+def test_resume_with_rollouts_in_flight_continues_exactly(lagged_runs, kept, tmp_path):
     """The lagged run cut after its step-2 checkpoint (its folder as a run stopped there leaves it) and resumed
     continues as the run went on."""
     job, straight_logs, straight_weights = lagged_runs(1)
@@ -148,7 +148,7 @@ def test_resume_with_rollouts_in_flight_continues_exactly(lagged_runs, tmp_path)
     (cut / "latest").write_text("step-2")
     assert (cut / "step-2" / "in_flight.pt").exists()  # update 2's rollouts, sampled by v1 while update 1 trained
     job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(cut)})})
-    first, resumed_logs, resumed_weights = driver_run(job, STEPS, resume=True)
+    first, resumed_logs, resumed_weights = driver_run(job, STEPS, kept, resume=True)
     assert first == 2
     assert [log.staleness for log in resumed_logs] == [1, 1]  # update 2 trained on the kept v1 rollouts, not fresh ones
     assert [round(log.loss, 12) for log in resumed_logs] == [round(log.loss, 12) for log in straight_logs[2:]]
@@ -177,6 +177,25 @@ def test_the_learner_refuses_rollouts_staler_than_the_bound(tiny_dirs, tmp_path,
     assert receiver.staleness == staleness
     with pytest.raises(ValueError, match="learner-0 at update 7 was sent the rollout group of prompts 4-5 from rollout-3 for update 6, rank 0"):
         receiver.check(group(6, 6))
+
+
+def test_closed_score_requests_send_what_was_asked_before_and_end_their_thread():
+    """A learner rank kept for another run (runtime/kept_roles.py) closes its run's requests: those asked before are
+    still sent and taken, then the sender thread ends (one per run would pile up otherwise)."""
+    sent = []
+
+    def send(scoring, group_ref, update, start, stop):
+        sent.append((group_ref, update, start, stop))
+        return f"payload of {group_ref}"
+
+    requests = ScoreRequests(send)
+    requests.ask(None, "group-a", 0, 0, 2)
+    requests.ask(None, "group-b", 1, 2, 4)
+    requests.close()
+    requests.sender.join(timeout=10)
+    assert not requests.sender.is_alive()
+    assert sorted(sent) == [("group-a", 0, 0, 2), ("group-b", 1, 2, 4)]
+    assert requests.take("group-b", timeout_s=1) == "payload of group-b"
 
 
 def test_busy_fractions_count_each_span_in_the_windows_it_overlaps():

@@ -54,14 +54,22 @@ class ScoreRequests:
         self._asked_count = itertools.count()  # for a lost worker goes ahead of the next update's requests
         self._ready = threading.Condition()
         self._answers: dict = {}  # group ref -> (update, payload ref, or the error sending it raised)
-        threading.Thread(target=self._sender, name="score-requests", daemon=True).start()
+        self.sender = threading.Thread(target=self._sender, name="score-requests", daemon=True)
+        self.sender.start()
 
     def ask(self, scoring: ScoringRequest, group_ref, update: int, start: int, stop: int) -> None:
         self._asked.put((update, next(self._asked_count), (scoring, group_ref, start, stop)))
 
+    def close(self) -> None:
+        """Ends the sender thread once the requests asked before are sent (a rank kept for another run)."""
+        self._asked.put((float("inf"), next(self._asked_count), None))
+
     def _sender(self) -> None:
         while True:
-            update, _, (scoring, group_ref, start, stop) = self._asked.get()
+            update, _, request = self._asked.get()
+            if request is None:
+                return
+            scoring, group_ref, start, stop = request
             try:
                 answer = self.send(scoring, group_ref, update, start, stop)
             except Exception as exc:  # noqa: BLE001 - raised where the step takes it, naming the group

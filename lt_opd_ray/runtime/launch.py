@@ -6,12 +6,16 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.storage import RUN_RECORD, RunStorage
 from lt_opd_ray.runtime.resources import check_export_port, check_local_machine, machine_cpus
 from lt_opd_ray.runtime.run_lock import RemoteLease, RunLock
 from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError
+
+if TYPE_CHECKING:
+    from lt_opd_ray.runtime.roles import Roles
 
 # Passed to every actor: near-zero-copy torch tensors through the object store, quiet transformers.
 WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -218,8 +222,9 @@ def progress_bar(total: int, initial: int, name: str, stream=None):
     return tqdm(total=total, initial=initial, desc=name, unit="step", dynamic_ncols=True, file=stream, disable=not stream.isatty())
 
 
-def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seconds: float | None = None) -> list:
-    """Run the job on the Ray cluster this process is connected to.
+def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seconds: float | None = None, roles: Roles | None = None) -> list:
+    """Run the job on the Ray cluster this process is connected to, its pools from `roles` (`runtime/roles.RAY_ROLES`;
+    `runtime/kept_roles.KeptRoles` for a series of runs).
 
     Every step is appended to `<checkpoint.dir>/steps.jsonl`; a run that reaches
     `total_steps` writes the student as a Hugging Face folder to `<checkpoint.dir>/final`.
@@ -231,11 +236,12 @@ def run(job: JobConfig, steps: int | None = None, resume: bool = False, ray_seco
 
     from lt_opd_ray.models.kernels import slow_kernels_warning
     from lt_opd_ray.runtime.driver import Driver
+    from lt_opd_ray.runtime.roles import RAY_ROLES
     from lt_opd_ray.runtime.tracking import Trackers
 
     stop = StopRequest()
     try:
-        driver = Driver(job, resume=resume)
+        driver = Driver(job, resume=resume, roles=roles or RAY_ROLES)
     except BaseException:
         stop.restore()
         raise

@@ -54,12 +54,19 @@ def rank_requests(groups: list, ranks: int) -> list[list[tuple]]:
     return requests
 
 
-def ask_teacher(scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
-    """`runtime.teacher.ask_teacher`, imported on a rank's first request: a job without a teacher (the RL baselines,
-    SFT) never imports Ray Serve in its learners (~1 CPU-second a rank start)."""
-    from lt_opd_ray.runtime import teacher
+class LazyTeacherClient:
+    """A run's `runtime.teacher.TeacherClient`, made on the rank's first request: a job without a teacher (the RL
+    baselines, SFT) never imports Ray Serve in its learners (~1 CPU-second a rank start)."""
 
-    return teacher.ask_teacher(scoring, group_ref, update, start, stop)
+    def __init__(self):
+        self.client = None
+
+    def __call__(self, scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
+        if self.client is None:
+            from lt_opd_ray.runtime.teacher import TeacherClient
+
+            self.client = TeacherClient()
+        return self.client(scoring, group_ref, update, start, stop)
 
 
 class LearnerActor:
@@ -68,16 +75,24 @@ class LearnerActor:
     def __init__(self, job: JobConfig, rank: int, world: int):
         import transformers
 
+        transformers.logging.set_verbosity_error()
+        self.rank, self.world = rank, world
+        self.learner = None  # set by setup, after the process group exists
+        self.score_requests = None
+        self._run_state(job)
+
+    def _run_state(self, job: JobConfig) -> None:
+        """What one run's calls hold, apart from its DeepSpeed engine."""
         from lt_opd_ray.runtime.metrics import LearnerMetrics
 
-        transformers.logging.set_verbosity_error()
-        self.job, self.rank, self.world = job, rank, world
-        self.learner = None  # set by setup, after the process group exists
+        self.job = job
         self.sync_store = None  # rank 0 only: hosts the weight-sync TCPStore
         self.sync = None  # rank 0 only: the current weight-sync group
-        self.metrics = LearnerMetrics(job.name, f"learner-{rank}")
+        self.metrics = LearnerMetrics(job.name, f"learner-{self.rank}")
         self.substitutes = Substitutes()  # groups sampled again after their worker died, by (update, start)
-        self.score_requests = ScoreRequests(ask_teacher)  # this rank's groups, sent to the teacher as it admits them
+        if self.score_requests is not None:
+            self.score_requests.close()
+        self.score_requests = ScoreRequests(LazyTeacherClient())  # this rank's groups, sent to the run's teacher as it admits them
 
     def pid(self) -> int:
         return os.getpid()
@@ -113,6 +128,20 @@ class LearnerActor:
         init_process_group(self.rank, self.world, master_addr, master_port, self.job.collective_timeout_s)
         self.learner = Learner(self.job, self.rank, self.world)
         return time.time()
+
+    def start_run(self, job: JobConfig) -> float:
+        """A rank kept from an earlier run (`runtime/kept_roles.py`) starts the next one: a new DeepSpeed engine (the
+        job's model, optimizer and schedule) in the process group it has. Returns when it was ready."""
+        from lt_opd_ray.runtime.learner import Learner
+
+        self.learner = None  # the last run's engine goes before the next one is built
+        self._run_state(job)
+        self.learner = Learner(job, self.rank, self.world)
+        return time.time()
+
+    def idle(self) -> bool:
+        """Answered once every call queued before it has finished (the calls of the default group run in order)."""
+        return True
 
     def host_weight_sync(self) -> tuple[str, int]:
         from lt_opd_ray.weight_sync.group import host_store
@@ -235,10 +264,16 @@ class LearnerActor:
 
 
 class LearnerGroup:
-    def __init__(self, job: JobConfig):
+    def __init__(self, job: JobConfig, kept: tuple | None = None):
+        """`kept`: (placement group, ranks) of an earlier run whose group had this one's shape (`runtime/kept_roles.py`);
+        each rank builds this run's engine in its own process and process group instead of new ranks starting."""
         pool = job.pools.learner
         self.job = job
         self.interrupted: str | None = None  # the call to the ranks that failed or was given up on, if one was
+        if kept is not None:
+            self.placement, self.actors = kept
+            self.starting = [a.start_run.remote(job) for a in self.actors]
+            return
         bundle = {"CPU": pool.cpus, **({"GPU": pool.gpus} if pool.gpus else {}), **pool.ray_resources()}
         self.placement = placement_group([bundle] * pool.ranks, strategy="PACK")
         wait_for([self.placement.ready()], ["placement group"], job.schedule.wait_timeout_s, "reserving the learners' resources")
@@ -341,11 +376,16 @@ class LearnerGroup:
         return weights_checksum(self.full_state_dict().items(), WIRE_DTYPES[dtype])
 
     def shutdown(self) -> None:
-        """Leave the process group together where every rank finished its last call (bounded), then kill the ranks
-        whatever state they are in. After a call that failed or was given up on, a rank may sit in a collective
-        (a barrier of a checkpoint write one rank failed) that would take the leaving barrier's place: no leaving."""
-        if self.interrupted is None:
-            ray.wait([a.finish.remote() for a in self.actors], num_returns=len(self.actors), timeout=FINISH_TIMEOUT_S)
-        for actor in self.actors:
-            ray.kill(actor)
-        ray.util.remove_placement_group(self.placement)
+        """After a call that failed or was given up on, a rank may sit in a collective (a barrier of a checkpoint
+        write one rank failed) that would take the leaving barrier's place: the ranks stop without leaving."""
+        stop_ranks(self.actors, self.placement, leave=self.interrupted is None)
+
+
+def stop_ranks(actors: list, placement, leave: bool) -> None:
+    """With `leave`, the ranks leave their process group together (bounded: each must have finished its last call);
+    then every rank is killed, whatever state it is in, and its placement group removed."""
+    if leave:
+        ray.wait([a.finish.remote() for a in actors], num_returns=len(actors), timeout=FINISH_TIMEOUT_S)
+    for actor in actors:
+        ray.kill(actor)
+    ray.util.remove_placement_group(placement)

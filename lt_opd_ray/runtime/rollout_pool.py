@@ -78,6 +78,11 @@ class RolloutWorker:
     and answers generate / evaluate / weight-sync calls."""
 
     def __init__(self, job: JobConfig, name: str):
+        self.start_run(job, name)
+
+    def start_run(self, job: JobConfig, name: str) -> float:
+        """Everything of one run: its engine (the job's model), reward and metrics; a worker kept from an earlier run
+        (`runtime/kept_roles.py`) starts the next one here, in the process it has. Returns when it was ready."""
         import transformers
 
         from lt_opd_ray.engines.rollout_engines import build_rollout_engine
@@ -98,6 +103,11 @@ class RolloutWorker:
         self.sync = None  # set by join_weight_sync
         self.metrics = RolloutMetrics(job.name, name)
         self.loaded_at = time.time()
+        return self.loaded_at
+
+    def idle(self) -> bool:
+        """Answered once every call queued before it has finished (the calls of the default group run in order)."""
+        return True
 
     @ray.method(concurrency_group="control")
     def ready(self) -> float:
@@ -205,7 +215,9 @@ def sync_device() -> str:
 class RolloutPool:
     """Creates, calls and replaces the rollout actors."""
 
-    def __init__(self, job: JobConfig):
+    def __init__(self, job: JobConfig, kept: list | None = None):
+        """`kept`: the workers of an earlier run whose pool had this one's shape (`runtime/kept_roles.py`); each starts
+        this run in its own process instead of a new one starting."""
         self.job = job
         pool = job.pools.rollout
         self._actor_cls = ray.remote(
@@ -213,11 +225,17 @@ class RolloutPool:
         )(RolloutWorker)
         self._sampling = {"concurrency_group": "sampling"} if pool.backend == "vllm" else {}
         self.names = [f"rollout-{i}" for i in range(pool.workers)]
-        self.workers = [self._spawn(name) for name in self.names]  # they load their models while the other pools start
+        self.replaced = 0  # workers stopped or replaced in this run
+        if kept is None:
+            self.workers = [self._spawn(name) for name in self.names]  # they load their models while the other pools start
+            self.starting = [w.ready.remote() for w in self.workers]
+        else:
+            self.workers = kept
+            self.starting = [w.start_run.remote(job, name) for w, name in zip(kept, self.names)]
 
     def wait_ready(self) -> float:
         """Wall clock when the last worker was ready."""
-        return max(self.wait([w.ready.remote() for w in self.workers], self.names, "starting the rollout workers"))
+        return max(self.wait(self.starting, self.names, "starting the rollout workers"))
 
     def _spawn(self, name: str):
         return self._actor_cls.remote(self.job, name)
@@ -279,6 +297,7 @@ class RolloutPool:
 
     def stop(self, index: int) -> None:
         """Stop worker `index` for good (a stuck one too: it must not answer late); `replace` starts its successor."""
+        self.replaced += 1
         ray.kill(self.workers[index], no_restart=True)
 
     def shutdown(self) -> None:
@@ -288,6 +307,7 @@ class RolloutPool:
     def replace(self, index: int) -> None:
         """A new worker in place of `index` (dead or stuck), started at most REPLACE_ATTEMPTS times when a
         replacement dies in turn; then one RoleDiedError naming it."""
+        self.replaced += 1
         for attempt in range(1, REPLACE_ATTEMPTS + 1):
             ray.kill(self.workers[index], no_restart=True)
             self.workers[index] = self._spawn(self.names[index])

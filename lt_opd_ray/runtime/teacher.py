@@ -13,8 +13,6 @@ message naming the problem.
 
 from __future__ import annotations
 
-import functools
-
 from ray import serve
 
 from lt_opd_ray.config.schema import JobConfig
@@ -133,15 +131,18 @@ def ask(handle, samples_ref, group_ref, update: int, start: int, stop: int):
     return handle.score.remote(score_request(samples_ref, group_ref, update, start, stop))._to_object_ref_sync()
 
 
-@functools.cache
-def _app_handle(app: str):
-    return serve.get_app_handle(app)
+class TeacherClient:
+    """A learner rank's requests to its run's teacher: `ask` through one handle (one Serve router) per app, made on
+    its first request. One per run: a rank kept for a later run (runtime/kept_roles.py) gets a new one, never an
+    earlier run's handle to an app of the same name."""
 
+    def __init__(self):
+        self.handles: dict[str, object] = {}
 
-def ask_teacher(scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
-    """`ask` through one handle (one Serve router) per app in this process: for a process that lives no longer than
-    the app, as a learner rank lives no longer than its run."""
-    return ask(_app_handle(scoring.app), scoring.samples_ref, group_ref, update, start, stop)
+    def __call__(self, scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
+        if scoring.app not in self.handles:
+            self.handles[scoring.app] = serve.get_app_handle(scoring.app)
+        return ask(self.handles[scoring.app], scoring.samples_ref, group_ref, update, start, stop)
 
 
 class TeacherService:

@@ -264,6 +264,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     own_cluster = not ray.is_initialized()  # a session already up (a test module's) is used as it is: start it with init_ray(job)
     if own_cluster:
         init_ray(base)
+    from lt_opd_ray.runtime.kept_roles import KeptRoles
+
+    roles = KeptRoles()  # a run whose pools have the last run's shape starts in its rollout worker's and learners' processes
     try:
         if lr_scales:
             validation = eval_sets(base, validation_spec)
@@ -278,7 +281,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 job = arm_job(base, arm, TUNING_SEED, out_dir / "tuning" / folder, steps, scale, variant)
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)
                 started = time.perf_counter()
-                trained(job, run(job))
+                trained(job, run(job, roles=roles))
                 accuracy = evaluate(str(Path(job.checkpoint.dir) / "final"), job, validation, full_tokens=False)
                 tuning.append({"arm": arm, "lr_scale": scale, "variant": variant, "seconds": time.perf_counter() - started,
                                "accuracy": accuracy, "retain": mean_retain(accuracy, teacher_on_validation, base.selector.name)})
@@ -310,7 +313,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm))
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
-                logs = trained(job, run(job))
+                logs = trained(job, run(job, roles=roles))
                 final = logs[-1].eval_accuracy
                 runs.append({
                     "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm),
@@ -324,6 +327,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                       + f"  ({runs[-1]['seconds']:.0f}s)", flush=True)
                 save_results(results, out_dir, begin)  # a study cut short keeps every finished run
     finally:
+        roles.close()
         if own_cluster:
             ray.shutdown()
     results["complete"] = True
