@@ -319,37 +319,56 @@ def pids_of(driver) -> tuple[list[int], list[int]]:
 
 
 def test_a_run_on_kept_pools_computes_what_it_computes_on_new_ones(cluster, tiny_dirs, tmp_path):
-    """KeptRoles (runtime/kept_roles.py): a GLM-4V run takes over the rollout worker and the two ZeRO-2 ranks a
-    Qwen3.5 run left (the same processes) and builds its own engines in them; its updates equal the same job's on new
-    pools bit for bit. A run that stopped a worker keeps no rollout pool; close() stops what is kept."""
+    """KeptRoles (runtime/kept_roles.py): a Qwen3.5 run of job 'kept' stops after one update with the next in flight
+    (staleness 1: its rollouts sampling, its teacher requests sent); a GLM-4V run of a job of the same name (the same
+    teacher app's name) takes over its rollout worker and two ZeRO-2 ranks (the same processes) and builds its own
+    engines in them; its updates, its learners' weights and its worker's weights equal the same job's on new pools
+    bit for bit. A run that stopped a worker keeps no rollout pool; a run stopped by an exception keeps nothing;
+    close() stops what is kept."""
     from lt_opd_ray.runtime.kept_roles import KeptRoles, learner_shape, rollout_shape
 
-    job = job_for(tiny_dirs["glm4v"], tmp_path / "kept", name="kept-glm4v")
-    roles = KeptRoles()
-    try:
-        driver = Driver(job_for(tiny_dirs["qwen3_5"], tmp_path / "first", name="kept-qwen"), roles=roles)
-        try:
-            driver.run_step()
-            first_pids = pids_of(driver)
-        finally:
-            driver.shutdown()
-        assert (set(roles.rollouts), set(roles.learners)) == ({rollout_shape(job)}, {learner_shape(job)})
+    def steps_of(job, roles, then=None):
         driver = Driver(job, roles=roles)
         try:
-            assert pids_of(driver) == first_pids and roles.takeovers == {"rollout": 1, "learner": 1}
+            pids = pids_of(driver)
             logs = [driver.run_step() for _ in range(2)]
-            weights = driver.learners.full_state_dict()
-            driver.rollouts.stop(0)  # a run that stopped a worker leaves its rollout pool unkept
+            result = pids, logs, driver.learners.full_state_dict(), driver.rollouts.checksums()
+            if then is not None:
+                then(driver)
+            return result
         finally:
             driver.shutdown()
-        assert (roles.rollouts, set(roles.learners)) == ({}, {learner_shape(job)})
+
+    job = job_for(tiny_dirs["glm4v"], tmp_path / "kept", name="kept")
+    roles = KeptRoles()
+    try:
+        first = Driver(job_for(tiny_dirs["qwen3_5"], tmp_path / "first", name="kept", extra="schedule: {max_staleness: 1}\n"), roles=roles)
+        try:
+            first.run_step()
+            assert first.next is not None  # update 1 in flight at the stop
+            first_pids = pids_of(first)
+        finally:
+            first.shutdown()
+        assert (set(roles.rollouts), set(roles.learners)) == ({rollout_shape(job)}, {learner_shape(job)})
+        kept_pids, logs, weights, checksums = steps_of(job, roles, then=lambda driver: driver.rollouts.stop(0))
+        assert kept_pids == first_pids and roles.takeovers == {"rollout": 1, "learner": 1}
+        assert (roles.rollouts, set(roles.learners)) == ({}, {learner_shape(job)})  # the stopped worker's pool went
+        with pytest.raises(ZeroDivisionError):
+            with_error = Driver(job_for(tiny_dirs["glm4v"], tmp_path / "error", name="kept"), roles=roles)
+            try:
+                1 / 0
+            finally:
+                with_error.shutdown()
+        assert (roles.rollouts, roles.learners) == ({}, {})  # stopped by an exception: nothing kept
     finally:
         roles.close()
-    assert roles.learners == {} and wait_until_idle() == ray.cluster_resources()["CPU"]  # close() stopped what was kept
-    _, new_logs, new_weights = driver_run(job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(tmp_path / "new")})}),
-                                          2, RAY_ROLES)
-    assert [(log.loss, log.grad_norm) for log in logs] == [(log.loss, log.grad_norm) for log in new_logs]
+    assert wait_until_idle() == ray.cluster_resources()["CPU"]  # close() stopped what was kept
+    new_pids, new_logs, new_weights, new_checksums = steps_of(
+        job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(tmp_path / "new")})}), RAY_ROLES)
+    assert not set(new_pids[0] + new_pids[1]) & set(kept_pids[0] + kept_pids[1])
+    assert [(log.loss, log.grad_norm, log.tokens) for log in logs] == [(log.loss, log.grad_norm, log.tokens) for log in new_logs]
     assert sorted(weights) == sorted(new_weights) and all(torch.equal(weights[name], new_weights[name]) for name in weights)
+    assert checksums == new_checksums
 
 
 @pytest.mark.slow

@@ -61,8 +61,16 @@ class ScoreRequests:
         self._asked.put((update, next(self._asked_count), (scoring, group_ref, start, stop)))
 
     def close(self) -> None:
-        """Ends the sender thread once the requests asked before are sent (a rank kept for another run)."""
-        self._asked.put((float("inf"), next(self._asked_count), None))
+        """The run is over (its rank is kept for another): the requests not yet sent are dropped, the answers not
+        taken let go, and the sender thread ends once the request it may be sending returns."""
+        while True:
+            try:
+                self._asked.get_nowait()
+            except queue.Empty:
+                break
+        self._asked.put((float("-inf"), next(self._asked_count), None))
+        with self._ready:
+            self._answers.clear()
 
     def _sender(self) -> None:
         while True:

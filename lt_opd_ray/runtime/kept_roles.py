@@ -2,20 +2,25 @@
 
 Most of a pool's start is its processes' own: each imports torch, transformers (and a learner rank DeepSpeed), ~5
 CPU-seconds, before it loads a model (docs/benchmarks.md, driver start). A series of runs on one cluster (a study's
-runs, the test suite's) pays that once per pool with `KeptRoles`: when a run stops, its rollout workers and learner
-ranks are kept if it left them sound, and a later run whose pool has the same shape (the actors' resources, the
-ranks and their process group's timeout, the rollout backend) takes them over. Each builds the new run's engine,
-model, optimizer, reward and metrics in the process it has (`RolloutWorker.start_run`, `LearnerActor.start_run`),
-so a run on kept pools computes what it would on new ones (tests/test_runtime.py checks it bit for bit).
+runs, the test suite's) pays that once per pool shape with `KeptRoles`: when a run stops, its rollout workers and
+learner ranks end the run in their processes (`end_run`: engines destroyed, weight-sync groups and teacher requests
+let go) and are kept if it left them sound; a later run whose pool has the same shape (the actors' resources, the
+ranks, the rollout backend) takes them over and builds its engine, model, optimizer, reward and metrics in them
+(`start_run`), torch's generators where a new process starts them. tests/test_runtime.py holds a run on kept pools
+to the same run on new ones, bit for bit.
 
-A pool is kept only when its run left it sound: no worker stopped or replaced, no call to the learner ranks failed
-or given up on, and every actor idle within IDLE_TIMEOUT_S of the run's stop (nothing of the run left running).
-Otherwise it is stopped as `RayRoles` stops it. The teacher and a reward judge (Serve apps, one per job) and vLLM
-rollout engines (device memory and an engine process of their own) are started for every run. `close()` stops
-what is kept.
+A pool is kept only where its run left it sound: the driver was not stopped by an exception (its own or its
+caller's), no worker was stopped or replaced, no call to the learner ranks failed or was given up on, and every
+actor ended the run within END_RUN_TIMEOUT_S (after the calls the run queued). Otherwise it is stopped as `RayRoles`
+stops it. What a process keeps beyond that: the modules a run imported (a user's reward module), and the last value
+of each metric series its run exported (tagged with that run's name). The teacher and a reward judge (Serve apps,
+one per job) and vLLM rollout engines (device memory and an engine process of their own) start for every run.
+`close()` stops what is kept.
 """
 
 from __future__ import annotations
+
+import sys
 
 import ray
 
@@ -25,7 +30,7 @@ from lt_opd_ray.runtime.learner_group import LearnerGroup, stop_ranks
 from lt_opd_ray.runtime.roles import LearnerRole, RayRoles, RewardRole, RolloutRole, TeacherRole
 from lt_opd_ray.runtime.rollout_pool import RolloutPool
 
-IDLE_TIMEOUT_S = 5.0  # a pool's actors must have finished the run's calls this soon after it stopped to be kept
+END_RUN_TIMEOUT_S = 10.0  # a pool's actors end their run this soon after the driver's stop, or the pool is stopped
 
 
 def rollout_shape(job: JobConfig) -> tuple | None:
@@ -37,16 +42,24 @@ def rollout_shape(job: JobConfig) -> tuple | None:
 
 
 def learner_shape(job: JobConfig) -> tuple:
-    """What a kept learner rank must share with the run that takes it over: its resources and process group."""
+    """What a kept learner rank must share with the run that takes it over: its resources and its process group's
+    size (the group's timeout is the job's again once the rank's new engine is built: `learner.Learner`)."""
     pool = job.pools.learner
-    return pool.ranks, pool.cpus, pool.gpus, tuple(sorted(pool.ray_resources().items())), job.collective_timeout_s
+    return pool.ranks, pool.cpus, pool.gpus, tuple(sorted(pool.ray_resources().items()))
 
 
-def all_idle(actors: list) -> bool:
-    ready, _ = ray.wait([a.idle.remote() for a in actors], num_returns=len(actors), timeout=IDLE_TIMEOUT_S)
+def stopping_on_an_error() -> bool:
+    """The driver is being stopped while an exception propagates (a failed run, or its caller's failed check)."""
+    return sys.exc_info()[0] is not None
+
+
+def all_ended(actors: list) -> bool:
+    """Every actor ended its run (`end_run`, queued after the run's calls) within END_RUN_TIMEOUT_S."""
+    refs = [a.end_run.remote() for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=END_RUN_TIMEOUT_S)
     try:
-        return len(ready) == len(actors) and all(ray.get(ready))
-    except ray.exceptions.RayError:  # one died
+        return len(ready) == len(refs) and all(ray.get(ready))
+    except ray.exceptions.RayError:  # one died, or its run's end raised
         return False
 
 
@@ -56,7 +69,7 @@ class KeptRolloutPool(RolloutPool):
         self.roles, self.shape = roles, rollout_shape(job)
 
     def shutdown(self) -> None:
-        if self.replaced == 0 and all_idle(self.workers):
+        if not stopping_on_an_error() and self.replaced == 0 and all_ended(self.workers):
             self.roles.rollouts[self.shape] = self.workers
         else:
             super().shutdown()
@@ -68,7 +81,7 @@ class KeptLearnerGroup(LearnerGroup):
         self.roles, self.shape = roles, learner_shape(job)
 
     def shutdown(self) -> None:
-        if self.interrupted is None and all_idle(self.actors):
+        if not stopping_on_an_error() and self.interrupted is None and all_ended(self.actors):
             self.roles.learners[self.shape] = (self.placement, self.actors)
         else:
             super().shutdown()
@@ -78,29 +91,22 @@ class KeptRoles(RayRoles):
     """`RayRoles` that keep a sound run's rollout workers and learner ranks for the next run of their shape."""
 
     def __init__(self):
-        self.rollouts: dict[tuple, list] = {}  # shape -> idle workers
-        self.learners: dict[tuple, tuple] = {}  # shape -> (placement group, idle ranks)
+        self.rollouts: dict[tuple, list] = {}  # shape -> workers that ended their run
+        self.learners: dict[tuple, tuple] = {}  # shape -> (placement group, ranks that ended their run)
         self.starts = {"rollout": 0, "learner": 0}  # pools started in new processes
         self.takeovers = {"rollout": 0, "learner": 0}  # pools started in kept ones
 
+    # The driver asks for the Serve apps first, then the rollout workers, then the learners. The kept pools never hold
+    # more of the cluster than the last run's did (one per role, stopped where the next run's shape differs); an app
+    # the last run did not have may still find no room beside them, and then they are stopped.
     def teacher(self, job: JobConfig) -> TeacherRole:
-        self.make_room(job.pools.teacher)
+        self.make_room(job, job.pools.teacher)
         return super().teacher(job)
 
     def reward_pool(self, job: JobConfig) -> RewardRole:
-        self.make_room(job.pools.reward)
+        self.make_room(job, job.pools.reward)
         return super().reward_pool(job)
 
-    def make_room(self, pool: ServePool) -> None:
-        """Stop the kept pools where the cluster has no room beside them for a Serve app's first replicas (an app
-        the last run did not have)."""
-        one = {"CPU": pool.cpus, "GPU": pool.gpus, **pool.ray_resources()}
-        free = ray.available_resources()
-        if any(free.get(name, 0.0) < amount * pool.replicas for name, amount in one.items() if amount):
-            self.close()
-
-    # One kept pool per role at most: a run whose shape differs stops the kept one before its own starts, so the
-    # kept pools never hold more of the cluster than the last run's pools did.
     def rollout_pool(self, job: JobConfig) -> RolloutRole:
         shape = rollout_shape(job)
         kept = self.rollouts.pop(shape, None)
@@ -114,17 +120,31 @@ class KeptRoles(RayRoles):
         self._count("learner", kept)
         return KeptLearnerGroup(job, self, kept)
 
+    def make_room(self, job: JobConfig, pool: ServePool) -> None:
+        """Stop the kept pools `job` cannot take over; then all of them where the cluster's free resources (summed
+        over its nodes) cannot hold the app's first replicas beside them."""
+        for shape in [s for s in self.rollouts if s != rollout_shape(job)]:
+            self.stop_rollouts(shape)
+        for shape in [s for s in self.learners if s != learner_shape(job)]:
+            self.stop_learners(shape)
+        one = {"CPU": pool.cpus, "GPU": pool.gpus, **pool.ray_resources()}
+        free = ray.available_resources()
+        if any(free.get(name, 0.0) < amount * pool.replicas for name, amount in one.items() if amount):
+            self.close()
+
     def _count(self, pool: str, kept) -> None:
         (self.takeovers if kept is not None else self.starts)[pool] += 1
 
-    def stop_rollouts(self) -> None:
-        while self.rollouts:
-            for worker in self.rollouts.popitem()[1]:
+    def stop_rollouts(self, *shapes: tuple) -> None:
+        """Stop the kept rollout workers of `shapes` (every shape's without)."""
+        for shape in shapes or list(self.rollouts):
+            for worker in self.rollouts.pop(shape):
                 ray.kill(worker)
 
-    def stop_learners(self) -> None:
-        while self.learners:
-            placement, actors = self.learners.popitem()[1]
+    def stop_learners(self, *shapes: tuple) -> None:
+        """Stop the kept learner ranks of `shapes` (every shape's without)."""
+        for shape in shapes or list(self.learners):
+            placement, actors = self.learners.pop(shape)
             stop_ranks(actors, placement, leave=True)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from lt_opd_ray.core.wire import (
     WeightsSent,
 )
 from lt_opd_ray.runtime.group_receiver import GroupReceiver, ScoreRequests, Substitutes
-from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.runtime.resources import first_torch_seed, free_run_memory, placement_here, restart_torch_generators
 from lt_opd_ray.runtime.rollout_pool import CONTROL
 from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for, wait_watched
 
@@ -29,6 +29,7 @@ from lt_opd_ray.runtime.waits import Progress, RoleDiedError, Watched, wait_for,
 # weight-sync group and sending the weights while a step waits on a replaced worker: `send_weights_inside_step`).
 LEARNER_GROUPS = CONTROL | {"sync": 1}
 FINISH_TIMEOUT_S = 30.0  # leaving the process group at shutdown
+SENDER_END_S = 2.0  # a kept rank's teacher-request thread ends this soon at its run's end, or the rank is not kept
 
 
 def free_port() -> int:
@@ -77,8 +78,8 @@ class LearnerActor:
 
         transformers.logging.set_verbosity_error()
         self.rank, self.world = rank, world
+        self.first_seed = first_torch_seed()
         self.learner = None  # set by setup, after the process group exists
-        self.score_requests = None
         self._run_state(job)
 
     def _run_state(self, job: JobConfig) -> None:
@@ -90,8 +91,6 @@ class LearnerActor:
         self.sync = None  # rank 0 only: the current weight-sync group
         self.metrics = LearnerMetrics(job.name, f"learner-{self.rank}")
         self.substitutes = Substitutes()  # groups sampled again after their worker died, by (update, start)
-        if self.score_requests is not None:
-            self.score_requests.close()
         self.score_requests = ScoreRequests(LazyTeacherClient())  # this rank's groups, sent to the run's teacher as it admits them
 
     def pid(self) -> int:
@@ -116,7 +115,8 @@ class LearnerActor:
     def alive(self) -> Progress:
         """The liveness ping, answered from the control thread while a step runs (a frozen process does not answer):
         the step's progress, so one stuck inside a step (a hung kernel or collective) is seen too."""
-        return self.learner.progress.read() if self.learner is not None else Progress(0, False, "starting")
+        learner = self.learner  # None between a kept rank's runs
+        return learner.progress.read() if learner is not None else Progress(0, False, "starting")
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -129,19 +129,30 @@ class LearnerActor:
         self.learner = Learner(self.job, self.rank, self.world)
         return time.time()
 
+    def end_run(self) -> bool:
+        """A run's end on a rank kept for another (`runtime/kept_roles.py`), after every call the run queued in the
+        default group: its teacher requests not yet sent dropped and their thread ended, its weight-sync group and
+        store let go, its DeepSpeed engine destroyed and what it held freed. True where nothing of the run is left
+        running in the process."""
+        self.score_requests.close()
+        self.sync = self.sync_store = None
+        if self.learner is not None:
+            self.learner.engine.destroy()
+        self.learner = None
+        free_run_memory()
+        self.score_requests.sender.join(timeout=SENDER_END_S)
+        return not self.score_requests.sender.is_alive()
+
     def start_run(self, job: JobConfig) -> float:
-        """A rank kept from an earlier run (`runtime/kept_roles.py`) starts the next one: a new DeepSpeed engine (the
-        job's model, optimizer and schedule) in the process group it has. Returns when it was ready."""
+        """A kept rank starts the next run (after `end_run`): a new DeepSpeed engine (the job's model, optimizer and
+        schedule) in the process group it has, torch's generators where a new process starts them. Returns when it
+        was ready."""
         from lt_opd_ray.runtime.learner import Learner
 
-        self.learner = None  # the last run's engine goes before the next one is built
+        restart_torch_generators(self.first_seed)
         self._run_state(job)
-        self.learner = Learner(job, self.rank, self.world)
+        self.learner = Learner(job, self.rank, self.world)  # also sets every process group's timeout to the job's
         return time.time()
-
-    def idle(self) -> bool:
-        """Answered once every call queued before it has finished (the calls of the default group run in order)."""
-        return True
 
     def host_weight_sync(self) -> tuple[str, int]:
         from lt_opd_ray.weight_sync.group import host_store

@@ -224,3 +224,30 @@ def placement_here(actor: str, engine: str, missing_kernels: tuple[str, ...] = (
     context = ray.get_runtime_context()
     gpus = tuple(str(g) for g in context.get_accelerator_ids().get("GPU", ()))
     return ActorPlacement(actor, context.get_node_id(), gpus, engine, missing_kernels)
+
+
+def first_torch_seed() -> int:
+    """The seed of this process's torch generators, read before anything seeds them (`restart_torch_generators`)."""
+    import torch
+
+    return torch.initial_seed()
+
+
+def restart_torch_generators(seed: int) -> None:
+    """torch's generators (CPU and every GPU's) back where a new process starts them: a kept actor's next run draws
+    what it would draw in a new process."""
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def free_run_memory() -> None:
+    """What a finished run's engines held, given back now (DeepSpeed's engines hold reference cycles, which only the
+    collector frees), GPU caches included."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -30,7 +30,7 @@ from lt_opd_ray.core.wire import (
     Stopwatch,
     WeightsReceived,
 )
-from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.runtime.resources import first_torch_seed, free_run_memory, placement_here, restart_torch_generators
 from lt_opd_ray.runtime.waits import RoleDiedError, wait_for
 
 # A second thread per actor for the calls that must be answered while a long call runs (liveness, sync aborts);
@@ -78,11 +78,20 @@ class RolloutWorker:
     and answers generate / evaluate / weight-sync calls."""
 
     def __init__(self, job: JobConfig, name: str):
+        self.first_seed = first_torch_seed()
         self.start_run(job, name)
 
+    def end_run(self) -> bool:
+        """A run's end on a worker kept for another (`runtime/kept_roles.py`), after every call the run queued: its
+        engine, reward and weight-sync group let go and what they held freed. True: nothing of the run runs on."""
+        self.engine = self.reward = self.sync = None
+        free_run_memory()
+        return True
+
     def start_run(self, job: JobConfig, name: str) -> float:
-        """Everything of one run: its engine (the job's model), reward and metrics; a worker kept from an earlier run
-        (`runtime/kept_roles.py`) starts the next one here, in the process it has. Returns when it was ready."""
+        """Everything of one run: its engine (the job's model), reward and metrics, torch's generators where a new
+        process starts them; a kept worker starts its next run here, in the process it has. Returns when it was
+        ready."""
         import transformers
 
         from lt_opd_ray.engines.rollout_engines import build_rollout_engine
@@ -90,6 +99,7 @@ class RolloutWorker:
         from lt_opd_ray.runtime.metrics import RolloutMetrics
 
         transformers.logging.set_verbosity_error()
+        restart_torch_generators(self.first_seed)
         self.job, self.name = job, name
         self.engine = build_rollout_engine(job)
         judge = None
@@ -104,10 +114,6 @@ class RolloutWorker:
         self.metrics = RolloutMetrics(job.name, name)
         self.loaded_at = time.time()
         return self.loaded_at
-
-    def idle(self) -> bool:
-        """Answered once every call queued before it has finished (the calls of the default group run in order)."""
-        return True
 
     @ray.method(concurrency_group="control")
     def ready(self) -> float:
