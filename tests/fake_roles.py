@@ -38,6 +38,7 @@ from lt_opd_ray.core.wire import (
     RolloutGroup,
     Stopwatch,
     SyncResult,
+    TeacherRun,
     TeacherScore,
     pack_scores,
 )
@@ -310,6 +311,7 @@ class FakeTeacher:
     slot is free, and the request holds it until its group is sampled and scored, as a Serve request does."""
 
     app_name = "fake-teacher"
+    run = TeacherRun(0, job_ref=None)
 
     def __init__(self, roles: FakeRoles, job):
         self.roles, self.job = roles, job

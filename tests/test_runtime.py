@@ -313,19 +313,29 @@ def test_glm4v_trains_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
 
 
-def pids_of(driver) -> tuple[list[int], list[int]]:
-    """The processes of a driver's rollout workers and learner ranks."""
-    return ray.get([w.pid.remote() for w in driver.rollouts.workers]), ray.get([a.pid.remote() for a in driver.learners.actors])
+def pids_of(driver) -> tuple[list[int], list[int], int]:
+    """The processes of a driver's rollout workers and learner ranks, and its teacher's (one replica)."""
+    workers, ranks = ray.get([w.pid.remote() for w in driver.rollouts.workers]), ray.get([a.pid.remote() for a in driver.learners.actors])
+    return workers, ranks, driver.teacher.handle.pid.remote().result(timeout_s=60)
 
 
 def test_a_run_on_kept_pools_computes_what_it_computes_on_new_ones(cluster, tiny_dirs, tmp_path):
     """KeptRoles (runtime/kept_roles.py): a Qwen3.5 run of job 'kept' stops after one update with the next in flight
     (staleness 1: its rollouts sampling, its teacher requests sent); a GLM-4V run of a job of the same name (the same
-    teacher app's name) takes over its rollout worker and two ZeRO-2 ranks (the same processes) and builds its own
-    engines in them; its updates, its learners' weights and its worker's weights equal the same job's on new pools
-    bit for bit. A run that stopped a worker keeps no rollout pool; a run stopped by an exception keeps nothing;
-    close() stops what is kept."""
-    from lt_opd_ray.runtime.kept_roles import KeptRoles, learner_shape, rollout_shape
+    teacher app's name) takes over its rollout worker, two ZeRO-2 ranks and teacher replica (the same processes) and
+    builds its own engines in them (the teacher's on its first request, the first run's requests refused from then
+    on); its updates, its learners' weights and its worker's weights equal the same job's on new pools bit for bit. A
+    run that stopped a worker keeps no rollout pool; a run stopped by an exception keeps nothing; close() stops what
+    is kept."""
+    from lt_opd_ray.core.wire import TeacherRun
+    from lt_opd_ray.runtime.kept_roles import KeptRoles, learner_shape, rollout_shape, teacher_shape
+    from lt_opd_ray.runtime.teacher import EndedRunRequest
+
+    def refuses_the_first_run(driver):
+        driver.rollouts.stop(0)
+        assert driver.teacher.run.ordinal == 1
+        with pytest.raises(EndedRunRequest, match="a scoring request of run 0; the replica serves run 1"):
+            driver.teacher.handle.model_for.remote(TeacherRun(0, job_ref=None)).result(timeout_s=60)
 
     def steps_of(job, roles, then=None):
         driver = Driver(job, roles=roles)
@@ -349,23 +359,23 @@ def test_a_run_on_kept_pools_computes_what_it_computes_on_new_ones(cluster, tiny
             first_pids = pids_of(first)
         finally:
             first.shutdown()
-        assert (set(roles.rollouts), set(roles.learners)) == ({rollout_shape(job)}, {learner_shape(job)})
-        kept_pids, logs, weights, checksums = steps_of(job, roles, then=lambda driver: driver.rollouts.stop(0))
-        assert kept_pids == first_pids and roles.takeovers == {"rollout": 1, "learner": 1}
-        assert (roles.rollouts, set(roles.learners)) == ({}, {learner_shape(job)})  # the stopped worker's pool went
+        assert (set(roles.rollouts), set(roles.learners), set(roles.teachers)) == ({rollout_shape(job)}, {learner_shape(job)}, {teacher_shape(job)})
+        kept_pids, logs, weights, checksums = steps_of(job, roles, then=refuses_the_first_run)
+        assert kept_pids == first_pids and roles.takeovers == {"rollout": 1, "learner": 1, "teacher": 1}
+        assert (roles.rollouts, set(roles.learners), set(roles.teachers)) == ({}, {learner_shape(job)}, {teacher_shape(job)})  # the stopped worker's pool went
         with pytest.raises(ZeroDivisionError):
             with_error = Driver(job_for(tiny_dirs["glm4v"], tmp_path / "error", name="kept"), roles=roles)
             try:
                 1 / 0
             finally:
                 with_error.shutdown()
-        assert (roles.rollouts, roles.learners) == ({}, {})  # stopped by an exception: nothing kept
+        assert (roles.rollouts, roles.learners, roles.teachers) == ({}, {}, {})  # stopped by an exception: nothing kept
     finally:
         roles.close()
     assert wait_until_idle() == ray.cluster_resources()["CPU"]  # close() stopped what was kept
     new_pids, new_logs, new_weights, new_checksums = steps_of(
         job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"dir": str(tmp_path / "new")})}), RAY_ROLES)
-    assert not set(new_pids[0] + new_pids[1]) & set(kept_pids[0] + kept_pids[1])
+    assert not set(new_pids[0] + new_pids[1] + [new_pids[2]]) & set(kept_pids[0] + kept_pids[1] + [kept_pids[2]])
     assert [(log.loss, log.grad_norm, log.tokens) for log in logs] == [(log.loss, log.grad_norm, log.tokens) for log in new_logs]
     assert sorted(weights) == sorted(new_weights) and all(torch.equal(weights[name], new_weights[name]) for name in weights)
     assert checksums == new_checksums
@@ -784,9 +794,9 @@ def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_sto
         groups = pool.submit(samples, 2500, 0, [(0, 3)], 1)
         gates = [Gate.remote() for _ in groups]
         held = [held_back.remote(g.group, gate) for g, gate in zip(groups, gates)]
-        answers = [ask(service.handle, samples, held[i], 0, g.start, g.stop) for i, g in enumerate(groups[:2])]  # A's two slots
+        answers = [ask(service.handle, samples, held[i], 0, g.start, g.stop, service.run) for i, g in enumerate(groups[:2])]  # A's two slots
         third: list = []
-        asking = threading.Thread(target=lambda: third.append(ask(service.handle, samples, held[2], 0, groups[2].start, groups[2].stop)))
+        asking = threading.Thread(target=lambda: third.append(ask(service.handle, samples, held[2], 0, groups[2].start, groups[2].stop, service.run)))
         asking.start()  # admitted only when a replica has a free slot
         wait_for(lambda: service.replicas() == 2 and third, "a second replica admitting the third request")
         asking.join()

@@ -20,7 +20,7 @@ from conftest import job_for
 from test_runtime import driver_run, reference_run, relative_distance
 
 from lt_opd_ray.config.schema import LearningRates
-from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError
+from lt_opd_ray.core.wire import RolloutGroup, ScoringRequest, Span, StaleRolloutError, TeacherRun
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.group_receiver import GroupReceiver, ScoreRequests, Substitutes
 
@@ -169,7 +169,7 @@ def group(update: int, version: int | None, rank: int = 0) -> RolloutGroup:
 ])
 def test_the_learner_refuses_rollouts_staler_than_the_bound(tiny_dirs, tmp_path, staleness, version, message):
     job = lagged(job_for(tiny_dirs["qwen3_5"], tmp_path), staleness)
-    receiver = GroupReceiver([], version=7, job=job, rank=0, vocab_size=100, scoring=ScoringRequest("teacher-app", samples_ref=None),
+    receiver = GroupReceiver([], version=7, job=job, rank=0, vocab_size=100, scoring=ScoringRequest("teacher-app", samples_ref=None, run=TeacherRun(0, job_ref=None)),
                              substitutes=Substitutes(), requests=ScoreRequests(send=None))
     with pytest.raises(StaleRolloutError, match=f"rollout group of prompts 4-5 from rollout-3 was {message}"):
         receiver.check(group(7, version))

@@ -139,12 +139,23 @@ class RolloutSummary:
 
 
 @dataclass(frozen=True)
+class TeacherRun:
+    """The run a teacher request belongs to. Runs on one Serve app count up from 0: an app kept for a later run
+    (runtime/kept_roles.py) serves run 1, 2, ..., and a replica builds the later run's teacher from `job_ref` (an
+    ObjectRef of its JobConfig) on that run's first request, and refuses an earlier run's."""
+
+    ordinal: int
+    job_ref: object
+
+
+@dataclass(frozen=True)
 class ScoringRequest:
-    """What a learner rank needs to ask the teacher to score its groups of an update: the Serve app and the
-    update's samples (an ObjectRef)."""
+    """What a learner rank needs to ask the teacher to score its groups of an update: the Serve app, the update's
+    samples (an ObjectRef), and the run they belong to."""
 
     app: str
     samples_ref: object
+    run: TeacherRun
 
 
 class MalformedPayloadError(ValueError):

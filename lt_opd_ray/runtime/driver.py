@@ -268,7 +268,7 @@ class Driver:
 
     def scoring(self, samples_ref) -> ScoringRequest | None:
         """How the learner ranks ask the teacher about the update's samples; None where the job has no teacher."""
-        return ScoringRequest(self.teacher.app_name, samples_ref) if self.teacher is not None else None
+        return ScoringRequest(self.teacher.app_name, samples_ref, self.teacher.run) if self.teacher is not None else None
 
     def request_scores(self, samples_ref, groups: list[GroupRef]) -> None:
         """Each group's learner rank asks the teacher to score it (returns at once); nothing where the objective reads

@@ -6,20 +6,24 @@ runs, the test suite's) pays that once per pool shape with `KeptRoles`: when a r
 learner ranks end the run in their processes (`end_run`: engines destroyed, weight-sync groups and teacher requests
 let go) and are kept if it left them sound; a later run whose pool has the same shape (the actors' resources, the
 ranks, the rollout backend) takes them over and builds its engine, model, optimizer, reward and metrics in them
-(`start_run`), torch's generators where a new process starts them. tests/test_runtime.py holds a run on kept pools
-to the same run on new ones, bit for bit.
+(`start_run`), torch's generators where a new process starts them. The teacher's Serve app is kept the same way
+when its deployment's options are the next run's: that run's requests carry its job (`wire.TeacherRun`), from which
+each replica builds the run's teacher on its first request, refusing the earlier run's requests from then on.
+tests/test_runtime.py holds a run on kept pools to the same run on new ones, bit for bit.
 
 A pool is kept only where its run left it sound: the driver was not stopped by an exception (its own or its
 caller's), no worker was stopped or replaced, no call to the learner ranks failed or was given up on, and every
 actor ended the run within END_RUN_TIMEOUT_S (after the calls the run queued). Otherwise it is stopped as `RayRoles`
 stops it. What a process keeps beyond that: the modules a run imported (a user's reward module), and the last value
-of each metric series its run exported (tagged with that run's name). The teacher and a reward judge (Serve apps,
-one per job) and vLLM rollout engines (device memory and an engine process of their own) start for every run.
-`close()` stops what is kept.
+of each metric series its run exported (tagged with that run's name); a kept teacher app keeps its first run's
+name (`<job>-teacher`) and its replica count, and a replica Serve starts in it later (replacing one that died, or
+scaling up) is built from its first run's job, then builds the current run's teacher on its first request. A reward judge's app and vLLM engines (rollout or teacher: device memory
+and an engine process of their own) start for every run. `close()` stops what is kept.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import ray
@@ -29,6 +33,8 @@ from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.runtime.learner_group import LearnerGroup, stop_ranks
 from lt_opd_ray.runtime.roles import LearnerRole, RayRoles, RewardRole, RolloutRole, TeacherRole
 from lt_opd_ray.runtime.rollout_pool import RolloutPool
+from lt_opd_ray.runtime.serve_apps import delete_app, deployment_options
+from lt_opd_ray.runtime.teacher import TeacherService
 
 END_RUN_TIMEOUT_S = 10.0  # a pool's actors end their run this soon after the driver's stop, or the pool is stopped
 
@@ -46,6 +52,15 @@ def learner_shape(job: JobConfig) -> tuple:
     size (the group's timeout is the job's again once the rank's new engine is built: `learner.Learner`)."""
     pool = job.pools.learner
     return pool.ranks, pool.cpus, pool.gpus, tuple(sorted(pool.ray_resources().items()))
+
+
+def teacher_shape(job: JobConfig) -> str | None:
+    """What a kept teacher app must share with the run that takes it over: its deployment's options (resources,
+    replicas or autoscaling bounds, liveness, draining); None: not kept (vLLM)."""
+    pool = job.pools.teacher
+    if pool.backend != "transformers":
+        return None
+    return json.dumps(deployment_options(pool, job), sort_keys=True)
 
 
 def stopping_on_an_error() -> bool:
@@ -87,21 +102,42 @@ class KeptLearnerGroup(LearnerGroup):
             super().shutdown()
 
 
+class KeptTeacherService(TeacherService):
+    def __init__(self, job: JobConfig, roles: KeptRoles):
+        super().__init__(job)
+        self.roles, self.shape = roles, teacher_shape(job)
+
+    def shutdown(self) -> None:
+        # the replicas need no end of the run: a later run's first request replaces its teacher, and refuses this one's
+        if not stopping_on_an_error():
+            self.roles.teachers[self.shape] = self
+        else:
+            super().shutdown()
+
+
 class KeptRoles(RayRoles):
-    """`RayRoles` that keep a sound run's rollout workers and learner ranks for the next run of their shape."""
+    """`RayRoles` that keep a sound run's rollout workers, learner ranks and teacher app for the next run of their
+    shape."""
 
     def __init__(self):
         self.rollouts: dict[tuple, list] = {}  # shape -> workers that ended their run
         self.learners: dict[tuple, tuple] = {}  # shape -> (placement group, ranks that ended their run)
-        self.starts = {"rollout": 0, "learner": 0}  # pools started in new processes
-        self.takeovers = {"rollout": 0, "learner": 0}  # pools started in kept ones
+        self.teachers: dict[str, KeptTeacherService] = {}  # shape -> the app its last run left
+        self.starts = {"rollout": 0, "learner": 0, "teacher": 0}  # pools started in new processes
+        self.takeovers = {"rollout": 0, "learner": 0, "teacher": 0}  # pools started in kept ones
 
     # The driver asks for the Serve apps first, then the rollout workers, then the learners. The kept pools never hold
     # more of the cluster than the last run's did (one per role, stopped where the next run's shape differs); an app
     # the last run did not have may still find no room beside them, and then they are stopped.
     def teacher(self, job: JobConfig) -> TeacherRole:
+        shape = teacher_shape(job)
+        kept = self.teachers.pop(shape, None)
+        self.stop_teachers()
+        self._count("teacher", kept)
+        if kept is not None:
+            return kept.start_run(job)
         self.make_room(job, job.pools.teacher)
-        return super().teacher(job)
+        return TeacherService(job) if shape is None else KeptTeacherService(job, self)
 
     def reward_pool(self, job: JobConfig) -> RewardRole:
         self.make_room(job, job.pools.reward)
@@ -111,6 +147,7 @@ class KeptRoles(RayRoles):
         shape = rollout_shape(job)
         kept = self.rollouts.pop(shape, None)
         self.stop_rollouts()
+        self.stop_teachers()  # a teacher app this run did not take over (it has none: `teacher` comes first)
         self._count("rollout", kept)
         return RolloutPool(job) if shape is None else KeptRolloutPool(job, self, kept)
 
@@ -127,6 +164,8 @@ class KeptRoles(RayRoles):
             self.stop_rollouts(shape)
         for shape in [s for s in self.learners if s != learner_shape(job)]:
             self.stop_learners(shape)
+        for shape in [s for s in self.teachers if s != teacher_shape(job)]:
+            self.stop_teachers(shape)
         one = {"CPU": pool.cpus, "GPU": pool.gpus, **pool.ray_resources()}
         free = ray.available_resources()
         if any(free.get(name, 0.0) < amount * pool.replicas for name, amount in one.items() if amount):
@@ -147,7 +186,13 @@ class KeptRoles(RayRoles):
             placement, actors = self.learners.pop(shape)
             stop_ranks(actors, placement, leave=True)
 
+    def stop_teachers(self, *shapes: str) -> None:
+        """Delete the kept teacher apps of `shapes` (every shape's without)."""
+        for shape in shapes or list(self.teachers):
+            delete_app(self.teachers.pop(shape).app_name)
+
     def close(self) -> None:
         """Stop every kept pool, as `RayRoles`' pools stop."""
+        self.stop_teachers()
         self.stop_learners()
         self.stop_rollouts()

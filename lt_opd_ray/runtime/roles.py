@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.core.wire import ActorPlacement, BenchmarkResult, EvalResult, ScoringRequest, SyncResult
+from lt_opd_ray.core.wire import ActorPlacement, BenchmarkResult, EvalResult, ScoringRequest, SyncResult, TeacherRun
 from lt_opd_ray.runtime.learner_group import LearnerGroup
 from lt_opd_ray.runtime.objects import RAY_OBJECTS, ObjectStore
 from lt_opd_ray.runtime.preflight import preflight
@@ -53,6 +53,7 @@ class TeacherRole(Protocol):
     """The frozen teacher (`runtime/teacher.TeacherService`); the learner ranks send it their groups."""
 
     app_name: str
+    run: TeacherRun  # the run its requests belong to (an app kept for later runs serves several)
 
     def wait_ready(self) -> float: ...
     def replicas(self, max_age_s: float = 0.0) -> int: ...

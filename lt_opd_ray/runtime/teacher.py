@@ -16,8 +16,8 @@ from __future__ import annotations
 from ray import serve
 
 from lt_opd_ray.config.schema import JobConfig
-from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, ScoringRequest, Span, Stopwatch, TeacherPayload, pack_scores
-from lt_opd_ray.runtime.resources import placement_here
+from lt_opd_ray.core.wire import ActorPlacement, RolloutGroup, ScoringRequest, Span, Stopwatch, TeacherPayload, TeacherRun, pack_scores
+from lt_opd_ray.runtime.resources import free_run_memory, placement_here
 from lt_opd_ray.runtime.rollout_pool import GroupRef
 from lt_opd_ray.runtime.serve_apps import delete_app, deploy, deployment_options, replica_placements, wait_running
 
@@ -67,29 +67,52 @@ class TeacherModel:
         return payloads
 
 
+class EndedRunRequest(RuntimeError):
+    """A scoring request of a run the replica has moved on from (a kept app serves the next run): nobody awaits it."""
+
+
 @serve.deployment
 class TeacherDeployment:
     def __init__(self, job: JobConfig):
+        import asyncio
         import os
 
-        self.model = TeacherModel(job, name=f"teacher-{os.getpid()}")
+        self.name = f"teacher-{os.getpid()}"
+        self.model, self.run = TeacherModel(job, name=self.name), 0  # the run (`TeacherRun.ordinal`) it scores for
         self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
+        self.switching = asyncio.Lock()
         self.held = 0  # scoring requests admitted and not yet answered (each holds one of max_ongoing_requests)
+
+    async def model_for(self, run: TeacherRun) -> TeacherModel:
+        """This run's teacher: built from its job on a later run's first request (the earlier run's freed first), a
+        refusal for an earlier run's. Call it after every await: a later run may have begun meanwhile."""
+        if run.ordinal > self.run:
+            async with self.switching:
+                if run.ordinal > self.run:
+                    job = await run.job_ref
+                    self.model = None
+                    free_run_memory()
+                    self.model, self.run = TeacherModel(job, name=self.name), run.ordinal
+                    self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
+        if run.ordinal < self.run:
+            raise EndedRunRequest(f"{self.name}: a scoring request of run {run.ordinal}; the replica serves run {self.run}")
+        return self.model
 
     # The groups finished within a few ms of the first join its batch: a worker's groups of one static batch come back
     # together, but each request resumes from its own await, so with no wait the first would be scored alone. Groups
     # finishing later queue while this batch is scored.
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
-    async def score_batch(self, requests: list[tuple]) -> list[TeacherPayload]:
-        # each request: (samples ref, finished RolloutGroup). Groups of the same update (same samples)
-        # share one engine call; other updates' get their own.
+    async def score_batch(self, requests: list[tuple]) -> list[TeacherPayload | None]:
+        # each request: (samples ref, finished RolloutGroup, run ordinal). Groups of the same update (same samples)
+        # share one engine call; other updates' get their own. An ended run's request gets None (`score` refuses it).
         by_update: dict = {}
-        for index, (samples_ref, _) in enumerate(requests):
+        for index, (samples_ref, _, _) in enumerate(requests):
             by_update.setdefault(samples_ref, []).append(index)
         payloads: list = [None] * len(requests)
         for samples_ref, indices in by_update.items():
             samples = await samples_ref
-            for i, payload in zip(indices, self.model.score_groups(samples, [requests[i][1] for i in indices])):
+            current = [i for i in indices if requests[i][2] == self.run]
+            for i, payload in zip(current, self.model.score_groups(samples, [requests[i][1] for i in current])):
                 payloads[i] = payload
         return payloads
 
@@ -100,16 +123,22 @@ class TeacherDeployment:
 
     async def placement(self) -> tuple[str, ActorPlacement]:
         """(this replica's Serve id, its placement)."""
-        return serve.get_replica_context().replica_id.unique_id, placement_here(self.model.name, self.model.engine.runner, self.model.engine.missing_kernels)
+        return serve.get_replica_context().replica_id.unique_id, placement_here(self.name, self.model.engine.runner, self.model.engine.missing_kernels)
 
     async def score(self, request: tuple) -> TeacherPayload:
         # request: `score_request`. The head start runs before the group is awaited, while it is sampled; awaiting
         # the group here, before the batch forms, lets a batch take the groups that are finished, not the first submitted.
-        (samples_ref,), (group_ref,), (update, start, stop) = request
+        (samples_ref,), (group_ref,), (update, start, stop), run = request
         self.held += 1
         try:
-            self.model.prefill(await samples_ref, update, start, stop)
-            return await self.score_batch((samples_ref, await group_ref))
+            samples = await samples_ref
+            (await self.model_for(run)).prefill(samples, update, start, stop)
+            group = await group_ref
+            await self.model_for(run)
+            payload = await self.score_batch((samples_ref, group, run.ordinal))
+            if payload is None:
+                await self.model_for(run)  # the run ended while its request waited for the batch: refused
+            return payload
         finally:
             self.held -= 1
 
@@ -118,17 +147,18 @@ class TeacherDeployment:
         return self.held
 
 
-def score_request(samples_ref, group_ref, update: int, start: int, stop: int) -> tuple:
+def score_request(samples_ref, group_ref, update: int, start: int, stop: int, run: TeacherRun) -> tuple:
     """What `TeacherDeployment.score` takes for one group: the refs nested in lists, so Serve hands them over
-    unresolved, and the group's update and prompt range, so the replica can start on its prompts before it is sampled."""
-    return ([samples_ref], [group_ref], (update, start, stop))
+    unresolved, the group's update and prompt range, so the replica can start on its prompts before it is sampled,
+    and its run (whose job ref stays unresolved until a replica needs it)."""
+    return ([samples_ref], [group_ref], (update, start, stop), run)
 
 
-def ask(handle, samples_ref, group_ref, update: int, start: int, stop: int):
+def ask(handle, samples_ref, group_ref, update: int, start: int, stop: int, run: TeacherRun):
     """ObjectRef[TeacherPayload] of one group's request through `handle`; returns once Serve has admitted it (a
     replica had a free slot: `max_ongoing_requests`), which may be long after it is asked: call it off any loop that
     must go on."""
-    return handle.score.remote(score_request(samples_ref, group_ref, update, start, stop))._to_object_ref_sync()
+    return handle.score.remote(score_request(samples_ref, group_ref, update, start, stop, run))._to_object_ref_sync()
 
 
 class TeacherClient:
@@ -142,16 +172,27 @@ class TeacherClient:
     def __call__(self, scoring: ScoringRequest, group_ref, update: int, start: int, stop: int):
         if scoring.app not in self.handles:
             self.handles[scoring.app] = serve.get_app_handle(scoring.app)
-        return ask(self.handles[scoring.app], scoring.samples_ref, group_ref, update, start, stop)
+        return ask(self.handles[scoring.app], scoring.samples_ref, group_ref, update, start, stop, scoring.run)
 
 
 class TeacherService:
     """Client side: starts the deployment and turns score requests into ObjectRefs."""
 
     def __init__(self, job: JobConfig):
+        import ray
+
         self.app_name = f"{job.name}-teacher"
         self.handle = deploy(TeacherDeployment.options(**deployment_options(job.pools.teacher, job)).bind(job), self.app_name, job.name)
+        self.run = TeacherRun(0, ray.put(job))
         self._replicas: tuple[float, int] | None = None  # (when counted, running replicas)
+
+    def start_run(self, job: JobConfig) -> TeacherService:
+        """This app, serving `job`'s run next (runtime/kept_roles.py): the replicas build its teacher on its first
+        request and refuse the earlier runs' requests from then on."""
+        import ray
+
+        self.run, self._replicas = TeacherRun(self.run.ordinal + 1, ray.put(job)), None
+        return self
 
     def wait_ready(self) -> float:
         return wait_running(self.app_name)
@@ -160,7 +201,7 @@ class TeacherService:
         """ObjectRef[TeacherPayload] per group, each returned once Serve admits it (`ask`): a replica starts
         on each group's prompts at once and scores the group when it is finished. The bulk data stays in the object
         store. (The run's learner ranks ask from a thread of their own: `group_receiver.ScoreRequests`.)"""
-        return [ask(self.handle, samples_ref, g.group, g.update, g.start, g.stop) for g in groups]
+        return [ask(self.handle, samples_ref, g.group, g.update, g.start, g.stop, self.run) for g in groups]
 
     def replicas(self, max_age_s: float = 0.0) -> int:
         """Running replicas of the teacher deployment (moves with autoscaling), as counted at most `max_age_s` ago:
