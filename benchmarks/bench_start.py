@@ -8,7 +8,7 @@ Every run of the system, and most runtime tests, pay this: the rollout worker, t
 two DeepSpeed learner ranks start together (each a new process importing torch and transformers and loading its
 model), then the first weight sync. The first start also starts Ray's and Serve's own processes and is reported
 apart; the table gives, per later start, the seconds until each pool was ready, the whole start, one update and
-the stop (the teacher app deleted, every actor killed). With --kept the same starts follow on `KeptRoles`: each
+the stop (the teacher app deleted, every actor killed; with --kept, the pools kept). With --kept the same starts follow on `KeptRoles`: each
 run after the first starts in the rollout worker's, learner ranks' and teacher replica's processes the run before
 left (its stop keeps them), and the table sets both side by side.
 """

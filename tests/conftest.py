@@ -106,7 +106,7 @@ def cluster(request, metrics_port):
 @pytest.fixture(scope="module")
 def kept(cluster):
     """`KeptRoles` for the module's runs (runtime/kept_roles.py): a run whose pools have the last run's shape starts
-    in its rollout worker's and learner ranks' processes. What is kept is stopped at the module's end and before any
+    in its rollout worker's, learner ranks' and teacher replica's processes. What is kept is stopped at the module's end and before any
     test that does not ask for `kept` (it may need the whole cluster, or count the actors it starts)."""
     from lt_opd_ray.runtime.kept_roles import KeptRoles
 

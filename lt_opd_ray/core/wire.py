@@ -142,7 +142,7 @@ class RolloutSummary:
 class TeacherRun:
     """The run a teacher request belongs to. Runs on one Serve app count up from 0: an app kept for a later run
     (runtime/kept_roles.py) serves run 1, 2, ..., and a replica builds the later run's teacher from `job_ref` (an
-    ObjectRef of its JobConfig) on that run's first request, and refuses an earlier run's."""
+    ObjectRef of its JobConfig) on that run's first call, and refuses an earlier run's requests."""
 
     ordinal: int
     job_ref: object

@@ -8,17 +8,20 @@ let go) and are kept if it left them sound; a later run whose pool has the same 
 ranks, the rollout backend) takes them over and builds its engine, model, optimizer, reward and metrics in them
 (`start_run`), torch's generators where a new process starts them. The teacher's Serve app is kept the same way
 when its deployment's options are the next run's: that run's requests carry its job (`wire.TeacherRun`), from which
-each replica builds the run's teacher on its first request, refusing the earlier run's requests from then on.
+each replica builds the run's teacher on the run's first call (the start asks each replica its placement), refusing
+the earlier run's requests from then on.
 tests/test_runtime.py holds a run on kept pools to the same run on new ones, bit for bit.
 
 A pool is kept only where its run left it sound: the driver was not stopped by an exception (its own or its
-caller's), no worker was stopped or replaced, no call to the learner ranks failed or was given up on, and every
-actor ended the run within END_RUN_TIMEOUT_S (after the calls the run queued). Otherwise it is stopped as `RayRoles`
-stops it. What a process keeps beyond that: the modules a run imported (a user's reward module), and the last value
-of each metric series its run exported (tagged with that run's name); a kept teacher app keeps its first run's
-name (`<job>-teacher`) and its replica count, and a replica Serve starts in it later (replacing one that died, or
-scaling up) is built from its first run's job, then builds the current run's teacher on its first request. A reward judge's app and vLLM engines (rollout or teacher: device memory
-and an engine process of their own) start for every run. `close()` stops what is kept.
+caller's), no worker was stopped or replaced, no call to the learner ranks failed or was given up on, every actor
+ended the run within END_RUN_TIMEOUT_S (after the calls the run queued), and the teacher app is RUNNING. Otherwise it
+is stopped as `RayRoles` stops it. What a process keeps beyond that: the modules a run imported (a user's reward
+module), and the last value of each metric series its run exported (tagged with that run's name). A kept teacher
+app keeps its first run's name (`<job>-teacher`; Serve's own metrics, the dashboard's teacher queue among them,
+follow it) and its replica count; a replica Serve starts in it later (replacing one that died, or scaling up) is
+built from its first run's job, then builds the current run's teacher on its first call. A reward judge's app and
+vLLM engines (rollout or teacher: device memory and an engine process of their own) start for every run. `close()`
+stops what is kept.
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ def learner_shape(job: JobConfig) -> tuple:
 
 def teacher_shape(job: JobConfig) -> str | None:
     """What a kept teacher app must share with the run that takes it over: its deployment's options (resources,
-    replicas or autoscaling bounds, liveness, draining); None: not kept (vLLM)."""
+    replicas or autoscaling bounds, liveness, draining); None: not kept (vLLM), or no teacher."""
     pool = job.pools.teacher
-    if pool.backend != "transformers":
+    if pool.backend != "transformers" or not job.objective.teacher_scores:
         return None
     return json.dumps(deployment_options(pool, job), sort_keys=True)
 
@@ -108,8 +111,11 @@ class KeptTeacherService(TeacherService):
         self.roles, self.shape = roles, teacher_shape(job)
 
     def shutdown(self) -> None:
-        # the replicas need no end of the run: a later run's first request replaces its teacher, and refuses this one's
-        if not stopping_on_an_error():
+        # the replicas need no end of the run: a later run's first call replaces its teacher, and refuses this one's
+        from ray import serve
+
+        status = serve.status().applications.get(self.app_name)
+        if not stopping_on_an_error() and status is not None and status.status == "RUNNING":
             self.roles.teachers[self.shape] = self
         else:
             super().shutdown()
@@ -193,6 +199,10 @@ class KeptRoles(RayRoles):
 
     def close(self) -> None:
         """Stop every kept pool, as `RayRoles`' pools stop."""
-        self.stop_teachers()
-        self.stop_learners()
-        self.stop_rollouts()
+        try:
+            self.stop_teachers()
+        finally:
+            try:
+                self.stop_learners()
+            finally:
+                self.stop_rollouts()

@@ -65,15 +65,15 @@ def wait_running(name: str) -> float:
         time.sleep(SERVE_POLL_S)
 
 
-def replica_placements(handle, running: int, attempts: int = 64) -> list[ActorPlacement]:
-    """Every running replica's placement, asked through `handle` (a deployment's `placement`: its Serve id and its
-    placement). Serve routes each call to a replica of its choosing, so this asks until it has heard from `running`
-    replicas (bounded by `attempts`)."""
+def replica_placements(handle, running: int, *args, attempts: int = 64, timeout_s: float = 60.0) -> list[ActorPlacement]:
+    """Every running replica's placement, asked through `handle` (a deployment's `placement(*args)`: its Serve id and
+    its placement), each call answered within `timeout_s`. Serve routes each call to a replica of its choosing, so
+    this asks until it has heard from `running` replicas (bounded by `attempts`)."""
     found: dict[str, ActorPlacement] = {}
     for _ in range(attempts):
         if len(found) >= running:
             break
-        replica, placement = handle.placement.remote().result(timeout_s=60)
+        replica, placement = handle.placement.remote(*args).result(timeout_s=timeout_s)
         found[replica] = placement
     return sorted(found.values(), key=lambda p: p.actor)
 

@@ -79,23 +79,29 @@ class TeacherDeployment:
 
         self.name = f"teacher-{os.getpid()}"
         self.model, self.run = TeacherModel(job, name=self.name), 0  # the run (`TeacherRun.ordinal`) it scores for
+        self.failed: Exception | None = None  # why the run's teacher could not be built (then self.model is None)
         self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
         self.switching = asyncio.Lock()
         self.held = 0  # scoring requests admitted and not yet answered (each holds one of max_ongoing_requests)
 
     async def model_for(self, run: TeacherRun) -> TeacherModel:
-        """This run's teacher: built from its job on a later run's first request (the earlier run's freed first), a
+        """This run's teacher: built from its job on a later run's first call (the earlier run's freed first), a
         refusal for an earlier run's. Call it after every await: a later run may have begun meanwhile."""
         if run.ordinal > self.run:
             async with self.switching:
                 if run.ordinal > self.run:
                     job = await run.job_ref
-                    self.model = None
+                    self.model, self.failed, self.run = None, None, run.ordinal
                     free_run_memory()
-                    self.model, self.run = TeacherModel(job, name=self.name), run.ordinal
+                    try:
+                        self.model = TeacherModel(job, name=self.name)
+                    except Exception as exc:  # every call of this run is refused with it, not built again
+                        self.failed = exc
                     self.score_batch.set_max_batch_size(job.pools.teacher.max_batch_size)
         if run.ordinal < self.run:
             raise EndedRunRequest(f"{self.name}: a scoring request of run {run.ordinal}; the replica serves run {self.run}")
+        if self.model is None:
+            raise RuntimeError(f"{self.name}: the teacher of run {run.ordinal} could not be built: {self.failed!r}") from self.failed
         return self.model
 
     # The groups finished within a few ms of the first join its batch: a worker's groups of one static batch come back
@@ -110,8 +116,10 @@ class TeacherDeployment:
             by_update.setdefault(samples_ref, []).append(index)
         payloads: list = [None] * len(requests)
         for samples_ref, indices in by_update.items():
+            if requests[indices[0]][2] != self.run:  # one update's samples are one run's
+                continue
             samples = await samples_ref
-            current = [i for i in indices if requests[i][2] == self.run]
+            current = [i for i in indices if requests[i][2] == self.run]  # the run may have ended during the await
             for i, payload in zip(current, self.model.score_groups(samples, [requests[i][1] for i in current])):
                 payloads[i] = payload
         return payloads
@@ -121,9 +129,11 @@ class TeacherDeployment:
 
         return os.getpid()
 
-    async def placement(self) -> tuple[str, ActorPlacement]:
-        """(this replica's Serve id, its placement)."""
-        return serve.get_replica_context().replica_id.unique_id, placement_here(self.name, self.model.engine.runner, self.model.engine.missing_kernels)
+    async def placement(self, run: TeacherRun) -> tuple[str, ActorPlacement]:
+        """(this replica's Serve id, its placement running `run`'s teacher: a kept replica builds it here, as the run
+        starts)."""
+        engine = (await self.model_for(run)).engine
+        return serve.get_replica_context().replica_id.unique_id, placement_here(self.name, engine.runner, engine.missing_kernels)
 
     async def score(self, request: tuple) -> TeacherPayload:
         # request: `score_request`. The head start runs before the group is awaited, while it is sampled; awaiting
@@ -183,15 +193,16 @@ class TeacherService:
 
         self.app_name = f"{job.name}-teacher"
         self.handle = deploy(TeacherDeployment.options(**deployment_options(job.pools.teacher, job)).bind(job), self.app_name, job.name)
-        self.run = TeacherRun(0, ray.put(job))
+        self.run, self.build_timeout_s = TeacherRun(0, ray.put(job)), job.schedule.wait_timeout_s
         self._replicas: tuple[float, int] | None = None  # (when counted, running replicas)
 
     def start_run(self, job: JobConfig) -> TeacherService:
-        """This app, serving `job`'s run next (runtime/kept_roles.py): the replicas build its teacher on its first
-        request and refuse the earlier runs' requests from then on."""
+        """This app, serving `job`'s run next (runtime/kept_roles.py): each replica builds its teacher on the run's
+        first call (`placements`, as the run starts) and refuses the earlier runs' requests from then on."""
         import ray
 
-        self.run, self._replicas = TeacherRun(self.run.ordinal + 1, ray.put(job)), None
+        self.run, self.build_timeout_s = TeacherRun(self.run.ordinal + 1, ray.put(job)), job.schedule.wait_timeout_s
+        self._replicas = None
         return self
 
     def wait_ready(self) -> float:
@@ -214,7 +225,8 @@ class TeacherService:
         return self._replicas[1]
 
     def placements(self) -> list[ActorPlacement]:
-        return replica_placements(self.handle, self.replicas())
+        # a kept replica builds the run's teacher as it answers (a model load: bounded by schedule.wait_timeout_s)
+        return replica_placements(self.handle, self.replicas(), self.run, timeout_s=self.build_timeout_s)
 
     def shutdown(self) -> None:
         delete_app(self.app_name)
