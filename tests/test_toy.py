@@ -549,6 +549,17 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     table = (tmp_path / "study" / "retain_table.md").read_text()
     assert f"| GRPO (answer reward) | {tuned[0.1]:.3f} | {tuned[3.0]:.3f} | {chosen}x |" in table
     assert (f"| GRPO (answer reward) | {chosen:g}x | " + " | ".join(f"{varied[v]:.3f}" for v in varied) + f" | {variant or 'its own'} |") in table
+    # a longer run of the same arm trains at the study's choices and tunes nothing again
+    with pytest.raises(ValueError, match=r"no learning rates chosen on validation rows for sft"):
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo", "sft"], choices_from=str(tmp_path / "study" / "results.json"))
+    other = tmp_path / "other-budget.json"
+    other.write_text(json.dumps({**study, "budget_bps": 1000}))
+    with pytest.raises(ValueError, match=r"a study of another task \(budget_bps 1000 \(here 500\)\)"):
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(other))
+    longer = run_ablation(str(base), str(tmp_path / "longer"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(tmp_path / "study" / "results.json"))
+    assert longer["tuning_runs"] == [] and [(r["lr_scale"], r["variant"], len(r["curve"])) for r in longer["runs"]] == [(chosen, variant, 2)]
+    assert longer["choices_from"] == {"results": str(tmp_path / "study" / "results.json"), "steps": 1, "lr_scale": {"grpo": chosen}, "variant": {"grpo": variant}}
+    assert f"| GRPO (answer reward) | {chosen:g}x the job's | {variant or 'its own'} |" in (tmp_path / "longer" / "retain_table.md").read_text()
     job = load_job(base)
     scaled = arm_job(job, "sft", 0, tmp_path, steps=1, lr_scale=3.0).optimizer.lr
     assert scaled.model_dump() == pytest.approx({module: 3.0 * rate for module, rate in job.optimizer.lr.model_dump().items()})

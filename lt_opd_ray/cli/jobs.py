@@ -207,7 +207,8 @@ def cmd_ablation(args) -> int:
         return 2
     try:
         results = run_ablation(args.job, args.out, list(range(args.seeds)), args.updates, args.arms, resume=args.resume,
-                               lr_scales=args.lr_scales, rl_variants=args.rl_variants, accept_grid_ends=args.accept_grid_ends)
+                               lr_scales=args.lr_scales, rl_variants=args.rl_variants, accept_grid_ends=args.accept_grid_ends,
+                               choices_from=args.choices_from)
     except (ValueError, InsufficientResourcesError) as exc:  # unknown arms, a base job without eval data, a taken port: before any run
         print(f"ablation: {exc}", file=sys.stderr)
         return 2
@@ -289,6 +290,9 @@ def register(sub) -> None:
     ablation.add_argument("--accept-grid-ends", action="store_true",
                           help="go on to the variants and seeds when an arm's learning rates are chosen at an end of --lr-scales"
                                " (by default the study stops there, exit 3, so that the grid is extended first)")
+    ablation.add_argument("--choices-from", default=None, metavar="RESULTS",
+                          help="train every arm at the learning rates (and RL variant) an earlier study of the same task chose on"
+                               " validation rows (its results.json), tuning nothing again: a longer run of the same arms")
     ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study; --lr-scales may add"
                           " scales, --rl-variants variants, while no seed has trained) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)

@@ -28,6 +28,9 @@ retain at the budget with the selector it trained with, averaged over the kinds 
 train at the scale that scored highest, so every arm gets the same care. With `rl_variants` too, each RL arm then
 trains once per variant named in it (of RL_VARIANTS: its group size, its clip range) at its chosen scale, scored
 the same way; its seeds train with the variant that scored highest, or with none where the arm's own settings did.
+With `choices_from` instead (an earlier study's results.json, of the same task, budget and selectors), every arm's
+seeds train at the scale and variant that study chose on its validation rows, and nothing is tuned again: a longer
+run of the same arms keeps their care without repeating the sweep.
 Retain = accuracy at the budget / the teacher's full-token accuracy, on the same
 held-out items; mean ± standard error over seeds.
 """
@@ -202,7 +205,7 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
                  resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
-                 accept_grid_ends: bool = False) -> dict:
+                 accept_grid_ends: bool = False, choices_from: str | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
@@ -211,7 +214,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     settings among these variants of RL_VARIANTS (see the module's docstring). Where an arm's chosen scale is the
     smallest or largest of `lr_scales` (`grid_ends`), the study stops after the learning-rate runs (results["complete"]
     False, results["grid_ends"] naming them), so that the grid is extended that way before anything trains at it;
-    unless `accept_grid_ends`, or seeds have trained. A Ray session already up (one `runtime.launch.init_ray` started,
+    unless `accept_grid_ends`, or seeds have trained. `choices_from`: another study's results.json whose choices
+    (scale, variant) every arm trains with, instead of `lr_scales`' own tuning (`carried_choices`). A Ray session already up (one `runtime.launch.init_ray` started,
     with the workers' environment) is used and left up; otherwise the study starts its own and stops it."""
     import ray
 
@@ -231,6 +235,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         raise ValueError(f"--rl-variants {' '.join(rl_variants)}: distinct names of {', '.join(RL_VARIANTS)}")
     if rl_variants and not lr_scales:
         raise ValueError("--rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too")
+    if choices_from and lr_scales:
+        raise ValueError("--choices-from trains at an earlier study's choices: give it without --lr-scales")
+    carried = carried_choices(choices_from, base_path, base, arms) if choices_from else None
     validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
     if not ray.is_initialized():
         check_local_start(base)  # the cluster the study will start: this machine's CPUs, its metrics port free
@@ -240,7 +247,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     if not resume and out_dir.is_dir() and any(out_dir.iterdir()):  # a study's results and runs are never written over
         held = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
         raise ValueError(f"{out_dir} holds {held}; a new study needs a new or empty --out")
-    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants) if resume else {}
+    earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants,
+                             carried) if resume else {}
     out_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     from lt_opd_ray.sources.resolve import resolve_model_dir
@@ -260,6 +268,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                "trained_with": base.selector.name,
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False,
                "lr_scales": lr_scales, "rl_variants": rl_variants, "tuning_runs": tuning, "chosen_lr_scale": {}, "chosen_variant": {},
+               **({"choices_from": carried, "chosen_lr_scale": carried["lr_scale"], "chosen_variant": carried["variant"]}
+                  if carried else {}),
                **({"teacher_by_kind": teacher_by_kind, "kind_items": {k: len(v) for k, v in sets.items()}} if len(sets) > 1 else {})}
     own_cluster = not ray.is_initialized()  # a session already up (a test module's) is used as it is: start it with init_ray(job)
     if own_cluster:
@@ -376,7 +386,27 @@ def chosen_variant(tuning: list[dict], arm: str, scale: float, variants: list[st
     return max(scored, key=lambda r: (r["retain"], -order.index(r.get("variant")))).get("variant") if scored else None
 
 
-def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None, rl_variants: list[str] = ()) -> dict:
+def carried_choices(path: str, base_path: str, base, arms: list[str]) -> dict:
+    """What the study of `path` (its results.json) chose on validation rows for each of `arms`: {"results": path,
+    "steps": its updates, "lr_scale": {arm: scale}, "variant": {RL arm: variant or None}}. A ValueError where it is a
+    study of another task, budget or selectors, or chose nothing for an arm (an arm it did not tune)."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--choices-from {path}: not a study's results.json ({exc})") from exc
+    wanted = {"base_job": base_path, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
+              "trained_with": base.selector.name}
+    if differing := [f"{key} {earlier.get(key)!r} (here {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
+        raise ValueError(f"--choices-from {path}: a study of another task ({'; '.join(differing)}); its choices do not carry over")
+    chosen = earlier.get("chosen_lr_scale", {}) if earlier.get("lr_scales") else {}
+    if untuned := [arm for arm in arms if arm not in chosen]:
+        raise ValueError(f"--choices-from {path}: no learning rates chosen on validation rows for {', '.join(untuned)}")
+    return {"results": path, "steps": earlier["steps"], "lr_scale": {arm: chosen[arm] for arm in arms},
+            "variant": {arm: earlier.get("chosen_variant", {}).get(arm) for arm in arms if arm in RL_ARMS}}
+
+
+def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None, rl_variants: list[str] = (),
+                   carried: dict | None = None) -> dict:
     """What a cut-short study in `out_dir` finished (its "runs" and "tuning_runs"), when it is this study; a
     ValueError naming the difference otherwise (a resumed study never mixes runs of another)."""
     path = out_dir / "results.json"
@@ -384,7 +414,8 @@ def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: l
         return {}
     earlier = json.loads(path.read_text())
     wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
-              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants)}
+              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants),
+              "choices_from": carried}
     earlier.setdefault("rl_variants", [])  # a study from before RL variants existed tried none
     if not earlier.get("runs"):  # no seed trained yet: the tuning may grow (more scales, more variants); its runs are kept
         for key in ("lr_scales", "rl_variants"):

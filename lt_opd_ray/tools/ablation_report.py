@@ -204,6 +204,20 @@ def tuning_lines(results: dict) -> list[str]:
     return lines
 
 
+def carried_choice_lines(results: dict) -> list[str]:
+    """The scale (and RL variant) each arm trained with, where an earlier study chose them (`--choices-from`)."""
+    carried = results.get("choices_from")
+    if not carried:
+        return []
+    lines = ["", f"Learning rates (and the RL arms' group size and clip) as the study of {carried['results']} chose them on its"
+             f" validation rows at {carried['steps']} updates per run; nothing was tuned again here.", "",
+             "| arm | learning rates | RL settings |", "|---|---|---|"]
+    for arm, scale in carried["lr_scale"].items():
+        variant = (carried["variant"][arm] or "its own") if arm in carried["variant"] else "-"
+        lines.append(f"| {LABELS[arm]} | {scale:g}x the job's | {variant} |")
+    return lines
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     """retain_table.md / .csv and curves.png."""
     rows = retain_rows(results)
@@ -236,6 +250,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     lines += gap_share_lines(ordered, results["trained_with"])
     lines += flatness_lines(results, results["trained_with"])
     lines += tuning_lines(results)
+    lines += carried_choice_lines(results)
     (out_dir / "retain_table.md").write_text("\n".join(lines) + "\n")
     csv = ["arm,trained_with,evaluated_with,retain_mean,retain_std,retain_se,seeds"]
     csv += [f"{r['arm']},{r['trained_with']},{r['evaluated_with']},{r['retain_mean']:.4f},{r['retain_std']:.4f},{r['retain_se']:.4f},{r['seeds']}" for r in rows]
