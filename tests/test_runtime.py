@@ -984,7 +984,7 @@ def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the
     assert_reproduces(run, reference, job.optimizer.eps)
 
 
-def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, tiny_dirs, tmp_path):
+def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluster, kept, tiny_dirs, tmp_path):
     import json
 
     from test_benchmarks import fixture
@@ -995,7 +995,7 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     pope, _, _ = fixture("pope", tmp_path)
     extra = f'eval: {{data: "synthetic:4", every_steps: 2, selectors: [cdpruner, uniform], benchmarks: {{pope: "{pope}"}}}}\n'
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, total=5, every=4, name="export", extra=extra)
-    logs = run(job)
+    logs = run(job, roles=kept)
     assert all(sorted(log.eval_scores) == ["pope[cdpruner]", "pope[uniform]"] for log in logs if log.eval_accuracy)
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4]

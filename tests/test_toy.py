@@ -401,15 +401,20 @@ def test_a_curve_is_flat_when_its_last_two_evaluations_are_within_2_se_of_the_tw
 @pytest.fixture(scope="module")
 def study_cluster():
     """One local Ray cluster for the module's studies (run_ablation uses a session that is up; it starts and stops
-    its own otherwise), as `lt-opd ablation` starts it for the study's job."""
+    its own otherwise), as `lt-opd ablation` starts it for the study's job, and the pools its studies' runs keep for
+    the next study's (`run_ablation(roles=..., roles=study_cluster)`; a run on kept pools computes what it would on new ones:
+    test_runtime.py)."""
     import ray
     from ray import serve
 
+    from lt_opd_ray.runtime.kept_roles import KeptRoles
     from lt_opd_ray.runtime.launch import init_ray
 
     job = load_job(BASE_JOB)
     init_ray(job.model_copy(update={"metrics": job.metrics.model_copy(update={"export_port": STUDY_METRICS_PORT})}))
-    yield
+    roles = KeptRoles()
+    yield roles
+    roles.close()
     serve.shutdown()
     ray.shutdown()
 
@@ -481,14 +486,14 @@ def test_the_study_trains_each_arm_through_the_real_system_and_writes_its_report
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:64")
                     .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))  # not the port of a study running on this machine
     study = tmp_path / "study"  # a new study's --out is new or empty
-    first = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft"])
+    first = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft"], roles=study_cluster)
     saved = json.loads((study / "results.json").read_text())
     assert saved["complete"] and [(r["arm"], r["seed"]) for r in saved["runs"]] == [("sft", 0)]
     assert saved["teacher"]["full"] == first["teacher"]["full"] >= 0.95 and saved["eval_items"] == 64
     with monkeypatch.context() as patched, pytest.raises(ValueError, match=r"another study \(steps 2 \(now 3\)\)"):
         patched.setattr(ablation, "evaluate", refuse_to_evaluate)  # refused before the teacher is evaluated
-        run_ablation(str(base), str(study), seeds=[0], steps=3, arms=["sft", "lt_opd"], resume=True)
-    resumed = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft", "lt_opd"], resume=True)
+        run_ablation(str(base), str(study), seeds=[0], steps=3, arms=["sft", "lt_opd"], resume=True, roles=study_cluster)
+    resumed = run_ablation(str(base), str(study), seeds=[0], steps=2, arms=["sft", "lt_opd"], resume=True, roles=study_cluster)
     final = json.loads((study / "results.json").read_text())
     assert resumed["runs"][:1] == saved["runs"] and [(r["arm"], r["seed"]) for r in final["runs"]] == [("sft", 0), ("lt_opd", 0)]
     assert resumed["seconds"] > saved["seconds"] and final["complete"]
@@ -511,28 +516,28 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     base.write_text(Path(BASE_JOB).read_text().replace("data: toy-circles-test:512", "data: toy-circles-test:16")
                     .replace("prompts_per_step: 16", "prompts_per_step: 4").replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
     with pytest.raises(ValueError, match=r"--lr-scales 1.0 1.0: distinct positive scales"):
-        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0, 1.0])
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0, 1.0], roles=study_cluster)
     rows = tmp_path / "rows.yaml"  # held-out rows that are not a toy task's: no validation split to choose on
     rows.write_text(base.read_text().replace("data: toy-circles-test:16", "data: synthetic:16"))
     with pytest.raises(ValueError, match=r"eval.data 'synthetic:16' is not a toy task's rows"):
-        run_ablation(str(rows), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0])
+        run_ablation(str(rows), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["sft"], lr_scales=[1.0], roles=study_cluster)
     assert not (tmp_path / "refused").exists()  # refused before anything was written
     with pytest.raises(ValueError, match=r"--rl-variants are tried at each RL arm's learning rates chosen on validation rows"):
-        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], rl_variants=["2x_clip"])
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], rl_variants=["2x_clip"], roles=study_cluster)
     with pytest.raises(ValueError, match=r"--rl-variants 2x_clip 3x_clip: distinct names of 2x_group, 0.5x_clip, 2x_clip"):
-        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[1.0], rl_variants=["2x_clip", "3x_clip"])
-    grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["grpo"], lr_scales=[3.0])
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[1.0], rl_variants=["2x_clip", "3x_clip"], roles=study_cluster)
+    grid = run_ablation(str(base), str(tmp_path / "study"), seeds=[], steps=1, arms=["grpo"], lr_scales=[3.0], roles=study_cluster)
     assert grid["complete"] and "grid_ends" not in grid and ray.is_initialized()  # one scale has no end; the module's Ray stays up
     # the grid extended on resume (its chosen scale was an end of it), and an RL variant added, before any seed
     # trained: 3.0's run is kept (the study's variants, RL_VARIANTS, test_the_rl_arms_variants_...)
     # of two scales the chosen one is an end of the grid where it scores above the other (the stop: the next test)
     study = run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 3.0], resume=True,
-                         rl_variants=["2x_group"], accept_grid_ends=True)
+                         rl_variants=["2x_group"], accept_grid_ends=True, roles=study_cluster)
     assert study["tuning_runs"][0] == grid["tuning_runs"][0] and [r["lr_scale"] for r in study["tuning_runs"]][:2] == [3.0, 0.1]
     assert study["seconds"] > grid["seconds"] + study["tuning_runs"][1]["seconds"] and study["complete"] and ray.is_initialized()
     with pytest.raises(ValueError, match=r"another study \(lr_scales \[0.1, 3.0\] \(now \[0.1, 0.3, 3.0\]\) after its seeds trained"):
         run_ablation(str(base), str(tmp_path / "study"), seeds=[0], steps=1, arms=["grpo"], lr_scales=[0.1, 0.3, 3.0], resume=True,
-                     rl_variants=["2x_group"])
+                     rl_variants=["2x_group"], roles=study_cluster)
     assert study["validation"]["rows"] == "toy-circles-validation:16"
     validation, held_out = (load_samples(f"toy-circles-{split}:16") for split in ("validation", "test"))
     assert not {s.uid for s in validation} & {s.uid for s in held_out} and all("-validation-" in s.uid for s in validation)
@@ -551,12 +556,14 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     assert (f"| GRPO (answer reward) | {chosen:g}x | " + " | ".join(f"{varied[v]:.3f}" for v in varied) + f" | {variant or 'its own'} |") in table
     # a longer run of the same arm trains at the study's choices and tunes nothing again
     with pytest.raises(ValueError, match=r"no learning rates chosen on validation rows for sft"):
-        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo", "sft"], choices_from=str(tmp_path / "study" / "results.json"))
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo", "sft"], choices_from=str(tmp_path / "study" / "results.json"), roles=study_cluster)
     other = tmp_path / "other-budget.json"
     other.write_text(json.dumps({**study, "budget_bps": 1000}))
     with pytest.raises(ValueError, match=r"a study of another task \(budget_bps 1000 \(here 500\)\)"):
-        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(other))
-    longer = run_ablation(str(base), str(tmp_path / "longer"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(tmp_path / "study" / "results.json"))
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(other), roles=study_cluster)
+    starts = dict(study_cluster.starts)  # the module's studies start their runs in the pools the last one kept
+    longer = run_ablation(str(base), str(tmp_path / "longer"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(tmp_path / "study" / "results.json"), roles=study_cluster)
+    assert study_cluster.starts == starts and study_cluster.takeovers["rollout"] > 0
     assert longer["tuning_runs"] == [] and [(r["lr_scale"], r["variant"], len(r["curve"])) for r in longer["runs"]] == [(chosen, variant, 2)]
     assert longer["choices_from"] == {"results": str(tmp_path / "study" / "results.json"), "steps": 1, "lr_scale": {"grpo": chosen}, "variant": {"grpo": variant}}
     assert f"| GRPO (answer reward) | {chosen:g}x the job's | {variant or 'its own'} |" in (tmp_path / "longer" / "retain_table.md").read_text()
@@ -583,7 +590,7 @@ def test_a_study_whose_learning_rates_are_chosen_at_an_end_of_the_grid_stops_bef
             "tuning_runs": [{"arm": "sft", "lr_scale": scale, "variant": None, "seconds": 1.0, "accuracy": {}, "retain": retain}
                             for scale, retain in ((0.3, 0.7), (1.0, 0.6))]}
     (study / "results.json").write_text(json.dumps(held))
-    stopped = run_ablation(str(base), str(study), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.3, 1.0], resume=True)
+    stopped = run_ablation(str(base), str(study), seeds=[0], steps=1, arms=["sft"], lr_scales=[0.3, 1.0], resume=True, roles=study_cluster)
     assert stopped["grid_ends"] == {"sft": 0.3} and not stopped["complete"] and not stopped["runs"] and ray.is_initialized()
     saved = json.loads((study / "results.json").read_text())
     assert saved["grid_ends"] == {"sft": 0.3} and saved["tuning_runs"] == held["tuning_runs"] and not (study / "sft").exists()
@@ -612,7 +619,7 @@ def test_a_study_stopped_by_sigterm_inside_a_run_keeps_what_it_finished_and_says
 
     threading.Thread(target=terminate_after_the_first_update, daemon=True).start()
     with pytest.raises(StudyStopped, match=r"toy-circles-sft-s1 stopped after update [12] of 3: results.json keeps the finished runs"):
-        run_ablation(str(base), str(tmp_path / "study"), seeds=[0, 1], steps=3, arms=["sft"])
+        run_ablation(str(base), str(tmp_path / "study"), seeds=[0, 1], steps=3, arms=["sft"], roles=study_cluster)
     saved = json.loads((tmp_path / "study" / "results.json").read_text())
     assert [(r["arm"], r["seed"]) for r in saved["runs"]] == [("sft", 0)] and not saved["complete"] and not (steps_log.parent / "final").exists()
 

@@ -205,7 +205,7 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
                  resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
-                 accept_grid_ends: bool = False, choices_from: str | None = None) -> dict:
+                 accept_grid_ends: bool = False, choices_from: str | None = None, roles=None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
@@ -215,7 +215,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     smallest or largest of `lr_scales` (`grid_ends`), the study stops after the learning-rate runs (results["complete"]
     False, results["grid_ends"] naming them), so that the grid is extended that way before anything trains at it;
     unless `accept_grid_ends`, or seeds have trained. `choices_from`: another study's results.json whose choices
-    (scale, variant) every arm trains with, instead of `lr_scales`' own tuning (`carried_choices`). A Ray session already up (one `runtime.launch.init_ray` started,
+    (scale, variant) every arm trains with, instead of `lr_scales`' own tuning (`carried_choices`). `roles`: the
+    caller's `KeptRoles`, whose pools the study's runs start in and leave up for the caller's next runs (several
+    studies in one session); by default the study keeps its own and stops them at its end. A Ray session already up (one `runtime.launch.init_ray` started,
     with the workers' environment) is used and left up; otherwise the study starts its own and stops it."""
     import ray
 
@@ -239,6 +241,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         raise ValueError("--choices-from trains at an earlier study's choices: give it without --lr-scales")
     carried = carried_choices(choices_from, base_path, base, arms) if choices_from else None
     validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
+    if roles is not None and not ray.is_initialized():
+        raise ValueError("pools kept by the caller live in the caller's Ray session: start it first (runtime.launch.init_ray)")
     if not ray.is_initialized():
         check_local_start(base)  # the cluster the study will start: this machine's CPUs, its metrics port free
     out_dir = Path(out)
@@ -276,7 +280,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         init_ray(base)
     from lt_opd_ray.runtime.kept_roles import KeptRoles
 
-    roles = KeptRoles()  # a run whose pools have the last run's shape starts in its rollout worker's and learners' processes
+    own_roles = roles is None
+    roles = roles or KeptRoles()  # a run whose pools have the last run's shape starts in the last run's processes
     try:
         if lr_scales:
             validation = eval_sets(base, validation_spec)
@@ -337,7 +342,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                       + f"  ({runs[-1]['seconds']:.0f}s)", flush=True)
                 save_results(results, out_dir, begin)  # a study cut short keeps every finished run
     finally:
-        roles.close()
+        if own_roles:
+            roles.close()
         if own_cluster:
             ray.shutdown()
     results["complete"] = True
