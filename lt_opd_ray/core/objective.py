@@ -78,16 +78,19 @@ def gather_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tens
 def top_k_log_probs(
     hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: int, requested_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Top-k ids and log-probs of the full-vocabulary log-softmax per position, plus log-probs at requested ids."""
+    """Top-k ids and log-probs of the full-vocabulary log-softmax per position, plus log-probs at requested ids.
+    log p = logit - logsumexp(logits): the row's constant shifts nothing's rank, so the top k are taken from the logits
+    and only the k + requested entries are shifted: no second [chunk, V] tensor to write and read (benchmarks/
+    bench_teacher_topk.py), the same values, ties of rounded log-probs ranked by their logits."""
     top_ids, top_lp, requested_lp = [], [], []
     for start in range(0, hidden.shape[0], chunk_size):
         logits = F.linear(hidden[start : start + chunk_size], weight).float()
-        log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-        values, ids = torch.topk(log_probs, k, dim=-1)  # sorted, highest first
+        log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+        values, ids = torch.topk(logits, k, dim=-1)  # sorted, highest first
         top_ids.append(ids)
-        top_lp.append(values)
+        top_lp.append(values - log_normaliser)
         if requested_ids is not None:
-            requested_lp.append(log_probs.gather(-1, requested_ids[start : start + chunk_size]))
+            requested_lp.append(logits.gather(-1, requested_ids[start : start + chunk_size]) - log_normaliser)
     return torch.cat(top_ids), torch.cat(top_lp), (torch.cat(requested_lp) if requested_ids is not None else None)
 
 
