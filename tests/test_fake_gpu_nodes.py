@@ -46,7 +46,9 @@ class FakeGpuCluster:
 
     def __init__(self):
         self.tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths stay under 108 bytes
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": self.tmp, **WORKER_ENV}
+        # one torch thread per actor, as on a local run of this box: Ray gives an actor of `cpus: 8` OMP_NUM_THREADS=8
+        # (torch takes both cores), and the layouts' eight actors then spin against each other on 2 cores
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": self.tmp, **WORKER_ENV, "OMP_NUM_THREADS": "1"}
         self.port = None
 
     def add_node(self, gpus: int, cpus: int, resources: dict | None = None) -> None:
