@@ -299,8 +299,8 @@ BAD_COMMAND_LINES = [
      "ablation: --rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too"),
     ("ablation jobs/toy_discs.yaml --out {tmp}/study --choices-from {tmp}/no-study.json",
      "ablation: --choices-from {tmp}/no-study.json: not a study's results.json"),
-    ("ablation jobs/toy_discs.yaml --out {tmp}/study --choices-from {tmp}/no-study.json --lr-scales 1",
-     "ablation: --choices-from trains at an earlier study's choices: give it without --lr-scales"),
+    ("ablation jobs/toy_discs.yaml --out {tmp}/study --choices-from {tmp}/no-study.json --arms grpo --rl-variants 2x_group",
+     "ablation: --choices-from trains at an earlier study's choices: give it without --lr-scales and --rl-variants"),
 ]
 
 

@@ -402,7 +402,7 @@ def test_a_curve_is_flat_when_its_last_two_evaluations_are_within_2_se_of_the_tw
 def study_cluster():
     """One local Ray cluster for the module's studies (run_ablation uses a session that is up; it starts and stops
     its own otherwise), as `lt-opd ablation` starts it for the study's job, and the pools its studies' runs keep for
-    the next study's (`run_ablation(roles=..., roles=study_cluster)`; a run on kept pools computes what it would on new ones:
+    the next study's (`run_ablation(roles=...)`; a run on kept pools computes what it would on new ones:
     test_runtime.py)."""
     import ray
     from ray import serve
@@ -413,10 +413,14 @@ def study_cluster():
     job = load_job(BASE_JOB)
     init_ray(job.model_copy(update={"metrics": job.metrics.model_copy(update={"export_port": STUDY_METRICS_PORT})}))
     roles = KeptRoles()
-    yield roles
-    roles.close()
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        yield roles
+    finally:
+        try:
+            roles.close()
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 STUDY_METRICS_PORT = free_port()  # not the port of a study running on this machine (8091), nor any other taken one
@@ -557,13 +561,25 @@ def test_each_arm_trains_at_the_learning_rates_its_validation_rows_chose(teacher
     # a longer run of the same arm trains at the study's choices and tunes nothing again
     with pytest.raises(ValueError, match=r"no learning rates chosen on validation rows for sft"):
         run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo", "sft"], choices_from=str(tmp_path / "study" / "results.json"), roles=study_cluster)
-    other = tmp_path / "other-budget.json"
-    other.write_text(json.dumps({**study, "budget_bps": 1000}))
-    with pytest.raises(ValueError, match=r"a study of another task \(budget_bps 1000 \(here 500\)\)"):
-        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(other), roles=study_cluster)
-    starts = dict(study_cluster.starts)  # the module's studies start their runs in the pools the last one kept
+    for name, earlier, refusal in [("other-budget", {**study, "budget_bps": 1000}, r"a study of another task \(budget_bps 1000 \(here 500\)\)"),
+                                   ("variants-cut-short", {**study, "chosen_variant": {}}, r"no RL variant chosen for grpo \(that study stopped before"),
+                                   ("a-list", [study], r"not a study's results.json \(no study's fields in it\)")]:
+        (tmp_path / f"{name}.json").write_text(json.dumps(earlier))
+        with pytest.raises(ValueError, match=refusal):
+            run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(tmp_path / f"{name}.json"), roles=study_cluster)
+    assert not (tmp_path / "refused").exists()
+    starts, takeovers = dict(study_cluster.starts), dict(study_cluster.takeovers)  # the module's studies start their runs in the pools the last one kept
     longer = run_ablation(str(base), str(tmp_path / "longer"), seeds=[0], steps=2, arms=["grpo"], choices_from=str(tmp_path / "study" / "results.json"), roles=study_cluster)
-    assert study_cluster.starts == starts and study_cluster.takeovers["rollout"] > 0
+    assert study_cluster.starts == starts and {pool: study_cluster.takeovers[pool] - n for pool, n in takeovers.items()} == {"rollout": 1, "learner": 1, "teacher": 0}
+    # resumed with the same choices, the file named another way: nothing trains again; with other choices: refused
+    again = run_ablation(str(base), str(tmp_path / "longer"), seeds=[0], steps=2, arms=["grpo"], resume=True, roles=study_cluster,
+                         choices_from=str(tmp_path / "study" / ".." / "study" / "results.json"))
+    assert again["runs"] == longer["runs"] and study_cluster.takeovers["rollout"] == takeovers["rollout"] + 1
+    other_scale = 0.1 if chosen == 3.0 else 3.0
+    (tmp_path / "other-choice.json").write_text(json.dumps({**study, "chosen_lr_scale": {"grpo": other_scale}}))
+    with pytest.raises(ValueError, match=r"another study \(choices carried over .*'lr_scale': \{'grpo': " + f"{chosen}" + r"\}"):
+        run_ablation(str(base), str(tmp_path / "longer"), seeds=[0], steps=2, arms=["grpo"], resume=True, roles=study_cluster,
+                     choices_from=str(tmp_path / "other-choice.json"))
     assert longer["tuning_runs"] == [] and [(r["lr_scale"], r["variant"], len(r["curve"])) for r in longer["runs"]] == [(chosen, variant, 2)]
     assert longer["choices_from"] == {"results": str(tmp_path / "study" / "results.json"), "steps": 1, "lr_scale": {"grpo": chosen}, "variant": {"grpo": variant}}
     assert f"| GRPO (answer reward) | {chosen:g}x the job's | {variant or 'its own'} |" in (tmp_path / "longer" / "retain_table.md").read_text()
@@ -595,6 +611,8 @@ def test_a_study_whose_learning_rates_are_chosen_at_an_end_of_the_grid_stops_bef
     saved = json.loads((study / "results.json").read_text())
     assert saved["grid_ends"] == {"sft": 0.3} and saved["tuning_runs"] == held["tuning_runs"] and not (study / "sft").exists()
     assert saved["seconds"] > held["seconds"]
+    with pytest.raises(ValueError, match=r"that study stopped at an end of its learning-rate grid \(sft 0.3x\)"):
+        run_ablation(str(base), str(tmp_path / "refused"), seeds=[0], steps=2, arms=["sft"], choices_from=str(study / "results.json"), roles=study_cluster)
 
 
 def test_a_study_stopped_by_sigterm_inside_a_run_keeps_what_it_finished_and_says_so(teacher, study_cluster, tmp_path):

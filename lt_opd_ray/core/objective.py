@@ -80,8 +80,8 @@ def top_k_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Top-k ids and log-probs of the full-vocabulary log-softmax per position, plus log-probs at requested ids.
     log p = logit - logsumexp(logits): the row's constant shifts nothing's rank, so the top k are taken from the logits
-    and only the k + requested entries are shifted: no second [chunk, V] tensor to write and read (benchmarks/
-    bench_teacher_topk.py), the same values, ties of rounded log-probs ranked by their logits."""
+    and only the k + requested entries are shifted: no log-probs tensor of [chunk, V] to write and read beside the
+    logits (benchmarks/bench_teacher_topk.py), the same values, ties of rounded log-probs ranked by their logits."""
     top_ids, top_lp, requested_lp = [], [], []
     for start in range(0, hidden.shape[0], chunk_size):
         logits = F.linear(hidden[start : start + chunk_size], weight).float()

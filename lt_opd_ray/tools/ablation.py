@@ -41,11 +41,15 @@ import copy
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lt_opd_ray.config.loading import load_job
 from lt_opd_ray.config.schema import POLICY_GRADIENT, JobConfig
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.tools.ablation_report import RL_ARMS, write_report
+
+if TYPE_CHECKING:
+    from lt_opd_ray.runtime.kept_roles import KeptRoles
 
 ARMS: dict[str, dict] = {
     "sft": {"objective": {"mode": "sft"}, "sampling": {"n": 1}},
@@ -205,7 +209,7 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
                  resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
-                 accept_grid_ends: bool = False, choices_from: str | None = None, roles=None) -> dict:
+                 accept_grid_ends: bool = False, choices_from: str | None = None, roles: KeptRoles | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
@@ -235,10 +239,10 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     rl_variants = list(rl_variants or [])
     if not set(rl_variants) <= set(RL_VARIANTS) or len(set(rl_variants)) != len(rl_variants):
         raise ValueError(f"--rl-variants {' '.join(rl_variants)}: distinct names of {', '.join(RL_VARIANTS)}")
+    if choices_from and (lr_scales or rl_variants):
+        raise ValueError("--choices-from trains at an earlier study's choices: give it without --lr-scales and --rl-variants")
     if rl_variants and not lr_scales:
         raise ValueError("--rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too")
-    if choices_from and lr_scales:
-        raise ValueError("--choices-from trains at an earlier study's choices: give it without --lr-scales")
     carried = carried_choices(choices_from, base_path, base, arms) if choices_from else None
     validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
     if roles is not None and not ray.is_initialized():
@@ -395,20 +399,40 @@ def chosen_variant(tuning: list[dict], arm: str, scale: float, variants: list[st
 def carried_choices(path: str, base_path: str, base, arms: list[str]) -> dict:
     """What the study of `path` (its results.json) chose on validation rows for each of `arms`: {"results": path,
     "steps": its updates, "lr_scale": {arm: scale}, "variant": {RL arm: variant or None}}. A ValueError where it is a
-    study of another task, budget or selectors, or chose nothing for an arm (an arm it did not tune)."""
+    study of another task, budget or selectors, or did not finish choosing for an arm (an arm it did not tune, an end
+    of its grid it stopped at, an RL arm whose variants it did not try to the end)."""
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--choices-from {path}: not a study's results.json ({exc})") from exc
+    if not isinstance(earlier, dict) or "steps" not in earlier:
+        raise ValueError(f"--choices-from {path}: not a study's results.json (no study's fields in it)")
     wanted = {"base_job": base_path, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
               "trained_with": base.selector.name}
     if differing := [f"{key} {earlier.get(key)!r} (here {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
         raise ValueError(f"--choices-from {path}: a study of another task ({'; '.join(differing)}); its choices do not carry over")
+    if ends := earlier.get("grid_ends"):
+        raise ValueError(f"--choices-from {path}: that study stopped at an end of its learning-rate grid ("
+                         + ", ".join(f"{arm} {scale:g}x" for arm, scale in ends.items()) + "); extend its grid and resume it first")
     chosen = earlier.get("chosen_lr_scale", {}) if earlier.get("lr_scales") else {}
     if untuned := [arm for arm in arms if arm not in chosen]:
         raise ValueError(f"--choices-from {path}: no learning rates chosen on validation rows for {', '.join(untuned)}")
+    variants = earlier.get("chosen_variant", {})
+    if earlier.get("rl_variants") and (untried := [arm for arm in arms if arm in RL_ARMS and arm not in variants]):
+        raise ValueError(f"--choices-from {path}: no RL variant chosen for {', '.join(untried)} (that study stopped before"
+                         " its variants were all tried); resume it first")
     return {"results": path, "steps": earlier["steps"], "lr_scale": {arm: chosen[arm] for arm in arms},
-            "variant": {arm: earlier.get("chosen_variant", {}).get(arm) for arm in arms if arm in RL_ARMS}}
+            "variant": {arm: variants.get(arm) for arm in arms if arm in RL_ARMS}}
+
+
+def same_choices(before: dict | None, now: dict | None) -> bool:
+    """Whether a resumed study trains at the choices its finished runs trained at: carried from no study in both, or
+    from a study of the same length with the same scale and variant for every arm both name (arms may be added; the
+    file may be named another way)."""
+    if before is None or now is None:
+        return before is now
+    return before["steps"] == now["steps"] and all(
+        before[key][arm] == now[key][arm] for key in ("lr_scale", "variant") for arm in before[key].keys() & now[key].keys())
 
 
 def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None, rl_variants: list[str] = (),
@@ -420,15 +444,18 @@ def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: l
         return {}
     earlier = json.loads(path.read_text())
     wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
-              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants),
-              "choices_from": carried}
+              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants)}
     earlier.setdefault("rl_variants", [])  # a study from before RL variants existed tried none
     if not earlier.get("runs"):  # no seed trained yet: the tuning may grow (more scales, more variants); its runs are kept
         for key in ("lr_scales", "rl_variants"):
             before, now = earlier.get(key), wanted[key]
             if before is not None and now and set(before) < set(now):
                 wanted[key] = before
-    if differing := [f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
+    differing = [f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in wanted.items() if earlier.get(key) != value]
+    if not same_choices(earlier.get("choices_from"), carried):
+        choices = lambda carried: carried and {key: value for key, value in carried.items() if key != "results"}  # noqa: E731
+        differing.append(f"choices carried over {choices(earlier.get('choices_from'))!r} (now {choices(carried)!r})")
+    if differing:
         seeded = " after its seeds trained with the settings it chose" if earlier.get("runs") and earlier.get("lr_scales") else ""
         raise ValueError(f"{path}: another study ({'; '.join(differing)}{seeded}); resume it with its own settings or choose another --out")
     return earlier

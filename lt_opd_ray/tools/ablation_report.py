@@ -209,8 +209,8 @@ def carried_choice_lines(results: dict) -> list[str]:
     carried = results.get("choices_from")
     if not carried:
         return []
-    lines = ["", f"Learning rates (and the RL arms' group size and clip) as the study of {carried['results']} chose them on its"
-             f" validation rows at {carried['steps']} updates per run; nothing was tuned again here.", "",
+    lines = ["", f"Learning rates (and the RL arms' settings: their own, or the variant chosen) as the study of {carried['results']}"
+             f" chose them on its validation rows at {carried['steps']} updates per run; nothing was tuned again here.", "",
              "| arm | learning rates | RL settings |", "|---|---|---|"]
     for arm, scale in carried["lr_scale"].items():
         variant = (carried["variant"][arm] or "its own") if arm in carried["variant"] else "-"
