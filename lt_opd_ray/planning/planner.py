@@ -174,9 +174,9 @@ LEARNER_HEADROOM_GB = 8.0  # activations of one micro-batch with per-block recom
 OPTIMIZER_BYTES_PER_PARAM = 34
 # fp32 passes over one position's full-vocabulary logits after the head's GEMM, counted in the code: a decode step reads and
 # writes the log-softmax, reads it for the top-k, reads and writes the sampler's softmax and its cumulative sum (7); the teacher
-# reads for the log-sum-exp, reads and writes the log-probs, reads them for the top-k (4); the learner's chunked head reads
-# for the log-sum-exp in forward, then reads and writes the softmax and the gradient in backward (5)
-LOGIT_PASSES = {"decode": 7, "teacher": 4, "learner": 5}
+# reads for the log-sum-exp and again for the top-k of the logits (2); the learner's chunked head reads for the log-sum-exp in
+# forward, then reads and writes the softmax and the gradient in backward (5)
+LOGIT_PASSES = {"decode": 7, "teacher": 2, "learner": 5}
 
 
 def parameter_count(config: dict) -> int:
