@@ -64,7 +64,7 @@ def main() -> None:
         seconds, _ = best_of(args.repeats, lambda: vllm_teacher_scores(engine, prompts, images, rollouts, TOP_K))
         vllm_teacher_rate = scored_tokens / seconds
         print(f"{family:<11} {'vllm ' + engine_dtype:<22} {vllm_rollout_rate:>14.0f} {vllm_teacher_rate:>14.0f}")
-        del engine
+        engine = None  # let the engine go before the transformers copies load
 
         for dtype in (["float32", "bfloat16"] if family == "qwen3_5" else ["float32"]):
             vlm = QwenVLM(load_vlm(str(model_dir))[1].eval())

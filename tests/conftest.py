@@ -176,6 +176,18 @@ def tiny_dirs(tmp_path_factory):
     return {family: build_tiny_model(family, root / family, seed=0) for family in FAMILIES}
 
 
+def wait_until(condition, timeout_s: float = 60.0, every_s: float = 0.05) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (what it says then)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return bool(condition())
+        time.sleep(every_s)
+    return True
+
+
 def bomb_png(side: int = 20000) -> bytes:
     """A valid PNG header claiming side x side pixels with no pixel data: a decompression bomb's signature."""
     import struct
@@ -238,10 +250,15 @@ def loaded(tiny_dirs):
 def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, total=12, name="t", mode="lt_opd", extra="",
             dtype="float32", backend="transformers", micro_batch_tokens=16384, prompts=2, verify_weights=False,
             activation_checkpointing=False, n=2, max_new_tokens=6, images=1, data=None, warmup=1, teacher_batch=4, stop=None, steps_per_update=1,
-            kl_coef=0.0, packing=True):
+            kl_coef=0.0, packing=True, gradient_step=False):
     """A small distributed job on a tiny model: `prompts` (2) x `n` (2) responses per update, `images` per row (or the
-    rows `data` names, a data.path); `extra` is appended YAML."""
+    rows `data` names, a data.path); `extra` is appended YAML. `gradient_step`: every learning rate and AdamW's eps at
+    1, so that the first step moves each weight by g / (|g| + 1), the gradient entry itself to within its square: an
+    equality test then reads update 0's gradient off the weights entry by entry (test_runtime's `assert_reproduces`)."""
     from lt_opd_ray.config.loading import parse_job
+
+    rates = ("{language_model: 1.0, vision_encoder: 1.0, merger: 1.0, token_merge: 1.0}, eps: 1.0" if gradient_step
+             else "{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}")
 
     return parse_job(
         f"""
@@ -252,7 +269,7 @@ data: {{path: "{data or f"synthetic:16{f'*{images}' if images > 1 else ''}"}", m
 budget: {{start_bps: 2500, target_bps: 500, warm_steps: 1, decay_end: 4, total_steps: {total}, k_min: 2}}
 objective: {{top_k: 8, logsoftmax_chunk: 32, mode: {mode}, kl_coef: {kl_coef}}}
 sampling: {{prompts_per_step: {prompts}, n: {n}, max_new_tokens: {max_new_tokens}{f", stop: {stop!r}" if stop else ""}}}
-optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}}, warmup_steps: {warmup}, steps_per_update: {steps_per_update}}}
+optimizer: {{lr: {rates}, warmup_steps: {warmup}, steps_per_update: {steps_per_update}}}
 pools:
   rollout: {{workers: {workers}, cpus: 1, backend: {backend}, verify_weights: {str(verify_weights).lower()}}}
   teacher: {{replicas: 1, cpus: 1, max_batch_size: {teacher_batch}, backend: {backend}}}

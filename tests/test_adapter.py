@@ -134,8 +134,8 @@ def test_a_packed_row_gives_each_sequence_what_its_own_forward_gives(loaded, fam
     def ours(packed: bool) -> tuple[list[torch.Tensor], dict]:
         model.zero_grad(set_to_none=True)
         logits = [vlm.lm_head(h) for h in vlm.response_hidden([full(p) for p in prompts], responses, packed=packed)]
-        sum((l * w).sum() for l, w in zip(logits, weights)).backward()
-        return [l.detach() for l in logits], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        sum((rows * w).sum() for rows, w in zip(logits, weights)).backward()
+        return [rows.detach() for rows in logits], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad(set_to_none=True)
     alone = []

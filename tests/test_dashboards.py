@@ -14,12 +14,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import ray
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "dashboards"))
 import generate  # noqa: E402
-import ray
 
 JOB_NAME = "dash"
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 import torch
-from conftest import job_for
+from conftest import job_for, wait_until
 from ray import serve
 
 from lt_opd_ray.runtime.driver import Driver
@@ -58,13 +58,6 @@ def assert_same_weights(got, expected):
 def all_released() -> bool:
     """Every CPU the runs' actors reserved is free again (Serve's controller reserves none)."""
     return ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
-
-
-def wait_until(condition, timeout_s: float = 60.0) -> bool:
-    deadline = time.time() + timeout_s
-    while not condition() and time.time() < deadline:
-        time.sleep(0.5)
-    return condition()
 
 
 def test_a_teacher_replica_killed_mid_update_is_asked_again_and_the_run_matches(uninterrupted, kept, tiny_dirs, tmp_path, capsys):

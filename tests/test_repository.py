@@ -1,4 +1,4 @@
-"""The repository itself: what a clone carries.
+"""The repository itself: what a checkout carries, and that its code lints.
 
 Every tracked file over 1 MB is a deliberate fixture named here; a wheel, a run's output or a model checkpoint
 committed by accident fails the suite on the day it lands, with its path and size."""
@@ -6,6 +6,7 @@ committed by accident fails the suite on the day it lands, with its path and siz
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +34,18 @@ def test_no_tracked_file_over_1_mb_outside_the_fixtures():
     names = tracked_files()
     assert set(ALLOWED) <= set(names), "an allowed fixture is no longer tracked: shorten ALLOWED"
     assert oversized(names) == []
+
+
+def test_the_checkout_passes_ruff_and_ruff_names_an_undefined_name(tmp_path):
+    """`ruff check` with pyproject's rules over the whole checkout (the package, tests, benchmarks, dashboards,
+    scripts); the same rules on a file that reads a name it never binds fail, naming the file and the rule."""
+    ruff = [sys.executable, "-m", "ruff"]  # the dev extra's, from wherever this environment has it
+    linted = subprocess.run([*ruff, "check", "--no-cache", "."], cwd=REPO, capture_output=True, text=True)
+    assert linted.returncode == 0, linted.stdout[-4000:] + linted.stderr[-2000:]
+    (tmp_path / "broken.py").write_text("def f():\n    return engine\n")
+    flagged = subprocess.run([*ruff, "check", "--no-cache", "--output-format", "concise", "--config", str(REPO / "pyproject.toml"),
+                              str(tmp_path / "broken.py")], capture_output=True, text=True)
+    assert flagged.returncode == 1 and f"{tmp_path / 'broken.py'}:2:12: F821 Undefined name `engine`" in flagged.stdout, flagged.stdout
 
 
 def test_a_large_file_outside_the_allow_list_is_named(tmp_path):

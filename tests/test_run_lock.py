@@ -10,8 +10,14 @@ import sys
 import time
 
 import pytest
+from conftest import wait_until
 
 from lt_opd_ray.runtime.run_lock import STALE_S, RunLock, RunLockedError
+
+def running_its_command(process: subprocess.Popen) -> bool:
+    """The child has exec'd its own command line (the lock recognises a Ray process by it), not still the fork of pytest."""
+    return b"time.sleep(120)" in Path(f"/proc/{process.pid}/cmdline").read_bytes()
+
 
 HOLD = "import sys, time; from lt_opd_ray.runtime.run_lock import RunLock; RunLock.acquire(sys.argv[1], 'holder'); print('held', flush=True); time.sleep(120)"
 
@@ -51,7 +57,7 @@ def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_pat
     reused = subprocess.Popen([*sleep, f"--session-dir={session}"])  # its pid recorded with another start time
     processes = (node_process, agent, unrelated, reused)
     try:
-        time.sleep(0.2)
+        assert wait_until(lambda: all(running_its_command(p) for p in processes))
         listed = [[p.pid, _start_time(p.pid)] for p in (node_process, agent, unrelated)] + [[reused.pid, "1"]]
 
         def take_over(session_folder: str, holder: int = dead_pid) -> list:
@@ -69,7 +75,7 @@ def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_pat
         Path(other).mkdir()
         live_run = subprocess.Popen([*sleep, f"--session-dir={other}"])  # a process of the live driver's cluster
         processes += (live_run,)
-        time.sleep(0.2)
+        assert wait_until(lambda: running_its_command(live_run))
         listed.append([live_run.pid, _start_time(live_run.pid)])
         assert len(take_over(other, holder=os.getpid())) == 4 and all(p.poll() is None for p in processes)
         listed.pop()
@@ -99,8 +105,6 @@ def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, mon
     """Two hosts stage one `file://` folder in their own staging folders (a local lock each): the lease beside the
     folder in the store refuses the second while the first beats, is removed on release, is taken over once stale,
     a killed driver's (this host, pid gone) at once, and of two written within RACE_S the one read back holds."""
-    import threading
-
     import lt_opd_ray.runtime.run_lock as run_lock
     from lt_opd_ray.core.storage import RunStorage
     from lt_opd_ray.runtime.run_lock import RemoteLease
@@ -122,12 +126,16 @@ def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, mon
     path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "theirs", "beat": time.time() - STALE_S - 5}))
     RemoteLease.acquire(host("host-b"), "after a stale holder").release()
 
-    def another_host_writes_meanwhile():
-        time.sleep(0.2)
-        path.write_text(json.dumps({"host": "elsewhere", "pid": 7, "purpose": "lt-opd train racer", "token": "theirs", "beat": time.time()}))
+    class AnotherHostWritesMeanwhile:
+        """run_lock's clock, but its wait of RACE_S is when another host's lease lands (after this one's write)."""
 
-    racer = threading.Thread(target=another_host_writes_meanwhile)
-    racer.start()
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, seconds):
+            assert seconds == run_lock.RACE_S and json.loads(path.read_text())["purpose"] == "loser"
+            path.write_text(json.dumps({"host": "elsewhere", "pid": 7, "purpose": "lt-opd train racer", "token": "theirs", "beat": time.time()}))
+
+    monkeypatch.setattr(run_lock, "time", AnotherHostWritesMeanwhile())
     with pytest.raises(RunLockedError, match=r"\(lt-opd train racer, pid 7 on elsewhere"):
         RemoteLease.acquire(host("host-b"), "loser")
-    racer.join()

@@ -144,13 +144,13 @@ GRADIENT_ROUNDING_ULPS = 16
 
 # Several optimizer steps an update (optimizer.steps_per_update): Adam's later steps start from weights its first
 # step moved, so the per-entry bound of that first step does not carry over to update 0's weights. They and update
-# 0's loss are held instead to margins far above what rounding leaves and below what a wrong step makes (measured
-# 2026-12-05 on an AVX-512 EPYC, two ranks, two steps an update): DAPO matched the reference's update-0 loss to 3e-7
-# relative and its weights to 2.6e-5 of how far the update moved them, LT-OPD to 2.5e-7 and 9e-4; DAPO with the
-# second step's old policy taken wrongly (its own log-probs) was off by 15% and 30%. Later updates: the first-order
-# loss bound, as for one step.
-MINI_BATCH_LOSS_REL = 1e-3
-MINI_BATCH_WEIGHTS_OF_STEP = 5e-2
+# 0's loss are held instead to margins far above what rounding leaves and below what a wrong step makes. Measured
+# (DAPO, two ranks, two steps an update, `gradient_step`): the update-0 loss to 2.6e-7 relative and the weights to
+# 4.9e-6 of how far the update moved them on the AVX2 EPYC (2026-12-06); with Adam's eps at 1e-8, which turns
+# rounding into sign flips, 3e-7 and 2.6e-5 on the AVX-512 EPYC (2026-12-05), where taking the second step's old policy
+# wrongly (its own log-probs) was off by 15% and 30%. Later updates: the first-order loss bound, as for one step.
+MINI_BATCH_LOSS_REL = 1e-5
+MINI_BATCH_WEIGHTS_OF_STEP = 1e-4
 
 
 def assert_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, rel: float = 1e-5, abs_: float = 1e-8,
@@ -161,13 +161,15 @@ def assert_reproduces(run: Trajectory, reference: Trajectory, adam_eps: float, r
     different batch composition (`rel`, `abs_`: update 0's loss is ~7e-5, student = teacher but for the pruning, and the
     per-token JSD rounds by ~4e-9 absolute between compositions).
 
-    Amplified (Adam): its first step moves entry i by lr * g_i / (|g_i| + eps), whose slope is eps / (|g_i| + eps)^2,
-    so a rounding difference d in g_i moves the weight by up to lr * min(2, d / (|g_i| - d + eps)): ~lr * 1e-1 for an
-    entry whose gradient is itself rounding noise (~1e-9), ~lr * 1e-6 for an ordinary one. Every entry of the weights
-    after update 0 is held to that bound (d = GRADIENT_ROUNDING_ULPS fp32 ulps of the gradient's norm), which checks
-    the sign and size of each gradient entry against the reference's. A later update u starts from weights that differ
-    by dw_u; to first order its loss moves by at most |grad L_u| * |dw_u| (Cauchy-Schwarz), so its loss is held to
-    that plus the rounding of update 0.
+    Update 0's step: Adam's first step moves entry i by lr * g_i / (|g_i| + eps), whose slope is eps / (|g_i| + eps)^2,
+    so a rounding difference d in g_i moves the weight by up to lr * min(2, d / (|g_i| - d + eps)). Every entry of the
+    weights after update 0 is held to that bound (d = GRADIENT_ROUNDING_ULPS fp32 ulps of the gradient's norm). At the
+    default eps (1e-8) the step is ~lr * sign(g_i): the bound checks each entry's sign, and is ~lr * 1e-1 for an entry
+    whose gradient is itself rounding noise (~1e-9), where the sign may flip (amplified). A job with eps and lr at 1
+    (conftest's `job_for(gradient_step=True)`, most equality tests) moves each weight by g_i / (|g_i| + 1): the bound
+    is then ~d per entry, and the step reads each gradient entry's size as well as its sign (exact, tightly). A
+    later update u starts from weights that differ by dw_u; to first order its loss moves by at most
+    |grad L_u| * |dw_u| (Cauchy-Schwarz), so its loss is held to that plus the rounding of update 0.
     """
     assert distance(run.weights[0], reference.weights[0]) == 0.0  # both start from the checkpoint
     if steps_per_update > 1:
@@ -204,7 +206,8 @@ def assert_first_update_reproduces(run: Trajectory, reference: Trajectory, adam_
 
 def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_rounding():
     """assert_reproduces on trajectories built by hand: Adam's first step (lr * g / (|g| + eps)) from a gradient that
-    differs by rounding passes; one entry stepped the wrong way, or a later loss off by 1e-3, fails."""
+    differs by rounding passes; one entry stepped the wrong way, or a later loss off by 1e-3, fails. An entry of the
+    right sign but twice its size passes at eps 1e-8 (the step is ~lr * sign) and fails where eps and lr are 1."""
     lr, eps = 1e-3, 1e-8
     gradient = {"w": torch.tensor([1e-3, -2e-4, 3e-9, 0.0])}
     start = {"w": torch.tensor([0.5, -0.25, 0.125, 1.0])}
@@ -221,14 +224,23 @@ def test_the_reference_check_fails_on_a_wrong_gradient_entry_or_loss_and_passes_
         assert_reproduces(Trajectory([7e-5, 1e-2], [norm, 0.3], [start, stepped(flipped), start]), reference, eps)
     with pytest.raises(AssertionError, match="update 1"):
         assert_reproduces(Trajectory([7e-5, 1.001e-2], [norm, 0.3], [start, stepped(rounded), start]), reference, eps)
+    doubled = gradient["w"] * torch.tensor([1.0, 2.0, 1.0, 1.0])  # an entry of the right sign, twice its size
+    assert_reproduces(Trajectory([7e-5, 1e-2], [norm, 0.3], [start, stepped(doubled), start]), reference, eps)  # ~lr * sign(g): unseen
+
+    # `gradient_step` (eps and lr at 1): the step is the gradient, and the same entry twice its size fails
+    lr, eps = 1.0, 1.0
+    reference = Trajectory([7e-5, 1e-2], [norm, 0.3], [start, stepped(gradient["w"]), start], gradient, {"w": lr})
+    assert_reproduces(Trajectory([7e-5, 1e-2], [norm, 0.3], [start, stepped(rounded), start]), reference, eps)
+    with pytest.raises(AssertionError, match=r"w\[1\]"):
+        assert_reproduces(Trajectory([7e-5, 1e-2], [norm, 0.3], [start, stepped(doubled), start]), reference, eps)
 
 
 def equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, workers=1, teacher_batch=4,
-                 packing=True):
+                 packing=True, gradient_step=True):
     return job_for(
         tiny_dirs["qwen3_5"], tmp_path, ranks=ranks, zero_stage=zero_stage, workers=workers, prompts=prompts, warmup=warmup,
         name=f"eq{ranks}{zero_stage}{micro_batch_tokens}{checkpointing:d}{warmup}", micro_batch_tokens=micro_batch_tokens,
-        activation_checkpointing=checkpointing, teacher_batch=teacher_batch, packing=packing,
+        activation_checkpointing=checkpointing, teacher_batch=teacher_batch, packing=packing, gradient_step=gradient_step,
     )
 
 
@@ -250,11 +262,11 @@ def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> N
 
 
 @pytest.mark.parametrize(
-    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch, packing",
-    [(1, 2, 16384, 2, False, 1, 4, False), (2, 2, 40, 3, False, 1, 1, True), (2, 3, 16384, 2, True, 1, 4, True)],
+    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch, packing, gradient_step",
+    [(1, 2, 16384, 2, False, 1, 4, False, False), (2, 2, 40, 3, False, 1, 1, True, True), (2, 3, 16384, 2, True, 1, 4, True, True)],
 )
 def test_distributed_updates_reproduce_the_reference(cluster, kept, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
-                                                    warmup, teacher_batch, packing):
+                                                    warmup, teacher_batch, packing, gradient_step):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
     (fillers) and split vision groups; there the teacher admits 2 requests at once (max_batch_size 1) for the 3
@@ -264,7 +276,7 @@ def test_distributed_updates_reproduce_the_reference(cluster, kept, tiny_dirs, t
     default) but in the one-rank case, whose rows are left-padded; the reference pads throughout. (ZeRO-3 with split
     groups and a warmed-up learning rate: the next test.)"""
     job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch=teacher_batch,
-                       packing=packing)
+                       packing=packing, gradient_step=gradient_step)
     assert (job.teacher_admission_note() is not None) == (teacher_batch == 1)
     reference = reference_trajectory(job, STEPS)
     logs, run = driver_trajectory(job, STEPS, kept)
@@ -276,7 +288,7 @@ def test_rows_of_two_images_train_distributed_as_the_reference(cluster, kept, ti
     """Each row shows two images, pruned to the budget each on its own (scope image) or over their union (scope
     prompt, where one image may keep few tokens or none); the learner replays both images' selections (two index
     sets per prompt) and two ZeRO-2 ranks equal the single process."""
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=2, name=f"two-images-{scope}", images=2,
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=2, name=f"two-images-{scope}", images=2, gradient_step=True,
                   extra=f"selector: {{scope: {scope}}}\n")
     reference = reference_trajectory(job, 2)
     _, run = driver_trajectory(job, 2, kept)
@@ -291,7 +303,7 @@ def test_video_rows_train_distributed_as_the_reference(cluster, kept, tiny_dirs,
     patch's selection and two ZeRO-3 ranks on Qwen3-VL (deepstack features pruned with the same indices) equal the
     single process."""
     job = job_for(tiny_dirs["qwen3_vl"], tmp_path, ranks=2, zero_stage=3, name=f"video-{scope}", data="synthetic-video:16",
-                  extra=f"selector: {{scope: {scope}}}\n")
+                  gradient_step=True, extra=f"selector: {{scope: {scope}}}\n")
     # One budget over a clip's 64 tokens has near-ties: after one update the ranks' weights differ from the
     # reference's by fp32 rounding, and a 1e-6 relative perturbation of the weights changes the picks of 2 of 8
     # temporal patches on these rows (measured; 0 of 8 per patch). So the clip scope is held to one update, where both
@@ -306,7 +318,7 @@ def test_video_rows_train_distributed_as_the_reference(cluster, kept, tiny_dirs,
 def test_glm4v_trains_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path):
     """A family other than Qwen's (GLM-4V: its own image tokens and processor, a conv-and-gated projector in the merger
     learning rate) through the whole runtime on transformers engines: two ZeRO-3 ranks equal the single process."""
-    job = job_for(tiny_dirs["glm4v"], tmp_path, ranks=2, zero_stage=3, name="glm4v")
+    job = job_for(tiny_dirs["glm4v"], tmp_path, ranks=2, zero_stage=3, name="glm4v", gradient_step=True)
     reference = reference_trajectory(job, 2)
     _, run = driver_trajectory(job, 2, kept)
     assert_reproduces(run, reference, job.optimizer.eps)
@@ -387,7 +399,7 @@ def test_a_run_on_kept_pools_computes_what_it_computes_on_new_ones(cluster, tiny
 def test_distributed_updates_with_the_token_merge_reproduce_the_reference(cluster, kept, tiny_dirs, tmp_path):
     """selector.merge learnable: the rollouts carry each image's merge route, the learners replay it; the head
     trains at its own learning rate (its output layer leaves zero) and the run equals the single-process reference."""
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=3, name="merge", extra="selector: {merge: learnable}\n")
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, zero_stage=3, name="merge", gradient_step=True, extra="selector: {merge: learnable}\n")
     reference = reference_trajectory(job, STEPS)
     _, run = driver_trajectory(job, STEPS, kept)
     assert_reproduces(run, reference, job.optimizer.eps)
@@ -838,7 +850,7 @@ def test_the_baselines_modes_reproduce_the_reference(cluster, kept, tiny_dirs, t
     from ray import serve
 
     one_written = {"n": 1, "max_new_tokens": 16, "extra": "reward: {name: answer}\n"} if mode == "sft" else {}
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, name=f"mode-{mode}", mode=mode, **one_written)
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, name=f"mode-{mode}", mode=mode, gradient_step=True, **one_written)
     reference = reference_trajectory(job, 2)
     with driven(job, 2, kept) as (driver, logs, run):
         apps = sorted(serve.status().applications)
@@ -868,7 +880,7 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny
 
     extra = f"reward: {{name: 'user_rewards:letters', overlong_buffer: 3}}\nschedule: {{max_staleness: {staleness}}}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=2 * steps, steps_per_update=steps, zero_stage=3 if steps > 1 else 2, name=f"rl-{mode}", mode=mode, max_new_tokens=8, stop=[" "],
-                  micro_batch_tokens=120, kl_coef=kl_coef, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
+                  micro_batch_tokens=120, kl_coef=kl_coef, gradient_step=True, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
     reference = reference_trajectory(job, 2)
     reports = reference.reports
     with driven(job, 2, kept) as (driver, logs, run):
@@ -900,7 +912,7 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
 
     extra = "reward: {name: 'user_rewards:letters_on_odd_rows', dynamic_sampling_rounds: 2}\nschedule: {max_staleness: 1}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=4, every=2, name="rl-dynamic", mode="dapo", max_new_tokens=8,
-                  stop=[" "], workers=2, extra=extra)
+                  stop=[" "], workers=2, gradient_step=True, extra=extra)
     rows = load_samples(job.data.path, job.data.image_root, job.seed)
 
     def even(row) -> bool:
@@ -964,7 +976,7 @@ def test_a_reward_judged_by_a_model_runs_as_its_own_serve_pool_and_trains_as_the
     from lt_opd_ray.sources.resolve import load_samples
 
     extra = f"reward: {{name: judge, judge: '{tiny_dirs['qwen3_5']}'}}\n"
-    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, n=4, prompts=2, name="rl-judge", mode="grpo", extra=extra)
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=1, n=4, prompts=2, name="rl-judge", mode="grpo", gradient_step=True, extra=extra)
     reference = reference_trajectory(job, 2)
     reports = reference.reports
     rows = load_samples("synthetic:4")

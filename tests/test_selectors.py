@@ -119,7 +119,9 @@ def test_every_selector_returns_k_sorted_distinct_indices(name):
 
 def test_random_selector_is_seeded():
     features = torch.zeros(64, 4)
-    pick = lambda seed: build_selector("random").select(SelectionInput(features, None, (8, 8), seed=seed), 5)
+    def pick(seed):
+        return build_selector("random").select(SelectionInput(features, None, (8, 8), seed=seed), 5)
+
     assert torch.equal(pick(1), pick(1))
     assert not torch.equal(pick(1), pick(2))
 

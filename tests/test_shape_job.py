@@ -2,18 +2,20 @@
 
 Real vocabulary (248,320), ~800-token full prompts (728 visual tokens), the 5% budget,
 responses of up to 1,024 tokens, top-100 supports, 2 ZeRO-3 learner ranks in token-budgeted
-micro-batches. The job samples n = 8 per prompt; the test samples 4, which halves its time
-(measured on 2 cores: 361 s for the update at n = 8, most of it sampling 16 x 1,024 tokens
-over the 248,320-way vocabulary) and changes no shape a sequence has.
+micro-batches. The job samples n = 8 per prompt; the test samples 4, which halves the sampling
+over the 248,320-way vocabulary (most of the update) and changes no shape a sequence has.
 """
 
 import pytest
 
 from lt_opd_ray.config.loading import load_job
+from lt_opd_ray.core.batch_order import batches
+from lt_opd_ray.core.curriculum import tokens_to_keep
 from lt_opd_ray.core.microbatch import Packer, Sequence
 from lt_opd_ray.core.wire import payload_bytes_per_position
 from lt_opd_ray.runtime.driver import Driver
 from lt_opd_ray.runtime.resources import check_resources
+from lt_opd_ray.sources.resolve import load_samples, resolve_model_dir
 
 
 @pytest.mark.slow
@@ -31,6 +33,16 @@ def test_one_update_of_the_paper_shaped_job(cluster, tmp_path):
         driver.shutdown()
     assert vocab == 248320
     assert log.sequences == 8 and 8 <= log.tokens <= 8 * 1024
+    # the 5% budget on 728 visual tokens a prompt: each sequence the learners trained is its prompt with 37 of them
+    # kept, then its response (the prompts encoded here, as update 0 drew them)
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+
+    assert log.budget_bps == 500 and tokens_to_keep(728, 500, job.budget.k_min) == 37
+    rows = next(batches(load_samples(job.data.path, job.data.image_root, job.seed), 2, job.data.shuffle_seed))
+    encoded = encode_samples(VLMProcessor.for_data(resolve_model_dir(job.model.path), job.data), rows, job.data.system_prompt)
+    assert [int((p.mm_token_type_ids == 1).sum()) for p in encoded] == [728, 728]
+    reduced = sum(p.input_ids.numel() - 728 + 37 for p in encoded)
+    assert sum(n for rank in log.sequence_lengths for lengths in rank for n in lengths) == 4 * reduced + log.tokens
     # the learners ran the packer's micro-batches on the lengths they logged (packed rows: each rank's 4 sequences of
     # ~1,090 tokens do not fit one 4,096-token micro-batch), and the ranks in lockstep: each rank as many passes as the
     # busiest, the difference zero-weighted fillers
@@ -38,10 +50,10 @@ def test_one_update_of_the_paper_shaped_job(cluster, tmp_path):
     counts, computed = [], 0
     for prompts in log.sequence_lengths:
         packer = Packer(job.pools.learner.micro_batch_tokens, packed=True)
-        batches = [batch for p, lengths in enumerate(prompts) for batch in packer.add([Sequence(i, p, n) for i, n in enumerate(lengths)])]
-        batches += packer.flush()
-        counts.append(len(batches))
-        computed += sum(batch.computed_tokens for batch in batches)
+        micro_batches = [batch for p, lengths in enumerate(prompts) for batch in packer.add([Sequence(i, p, n) for i, n in enumerate(lengths)])]
+        micro_batches += packer.flush()
+        counts.append(len(micro_batches))
+        computed += sum(batch.computed_tokens for batch in micro_batches)
     real = sum(n for prompts in log.sequence_lengths for lengths in prompts for n in lengths)
     assert computed == real and log.padding_share == 0.0  # packed rows compute the sequences' own tokens, no padding
     assert [sum(len(lengths) for lengths in prompts) for prompts in log.sequence_lengths] == [4, 4]

@@ -302,10 +302,11 @@ def sync_seconds(work: Work, shapes: Shapes, gpu: GPU, split: tuple[int, int, in
 
 
 def schedule_seconds(phases: dict[str, float], groups_per_update: int) -> dict[str, float]:
-    r, t, l, s = phases["rollout"], phases["teacher"], phases["learner"], phases["sync"]
-    slowest = max(r, t, l)
-    tail = (r + t + l - slowest) / groups_per_update  # the other pools' share of the last group
-    return {"synchronous": r + t + l + s, "streaming": slowest + tail + s, "staleness 1": slowest + s}
+    pools = phases["rollout"] + phases["teacher"] + phases["learner"]
+    slowest = max(phases["rollout"], phases["teacher"], phases["learner"])
+    tail = (pools - slowest) / groups_per_update  # the other pools' share of the last group
+    sync = phases["sync"]
+    return {"synchronous": pools + sync, "streaming": slowest + tail + sync, "staleness 1": slowest + sync}
 
 
 def plan(config: dict, shapes: Shapes, gpu: GPU, split: tuple[int, int, int], efficiency: dict) -> Plan:
