@@ -37,6 +37,7 @@ def pytest_report_header(config) -> str:
 
 def pytest_collection_modifyitems(config, items):
     group_the_shared_clusters_modules(items)
+    kept_runs_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
@@ -59,6 +60,17 @@ def group_the_shared_clusters_modules(items) -> None:
         first = items.index(shared[0])
         rest = [item for item in items if module_of(item) not in modules]
         items[:] = rest[:first] + shared + rest[first:]
+
+
+def kept_runs_first(items) -> None:
+    """In each module, the tests that take `kept` (directly or through a fixture) run first, in file order: a test
+    that does not take it stops the kept pools, so one between two that do makes the second start new ones."""
+    import itertools
+
+    ordered = []
+    for _, module_items in itertools.groupby(items, key=module_of):  # a module's tests stand together
+        ordered += sorted(module_items, key=lambda item: "kept" not in getattr(item, "fixturenames", ()))  # stable
+    items[:] = ordered
 
 
 def module_of(item) -> str:

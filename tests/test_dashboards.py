@@ -99,7 +99,8 @@ def scraped_run(tmp_path_factory, tiny_dirs):
     try:
         for _ in range(3):
             driver.run_step()
-        # each actor reports to the node's agent on its own schedule: wait until every series has been scraped
+        # each actor reports to the node's agent on its own schedule: wait until every panel's query, rate() windows
+        # included, returns data (what the test then checks)
         board = json.loads((REPO / "dashboards" / "lt_opd.json").read_text())
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -109,7 +110,6 @@ def scraped_run(tmp_path_factory, tiny_dirs):
             except OSError:
                 pass
             time.sleep(2)
-        time.sleep(3)  # a few more scrapes so that rate() windows hold two samples
         yield prom_port
     finally:
         driver.shutdown()

@@ -349,6 +349,8 @@ def test_the_ordering_report_weighs_each_step_against_its_standard_error():
     assert lines[3].startswith("- LT-OPD, no curriculum <= LT-OPD: difference -0.010")
     assert len(ordering_lines([r for r in rows if r["arm"] != "sft"], "cdpruner")) == 3  # a missing arm is skipped
     assert ordering_lines([rows[0], rows[4]], "cdpruner")[0].startswith("- untrained < LT-OPD: difference +0.290")
+    one_run = dict(rows[4], seeds=1)  # a trained arm from one run has no standard error: weighed by nothing
+    assert ordering_lines([rows[0], one_run], "cdpruner") == ["- untrained < LT-OPD: difference +0.290, one seed: not weighed"]
 
 
 def test_the_arms_the_paper_puts_below_lt_opd_are_weighed_against_their_standard_error():
@@ -368,6 +370,8 @@ def test_the_arms_the_paper_puts_below_lt_opd_are_weighed_against_their_standard
     assert [line.rsplit(": ", 1)[1] for line in below_lt_opd_lines(rows, "cdpruner")[-4:-1]] == ["not shown", "reversed", "shown"]
     assert below_lt_opd_lines(rows, "cdpruner")[-4].endswith("d = +0.125 ± 0.062 (SE): not shown")  # exactly 2 SE: not above it
     assert below_lt_opd_lines([r for r in rows if r["arm"] != "lt_opd"], "cdpruner") == []  # nothing to weigh against
+    rows[2]["seeds"] = 1  # GRPO from one run: no standard error, no verdict (its SE of 0 would make any d "shown")
+    assert below_lt_opd_lines(rows, "cdpruner")[-4] == "- GRPO (answer reward) < LT-OPD: d = +0.125, one seed: not weighed"
     assert below_lt_opd_lines(rows[:2], "cdpruner") == [] and below_lt_opd_lines(rows, "divprune") == []
 
 

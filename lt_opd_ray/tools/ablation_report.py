@@ -85,6 +85,15 @@ def kind_rows(results: dict) -> list[dict]:
     return rows
 
 
+def one_seed(*rows: dict) -> bool:
+    """A trained arm with one run has no standard error (the untrained student's is binomial): nothing to weigh."""
+    return any(r.get("seeds") == 1 for r in rows)
+
+
+def retain_cell(r: dict) -> str:
+    return f"{r['retain_mean']:.3f} (one seed)" if one_seed(r) else f"{r['retain_mean']:.3f} ± {r['retain_se']:.3f} ({r['retain_std']:.3f})"
+
+
 def ordering_lines(rows: list[dict], selector: str) -> list[str]:
     """Each step of the paper's ordering on `selector`: the difference of means, its standard error, and whether it holds."""
     by_arm = {r["arm"]: r for r in rows if r["evaluated_with"] == selector}
@@ -94,8 +103,11 @@ def ordering_lines(rows: list[dict], selector: str) -> list[str]:
         a, b = by_arm[lower], by_arm[upper]
         difference, se = b["retain_mean"] - a["retain_mean"], math.hypot(a["retain_se"], b["retain_se"])
         strict = (lower, upper) != ("lt_opd_no_curriculum", "lt_opd")  # the paper's last step is "<=" (81.5 vs 82.3)
-        verdict = "holds" if (difference > 2 * se if strict else difference > -2 * se) else "does not hold"
         relation = "<" if strict else "<="
+        if one_seed(a, b):
+            lines.append(f"- {LABELS[lower]} {relation} {LABELS[upper]}: difference {difference:+.3f}, one seed: not weighed")
+            continue
+        verdict = "holds" if (difference > 2 * se if strict else difference > -2 * se) else "does not hold"
         lines.append(f"- {LABELS[lower]} {relation} {LABELS[upper]}: difference {difference:+.3f} ± {se:.3f} (SE): {verdict}")
     return lines
 
@@ -113,6 +125,9 @@ def below_lt_opd_lines(rows: list[dict], selector: str) -> list[str]:
     lines = []
     for arm in (a for a in BELOW_LT_OPD if a in by_arm):
         d = by_arm["lt_opd"]["retain_mean"] - by_arm[arm]["retain_mean"]
+        if one_seed(by_arm["lt_opd"], by_arm[arm]):
+            lines.append(f"- {LABELS[arm]} < LT-OPD: d = {d:+.3f}, one seed: not weighed")
+            continue
         se = math.hypot(by_arm["lt_opd"]["retain_se"], by_arm[arm]["retain_se"])
         verdict = "shown" if d > 2 * se else "reversed" if d < -2 * se else "not shown"
         lines.append(f"- {LABELS[arm]} < LT-OPD: d = {d:+.3f} ± {se:.3f} (SE): {verdict}")
@@ -233,7 +248,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         "| arm | evaluated with | retain |",
         "|---|---|---|",
     ]
-    lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | {r['retain_mean']:.3f} ± {r['retain_se']:.3f} ({r['retain_std']:.3f}) |" for r in rows]
+    lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | {retain_cell(r)} |" for r in rows]
     ordered = rows
     if "teacher_by_kind" in results:
         ordered, kinds = kind_rows(results), list(results["teacher_by_kind"])
@@ -242,7 +257,7 @@ def write_report(results: dict, out_dir: Path) -> None:
                   + "), and its mean over the kinds, as the paper averages its benchmarks: mean ± SE over seeds (std in brackets).", "",
                   f"| arm | evaluated with | {' | '.join(kinds)} | mean over kinds |", "|---|---|" + "---|" * (len(kinds) + 1)]
         lines += [f"| {LABELS[r['arm']]} | {r['evaluated_with']} | " + " | ".join(f"{r['by_kind'][k]:.3f}" for k in kinds)
-                  + f" | {r['retain_mean']:.3f} ± {r['retain_se']:.3f} ({r['retain_std']:.3f}) |" for r in ordered]
+                  + f" | {retain_cell(r)} |" for r in ordered]
     lines += ["", f"The paper's ordering{' on the mean over kinds' if ordered is not rows else ''}, evaluated with {results['trained_with']}"
               " (a step holds when the difference exceeds 2 SE; the last, `<=`, when it is not below -2 SE):", ""]
     lines += ordering_lines(ordered, results["trained_with"])
