@@ -105,7 +105,8 @@ def cluster(request, metrics_port):
         assert not ray.is_initialized(), "an earlier test left a Ray session of its own in this process"
         os.environ.update(WORKER_ENV)
         tests = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+        pool_nodes = {"lt_opd_rollout": 1, "lt_opd_teacher": 1, "lt_opd_learner": 1}  # every pool's node_resource: the dashboard's panels read them
+        ray.init(address="local", num_cpus=8, resources=pool_nodes, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}}, _metrics_export_port=metrics_port)
         SHARED_CLUSTER["running"] = True
     yield ray.get_runtime_context().gcs_address
@@ -265,11 +266,12 @@ def job_for(model_dir, ckpt_dir, ranks=2, zero_stage=2, workers=1, every=100, to
             kl_coef=0.0, packing=True, gradient_step=False):
     """A small distributed job on a tiny model: `prompts` (2) x `n` (2) responses per update, `images` per row (or the
     rows `data` names, a data.path); `extra` is appended YAML. `gradient_step`: every learning rate and AdamW's eps at
-    1, so that the first step moves each weight by g / (|g| + 1), the gradient entry itself to within its square: an
-    equality test then reads update 0's gradient off the weights entry by entry (test_runtime's `assert_reproduces`)."""
+    1 and no weight decay, so that the first step moves each weight by g / (|g| + 1), the gradient entry itself to
+    within its square, and every step by about the gradient: an equality test then reads update 0's gradient off the
+    weights entry by entry, and the run's movement is its gradients' (test_runtime's `assert_reproduces`)."""
     from lt_opd_ray.config.loading import parse_job
 
-    rates = ("{language_model: 1.0, vision_encoder: 1.0, merger: 1.0, token_merge: 1.0}, eps: 1.0" if gradient_step
+    rates = ("{language_model: 1.0, vision_encoder: 1.0, merger: 1.0, token_merge: 1.0}, eps: 1.0, weight_decay: 0.0" if gradient_step
              else "{language_model: 1.0e-3, vision_encoder: 5.0e-4, merger: 1.0e-3}")
 
     return parse_job(

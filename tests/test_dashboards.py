@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -14,7 +13,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,22 +68,19 @@ def prometheus_query(port: int, expr: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def scraped_run(tmp_path_factory, tiny_dirs):
-    """A tiny distributed run with its Ray node scraped every second by a real Prometheus."""
+def scraped_run(cluster, metrics_port, tmp_path_factory, tiny_dirs):
+    """A tiny distributed run on the shared cluster (one node advertising every pool's node_resource), its Ray
+    metrics scraped every second by a real Prometheus."""
     from conftest import job_for
     from test_benchmarks import fixture
 
     from lt_opd_ray.runtime.driver import Driver
-    from lt_opd_ray.runtime.launch import WORKER_ENV
     from lt_opd_ray.runtime.learner_group import free_port
 
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed: scripts/setup.sh installs Debian's package"
     tmp = tmp_path_factory.mktemp("prom")
-    metrics_port, prom_port = free_port(), free_port()
-    os.environ.update(WORKER_ENV)
-    pool_nodes = {"lt_opd_rollout": 1, "lt_opd_teacher": 1, "lt_opd_learner": 1}  # one node advertising every pool's node_resource
-    ray.init(num_cpus=6, resources=pool_nodes, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}, _metrics_export_port=metrics_port)
+    prom_port = free_port()
     config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     server = subprocess.Popen(
@@ -115,10 +110,6 @@ def scraped_run(tmp_path_factory, tiny_dirs):
         driver.shutdown()
         server.terminate()
         server.wait(timeout=30)
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
 
 
 def panels_without_data(port: int, board: dict) -> list[str]:

@@ -282,6 +282,8 @@ def test_each_arm_is_a_share_of_the_gap_the_oracle_bound_recovers():
     assert lines[-2:] == ["- LT-OPD: +31%", "- GRPO (answer reward): -10%"]  # 0.125 / 0.4, -0.04 / 0.4
     results["runs"][1]["final"]["cdpruner"] = 0.4  # the oracle no better than the untrained student: no shares
     assert gap_share_lines(retain_rows(results), "cdpruner")[-1].startswith("SFT on the true labels (oracle) is not above the untrained")
+    results["runs"][1]["final"]["cdpruner"] = 0.72
+    assert "(one seed, the gap not weighed)" in gap_share_lines(retain_rows(results), "cdpruner")[1]  # one run each: no SE
     results["runs"] = results["runs"][:1] + results["runs"][2:]
     assert gap_share_lines(retain_rows(results), "cdpruner") == []  # no oracle, no share
 
