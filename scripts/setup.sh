@@ -19,6 +19,9 @@ dependencies=$(python3 -c 'import json, tomllib; p = tomllib.load(open("pyprojec
 key=$(printf '%s\n' "$dependencies" | cat - scripts/setup.sh "$constraints" | sha256sum | cut -c1-16)
 venv="${LT_OPD_VENV_CACHE:-$HOME/.cache/lt-opd-ray/venvs}/$key"
 
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9  # setups at once (two checkouts, a test's own) build one environment in turn, never into each other
 if [ ! -f "$venv/.complete" ]; then
   echo "setup: building environment $venv"
   rm -rf "$venv"
@@ -38,6 +41,7 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" install -q -c "$constraints" -r "$venv/vllm-requirements.txt"
   touch "$venv/.complete"
 fi
+flock -u 9
 
 # Prometheus (Debian's package) for the dashboard tests, which scrape a real run.
 if ! command -v prometheus >/dev/null 2>&1; then
