@@ -14,6 +14,7 @@ from conftest import wait_until
 
 from lt_opd_ray.runtime.run_lock import STALE_S, RunLock, RunLockedError
 
+
 def running_its_command(process: subprocess.Popen) -> bool:
     """The child has exec'd its own command line (the lock recognises a Ray process by it), not still the fork of pytest."""
     return b"time.sleep(120)" in Path(f"/proc/{process.pid}/cmdline").read_bytes()
