@@ -140,3 +140,27 @@ def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, mon
     monkeypatch.setattr(run_lock, "time", AnotherHostWritesMeanwhile())
     with pytest.raises(RunLockedError, match=r"\(lt-opd train racer, pid 7 on elsewhere"):
         RemoteLease.acquire(host("host-b"), "loser")
+
+
+def test_a_killed_process_runs_until_its_last_thread_has_closed_its_ports():
+    """A process's first thread can exit (turn zombie) while another still holds its sockets, as when SIGKILL takes a
+    Ray agent's threads down one by one: the take-over waits until no thread runs, so the port it frees is free."""
+    from lt_opd_ray.runtime.run_lock import _runs
+
+    first_thread_exits = ("import ctypes, socket, threading, time; listener = socket.create_server(('127.0.0.1', 0));"
+                          " print(listener.getsockname()[1], flush=True); threading.Thread(target=time.sleep, args=(120,)).start();"
+                          " ctypes.CDLL(None).pthread_exit(None)")
+    process = subprocess.Popen([sys.executable, "-c", first_thread_exits], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(process.stdout.readline())
+        state = lambda: Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+        assert wait_until(lambda: state() == "Z")  # its first thread gone, its second holding the port
+        assert _runs(process.pid)
+        with pytest.raises(OSError), socket.create_server(("127.0.0.1", port)):
+            pass
+        process.kill()
+        assert wait_until(lambda: not _runs(process.pid))
+        socket.create_server(("127.0.0.1", port)).close()
+    finally:
+        process.kill()
+        process.wait()

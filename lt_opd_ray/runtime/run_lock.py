@@ -49,11 +49,20 @@ def _start_time(pid: int) -> str | None:
 
 
 def _runs(pid: int) -> bool:
-    """The process exists and has not exited (a zombie, exited and not yet reaped by its parent, holds no port)."""
+    """One of the process's threads has not exited. A zombie (exited, not yet reaped) holds no port, but a killed
+    process's first thread turns zombie while the others still unwind, and the last of them closes its files (its
+    ports): each thread is read."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return False
+    for thread in threads:
+        try:
+            if Path(f"/proc/{pid}/task/{thread}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except (OSError, IndexError):
+            continue  # exited since it was listed
+    return False
 
 
 def _alive(pid: int, started: str | None) -> bool:
