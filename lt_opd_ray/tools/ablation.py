@@ -469,6 +469,6 @@ def save_results(results: dict, out_dir: Path, begin: float) -> None:
     """results.json (replaced atomically), the tables and the curves, for the runs finished so far."""
     results["seconds"] = time.perf_counter() - begin
     staging = out_dir / "results.json.tmp"
-    staging.write_text(json.dumps(results, indent=1))
+    staging.write_text(json.dumps(results, separators=(",", ":")))  # compact: a study's curves run to 40 KB a run
     staging.replace(out_dir / "results.json")
     write_report(results, out_dir)
