@@ -142,25 +142,41 @@ def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, mon
         RemoteLease.acquire(host("host-b"), "loser")
 
 
-def test_a_killed_process_runs_until_its_last_thread_has_closed_its_ports():
-    """A process's first thread can exit (turn zombie) while another still holds its sockets, as when SIGKILL takes a
-    Ray agent's threads down one by one: the take-over waits until no thread runs, so the port it frees is free."""
-    from lt_opd_ray.runtime.run_lock import _runs
+def test_a_recorded_process_still_exiting_is_waited_for_until_its_last_thread_closes_its_port(tmp_path):
+    """A run that takes over a moment after the kill finds the dead cluster's processes exiting: the first thread of
+    each a zombie, its command line and files no longer readable (nothing proves it is the cluster's), while its other
+    threads unwind and the last one closes its sockets. The take-over waits for such a process without a warning, and
+    returns once its port is free."""
+    import warnings
 
-    first_thread_exits = ("import ctypes, socket, threading, time; listener = socket.create_server(('127.0.0.1', 0));"
-                          " print(listener.getsockname()[1], flush=True); threading.Thread(target=time.sleep, args=(120,)).start();"
-                          " ctypes.CDLL(None).pthread_exit(None)")
-    process = subprocess.Popen([sys.executable, "-c", first_thread_exits], stdout=subprocess.PIPE, text=True)
+    from lt_opd_ray.runtime.run_lock import _start_time
+
+    folder = tmp_path / "run"
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    session = tmp_path / "ray" / f"session_2026-12-07_00-20-00_000000_{dead_pid}"
+    session.mkdir(parents=True)
+    # the first thread exits at once; the second holds the port until told, then a second more (exit_group: all closed)
+    exits_last = ("import ctypes, os, socket, sys, threading, time; listener = socket.create_server(('127.0.0.1', 0));"
+                  " print(listener.getsockname()[1], flush=True);"
+                  " threading.Thread(target=lambda: (sys.stdin.readline(), time.sleep(1.0), os._exit(0))).start();"
+                  " ctypes.CDLL(None).pthread_exit(None)")
+    process = subprocess.Popen([sys.executable, "-c", exits_last], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(process.stdout.readline())
         state = lambda: Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
         assert wait_until(lambda: state() == "Z")  # its first thread gone, its second holding the port
-        assert _runs(process.pid)
-        with pytest.raises(OSError), socket.create_server(("127.0.0.1", port)):
-            pass
-        process.kill()
-        assert wait_until(lambda: not _runs(process.pid))
-        socket.create_server(("127.0.0.1", port)).close()
+        assert Path(f"/proc/{process.pid}/cmdline").read_bytes() == b""  # nothing left to prove whose it is
+        record = {"host": socket.gethostname(), "pid": dead_pid, "started": "0", "ray_session": str(session),
+                  "ray_processes": [[process.pid, _start_time(process.pid)]]}
+        (tmp_path / ".run.lock").write_text(json.dumps(record))
+        process.stdin.write("end\n")
+        process.stdin.flush()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            RunLock.acquire(folder, "resume").release()
+        socket.create_server(("127.0.0.1", port)).close()  # free the moment the take-over returns
+        assert not warned, [str(w.message) for w in warned]
+        assert process.wait(timeout=10) == 0
     finally:
         process.kill()
         process.wait()

@@ -65,6 +65,16 @@ def _runs(pid: int) -> bool:
     return False
 
 
+def _exiting(pid: int) -> bool:
+    """The process is ending: its first thread has exited (a zombie), or its memory is released (an empty command
+    line, which a running user process never has)."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+                or Path(f"/proc/{pid}/cmdline").read_bytes() == b"")
+    except (OSError, IndexError):
+        return False
+
+
 def _alive(pid: int, started: str | None) -> bool:
     if started is not None and Path("/proc").is_dir():
         return _start_time(pid) == started
@@ -131,18 +141,21 @@ class RunLock:
 
     def _stop_ray_of(self, held: dict) -> None:
         """The dead driver's local Ray cluster: each recorded process that proves it is that cluster's (see the
-        module) is SIGKILLed, and waited for, so its ports are free for this run."""
+        module) is SIGKILLed, and waited for, so its ports are free for this run. A recorded process already exiting
+        (its node processes die with the driver) proves nothing, its command line and files gone: it is waited for."""
         session = held.get("ray_session")
         if not isinstance(session, str) or not Path(session).name.startswith("session_") or not session.endswith(f"_{held.get('pid')}"):
             session = None  # not a session folder the dead holder started: no process can prove it belongs to it
         elif _runs(held["pid"]) or not _owned_by_me(self.path) or not _owned_by_me(Path(session)):
             session = None  # its driver lives (a lock claiming otherwise lies), or the lock or the session is another user's
-        alive = []
+        alive, exiting = [], []
         for entry in held.get("ray_processes") or []:
             pid, started = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
             if not isinstance(pid, int) or _start_time(pid) != started:
                 continue  # gone, or the pid now runs another process
-            if session is not None and _in_session(pid, session):
+            if _exiting(pid):
+                exiting.append(pid)
+            elif session is not None and _in_session(pid, session):
                 alive.append(pid)
             else:
                 warnings.warn(f"{self.path} names pid {pid}, which is not a process of the dead run's Ray cluster "
@@ -153,7 +166,7 @@ class RunLock:
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + 10.0
-        while any(_runs(pid) for pid in alive) and time.monotonic() < deadline:
+        while any(_runs(pid) for pid in alive + exiting) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def record_ray(self) -> None:
