@@ -33,6 +33,7 @@ def test_a_live_holder_is_named_and_a_dead_one_is_taken_over(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     lock = RunLock.acquire(folder, "after the kill")  # same host, the pid gone: taken over at once
     assert json.loads(lock.path.read_text())["pid"] == os.getpid()
     lock.release()
@@ -53,7 +54,8 @@ def test_taking_over_stops_the_dead_drivers_ray_processes_and_only_those(tmp_pat
     (session / "logs").mkdir(parents=True)
     sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
     node_process = subprocess.Popen([*sleep, f"--session-dir={session}"])  # as gcs_server, raylet, log_monitor
-    agent = subprocess.Popen(sleep, stdout=open(session / "logs" / "raylet.out", "w"))  # as the dashboard agent
+    with open(session / "logs" / "raylet.out", "w") as log:
+        agent = subprocess.Popen(sleep, stdout=log)  # as the dashboard agent: its log open, its command line its own
     unrelated = subprocess.Popen(sleep)  # the user's own process, named by the lock
     reused = subprocess.Popen([*sleep, f"--session-dir={session}"])  # its pid recorded with another start time
     processes = (node_process, agent, unrelated, reused)
@@ -142,13 +144,15 @@ def test_a_uri_folder_is_held_across_hosts_by_a_lease_in_the_store(tmp_path, mon
         RemoteLease.acquire(host("host-b"), "loser")
 
 
-def test_a_recorded_process_still_exiting_is_waited_for_until_its_last_thread_closes_its_port(tmp_path):
+def test_a_recorded_process_still_exiting_is_waited_for_until_its_last_thread_closes_its_port(tmp_path, monkeypatch):
     """A run that takes over a moment after the kill finds the dead cluster's processes exiting: the first thread of
     each a zombie, its command line and files no longer readable (nothing proves it is the cluster's), while its other
-    threads unwind and the last one closes its sockets. The take-over waits for such a process without a warning, and
-    returns once its port is free."""
+    threads unwind and the last one closes its sockets. Where the lock and its session are trusted, the take-over waits
+    for such a process without a warning and returns once its port is free; a lock whose session the dead driver did
+    not start (planted) gets a warning and no wait."""
     import warnings
 
+    from lt_opd_ray.runtime import run_lock
     from lt_opd_ray.runtime.run_lock import _start_time
 
     folder = tmp_path / "run"
@@ -160,23 +164,41 @@ def test_a_recorded_process_still_exiting_is_waited_for_until_its_last_thread_cl
                   " print(listener.getsockname()[1], flush=True);"
                   " threading.Thread(target=lambda: (sys.stdin.readline(), time.sleep(1.0), os._exit(0))).start();"
                   " ctypes.CDLL(None).pthread_exit(None)")
-    process = subprocess.Popen([sys.executable, "-c", exits_last], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(process.stdout.readline())
-        state = lambda: Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
-        assert wait_until(lambda: state() == "Z")  # its first thread gone, its second holding the port
-        assert Path(f"/proc/{process.pid}/cmdline").read_bytes() == b""  # nothing left to prove whose it is
-        record = {"host": socket.gethostname(), "pid": dead_pid, "started": "0", "ray_session": str(session),
+
+    def take_over(session_folder: Path) -> list[str]:
+        record = {"host": socket.gethostname(), "pid": dead_pid, "started": "0", "ray_session": str(session_folder),
                   "ray_processes": [[process.pid, _start_time(process.pid)]]}
         (tmp_path / ".run.lock").write_text(json.dumps(record))
-        process.stdin.write("end\n")
-        process.stdin.flush()
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             RunLock.acquire(folder, "resume").release()
-        socket.create_server(("127.0.0.1", port)).close()  # free the moment the take-over returns
-        assert not warned, [str(w.message) for w in warned]
-        assert process.wait(timeout=10) == 0
-    finally:
-        process.kill()
-        process.wait()
+        return [str(w.message) for w in warned]
+
+    with subprocess.Popen([sys.executable, "-c", exits_last], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            port = int(process.stdout.readline())
+            state = lambda: Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+            assert wait_until(lambda: state() == "Z")  # its first thread gone, its second holding the port
+            assert Path(f"/proc/{process.pid}/cmdline").read_bytes() == b""  # nothing left to prove whose it is
+            planted = session.with_name(f"session_2026-12-07_00-20-00_000000_{os.getpid()}")
+            assert take_over(planted) == [f"{tmp_path / '.run.lock'} names pid {process.pid}, which is not a process of the"
+                                          f" dead run's Ray cluster (session not recorded): left running"]
+            first_answer = []
+            runs = run_lock._runs
+
+            def runs_then_let_it_end(pid: int) -> bool:
+                """The wait's own check; its first on the process tells it to end (in a second)."""
+                answer = runs(pid)
+                if pid == process.pid and not first_answer:
+                    first_answer.append(answer)
+                    process.stdin.write("end\n")
+                    process.stdin.flush()
+                return answer
+
+            monkeypatch.setattr(run_lock, "_runs", runs_then_let_it_end)
+            assert take_over(session) == []
+            assert first_answer == [True]  # the wait began while its last thread held the port
+            socket.create_server(("127.0.0.1", port)).close()  # free the moment the take-over returns
+            assert process.wait(timeout=10) == 0
+        finally:
+            process.kill()

@@ -34,6 +34,7 @@ from pathlib import Path
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # six missed heartbeats
 RACE_S = 2.0  # a lease written to a store is read back after this long
+STOP_WAIT_S = 10.0  # a dead run's Ray processes, SIGKILLed, are waited for this long at most
 
 
 class RunLockedError(RuntimeError):
@@ -66,12 +67,15 @@ def _runs(pid: int) -> bool:
 
 
 def _exiting(pid: int) -> bool:
-    """The process is ending: its first thread has exited (a zombie), or its memory is released (an empty command
-    line, which a running user process never has)."""
+    """A process of this user that is ending: its first thread has exited (a zombie), or its memory is released (an
+    empty command line, which a running user process never has; kernel threads, which always have one, are not)."""
+    PF_KTHREAD = 0x00200000
     try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-                or Path(f"/proc/{pid}/cmdline").read_bytes() == b"")
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields[0] is stat's 3rd, the state
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid() or int(fields[6]) & PF_KTHREAD:
+            return False
+        return fields[0] in ("Z", "X") or Path(f"/proc/{pid}/cmdline").read_bytes() == b""
+    except (OSError, IndexError, ValueError):
         return False
 
 
@@ -141,22 +145,23 @@ class RunLock:
 
     def _stop_ray_of(self, held: dict) -> None:
         """The dead driver's local Ray cluster: each recorded process that proves it is that cluster's (see the
-        module) is SIGKILLed, and waited for, so its ports are free for this run. A recorded process already exiting
-        (its node processes die with the driver) proves nothing, its command line and files gone: it is waited for."""
+        module) is SIGKILLed, and waited for, so its ports are free for this run. A recorded process of this user
+        already exiting (the node processes die with the driver) can no longer prove it, its command line and files
+        gone: where the lock and session are trusted, it is waited for, not signalled."""
         session = held.get("ray_session")
         if not isinstance(session, str) or not Path(session).name.startswith("session_") or not session.endswith(f"_{held.get('pid')}"):
             session = None  # not a session folder the dead holder started: no process can prove it belongs to it
         elif _runs(held["pid"]) or not _owned_by_me(self.path) or not _owned_by_me(Path(session)):
             session = None  # its driver lives (a lock claiming otherwise lies), or the lock or the session is another user's
-        alive, exiting = [], []
+        alive, exiting = {}, {}
         for entry in held.get("ray_processes") or []:
             pid, started = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
-            if not isinstance(pid, int) or _start_time(pid) != started:
+            if not isinstance(pid, int) or not isinstance(started, str) or _start_time(pid) != started:
                 continue  # gone, or the pid now runs another process
-            if _exiting(pid):
-                exiting.append(pid)
+            if session is not None and _exiting(pid):
+                exiting[pid] = started
             elif session is not None and _in_session(pid, session):
-                alive.append(pid)
+                alive[pid] = started
             else:
                 warnings.warn(f"{self.path} names pid {pid}, which is not a process of the dead run's Ray cluster "
                               f"(session {session or 'not recorded'}): left running", stacklevel=2)
@@ -165,9 +170,14 @@ class RunLock:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.monotonic() + 10.0
-        while any(_runs(pid) for pid in alive + exiting) and time.monotonic() < deadline:
+        waited = {**alive, **exiting}
+        running = lambda: [pid for pid, started in waited.items() if _start_time(pid) == started and _runs(pid)]  # noqa: E731
+        deadline = time.monotonic() + STOP_WAIT_S
+        while running() and time.monotonic() < deadline:
             time.sleep(0.1)
+        if still := running():
+            warnings.warn(f"the dead run's Ray processes {still} (session {session}) still run {STOP_WAIT_S:.0f} s after"
+                          " SIGKILL: a port they hold stays taken until they end", stacklevel=2)
 
     def record_ray(self) -> None:
         """Add this process's local Ray cluster to the lock, for a successor: the node's processes (GCS, raylet,
