@@ -801,9 +801,9 @@ def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_sto
     """Serve's autoscaling on the teacher (the main job grows 2 -> 4 replicas), with every step forced: replica A
     admits two requests (max_batch_size 1: two slots), whose groups are held back, and the third waits at the handle;
     three ongoing against a target of two per replica brings up B, which admits the third. One answer brings the
-    load to two, one replica's worth: Serve stops the newest replica, B, while it still holds the third request. B
-    drains it (answered once its group is let through, before B is gone), nothing is lost: every answer equals the
-    remaining replica's answer to the same group, bit for bit."""
+    load to two, one replica's worth: Serve stops the newest replica, B (by its actor's name), while it still holds
+    the third request. B drains it (answered once its group is let through, before B is gone), nothing is lost: every
+    answer equals the remaining replica's, A's, answer to the same group, bit for bit."""
     import threading
 
     from ray import serve
@@ -828,8 +828,13 @@ def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_sto
             assert time.monotonic() < deadline, f"{what}: {states()}"
             time.sleep(0.1)
 
+    def replicas() -> set[str]:
+        """The teacher's live replica actors, by name (Serve's `SERVE_REPLICA::<app>#<deployment>#<id>`)."""
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"SERVE_REPLICA::{service.app_name}#")}
+
     try:
         service.wait_ready()
+        (a,) = replicas()
         groups = pool.submit(samples, 2500, 0, [(0, 3)], 1)
         gates = [Gate.remote() for _ in groups]
         held = [held_back.remote(g.group, gate) for g, gate in zip(groups, gates)]
@@ -839,16 +844,18 @@ def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_sto
         asking.start()  # admitted only when a replica has a free slot
         wait_for(lambda: service.replicas() == 2 and third, "a second replica admitting the third request")
         asking.join()
+        (b,) = replicas() - {a}
         answers += third
         assert all(ray.wait([a], timeout=0)[0] == [] for a in answers)  # all three held
         ray.get(gates[0].open.remote())
         ray.get(answers[0])
         wait_for(lambda: states().get("STOPPING", 0) == 1, "the newest replica stopping")
-        assert ray.wait([answers[2]], timeout=0)[0] == []  # B still holds the third request as it stops
+        assert ray.wait([answers[2]], timeout=0)[0] == [] and replicas() == {a, b}  # B still holds the third request as it stops
         ray.get(gates[2].open.remote())
         ray.get(gates[1].open.remote())
         payloads = ray.get(answers, timeout=120)
         wait_for(lambda: service.replicas() == 1 and not states().get("STOPPING"), "back to one replica")
+        assert replicas() == {a}  # the one stopped was B
         again = ray.get(service.async_score(samples, groups), timeout=120)  # the remaining replica, every group
         vocab = job_vocab(tiny_dirs["qwen3_5"])
         for payload, repeat, group in zip(payloads, again, ray.get([g.group for g in groups])):
