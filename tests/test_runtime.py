@@ -834,7 +834,7 @@ def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_sto
 
     try:
         service.wait_ready()
-        (a,) = replicas()
+        (replica_a,) = replicas()
         groups = pool.submit(samples, 2500, 0, [(0, 3)], 1)
         gates = [Gate.remote() for _ in groups]
         held = [held_back.remote(g.group, gate) for g, gate in zip(groups, gates)]
@@ -844,18 +844,18 @@ def test_the_teacher_scales_up_under_held_requests_and_drains_the_replica_it_sto
         asking.start()  # admitted only when a replica has a free slot
         wait_for(lambda: service.replicas() == 2 and third, "a second replica admitting the third request")
         asking.join()
-        (b,) = replicas() - {a}
+        (replica_b,) = replicas() - {replica_a}
         answers += third
         assert all(ray.wait([a], timeout=0)[0] == [] for a in answers)  # all three held
         ray.get(gates[0].open.remote())
         ray.get(answers[0])
         wait_for(lambda: states().get("STOPPING", 0) == 1, "the newest replica stopping")
-        assert ray.wait([answers[2]], timeout=0)[0] == [] and replicas() == {a, b}  # B still holds the third request as it stops
+        assert ray.wait([answers[2]], timeout=0)[0] == [] and replicas() == {replica_a, replica_b}  # B still holds the third request as it stops
         ray.get(gates[2].open.remote())
         ray.get(gates[1].open.remote())
         payloads = ray.get(answers, timeout=120)
         wait_for(lambda: service.replicas() == 1 and not states().get("STOPPING"), "back to one replica")
-        assert replicas() == {a}  # the one stopped was B
+        assert replicas() == {replica_a}  # the one stopped was B
         again = ray.get(service.async_score(samples, groups), timeout=120)  # the remaining replica, every group
         vocab = job_vocab(tiny_dirs["qwen3_5"])
         for payload, repeat, group in zip(payloads, again, ray.get([g.group for g in groups])):

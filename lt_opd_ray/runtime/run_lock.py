@@ -41,10 +41,16 @@ class RunLockedError(RuntimeError):
     """Another live run holds the folder."""
 
 
+def _stat(path: str | Path) -> list[str]:
+    """A /proc `stat` file's fields after the command name: [0] the state, [1] the parent, [6] the flags, [19] the
+    start time (OSError where it cannot be read)."""
+    return Path(path).read_text().rsplit(")", 1)[1].split()
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), None where it does not run or cannot be read."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return _stat(f"/proc/{pid}/stat")[19]
     except (OSError, IndexError):
         return None
 
@@ -59,7 +65,7 @@ def _runs(pid: int) -> bool:
         return False
     for thread in threads:
         try:
-            if Path(f"/proc/{pid}/task/{thread}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            if _stat(f"/proc/{pid}/task/{thread}/stat")[0] not in ("Z", "X"):
                 return True
         except (OSError, IndexError):
             continue  # exited since it was listed
@@ -71,7 +77,7 @@ def _exiting(pid: int) -> bool:
     empty command line, which a running user process never has; kernel threads, which always have one, are not)."""
     PF_KTHREAD = 0x00200000
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields[0] is stat's 3rd, the state
+        fields = _stat(f"/proc/{pid}/stat")
         if os.stat(f"/proc/{pid}").st_uid != os.getuid() or int(fields[6]) & PF_KTHREAD:
             return False
         return fields[0] in ("Z", "X") or Path(f"/proc/{pid}/cmdline").read_bytes() == b""
@@ -323,7 +329,7 @@ def _children(parents: list[int]) -> list[int]:
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in parents:
+            if int(_stat(entry / "stat")[1]) in parents:
                 found.append(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
