@@ -83,16 +83,16 @@ class ReferenceTrainer:
         return encode_samples(self.processor, samples, self.job.data.system_prompt)
 
     @staticmethod
-    def policy_inputs(rollouts, on_policy: bool) -> PolicyInputs:
+    def policy_inputs(rollouts, on_policy: bool, scale: bool = True) -> PolicyInputs:
         """The RL baselines' advantages, each prompt's rollouts as one group (sampled by the weights being updated, or
-        by the lagged copy a version behind)."""
+        by the lagged copy a version behind); `scale`: divided by each group's spread (objective.scale_advantages)."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rollouts):
             groups.setdefault(r.prompt_index, []).append(i)
         advantages = torch.zeros(len(rollouts))
         old_logp: list[torch.Tensor | None] = [None] * len(rollouts)
         for members in groups.values():
-            inputs = group_policy_inputs([rollouts[i] for i in members], on_policy)
+            inputs = group_policy_inputs([rollouts[i] for i in members], on_policy, scale)
             advantages[members] = inputs.advantages
             for i, old in zip(members, inputs.old_logp):
                 old_logp[i] = old
@@ -157,7 +157,8 @@ class ReferenceTrainer:
                 self.teacher, prompts, rollouts, self.job.objective.top_k, self.job.objective.logsoftmax_chunk,
                 self.job.pools.teacher.micro_batch_tokens, packed=self.job.pools.teacher.packing,
             ) if self.job.objective.teacher_scores else None  # the cross-entropy modes and the RL baselines ask no teacher
-            policy = self.policy_inputs(rollouts, on_policy=self.lagged is None or c == 0) if self.job.objective.policy_gradient else None
+            on_policy = self.lagged is None or c == 0
+            policy = self.policy_inputs(rollouts, on_policy, self.job.objective.scale_advantages) if self.job.objective.policy_gradient else None
         if self.lagged is not None:
             self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
         steps = self.job.optimizer.steps_per_update

@@ -165,6 +165,10 @@ def test_not_yaml_and_not_a_mapping():
     ("eval: {data: 'synthetic:4@8x8'}", "eval.data", "sides of at least 32 pixels"),
     ("objective: {clip_high: 0.3}", "objective", "objective.clip_high is the RL baselines' (grpo, dapo, gspo); objective.mode lt_opd"),
     ("objective: {mode: grpo, clip_low: 1.5}", "objective.clip_low", "less than 1"),
+    ("objective: {scale_advantages: false}", "objective", "objective.scale_advantages is the RL baselines'"),
+    ("objective: {mode: dapo, importance: prefix}\nreward: {name: format}", "objective",
+     "objective.importance weighs the distillation modes' divergence; objective.mode dapo corrects for rollouts of older weights by its clipped ratio"),
+    ("objective: {mode: gspo, importance_clip: 5.0}\nreward: {name: format}", "objective", "objective.importance_clip weighs"),
 ])
 def test_values_that_would_fail_later_are_refused_by_validate(extra, where, reason):
     problems, _ = problems_of(MINIMAL + extra + "\n")

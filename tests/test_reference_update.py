@@ -360,6 +360,8 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
                 r.old_logp = r.old_logp + 0.3 * torch.randn(r.old_logp.shape, generator=torch.Generator().manual_seed(r.response_ids.numel()))
         policy = ReferenceTrainer.policy_inputs(rollouts, on_policy)
         torch.testing.assert_close(policy.advantages, expected, rtol=1e-6, atol=1e-6)
+        centred = ReferenceTrainer.policy_inputs(rollouts, on_policy, scale=False).advantages  # Dr. GRPO's: not divided
+        torch.testing.assert_close(centred, torch.tensor([v - statistics.fmean(g) for g in by_prompt for v in g]), rtol=1e-6, atol=1e-6)
         scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16, 4096) if kl_coef else None
         loss, stats = student_loss(trainer.student, prompts, rollouts, scores, job.objective, policy=policy)
         (grad,) = torch.autograd.grad(loss, lm_head)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lt_opd_ray.core.samples import Sample
-from lt_opd_ray.evals.rewards import BUILT_IN, RewardError, checked_rewards, load_reward, row_problems
+from lt_opd_ray.evals.rewards import BUILT_IN, JobReward, RewardError, checked_rewards, load_reward, row_problems
 
 
 def rows(*answers):
@@ -27,6 +27,16 @@ def test_each_built_in_reward_on_responses_written_by_hand(name, answers, respon
     assert checked_rewards(name, load_reward(name), rows(*answers), responses) == expected
 
 
+def test_dapos_overlong_punishment_falls_linearly_over_the_buffer_to_minus_one_at_the_longest_response():
+    """DAPO's soft overlong punishment at max_new_tokens 16 and a buffer of 4: nothing up to 12 tokens, then a
+    quarter less per token, -1 at 16 (the longest a response can be), added to the reward."""
+    reward = JobReward("format", overlong_buffer=4, max_new_tokens=16)
+    lengths = [1, 12, 13, 14, 15, 16]
+    assert reward(rows(*"abcdef"), ["<answer>x</answer>"] * 6, lengths) == [1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert reward(rows("a", "b"), ["x", "x"], [12, 14]) == [0.0, -0.5]
+    assert JobReward("format", overlong_buffer=0, max_new_tokens=16)(rows("a"), ["x"], [16]) == [0.0]  # no buffer: none
+
+
 def test_a_users_own_reward_is_named_as_module_and_function(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text("import numpy as np\ndef length(samples, responses):\n"
                                             "    return [np.float32(len(r)) for r in responses]\nnot_callable = 3\n")
@@ -42,7 +52,7 @@ def test_a_users_own_reward_is_named_as_module_and_function(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ([1.0], "reward r: 1 values for 2 responses"),
+    ([1.0], r"reward r: 1 values for 2 responses \(rows row-0, row-1\)"),
     ([1.0, float("nan")], r"reward r: response 1 \(row row-1\) got nan, not a finite number"),
     ([1.0, "1"], r"reward r: response 1 \(row row-1\) got '1', not a finite number"),
     ([np.inf, 0.0], r"reward r: response 0 \(row row-0\) got inf"),

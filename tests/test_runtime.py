@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from contextlib import contextmanager
@@ -897,8 +898,9 @@ def test_the_baselines_modes_reproduce_the_reference(cluster, kept, tiny_dirs, t
     assert relative_distance(run.weights[-1], reference.weights[-1]) <= 1e-4
 
 
-@pytest.mark.parametrize(("mode", "staleness", "steps", "kl_coef"), [("grpo", 0, 1, 0.5), ("dapo", 0, 2, 0.0), ("gspo", 1, 1, 0.0)])
-def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path, mode, staleness, steps, kl_coef):
+@pytest.mark.parametrize(("mode", "staleness", "steps", "kl_coef", "scaled"), [("grpo", 0, 1, 0.5, True), ("dapo", 0, 2, 0.0, False),
+                                                                         ("gspo", 1, 1, 0.0, True)])
+def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny_dirs, tmp_path, mode, staleness, steps, kl_coef, scaled):
     """The RL baselines on two ranks in several micro-batches each, rewarded by a user's own function
     (`module:function` on the workers' path) with DAPO's overlong punishment: no teacher pool, the workers' rewards
     are the reference's, and the learners match it. Responses end at a space (the tiny model's random text), so their
@@ -907,12 +909,14 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny
     policy from update 1 on. DAPO takes two optimizer steps an update (each rank's two prompts one each) under ZeRO-3: the
     second compares with the log-probs the starting weights gave, recorded on both ranks before the first step
     (forwards that gather the weights in lockstep). GRPO with a KL term to the frozen initial weights starts the
-    teacher pool, whose scores give it (and the step lines' divergence and overlap)."""
+    teacher pool, whose scores give it (and the step lines' divergence and overlap). DAPO's advantages are not divided
+    by their group's spread (objective.scale_advantages false, Dr. GRPO's), in the learners as in the reference."""
     from ray import serve
 
     extra = f"reward: {{name: 'user_rewards:letters', overlong_buffer: 3}}\nschedule: {{max_staleness: {staleness}}}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=2 * steps, steps_per_update=steps, zero_stage=3 if steps > 1 else 2, name=f"rl-{mode}", mode=mode, max_new_tokens=8, stop=[" "],
                   micro_batch_tokens=120, kl_coef=kl_coef, gradient_step=True, extra=extra)  # two ~55-token sequences a micro-batch: a group in two
+    job = job.model_copy(update={"objective": job.objective.model_copy(update={"scale_advantages": scaled})})
     reference = reference_trajectory(job, 2)
     reports = reference.reports
     with driven(job, 2, kept) as (driver, logs, run):
@@ -930,6 +934,35 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny
         assert [log.divergence for log in logs] == pytest.approx([r.stats.divergence for r in reports], rel=1e-4) and logs[1].divergence > 0
     assert [log.staleness for log in logs] == [0, staleness]
     assert_reproduces(run, reference, job.optimizer, steps_per_update=steps)
+
+
+def test_a_reward_that_gives_nan_ends_the_run_naming_its_row_and_the_checkpoint_before_is_resumed(cluster, kept, tiny_dirs, tmp_path):
+    """A user's reward that gives NaN on one row: the run trains every update before that row's, then ends with the
+    reward's error, which names the reward, the response and the row; the checkpoint of the last update trained is
+    whole and is the one a resumed run would start from."""
+    from lt_opd_ray.runtime.checkpoint import CheckpointStore
+
+    extra = "reward: {name: 'user_rewards:letters_but_nan_on_row_3'}\nschedule: {max_staleness: 0}\n"
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, every=1, name="rl-nan", mode="grpo", max_new_tokens=8, stop=[" "], extra=extra)
+    rows = load_samples(job.data.path, job.data.image_root, job.seed)
+    for seed in range(100):  # a shuffle that brings the row at update 1: one update trains before it
+        order = [[row.uid for row in batch] for _, batch in zip(range(2), batches(rows, 2, seed))]
+        if not any(uid.endswith("-3") for uid in order[0]) and any(uid.endswith("-3") for uid in order[1]):
+            break
+    else:
+        pytest.fail("no shuffle seed below 100 brings row 3 at update 1")
+    job = job.model_copy(update={"data": job.data.model_copy(update={"shuffle_seed": seed})})
+    bad_row = next(uid for uid in order[1] if uid.endswith("-3"))
+    driver = Driver(job, roles=kept)
+    try:
+        assert driver.run_step().reward_mean > 0
+        with pytest.raises(Exception) as info:
+            driver.run_step()
+    finally:
+        driver.shutdown()
+    assert re.search(rf"reward user_rewards:letters_but_nan_on_row_3: response \d+ \(row {bad_row}\) got nan, not a finite number",
+                     str(info.value)), info.value
+    assert CheckpointStore(job).choose() == ("step-1", [])
 
 
 def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, kept, tiny_dirs, tmp_path, capsys):

@@ -14,3 +14,9 @@ def letters_on_odd_rows(samples, responses) -> list[float]:
     are flat (every response rewarded alike), as DAPO's dynamic sampling replaces."""
     return [sum(c.isalpha() for c in response) / 10 if int(sample.uid.rsplit("-", 1)[1]) % 2 else 1.0
             for sample, response in zip(samples, responses)]
+
+
+def letters_but_nan_on_row_3(samples, responses) -> list[float]:
+    """`letters`, but NaN for every response to the row whose uid ends in -3: a reward that breaks on one row."""
+    return [float("nan") if sample.uid.endswith("-3") else sum(c.isalpha() for c in response) / 10
+            for sample, response in zip(samples, responses)]

@@ -162,6 +162,11 @@ class ObjectiveConfig(StrictModel):
     0.2 / 0.2, DAPO's clip-higher 0.2 / 0.28, GSPO 3e-4 / 4e-4 on its length-normalised sequence ratio)."""
     clip_high: float | None = Field(None, gt=0.0)
     """See `clip_low`."""
+    scale_advantages: bool = True
+    """The RL baselines' advantage: each response's reward minus its prompt group's mean, divided by the group's
+    standard deviation (GRPO's, DAPO's and GSPO's: true) or not (false: Dr. GRPO's advantage, which keeps the reward's
+    scale, so a group whose rewards barely differ takes a small step; Dr. GRPO's other change, a constant length
+    normaliser in place of each response's token mean, is not offered)."""
     alpha: float = Field(0.5, gt=0.0, lt=1.0)
     """Teacher weight of the generalised JSD mixture M = (1-α)P_S + αP_T."""
     top_k: int = Field(100, ge=1, le=MAX_TOP_K)
@@ -215,10 +220,14 @@ class ObjectiveConfig(StrictModel):
 
     @model_validator(mode="after")
     def _terms_of_the_rl_baselines(self) -> ObjectiveConfig:
-        for name in ("kl_coef", "clip_low", "clip_high"):
-            if getattr(self, name) and not self.policy_gradient:
+        for name in ("kl_coef", "clip_low", "clip_high", "scale_advantages"):
+            if getattr(self, name) != type(self).model_fields[name].default and not self.policy_gradient:
                 raise ValueError(f"objective.{name} is the RL baselines' (grpo, dapo, gspo); objective.mode {self.mode} trains no"
                                  " clipped policy gradient")
+        for name in ("importance", "importance_clip"):
+            if self.policy_gradient and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"objective.{name} weighs the distillation modes' divergence; objective.mode {self.mode} corrects"
+                                 " for rollouts of older weights by its clipped ratio instead (objective.clip_low, clip_high)")
         return self
 
 

@@ -110,15 +110,16 @@ def load_reward(name: str, judge: Reward | None = None) -> Reward:
 def checked_rewards(name: str, reward: Reward, samples: Sequence[Sample], responses: Sequence[str]) -> list[float]:
     """`reward`'s values for `responses` (the i-th answering `samples[i]`), each a finite number, else a RewardError
     naming the reward and the first row at fault."""
+    uids = [s.uid for s in samples]
+    given = f"rows {', '.join(uids[:5])}{', ...' if len(uids) > 5 else ''}"
     try:
         values = list(reward(samples, responses))
     except RewardError:
         raise
     except Exception as exc:  # a user's reward failing: named, with the rows it was given
-        uids = [s.uid for s in samples]
-        raise RewardError(f"reward {name} raised {type(exc).__name__}: {exc} (rows {', '.join(uids[:5])}{', ...' if len(uids) > 5 else ''})") from exc
-    if len(values) != len(responses):
-        raise RewardError(f"reward {name}: {len(values)} values for {len(responses)} responses")
+        raise RewardError(f"reward {name} raised {type(exc).__name__}: {exc} ({given})") from exc
+    if len(values) != len(responses):  # which value answers which row is unknown: the rows it was given
+        raise RewardError(f"reward {name}: {len(values)} values for {len(responses)} responses ({given})")
     for i, value in enumerate(values):
         if not isinstance(value, numbers.Real) or not math.isfinite(value):  # ints, floats, numpy scalars
             raise RewardError(f"reward {name}: response {i} (row {samples[i].uid}) got {value!r}, not a finite number")

@@ -105,12 +105,13 @@ class PolicyInputs:
     old_logp: list[torch.Tensor | None]  # per rollout, the old policy's log-probs of its tokens ([T]); None: the weights trained now
 
 
-def group_policy_inputs(rollouts: list[Rollout], on_policy: bool) -> PolicyInputs:
+def group_policy_inputs(rollouts: list[Rollout], on_policy: bool, scale: bool = True) -> PolicyInputs:
     """`PolicyInputs` of one prompt's rollouts (its whole group of sampling.n responses, rewarded). The old policy:
     for rollouts sampled by the weights this update starts from, those weights (None here: the student's own
     log-probs at the update's first step, or `with_old_log_probs` recorded before it); for rollouts sampled a version
-    earlier (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy."""
-    advantages = group_advantages(torch.tensor([r.reward for r in rollouts]), len(rollouts))
+    earlier (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy.
+    `scale`: the advantages divided by the group's spread (objective.scale_advantages)."""
+    advantages = group_advantages(torch.tensor([r.reward for r in rollouts]), len(rollouts), scale=scale)
     return PolicyInputs(advantages, [None if on_policy else r.old_logp for r in rollouts])
 
 

@@ -115,8 +115,9 @@ class MicroBatchStream:
     """
 
     def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool, mini_batch: dict[int, int],
-                 packed: bool = False):
+                 packed: bool = False, scale_advantages: bool = True):
         self.groups, self.encode, self.policy_gradient, self.mini_batch = groups, encode, policy_gradient, mini_batch
+        self.scale_advantages = scale_advantages
         self.packer = Packer(token_budget, packed)
         self.rollouts: list[Rollout] = []
         self.prompts: dict[int, PromptInputs] = {}
@@ -166,7 +167,7 @@ class MicroBatchStream:
             for prompt in sorted(by_prompt):
                 sequences = by_prompt[prompt]
                 if self.policy_gradient:  # a prompt's sampling.n rollouts arrive together, in one group
-                    inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], on_policy=group.lag == 0)
+                    inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], group.lag == 0, self.scale_advantages)
                     self._policy.update({s.index: (float(a), old) for s, a, old in zip(sequences, inputs.advantages, inputs.old_logp)})
                 self.lengths.append(tuple(s.tokens for s in sequences))
                 k = self.mini_batch[prompt]
@@ -228,7 +229,8 @@ class Learner:
         objective, steps = self.job.objective, self.job.optimizer.steps_per_update
         mini_batch = mini_batch_of(sorted(samples), steps)
         learner = self.job.pools.learner
-        stream = MicroBatchStream(groups, encode, learner.micro_batch_tokens, objective.policy_gradient, mini_batch, learner.packing)
+        stream = MicroBatchStream(groups, encode, learner.micro_batch_tokens, objective.policy_gradient, mini_batch, learner.packing,
+                                  objective.scale_advantages)
         source = iter(stream)
         mark(f"u{version} waiting for rollouts", working=False)
         first = next(source, None)
