@@ -919,6 +919,9 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny
     job = job.model_copy(update={"objective": job.objective.model_copy(update={"scale_advantages": scaled})})
     reference = reference_trajectory(job, 2)
     reports = reference.reports
+    if not scaled:  # the reference reads the flag (the learners are held to the reference below): scaled, it trains otherwise
+        scaled_job = job.model_copy(update={"objective": job.objective.model_copy(update={"scale_advantages": True})})
+        assert reference_trajectory(scaled_job, 1).losses[0] != pytest.approx(reference.losses[0], rel=1e-3)
     with driven(job, 2, kept) as (driver, logs, run):
         apps = sorted(serve.status().applications)
         assert (driver.teacher is None, apps) == ((True, []) if not kl_coef else (False, [driver.teacher.app_name]))
@@ -936,10 +939,10 @@ def test_the_rl_baselines_train_distributed_as_the_reference(cluster, kept, tiny
     assert_reproduces(run, reference, job.optimizer, steps_per_update=steps)
 
 
-def test_a_reward_that_gives_nan_ends_the_run_naming_its_row_and_the_checkpoint_before_is_resumed(cluster, kept, tiny_dirs, tmp_path):
+def test_a_reward_that_gives_nan_ends_the_run_naming_its_row_and_the_checkpoint_before_is_the_one_chosen(cluster, kept, tiny_dirs, tmp_path):
     """A user's reward that gives NaN on one row: the run trains every update before that row's, then ends with the
     reward's error, which names the reward, the response and the row; the checkpoint of the last update trained is
-    whole and is the one a resumed run would start from."""
+    whole and is the one `--resume` chooses."""
     from lt_opd_ray.runtime.checkpoint import CheckpointStore
 
     extra = "reward: {name: 'user_rewards:letters_but_nan_on_row_3'}\nschedule: {max_staleness: 0}\n"
