@@ -71,7 +71,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     import psutil
     import torch
 
-    from lt_opd_ray.config.schema import ObjectiveConfig
+    from lt_opd_ray.config.objective import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.models.loss import student_loss

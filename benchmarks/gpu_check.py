@@ -91,7 +91,7 @@ def inputs(model_dir: Path, responses: int, tokens: int | list[int], top_k: int)
 
 
 def learner_arm(model_dir: Path, tokens: int, device: str) -> dict:
-    from lt_opd_ray.config.schema import ObjectiveConfig
+    from lt_opd_ray.config.objective import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.kernels import missing_kernels
     from lt_opd_ray.models.loading import compute_precision, load_vlm
@@ -115,7 +115,7 @@ def packing_arm(model_dir: Path, tokens: int, device: str) -> dict:
     """The learner's micro-batch on long-tailed response lengths, padded rows against one packed row."""
     from bench_packing import response_lengths
 
-    from lt_opd_ray.config.schema import ObjectiveConfig
+    from lt_opd_ray.config.objective import ObjectiveConfig
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import compute_precision, load_vlm
     from lt_opd_ray.models.loss import student_loss

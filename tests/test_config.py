@@ -96,7 +96,7 @@ def test_the_requests_in_flight_are_the_groups_the_rollout_pool_makes(prompts, r
 
 
 def test_an_rl_baselines_clip_range_is_its_papers_where_the_job_sets_none_of_it():
-    from lt_opd_ray.config.schema import ObjectiveConfig
+    from lt_opd_ray.config.objective import ObjectiveConfig
 
     assert [ObjectiveConfig(mode=mode).clip_range for mode in ("grpo", "dapo", "gspo")] == [(0.2, 0.2), (0.2, 0.28), (3e-4, 4e-4)]
     assert ObjectiveConfig(mode="dapo", clip_high=0.3).clip_range == (0.2, 0.3) and ObjectiveConfig(mode="gspo", clip_low=1e-3).clip_range == (1e-3, 4e-4)
@@ -169,10 +169,30 @@ def test_not_yaml_and_not_a_mapping():
     ("objective: {mode: dapo, importance: prefix}\nreward: {name: format}", "objective",
      "objective.importance weighs the distillation modes' divergence; objective.mode dapo corrects for rollouts of older weights by its clipped ratio"),
     ("objective: {mode: gspo, importance_clip: 5.0}\nreward: {name: format}", "objective", "objective.importance_clip weighs"),
+    ("objective: {dual_clip: 4.0}", "objective", "objective.dual_clip is the RL baselines'"),
+    ("objective: {mode: grpo, dual_clip: 1.0}\nreward: {name: format}", "objective.dual_clip", "greater than 1"),
 ])
 def test_values_that_would_fail_later_are_refused_by_validate(extra, where, reason):
     problems, _ = problems_of(MINIMAL + extra + "\n")
     assert len(problems) == 1 and problems[0][0].startswith(where) and reason in problems[0][1], problems
+
+
+@pytest.mark.parametrize("mode", ["lt_opd", "sft", "fixed_prefix", "sequence_kd", "teacher_prefix", "grpo", "dapo", "gspo"])
+def test_a_vllm_rollout_pool_is_refused_by_validate_exactly_where_the_student_does_not_sample(mode):
+    """vLLM samples; the modes that train on the rows' or the teacher's responses read them with the student's
+    transformers forward instead. The refusal comes from the schema (so `validate` names it), before any pool starts."""
+    extra = "reward: {name: format}\n" if mode in ("grpo", "dapo", "gspo") else "sampling: {n: 1}\n"
+    text = MINIMAL + f"objective: {{mode: {mode}}}\npools: {{rollout: {{backend: vllm}}}}\n" + extra
+    who = {"sft": "dataset", "fixed_prefix": "dataset", "sequence_kd": "teacher", "teacher_prefix": "teacher"}.get(mode)
+    if who is None:
+        assert parse_job(text).pools.rollout.backend == "vllm"
+        return
+    problems, _ = problems_of(text)
+    (where, reason), = problems
+    assert where == "<top>" and reason.endswith(f"objective.mode {mode} trains on responses the student does not sample (the {who}'s),"
+                                                " which a rollout worker reads with the student's transformers forward: set"
+                                                " pools.rollout.backend: transformers"), reason
+    assert parse_job(text.replace("backend: vllm", "backend: transformers")).objective.mode == mode
 
 
 def test_unknown_tiny_model_and_empty_synthetic_data_are_refused():

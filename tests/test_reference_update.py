@@ -369,7 +369,8 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
         logp = pad_sequence([lp.gather(-1, r.response_ids[:, None])[:, 0] for lp, r in zip(full, rollouts)], batch_first=True)
         old = logp.detach() if on_policy else pad_sequence([r.old_logp.double() for r in rollouts], batch_first=True)
         mask = pad_sequence([torch.ones(r.response_ids.numel()) for r in rollouts], batch_first=True)
-        reference = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high)
+        reference = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high,
+                                dual_clip=job.objective.dual_clip)
         if kl_coef:
             with torch.no_grad():
                 frozen = [_hf_log_probs(trainer.teacher.model, prompts[r.prompt_index], r.response_ids) for r in rollouts]
@@ -386,13 +387,20 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
             assert stats.importance_weight == 1.0 and stats.clipped == 0.0  # exp(0): one optimizer step per update
         else:
             assert stats.clipped > 0  # the clip binds somewhere (for GSPO, on whole responses)
-            # objective.clip_low / clip_high replace the paper's range: the loss is the formula's at the job's range
-            moved = job.objective.model_copy(update={"clip_low": low / 2, "clip_high": high * 2})
+            # objective.clip_low / clip_high replace the paper's range, dual_clip verl's 3 (a cap that binds at these
+            # ratios, σ 0.3): the loss is the formula's at the job's settings
+            moved = job.objective.model_copy(update={"clip_low": low / 2, "clip_high": high * 2, "dual_clip": 1.05})
             assert moved.clip_range == (low / 2, high * 2)
             at_range, _ = student_loss(trainer.student, prompts, rollouts, scores, moved, policy=policy)
-            formula = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low / 2, clip_high=high * 2)
+            formula = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low / 2, clip_high=high * 2,
+                                  dual_clip=1.05)
+            if mode != "gspo":  # the cap acts here (GSPO has none)
+                uncapped = policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low / 2, clip_high=high * 2,
+                                       dual_clip=None)
+                assert float(uncapped.detach()) > float(formula.detach()) + 1e-3
             if kl_coef:
-                formula = formula + (reference - policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low, clip_high=high))
+                formula = formula + (reference - policy_loss(logp, old, expected.double(), mask.double(), kind=mode, clip_low=low,
+                                                             clip_high=high, dual_clip=job.objective.dual_clip))
             assert float(at_range.detach()) == pytest.approx(float(formula.detach()), rel=1e-4, abs=1e-7)
             assert float(at_range.detach()) != pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-7)  # the range acts here
 
@@ -437,11 +445,13 @@ def test_later_steps_of_an_update_compare_with_the_weights_it_started_from(tiny_
         advantages = torch.tensor([(v - statistics.fmean(by_prompt[p])) / (statistics.stdev(by_prompt[p]) + 1e-6) for v in by_prompt[p]])
         mask = pad_sequence([torch.ones(r.response_ids.numel()) for r in members], batch_first=True).double()
         logp = log_probs(members)
-        loss = policy_loss(logp, start[p], advantages.double(), mask, kind="grpo", clip_low=low, clip_high=high)
+        loss = policy_loss(logp, start[p], advantages.double(), mask, kind="grpo", clip_low=low, clip_high=high,
+                           dual_clip=job.objective.dual_clip)
         if p == 1:
             ratios = torch.exp(logp.detach() - start[p])[mask.bool()]
             assert float((ratios - 1).abs().max()) > 1e-3  # the first step moved the weights
-            own = policy_loss(logp, logp.detach(), advantages.double(), mask, kind="grpo", clip_low=low, clip_high=high)
+            own = policy_loss(logp, logp.detach(), advantages.double(), mask, kind="grpo", clip_low=low, clip_high=high,
+                              dual_clip=job.objective.dual_clip)
             assert float(own) != pytest.approx(float(loss), rel=1e-3)  # the wrong old policy shows
         mirror.optimizer.zero_grad(set_to_none=True)
         loss.backward()

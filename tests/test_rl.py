@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -26,19 +27,26 @@ def test_group_advantages_are_each_groups_centred_rewards_over_its_sample_std():
         group_advantages(torch.ones(5), 2)
 
 
-def brute_force(logprobs, old, advantages, lengths, kind, low, high) -> torch.Tensor:
-    """Response by response, token by token, as the papers write them."""
+DUAL_CLIP = 3.0  # verl's clip_ratio_c
+
+
+def brute_force(logprobs, old, advantages, lengths, kind, low, high, dual_clip=DUAL_CLIP) -> torch.Tensor:
+    """Response by response, token by token, as the papers write them, with verl's bounds (core_algos: a token's
+    log-ratio clamped to ±20, GSPO's sequence log-ratio to at most 10; the dual clip as its three losses)."""
     terms, all_tokens = [], []
     for i, length in enumerate(lengths):
         a = advantages[i]
         if kind == "gspo":
-            s = torch.exp(sum(logprobs[i, t] - old[i, t] for t in range(length)) / length)
+            s = torch.exp(torch.clamp(sum(logprobs[i, t] - old[i, t] for t in range(length)) / length, max=10.0))
             terms.append(-torch.minimum(s * a, torch.clamp(s, 1 - low, 1 + high) * a))
             continue
         tokens = []
         for t in range(length):
-            r = torch.exp(logprobs[i, t] - old[i, t])
-            tokens.append(-torch.minimum(r * a, torch.clamp(r, 1 - low, 1 + high) * a))
+            r = torch.exp(torch.clamp(logprobs[i, t] - old[i, t], -20.0, 20.0))
+            clipped = torch.maximum(-a * r, -a * torch.clamp(r, 1 - low, 1 + high))  # verl's pg_losses1 / 2
+            if dual_clip is not None and a < 0:
+                clipped = torch.minimum(-a * dual_clip, clipped)  # pg_losses3 caps it where A < 0
+            tokens.append(clipped)
         terms.append(sum(tokens) / length)
         all_tokens += tokens
     if kind == "dapo":
@@ -46,8 +54,9 @@ def brute_force(logprobs, old, advantages, lengths, kind, low, high) -> torch.Te
     return sum(terms) / len(terms)
 
 
+@pytest.mark.parametrize("dual_clip", [DUAL_CLIP, None])
 @pytest.mark.parametrize("kind", ["grpo", "dapo", "gspo"])
-def test_each_loss_and_its_gradient_equal_the_papers_formula_response_by_response(kind):
+def test_each_loss_and_its_gradient_equal_the_papers_formula_response_by_response(kind, dual_clip):
     g = torch.Generator().manual_seed(0)
     lengths = [5, 2, 7, 3]
     B, T = len(lengths), max(lengths)
@@ -55,12 +64,14 @@ def test_each_loss_and_its_gradient_equal_the_papers_formula_response_by_respons
     old = -torch.rand(B, T, generator=g) * 3
     spread = 0.5 if kind != "gspo" else 2e-3  # ratios on both sides of the clip range
     logprobs = (old + torch.randn(B, T, generator=g) * spread).requires_grad_(True)
+    if kind != "gspo":  # tokens far above their old log-prob: past the dual clip (A < 0), and past verl's ±20 clamp
+        logprobs = (logprobs.detach() + torch.tensor([0.0, 2.0, 0.0, 25.0])[:, None] * (torch.arange(T) == 1)).requires_grad_(True)
     advantages = torch.tensor([1.5, -0.7, 0.3, -1.2])
     low, high = CLIP_RANGES[kind]
-    loss = policy_loss(logprobs, old, advantages, mask, kind=kind, clip_low=low, clip_high=high)
+    loss = policy_loss(logprobs, old, advantages, mask, kind=kind, clip_low=low, clip_high=high, dual_clip=dual_clip)
     (grad,) = torch.autograd.grad(loss, logprobs)
     reference_input = logprobs.detach().double().requires_grad_(True)
-    reference = brute_force(reference_input, old.double(), advantages.double(), lengths, kind, low, high)
+    reference = brute_force(reference_input, old.double(), advantages.double(), lengths, kind, low, high, dual_clip)
     (reference_grad,) = torch.autograd.grad(reference, reference_input)
     assert float(loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-5)
     torch.testing.assert_close(grad.double(), reference_grad, rtol=1e-4, atol=1e-7)
@@ -69,6 +80,25 @@ def test_each_loss_and_its_gradient_equal_the_papers_formula_response_by_respons
     if kind != "gspo":  # the clip binds somewhere: a token pushed past 1 + high with A > 0 gets no gradient
         binding = (ratios > 1 + high) & (advantages[:, None] > 0) & (mask > 0)
         assert bool(binding.any()) and torch.equal(grad[binding], torch.zeros_like(grad[binding]))
+        capped = (ratios > DUAL_CLIP) & (advantages[:, None] < 0) & (mask > 0)  # the tokens moved by 2 and 25
+        assert int(capped.sum()) == 2
+        assert torch.equal(grad[capped], torch.zeros_like(grad[capped])) == (dual_clip is not None)
+
+
+def test_dual_clip_and_log_ratio_clamp_by_hand():
+    """One token each, GRPO's range 0.2 / 0.2: the values verl's compute_policy_loss gives, worked out by hand."""
+    one = torch.ones(1, 1)
+
+    def term(log_ratio, advantage, dual_clip=3.0):
+        return float(policy_loss(torch.tensor([[log_ratio]]), torch.zeros(1, 1), torch.tensor([advantage]), one,
+                                 kind="grpo", clip_low=0.2, clip_high=0.2, dual_clip=dual_clip))
+
+    assert term(math.log(2.0), -1.5) == pytest.approx(2.0 * 1.5)  # r = 2 under the cap: r |A|
+    assert term(math.log(5.0), -1.5) == pytest.approx(3.0 * 1.5)  # r = 5 over it: c |A|
+    assert term(math.log(5.0), -1.5, dual_clip=None) == pytest.approx(5.0 * 1.5)  # no cap: r |A|
+    assert term(math.log(5.0), -1.5, dual_clip=4.0) == pytest.approx(4.0 * 1.5)  # the configured c
+    assert term(math.log(5.0), 1.5) == pytest.approx(-1.2 * 1.5)  # A > 0: the upper clip, untouched by the cap
+    assert term(30.0, -1.0, dual_clip=None) == pytest.approx(math.exp(20.0), rel=1e-6)  # clamped at e^20, finite
 
 
 def test_on_policy_every_loss_is_the_policy_gradient_of_its_average():
@@ -81,7 +111,7 @@ def test_on_policy_every_loss_is_the_policy_gradient_of_its_average():
     for kind, per_token in (("grpo", lambda i: 1 / (B * lengths[i])), ("dapo", lambda i: 1 / sum(lengths)), ("gspo", lambda i: 1 / (B * lengths[i]))):
         logprobs = old.clone().requires_grad_(True)
         low, high = CLIP_RANGES[kind]
-        loss = policy_loss(logprobs, old, advantages, mask, kind=kind, clip_low=low, clip_high=high)
+        loss = policy_loss(logprobs, old, advantages, mask, kind=kind, clip_low=low, clip_high=high, dual_clip=DUAL_CLIP)
         (grad,) = torch.autograd.grad(loss, logprobs)
         expected_loss = -sum(a * n for a, n in zip(advantages.tolist(), lengths)) / sum(lengths) if kind == "dapo" else -float(advantages.mean())
         assert float(loss.detach()) == pytest.approx(expected_loss, rel=1e-6), kind
@@ -95,11 +125,12 @@ def test_padding_that_holds_minus_infinity_changes_neither_the_loss_nor_its_grad
     old = torch.tensor([[-1.0, -2.0, -float("inf")], [-0.5, -float("inf"), -float("inf")]])
     logprobs = torch.tensor([[-0.9, -2.1, -float("inf")], [-0.6, -float("inf"), -float("inf")]], requires_grad=True)
     low, high = CLIP_RANGES[kind]
-    loss = policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask, kind=kind, clip_low=low, clip_high=high)
+    loss = policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask, kind=kind, clip_low=low, clip_high=high,
+                       dual_clip=DUAL_CLIP)
     (grad,) = torch.autograd.grad(loss, logprobs)
     finite = lambda t: torch.where(mask > 0, t.detach(), torch.zeros(())).requires_grad_(t.requires_grad)  # noqa: E731
     same_input = finite(logprobs)
-    same = policy_loss(same_input, finite(old), torch.tensor([1.0, -1.0]), mask, kind=kind, clip_low=low, clip_high=high)
+    same = policy_loss(same_input, finite(old), torch.tensor([1.0, -1.0]), mask, kind=kind, clip_low=low, clip_high=high, dual_clip=DUAL_CLIP)
     assert torch.isfinite(loss) and float(loss.detach()) == pytest.approx(float(same.detach()))
     torch.testing.assert_close(grad, torch.autograd.grad(same, same_input)[0])
 
@@ -107,6 +138,6 @@ def test_padding_that_holds_minus_infinity_changes_neither_the_loss_nor_its_grad
 def test_a_response_with_no_tokens_or_an_unknown_loss_is_refused():
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     with pytest.raises(ValueError, match=r"response\(s\) \[1\] have no tokens under the mask"):
-        policy_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2), mask, kind="grpo", clip_low=0.2, clip_high=0.2)
+        policy_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2), mask, kind="grpo", clip_low=0.2, clip_high=0.2, dual_clip=DUAL_CLIP)
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), kind="ppo", clip_low=0.2, clip_high=0.2)
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), kind="ppo", clip_low=0.2, clip_high=0.2, dual_clip=DUAL_CLIP)

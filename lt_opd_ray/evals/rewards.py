@@ -10,7 +10,7 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 
-from lt_opd_ray.config.schema import JUDGE_REWARD
+from lt_opd_ray.config.objective import JUDGE_REWARD
 from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.evals.scoring import LETTERS, choice_letter, exact_match
 from lt_opd_ray.core.answers import ANSWER, parse_answer

@@ -254,7 +254,8 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
                        batch_first=True)
     mask = pad_sequence([torch.ones(lp.shape[0], device=device) for lp in sampled_logp], batch_first=True)
     low, high = objective.clip_range
-    terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high)
+    terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high,
+                           dual_clip=objective.dual_clip)
     kl = overlap = None
     if reference is not None:
         kl = pad_sequence([divergence(lp, teacher_lp, valid, "reverse_kl") for lp, valid, teacher_lp in reference], batch_first=True)  # [B, T]
@@ -273,6 +274,8 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
         advantage = policy.advantages.to(device)[:, None].expand_as(mask)[mask.bool()]
         # the clip acts (no gradient through the token) where the ratio passed it in the advantage's direction
         clipped = ((ratio > 1 + high) & (advantage > 0)) | ((ratio < 1 - low) & (advantage < 0))
+        if objective.dual_clip is not None and objective.mode != "gspo":  # and where the dual clip capped a push down
+            clipped |= (ratio > objective.dual_clip) & (advantage < 0)
         gaps = (logp.detach() - recorded).abs()[mask.bool()]  # the engines' mismatch on the sampled token
     stats = LossStats(
         loss=float(loss.detach()),

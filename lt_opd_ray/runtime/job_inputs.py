@@ -93,7 +93,7 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
 def reward_problems(name: str, samples: list[Sample] | None, spec: str) -> list[str]:
     """Whether reward.name loads where the job starts (a user's module imported; the judge's model is loaded by its
     pool) and the rows read carry what it compares with."""
-    from lt_opd_ray.config.schema import JUDGE_REWARD
+    from lt_opd_ray.config.objective import JUDGE_REWARD
     from lt_opd_ray.evals.rewards import RewardError, load_reward, row_problems
 
     try:

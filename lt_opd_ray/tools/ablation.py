@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lt_opd_ray.config.loading import load_job
-from lt_opd_ray.config.schema import POLICY_GRADIENT, JobConfig
+from lt_opd_ray.config.objective import POLICY_GRADIENT
+from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.tools.ablation_report import RL_ARMS, write_report
 
@@ -89,7 +90,7 @@ RL_VARIANTS = ("2x_group", "0.5x_clip", "2x_clip")
 def apply_variant(data: dict, variant: str) -> None:
     """One of RL_VARIANTS on an RL arm's job (as a dict): its group size, or its clip range (the job's, else its
     paper's) scaled."""
-    from lt_opd_ray.config.schema import ObjectiveConfig
+    from lt_opd_ray.config.objective import ObjectiveConfig
 
     if variant == "2x_group":
         sampling = data["sampling"]

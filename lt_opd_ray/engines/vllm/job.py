@@ -59,11 +59,6 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
 
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
 
-    if role == "rollout" and job.objective.mode != "lt_opd":
-        raise ValueError(
-            f"objective.mode {job.objective.mode!r} trains on responses the student does not sample (the"
-            f" {job.objective.prefixes}'s), read on transformers: set pools.rollout.backend: transformers"
-        )
     config = json.loads((Path(model_dir) / "config.json").read_text())
     family = family_of_config(config, str(model_dir))
     if family.linear_attention and job.model.dtype != "bfloat16" and not torch.cuda.is_available():
