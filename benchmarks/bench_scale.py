@@ -75,7 +75,7 @@ def learner_step_memory(model_path: str, prompts: int, budget: int, response_tok
     from lt_opd_ray.models.adapter import QwenVLM
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.models.loss import student_loss
-    from lt_opd_ray.runtime.learner import MicroBatchStream, StreamedGroup
+    from lt_opd_ray.runtime.micro_batch_stream import MicroBatchStream, StreamedGroup
     from lt_opd_ray.sources.resolve import resolve_model_dir
 
     torch.set_num_threads(2)

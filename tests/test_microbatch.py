@@ -10,12 +10,13 @@ import random
 import pytest
 import torch
 from conftest import FAMILIES
+from device_reads import DeviceReads
 from test_reference_update import tiny_job
 
 from lt_opd_ray.core.microbatch import MicroBatch, Sequence, pack
 from lt_opd_ray.core.objective import gather_log_probs, lt_opd_token_losses, top_k_log_probs
 from lt_opd_ray.engines.transformers.teacher import teacher_scores
-from lt_opd_ray.models.loss import loss_on_forward, reduced_length, student_forward, student_loss, support
+from lt_opd_ray.models.loss import loss_on_forward, reduced_length, student_forward, student_loss, supports_of
 from lt_opd_ray.reference import ReferenceTrainer
 
 
@@ -89,7 +90,7 @@ def brute_force_loss(student, prompts, rollouts, scores, objective) -> torch.Ten
         prompt = prompts[r.prompt_index]
         reduced = student.reduce(prompt, student.visual_features(prompt), r.selected)
         (hidden,) = student.response_hidden([reduced], [r.response_ids])
-        ids, valid, teacher_logp = support(r, s)
+        (ids, valid, teacher_logp), = supports_of([r], [s], torch.device("cpu"))  # one rollout alone: no rows of others
         student_logp = gather_log_probs(hidden, student.lm_head.weight, ids, 4)
         token_loss, _, _ = lt_opd_token_losses(
             student_logp, teacher_logp, valid, ids.shape[1] - 1, r.old_logp, objective.divergence, objective.alpha, objective.importance_clip
@@ -371,3 +372,31 @@ def test_student_loss_equals_the_loss_from_plain_forwards_on_a_real_model(tiny_d
     with torch.no_grad():
         wrong, _ = student_loss(trainer.student, prompts, rollouts, shifted, objective)
     assert float(wrong) != pytest.approx(expected, rel=1e-3)
+
+
+# device reads of one learner micro-batch (forward, loss, backward) on 6 rollouts of 2 prompts, each left where it is
+# and why: transformers' own code (Qwen3.5's packed varlen split of its linear attention: `lengths.tolist()`)
+MICRO_BATCH_DEVICE_READS = {"lt_opd": 0, "grpo": 0}
+
+
+@pytest.mark.parametrize("mode, packed", [("lt_opd", True), ("grpo", True), ("lt_opd", False)])
+def test_a_learner_micro_batch_reads_nothing_back_from_the_device(updates, mode, packed):
+    """The learner's micro-batch as its DeepSpeed module runs it (the student's forward on the replayed rollouts, the
+    loss, its statistics, the backward) waits for the device nowhere in this package: the statistics stay on the
+    device until the step reads them all at once (`LossStats.on_host`), the top-k union is built there, the replayed
+    selection indexes with integer positions computed on the host, not with a mask."""
+    from lt_opd_ray.models.loss import PolicyInputs
+
+    trainer, prompts, rollouts, scores = updates["qwen3_5"]
+    objective = trainer.job.objective.model_copy(update={"mode": mode})
+    policy = PolicyInputs(torch.tensor([0.5, -0.5, 0.0] * 2), [None] * len(rollouts)) if mode == "grpo" else None
+    if mode == "grpo":
+        scores = None
+    with DeviceReads(trainer.student.model.parameters()) as reads:
+        forward = student_forward(trainer.student, prompts, rollouts, packed)
+        loss, stats = loss_on_forward(trainer.student, forward, rollouts, scores, objective, policy=policy)
+        loss.backward()
+    ours = [read for read in reads.seen if "lt_opd_ray/" in read[1]]
+    print(f"\n{mode}: {len(reads.seen)} device reads in a micro-batch, {len(ours)} in this package: {sorted(set(reads.seen))}")
+    assert ours == [], ours
+    assert isinstance(stats.on_host().loss, float) and isinstance(stats.importance_weight, torch.Tensor)

@@ -503,6 +503,39 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         driver.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["grpo", "dapo"])
+def test_the_rl_baselines_run_on_vllm_rollout_workers(cluster, tiny_dirs, tmp_path, mode):
+    """GRPO, and DAPO with dynamic sampling, on a vLLM rollout worker (Qwen3.5 in bf16) and two learner ranks: the
+    engine is sent the learners' weights after every update (its digest equals theirs), asked for the sampled token's
+    log-prob only (no top-k: no teacher reads it), and its log-probs are what the learners compute of the same tokens
+    within bf16's rounding; DAPO's groups are replaced and kept flat as the rows' parity says (whatever was sampled).
+    Every first step is on policy: its ratios are exactly 1."""
+    rounds = 2 if mode == "dapo" else 0
+    extra = f"reward: {{name: 'user_rewards:letters_on_odd_rows', dynamic_sampling_rounds: {rounds}}}\n"
+    job = job_for(tiny_dirs["qwen3_5"], tmp_path / "run", name=f"vllm-{mode}", dtype="bfloat16", backend="vllm", verify_weights=True,
+                  n=4, prompts=4, max_new_tokens=8, stop=[" "], mode=mode, extra=extra)
+    assert job.objective.student_top_k == 0 and not job.objective.teacher_scores
+    driver = Driver(job)
+    try:
+        worker = driver.rollouts.workers[0]
+        assert ray.get(worker.__ray_call__.remote(lambda w: (type(w.engine).__name__, w.engine.params.top_k_logprobs))) == ("VLLMRolloutEngine", 0)
+        assert driver.teacher is None
+        logs = []
+        for step in range(1, 3):
+            log = driver.run_step()
+            logs.append(log)
+            assert driver.rollouts.checksums("bfloat16") == [(step, driver.learners.weights_checksum("bfloat16"))]
+            assert log.tokens > 0 and log.grad_norm > 0 and 0.0 <= log.reward_mean <= 1.0
+            assert log.importance_weight == 1.0  # the learner's own log-probs are the first step's old policy
+            assert log.logprob_gap < VLLM_BF16_LOGP_TOLERANCE  # the engine's log-probs of its samples: the learners', rounded
+        if rounds:
+            assert [(log.resampled_groups, log.flat_groups) for log in logs] == groups_flat_on_even_rows(job, 2)
+            assert sum(log.resampled_groups for log in logs) > 0
+    finally:
+        driver.shutdown()
+
+
 # vLLM's bf16 CPU kernels against transformers' bf16 forward of the same weights, the largest difference of one
 # response token's log-prob: measured 0.04 and 0.11 (2026-12-04, the two runs of the test), against 1.7 to the
 # initial weights
@@ -633,7 +666,8 @@ def learner_step_with_scores_waited_for(job, zero_stage: int) -> tuple[int, floa
     from lt_opd_ray.engines.transformers.rollout import rollout
     from lt_opd_ray.engines.transformers.teacher import teacher_scores
     from lt_opd_ray.models.loss import student_loss
-    from lt_opd_ray.runtime.learner import Learner, StreamedGroup, init_process_group
+    from lt_opd_ray.runtime.learner import Learner, init_process_group
+    from lt_opd_ray.runtime.micro_batch_stream import StreamedGroup
     from lt_opd_ray.runtime.learner_group import free_port
 
     job = job.model_copy(update={"pools": job.pools.model_copy(update={"learner": job.pools.learner.model_copy(update={"zero_stage": zero_stage})})})
@@ -968,6 +1002,28 @@ def test_a_reward_that_gives_nan_ends_the_run_naming_its_row_and_the_checkpoint_
     assert CheckpointStore(job).choose() == ("step-1", [])
 
 
+def groups_flat_on_even_rows(job, updates: int) -> list[tuple[int, int]]:
+    """(groups replaced, kept flat) per update under `user_rewards:letters_on_odd_rows` (every response of an even row
+    gets one reward), from the rows' parity and the draws alone: whatever the responses sampled."""
+    from lt_opd_ray.core.dynamic_sampling import draw_replacements
+
+    rows = load_samples(job.data.path, job.data.image_root, job.seed)
+
+    def even(row) -> bool:
+        return int(row.uid.rsplit("-", 1)[1]) % 2 == 0
+
+    expected = []
+    for update, batch in zip(range(updates), batches(rows, job.sampling.prompts_per_step, job.data.shuffle_seed)):
+        flat, resampled, tried = [slot for slot, row in enumerate(batch) if even(row)], 0, {row.uid for row in batch}
+        for round_ in range(1, job.reward.dynamic_sampling_rounds + 1):
+            if flat:
+                drawn = draw_replacements(rows, job.data.shuffle_seed, update, round_, tried, flat)
+                tried |= {row.uid for row in drawn.values()}
+                resampled, flat = resampled + len(flat), [slot for slot in flat if even(drawn[slot])]
+        expected.append((resampled, len(flat)))
+    return expected
+
+
 def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resumed_run_keeps_them(cluster, kept, tiny_dirs, tmp_path, capsys):
     """DAPO's dynamic sampling at staleness 1: a prompt whose four responses all get one reward (a user's reward that
     gives 1 to every response of an even row) gives its slot to a drawn row, up to twice, before the learners start.
@@ -976,25 +1032,10 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
     given the learners' weights) and one on update 1's (the other samples its groups again; it is replaced after
     the update); a run resumed from step 2 (update 2 in flight there, its slots'
     drawn rows in the checkpoint) trains update 2 as the first run did."""
-    from lt_opd_ray.core.dynamic_sampling import draw_replacements
-
     extra = "reward: {name: 'user_rewards:letters_on_odd_rows', dynamic_sampling_rounds: 2}\nschedule: {max_staleness: 1}\n"
     job = job_for(tiny_dirs["qwen3_5"], tmp_path, ranks=2, n=4, prompts=4, every=2, name="rl-dynamic", mode="dapo", max_new_tokens=8,
                   stop=[" "], workers=2, gradient_step=True, extra=extra)
-    rows = load_samples(job.data.path, job.data.image_root, job.seed)
-
-    def even(row) -> bool:
-        return int(row.uid.rsplit("-", 1)[1]) % 2 == 0
-
-    expected = []  # (groups replaced, kept flat) per update, from the rows' parity alone
-    for update, batch in zip(range(3), batches(rows, 4, job.data.shuffle_seed)):
-        flat, resampled, tried = [slot for slot, row in enumerate(batch) if even(row)], 0, {row.uid for row in batch}
-        for round_ in (1, 2):
-            if flat:
-                drawn = draw_replacements(rows, job.data.shuffle_seed, update, round_, tried, flat)
-                tried |= {row.uid for row in drawn.values()}
-                resampled, flat = resampled + len(flat), [slot for slot in flat if even(drawn[slot])]
-        expected.append((resampled, len(flat)))
+    expected = groups_flat_on_even_rows(job, 3)
     assert sum(r for r, _ in expected) > 0 and len(set(expected)) > 1  # the preconditions the test rests on
 
     killed: dict[int, list[str]] = {}

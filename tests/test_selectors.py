@@ -74,6 +74,17 @@ def test_cdpruner_ties_go_to_the_lowest_index():
     assert got.tolist() == [0, 1, 2, 3]
 
 
+def test_cdpruner_reads_nothing_back_from_the_device():
+    """Inside an engine's prefill the selection runs on the GPU: its k greedy picks and the relevance's flat test
+    stay there (each pick used to read two values back, ~490 waits for a prompt at 25%)."""
+    from device_reads import DeviceReads
+
+    features, query = torch.randn(60, 32), torch.randn(32)
+    with DeviceReads([features, query]) as reads:
+        got = CDPruner().select(SelectionInput(features, query, (6, 10)), 15)
+    assert reads.seen == [] and got.numel() == 15
+
+
 def test_cdpruner_prefers_relevant_diverse_tokens():
     # two orthogonal clusters; the query points at cluster B: the first pick is from B
     a = torch.tensor([1.0, 0.0, 0.0]).repeat(5, 1)

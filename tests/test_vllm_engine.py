@@ -479,3 +479,39 @@ def test_with_a_merge_head_vllm_equals_transformers_and_its_weights_follow_updat
     reference = sample(plain, [plain.reduce(prompts[0], features, kept.indices)], GREEDY, [0], processor.tokenizer)[0]
     assert completion.token_ids.tolist() == reference.token_ids.tolist()
     assert (completion.logprobs - reference.logprobs).abs().max() <= LOGP_TOL[family]
+
+
+# The model a shipped job names where that folder is not on this machine: the tiny model of its family.
+STAND_INS = {"models/Qwen3.5-4B": "tiny:qwen3_5", "models/Qwen3.5-9B": "tiny:qwen3_5"}
+
+
+def test_every_shipped_job_opens_its_vllm_engines_as_shipped(tiny_dirs):
+    """Each role a shipped job runs on vLLM, opened by `engine_for_job` with the job as shipped (mode, backend, dtype,
+    lengths, log-prob counts, tuning), on its own model or, where that folder is not here, the tiny model of its
+    family: a job the schema passes is not refused when its pools start (the GRPO job's rollout workers once were).
+    Engines whose arguments are equal are opened once."""
+    import gc
+
+    from lt_opd_ray.config.loading import load_job
+    from lt_opd_ray.engines.vllm.job import engine_arguments, engine_for_job
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    repo = Path(__file__).resolve().parents[1]
+    opened, roles = {}, []
+    for path in sorted((repo / "jobs").glob("*.yaml")):
+        job = load_job(path)
+        for role in ("rollout", "teacher"):
+            if getattr(job.pools, role).backend != "vllm":
+                continue
+            assert job.model.path in STAND_INS or job.model.path.startswith("tiny:"), f"{path.name}: give its model a stand-in"
+            model_dir = resolve_model_dir(STAND_INS.get(job.model.path, job.model.path))
+            roles.append(f"{path.name}:{role}")
+            key = (role, str(model_dir), repr(engine_arguments(job, model_dir, role)))
+            if key not in opened:
+                engine = engine_for_job(job, model_dir, role)
+                opened[key] = engine.runner
+                del engine
+                gc.collect()
+    assert roles == ["train_qwen35.yaml:rollout", "train_qwen35_9b.yaml:rollout", "train_qwen35_grpo.yaml:rollout",
+                     "train_tiny_vllm.yaml:rollout", "train_tiny_vllm.yaml:teacher"]
+    print(f"\n{len(roles)} vLLM roles of the shipped jobs, {len(opened)} distinct engines opened")

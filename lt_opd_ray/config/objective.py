@@ -72,7 +72,12 @@ class ObjectiveConfig(StrictModel):
     `prefix` (beyond the paper): the response before t, Π_{j<t} exp(logp_j - old_logp_j), truncated at
     importance_clip. The divergence at t depends on the prefix only, so under staleness (rollouts of older
     weights) only `prefix` weights the states by the current policy's chance of reaching them; `token` leaves their
-    distribution the rollout policy's and adds variance. On policy both are 1 (core/objective.py)."""
+    distribution the rollout policy's and adds variance. The old policy is the rollout engine's log-probs of its
+    samples, so on policy each token's ratio is the engines' mismatch (exp of the learner's minus the engine's log-prob:
+    1 where the learner samples with the same kernels, as the transformers engine does; vLLM's bf16 kernels are off by
+    ~0.01-0.05 a token), and the prefix weight is the product of those mismatches up to t: it drifts with t (about
+    σ√t in log space, ~1.6 at σ = 0.05 and t = 1,000) and the clip then binds for reasons other than staleness. With
+    vLLM rollouts and long responses prefer `token` (core/objective.py)."""
     logsoftmax_chunk: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Positions per chunk of the full-vocabulary log-softmax (memory is chunk × vocab)."""
     truncated: Literal["keep", "mask"] = "keep"

@@ -52,9 +52,7 @@ def sequence_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         raise ValueError(f"unknown policy loss {kind!r}: one of grpo, dapo, gspo")
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).masked_fill(mask == 0, 0.0)  # padding may hold -inf log-probs: no nan through it
-    lengths = mask.sum(dim=1)
-    if bool((lengths == 0).any()):
-        raise ValueError(f"response(s) {(lengths == 0).nonzero().flatten().tolist()} have no tokens under the mask")
+    lengths = mask.sum(dim=1)  # every response has a token: the callers check (on the host, reading nothing back)
     if kind == "gspo":
         ratio = torch.exp(((log_ratio * mask).sum(dim=1) / lengths).clamp(max=SEQUENCE_LOG_RATIO_LIMIT))  # [B]
         return -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
@@ -70,6 +68,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 kind: PolicyLoss, clip_low: float, clip_high: float, dual_clip: float | None) -> torch.Tensor:
     """The scalar loss to minimise over one batch: `sequence_terms` summed, over its responses (grpo, gspo: a mean of
     per-response means) or its response tokens (dapo: a token mean)."""
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"response(s) {empty} have no tokens under the mask")
     terms = sequence_terms(logprobs, old_logprobs, advantages, mask, kind=kind, clip_low=clip_low, clip_high=clip_high,
                            dual_clip=dual_clip)
     return terms.sum() / (mask.sum() if kind in TOKEN_MEAN else len(terms))

@@ -208,13 +208,14 @@ class QwenVLM:
         embeds = text_embeds.clone()
         visual = torch.cat(kept_parts).to(embeds.dtype)
         kept_visual_mask = is_image & keep
-        embeds[kept_visual_mask.to(self.device)] = visual  # image 0's kept tokens, then image 1's ...
+        # rows as integer positions found on the host: indexing the device's embeddings by a mask would wait for it
+        embeds[kept_visual_mask.nonzero().flatten().to(self.device)] = visual  # image 0's kept tokens, then image 1's ...
         full_pos = self.full_positions(prompt)
         deepstack = None
         if features.deepstack is not None:
             deepstack = [torch.cat(per_layer).to(embeds.dtype) for per_layer in zip(*kept_deepstack)]
         return ReducedPrompt(
-            inputs_embeds=embeds[keep.to(self.device)],
+            inputs_embeds=embeds.index_select(0, keep.nonzero().flatten().to(self.device)),
             positions=full_pos[:, keep],
             visual_mask=kept_visual_mask[keep],
             deepstack=deepstack,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,27 +16,43 @@ from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import TEXT, PromptInputs
 
 
+Figure = float | torch.Tensor  # a statistic: a 0-dim detached tensor on the device until `LossStats.on_host` reads it
+
+
 @dataclass
 class LossStats:
-    loss: float
-    divergence: float | None  # token-mean divergence; None (and top_k_overlap) where the job has no teacher
-    importance_weight: float  # token-mean truncated importance weight (the RL baselines: their ratio)
-    top_k_overlap: float | None  # mean |student top-k ∩ teacher top-k| / k
+    """A micro-batch's (or an update's) statistics. The losses leave their figures on the device, where they were
+    computed: a step combines its micro-batches' there and reads them once (`on_host`), not ~10 device syncs each."""
+
+    loss: Figure
+    divergence: Figure | None  # token-mean divergence; None (and top_k_overlap) where the job has no teacher
+    importance_weight: Figure  # token-mean truncated importance weight (the RL baselines: their ratio)
+    top_k_overlap: Figure | None  # mean |student top-k ∩ teacher top-k| / k
     tokens: int
     sequences: int = 0
     vision_forwards: int = 0  # vision tower + merger passes: one per prompt when its group fits one micro-batch
-    clipped: float = 0.0  # token-mean share of importance weights cut to objective.importance_clip (RL baselines: tokens the clip stops)
-    logprob_gap: float = 0.0  # token-mean |learner's - rollout engine's log-prob| of the sampled token
+    clipped: Figure = 0.0  # token-mean share of importance weights cut to objective.importance_clip (RL baselines: tokens the clip stops)
+    logprob_gap: Figure = 0.0  # token-mean |learner's - rollout engine's log-prob| of the sampled token
     truncated: int = 0  # responses cut at sampling.max_new_tokens
     longest: int = 0  # tokens of the longest response
+
+    FIGURES = ("loss", "divergence", "importance_weight", "top_k_overlap", "clipped", "logprob_gap")
+
+    def on_host(self) -> LossStats:
+        """These statistics with every figure a float: the tensors among them read in one transfer."""
+        held = [name for name in self.FIGURES if isinstance(getattr(self, name), torch.Tensor)]
+        if not held:
+            return self
+        values = torch.stack([getattr(self, name).detach().float().reshape(()) for name in held]).tolist()
+        return dataclasses.replace(self, **dict(zip(held, values)))
 
     @staticmethod
     def combine(parts: list[LossStats]) -> LossStats:
         """Stats of consecutive micro-batches of one update: losses add (each is already normalised by the
-        update's sequence count), token means are re-weighted by tokens."""
+        update's sequence count), token means are re-weighted by tokens. Figures stay where they are."""
         tokens = sum(p.tokens for p in parts)
 
-        def weighted(key: str) -> float | None:
+        def weighted(key: str) -> Figure | None:
             if any(getattr(p, key) is None for p in parts):  # no teacher: nothing to compare with
                 return None
             return sum(getattr(p, key) * p.tokens for p in parts) / max(tokens, 1)
@@ -55,13 +72,20 @@ class LossStats:
         )
 
 
-def support(rollout_: Rollout, score: TeacherScore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """U = student top-k ∪ teacher top-k ∪ {sampled}: ids [T, 2k+1], valid mask, teacher log-probs on U."""
-    k = rollout_.student_top_ids.shape[1]
-    ids, valid = union_support(rollout_.student_top_ids, score.top_ids.long(), rollout_.response_ids[:, None])
-    req = score.requested_logp.float()
-    teacher_logp = torch.cat([req[:, :k], score.top_logp.float(), req[:, k:]], dim=-1)
-    return ids, valid, teacher_logp
+def supports_of(rollouts: list[Rollout], scores: list[TeacherScore], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Per rollout, U = student top-k ∪ teacher top-k ∪ {sampled}: ids [T, 2k+1], valid mask, teacher log-probs on U.
+    Built on `device` for every response row of the micro-batch at once: the top-k ids travel there (int32) and one
+    sort marks the repeats, rather than a sort per rollout on the host and its [T, 2k+1] result copied over."""
+    def on_device(tensors):
+        return torch.cat(tensors).to(device)
+
+    k = rollouts[0].student_top_ids.shape[1]
+    ids, valid = union_support(on_device([r.student_top_ids for r in rollouts]).long(), on_device([s.top_ids for s in scores]).long(),
+                               on_device([r.response_ids for r in rollouts])[:, None])
+    requested = on_device([s.requested_logp for s in scores]).float()
+    teacher_logp = torch.cat([requested[:, :k], on_device([s.top_logp for s in scores]).float(), requested[:, k:]], dim=-1)
+    lengths = [r.response_ids.numel() for r in rollouts]
+    return list(zip(ids.split(lengths), valid.split(lengths), teacher_logp.split(lengths)))
 
 
 def reduced_length(prompt: PromptInputs, selected: list[torch.Tensor]) -> int:
@@ -159,7 +183,8 @@ def student_loss(
     micro-batch means. `scores` is None where the objective reads no teacher (the cross-entropy modes, the RL
     baselines); `policy` is what an RL baseline reads (`update_normaliser`: its normaliser).
     """
-    return loss_on_forward(student, student_forward(student, prompts, rollouts, packed), rollouts, scores, objective, normaliser, policy)
+    loss, stats = loss_on_forward(student, student_forward(student, prompts, rollouts, packed), rollouts, scores, objective, normaliser, policy)
+    return loss, stats.on_host()
 
 
 def loss_on_forward(
@@ -179,7 +204,7 @@ def loss_on_forward(
     if sampled_only:  # one column per position: the response's own token
         supports = [(r.response_ids[:, None].to(device), None, None) for r in rollouts]
     else:
-        supports = [[t.to(device) for t in support(r, s)] for r, s in zip(rollouts, scores)]
+        supports = supports_of(rollouts, scores, device)
     # one output-head pass over every response row of the micro-batch (one [V, H] gradient buffer, not one per sequence)
     lengths = [h.shape[0] for h in hidden]
     ids_all = torch.cat([ids for ids, _, _ in supports])
@@ -220,15 +245,15 @@ def loss_on_forward(
         gaps.append((sampled_logp.detach() - old_logp).abs())  # the engines' mismatch on the sampled token
     loss = torch.stack(sequence_losses).sum() / normaliser  # then mean over the update's sequences
     stats = LossStats(
-        loss=float(loss.detach()),
-        divergence=float(torch.cat(divs).mean()) if divs else None,
-        importance_weight=float(torch.cat(weights).mean()),
-        top_k_overlap=float(torch.cat(overlaps).mean()) if overlaps else None,
-        tokens=int(sum(r.response_ids.numel() for r in rollouts)),
+        loss=loss.detach(),
+        divergence=torch.cat(divs).mean() if divs else None,
+        importance_weight=torch.cat(weights).mean(),
+        top_k_overlap=torch.cat(overlaps).mean() if overlaps else None,
+        tokens=sum(r.response_ids.numel() for r in rollouts),
         sequences=len(rollouts),
         vision_forwards=forward.vision_forwards,
-        clipped=float((torch.cat(weights) >= objective.importance_clip).float().mean()),
-        logprob_gap=float(torch.cat(gaps).mean()),
+        clipped=(torch.cat(weights) >= objective.importance_clip).float().mean(),
+        logprob_gap=torch.cat(gaps).mean(),
         truncated=sum(r.finish_reason == "length" for r in rollouts),
         longest=max(r.response_ids.numel() for r in rollouts),
     )
@@ -247,6 +272,8 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
     each response's term, averaged as it is; without it the statistics that compare with a teacher are None."""
     if policy is None:
         raise ValueError(f"objective.mode {objective.mode} needs each rollout's advantage: none was given")
+    if empty := [i for i, lp in enumerate(sampled_logp) if lp.shape[0] == 0]:
+        raise ValueError(f"rollout(s) {empty} of the micro-batch have no response tokens: nothing to average")
     device = sampled_logp[0].device
     logp = pad_sequence([lp[:, 0] for lp in sampled_logp], batch_first=True)  # [B, T]
     recorded = pad_sequence([r.old_logp.to(device) for r in rollouts], batch_first=True)  # the rollout engine's
@@ -266,27 +293,32 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
     if objective.truncated == "mask":
         terms = terms * torch.tensor([r.finish_reason != "length" for r in rollouts], device=device, dtype=terms.dtype)  # no gradient
     loss = terms.sum() / normaliser
-    with torch.no_grad():
+    with torch.no_grad():  # token means as masked sums: no boolean indexing, nothing read back to the host
+        tokens = sum(lp.shape[0] for lp in sampled_logp)
+
+        def token_mean(values: torch.Tensor) -> torch.Tensor:
+            return (values * mask).sum() / tokens
+
         log_ratio = (logp - old) * mask
         if objective.mode == "gspo":  # one ratio per response, shown at each of its tokens
             log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)).expand_as(mask)
-        ratio = torch.exp(log_ratio)[mask.bool()]
-        advantage = policy.advantages.to(device)[:, None].expand_as(mask)[mask.bool()]
+        ratio = torch.exp(log_ratio)
+        advantage = policy.advantages.to(device)[:, None]
         # the clip acts (no gradient through the token) where the ratio passed it in the advantage's direction
         clipped = ((ratio > 1 + high) & (advantage > 0)) | ((ratio < 1 - low) & (advantage < 0))
         if objective.dual_clip is not None and objective.mode != "gspo":  # and where the dual clip capped a push down
             clipped |= (ratio > objective.dual_clip) & (advantage < 0)
-        gaps = (logp.detach() - recorded).abs()[mask.bool()]  # the engines' mismatch on the sampled token
+        gaps = (logp.detach() - recorded).abs().masked_fill(mask == 0, 0.0)  # the engines' mismatch on the sampled token
     stats = LossStats(
-        loss=float(loss.detach()),
-        divergence=float(kl.detach()[mask.bool()].mean()) if kl is not None else None,
-        importance_weight=float(ratio.mean()),
-        top_k_overlap=float(overlap.mean()) if overlap is not None else None,
-        tokens=int(mask.sum()),
+        loss=loss.detach(),
+        divergence=token_mean(kl.detach()) if kl is not None else None,
+        importance_weight=token_mean(ratio),
+        top_k_overlap=overlap.mean() if overlap is not None else None,
+        tokens=tokens,
         sequences=len(rollouts),
         vision_forwards=forward.vision_forwards,
-        clipped=float(clipped.float().mean()),
-        logprob_gap=float(gaps.mean()),
+        clipped=token_mean(clipped.float()),
+        logprob_gap=token_mean(gaps),
         truncated=sum(r.finish_reason == "length" for r in rollouts),
         longest=max(r.response_ids.numel() for r in rollouts),
     )

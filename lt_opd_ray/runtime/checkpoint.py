@@ -264,7 +264,15 @@ def download(storage: RunStorage, tag: str) -> None:
 def to_plain(group: RolloutGroup) -> dict:
     """A rollout group as tensors and plain values, so it loads weights-only (the tensors shared, not copied:
     at the main job's shapes the in-flight update is ~260 MB)."""
-    return {**vars(group), "rollouts": [dict(vars(r)) for r in group.rollouts], "span": dict(vars(group.span))}
+    return {**vars(group), "rollouts": [{k: _own_if_empty(v) for k, v in vars(r).items()} for r in group.rollouts],
+            "span": dict(vars(group.span))}
+
+
+def _own_if_empty(value):
+    """A tensor with no elements, as one of its own: one Ray deserialised from a shared buffer points at its
+    neighbour's bytes (an RL rollout's [T, 0] top-k ids at its float log-probs), and torch.save refuses two storages
+    of different dtypes at one address. There is nothing in it to copy."""
+    return torch.empty(value.shape, dtype=value.dtype) if isinstance(value, torch.Tensor) and value.numel() == 0 else value
 
 
 def from_plain(data: dict) -> RolloutGroup:

@@ -120,7 +120,7 @@ class GroupReceiver:
         requests.forget_before(version)
 
     def __iter__(self):
-        from lt_opd_ray.runtime.learner import StreamedGroup
+        from lt_opd_ray.runtime.micro_batch_stream import StreamedGroup
 
         me = f"learner-{self.rank}"
         for worker, start, group_ref in self.work:

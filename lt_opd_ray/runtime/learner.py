@@ -17,17 +17,16 @@ step is deterministic.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.collectives import all_reduce_max, all_reduce_sum, hold_every_group_for, install_guard_if_asked
-from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence, mini_batch_of
+from lt_opd_ray.core.microbatch import MicroBatch, mini_batch_of
 from lt_opd_ray.core.optim import build_optimizer
-from lt_opd_ray.core.wire import LearnerStepResult, Rollout, Stopwatch, TeacherScore
+from lt_opd_ray.core.wire import LearnerStepResult, Stopwatch
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.loading import compute_precision, load_vlm
 from lt_opd_ray.models.loss import (
@@ -35,15 +34,14 @@ from lt_opd_ray.models.loss import (
     PolicyInputs,
     StudentForward,
     averages_tokens,
-    group_policy_inputs,
     loss_on_forward,
     sampled_log_probs,
     with_old_log_probs,
-    reduced_length,
     student_forward,
 )
-from lt_opd_ray.models.processor import PromptInputs, VLMProcessor, encode_samples
+from lt_opd_ray.models.processor import VLMProcessor, encode_samples
 from lt_opd_ray.runtime.checkpoint_files import weights_only_checkpoint_engine
+from lt_opd_ray.runtime.micro_batch_stream import MicroBatchStream, StreamedGroup, chain, until_end_of
 from lt_opd_ray.runtime.waits import ProgressMark
 from lt_opd_ray.sources.resolve import resolve_model_dir
 
@@ -94,91 +92,6 @@ def deepspeed_config(job: JobConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-
-
-@dataclass
-class StreamedGroup:
-    """One rollout group as the learner receives it: its rollouts, and its teacher scores when they are asked for."""
-
-    rollouts: list[Rollout]
-    wait_scores: Callable[[], list[TeacherScore]] | None  # waits (bounded) for the teacher's answer; called once. None: no teacher
-    lag: int = 0  # weight versions between the learner and the weights that sampled it
-
-
-class MicroBatchStream:
-    """This rank's micro-batches, packed as its groups' rollouts arrive (in prompt order) within the token budget;
-    their teacher scores are waited for only when `scores` asks for them.
-
-    Each sequence is its reduced prompt (the replayed selection) plus its response. Iterating yields
-    (mini-batch, MicroBatch) pairs, and (mini-batch, None) once that mini-batch's last prompt is packed: a micro-batch
-    never spans two mini-batches (`mini_batch`: each of the rank's prompts -> its optimizer step).
-    """
-
-    def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool, mini_batch: dict[int, int],
-                 packed: bool = False, scale_advantages: bool = True):
-        self.groups, self.encode, self.policy_gradient, self.mini_batch = groups, encode, policy_gradient, mini_batch
-        self.scale_advantages = scale_advantages
-        self.packer = Packer(token_budget, packed)
-        self.rollouts: list[Rollout] = []
-        self.prompts: dict[int, PromptInputs] = {}
-        self._groups: list[StreamedGroup] = []
-        self._firsts: list[int] = []  # per group: the index of its first sequence
-        self._owners: list[int] = []  # per sequence: its group
-        self._scores: dict[int, list[TeacherScore]] = {}  # per group, once waited for
-        self.lengths: list[tuple[int, ...]] = []  # per prompt, in the order packed: its sequences' tokens
-        self._policy: dict[int, tuple[float, torch.Tensor | None]] = {}  # per sequence (RL baselines): its advantage, its old policy
-
-    def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore] | None:
-        """The teacher's scores of these sequences, waiting for each of their groups' answers the first time; None
-        where the job asks no teacher (its objective reads no teacher scores)."""
-        owners = dict.fromkeys(self._owners[i] for i in sequences)
-        if any(self._groups[g].wait_scores is None for g in owners):
-            return None
-        for g in owners:
-            if g not in self._scores:
-                self._scores[g] = self._groups[g].wait_scores()
-        return [self._scores[self._owners[i]][i - self._firsts[self._owners[i]]] for i in sequences]
-
-    def policy(self, sequences: tuple[int, ...]) -> PolicyInputs | None:
-        """What an RL baseline's loss reads of these sequences (their advantages within their prompts' groups, their
-        old policy); None for the other objectives."""
-        if not self.policy_gradient:
-            return None
-        return PolicyInputs(torch.tensor([self._policy[i][0] for i in sequences]), [self._policy[i][1] for i in sequences])
-
-    def compares_with_starting_weights(self, sequences: tuple[int, ...]) -> bool:
-        """Whether any of these sequences takes the weights the update starts from as its old policy (sampled by them)."""
-        return any(self._policy[i][1] is None for i in sequences)
-
-    def __iter__(self) -> Iterator[tuple[int, MicroBatch | None]]:
-        left = {k: list(self.mini_batch.values()).count(k) for k in set(self.mini_batch.values())}  # prompts to come, per mini-batch
-        for group in self.groups:
-            first = len(self.rollouts)
-            self.rollouts += group.rollouts
-            self._owners += [len(self._groups)] * len(group.rollouts)
-            self._groups.append(group)
-            self._firsts.append(first)
-            new = sorted({r.prompt_index for r in group.rollouts} - self.prompts.keys())
-            self.prompts.update(zip(new, self.encode(new)))
-            by_prompt: dict[int, list[Sequence]] = {}
-            for i, r in enumerate(group.rollouts, start=first):
-                length = reduced_length(self.prompts[r.prompt_index], r.selected) + r.response_ids.numel()
-                by_prompt.setdefault(r.prompt_index, []).append(Sequence(i, r.prompt_index, length))
-            for prompt in sorted(by_prompt):
-                sequences = by_prompt[prompt]
-                if self.policy_gradient:  # a prompt's sampling.n rollouts arrive together, in one group
-                    inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], group.lag == 0, self.scale_advantages)
-                    self._policy.update({s.index: (float(a), old) for s, a, old in zip(sequences, inputs.advantages, inputs.old_logp)})
-                self.lengths.append(tuple(s.tokens for s in sequences))
-                k = self.mini_batch[prompt]
-                yield from ((k, batch) for batch in self.packer.add(sequences))
-                left[k] -= 1
-                if left[k] == 0:
-                    yield from ((k, batch) for batch in self.packer.flush())
-                    yield k, None
-        if any(left.values()):
-            missing = sorted(p for p, k in self.mini_batch.items() if p not in self.prompts)
-            raise ValueError(f"this rank's groups ended without the rollouts of its prompts {missing}")
 
 
 class Learner:
@@ -236,12 +149,12 @@ class Learner:
         first = next(source, None)
         if first is None:
             raise ValueError(f"learner rank {self.rank} got no rollouts: every rank needs at least one prompt per update")
-        source = _chain(first, source)
+        source = chain(first, source)
         filler = MicroBatch((0,), (stream.rollouts[0].prompt_index,), 0)  # any real sequence, weighted 0
         old_logp: dict[int, torch.Tensor] = {}  # later steps' old policy (RL baselines): the starting weights' log-probs
         parts, spans, norms, real, passes, positions = [], [], [], 0, 0, 0
         for k in range(steps):
-            micro_batches = _until_end_of(source, k)
+            micro_batches = until_end_of(source, k)
             if steps == 1:
                 normaliser = total_sequences / self.world  # the ranks' losses are averaged: each divides by its share
             else:  # this mini-batch's sequences over the ranks (each rank's k-th share of its prompts)
@@ -270,7 +183,7 @@ class Learner:
             spans.append(watch.span("learner", f"learner-{self.rank}", f"{label} optimizer"))
             norms.append(float(self.engine.get_global_grad_norm() or 0.0))
         self.steps_done += 1
-        stats = LossStats.combine(parts)
+        stats = LossStats.combine(parts).on_host()  # the step's figures, read from the device at once
         return LearnerStepResult(
             loss=stats.loss / steps, divergence=stats.divergence, importance_weight=stats.importance_weight,
             top_k_overlap=stats.top_k_overlap, tokens=stats.tokens, sequences=stats.sequences, prompts=len(stream.prompts),
@@ -449,19 +362,3 @@ def init_process_group(rank: int, world: int, master_addr: str, master_port: int
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray gives each rank one GPU (CUDA_VISIBLE_DEVICES): device 0 is its own
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
-
-
-def _chain(first, rest: Iterator):
-    yield first
-    yield from rest
-
-
-def _until_end_of(source: Iterator[tuple[int, MicroBatch | None]], k: int) -> Iterator[MicroBatch]:
-    """Mini-batch k's micro-batches from the stream, up to its end marker."""
-    for mini_batch, batch in source:
-        if mini_batch != k:
-            raise ValueError(f"mini-batch {mini_batch} arrived inside mini-batch {k}")
-        if batch is None:
-            return
-        yield batch
-

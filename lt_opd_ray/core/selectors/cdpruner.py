@@ -20,39 +20,39 @@ FLAT_SPREAD = 1e-6  # cosines this close are float32 noise: no relevance signal
 
 
 def relevance(unit_features: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
-    """rho in [1e-6, 1]: cosine of L2-normalised tokens to the query, min-max normalised; flat (or no query) -> 1."""
+    """rho in [1e-6, 1]: cosine of L2-normalised tokens to the query, min-max normalised; flat (or no query) -> 1.
+    Decided on the device (no value read back): the selection runs inside an engine's prefill."""
     if query is None:
         return torch.ones(unit_features.shape[0], dtype=torch.float32, device=unit_features.device)
     q = torch.nn.functional.normalize(query.float(), dim=-1)
     cos = unit_features @ q  # not negated: both sides live in the LLM embedding space
     spread = cos.max() - cos.min()
-    if spread <= FLAT_SPREAD:
-        return torch.ones_like(cos)
-    return ((cos - cos.min()) / spread).clamp(RELEVANCE_FLOOR, 1.0)
+    scaled = ((cos - cos.min()) / spread.clamp(min=FLAT_SPREAD)).clamp(RELEVANCE_FLOOR, 1.0)
+    return torch.where(spread <= FLAT_SPREAD, torch.ones_like(cos), scaled)
 
 
 def greedy_dpp_map(unit_features: torch.Tensor, rho: torch.Tensor, k: int) -> torch.Tensor:
-    """Pick k indices maximising log det L_S greedily; ties go to the lowest index."""
+    """Pick k indices maximising log det L_S greedily; ties go to the lowest index. Every pick stays on the device
+    (the chosen index is a tensor, the exhausted case a mask): k picks read nothing back to the host."""
     n = unit_features.shape[0]
     cholesky_rows = unit_features.new_zeros(k, n)  # c_i stacked: row t holds e_t for every item
     gains = rho * rho + KERNEL_RIDGE  # d_i^2 = L_ii, the marginal gain of log det before any pick
     picked = torch.empty(k, dtype=torch.long, device=unit_features.device)
     available = torch.ones(n, dtype=torch.bool, device=unit_features.device)
     for t in range(k):
-        # argmax returns the first maximum: ties go to the lowest index
-        j = int(torch.argmax(torch.where(available, gains, torch.tensor(-torch.inf))).item())
+        j = torch.argmax(torch.where(available, gains, -torch.inf))  # the first maximum: ties go to the lowest index
         picked[t] = j
         available[j] = False
         gain_j = gains[j]
-        if gain_j <= 0:  # numerically exhausted: no item adds volume; remaining picks follow index order
-            gains = torch.where(available, torch.zeros_like(gains), gains)
-            continue
+        # numerically exhausted (no item adds volume): the remaining picks follow index order, no Cholesky row
+        exhausted = gain_j <= 0
         kernel_row = rho[j] * rho * (unit_features @ unit_features[j])  # L_{j,:} computed on the fly
         kernel_row[j] += KERNEL_RIDGE
         # e_i = (L_ji - <c_j, c_i>) / d_j ; then d_i^2 -= e_i^2
-        e = (kernel_row - cholesky_rows[:t].T @ cholesky_rows[:t, j]) / torch.sqrt(gain_j)
+        e = (kernel_row - cholesky_rows[:t].T @ cholesky_rows[:t, j]) / torch.sqrt(torch.where(exhausted, 1.0, gain_j))
+        e = torch.where(exhausted, torch.zeros_like(e), e)
         cholesky_rows[t] = e
-        gains = gains - e * e
+        gains = torch.where(exhausted, torch.where(available, torch.zeros_like(gains), gains), gains - e * e)
     return picked
 
 

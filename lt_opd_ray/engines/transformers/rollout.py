@@ -79,12 +79,12 @@ def student_view(vlm: QwenVLM, reduced: list[ReducedPrompt], responses: list[tup
     hidden = vlm.response_hidden(reduced, [ids for ids, _ in responses])
     viewed = []
     for h, (ids, finish_reason) in zip(hidden, responses):
-        log_probs = torch.log_softmax(vlm.lm_head(h).float(), dim=-1).cpu()  # [T, V]
+        log_probs = torch.log_softmax(vlm.lm_head(h).float(), dim=-1)  # [T, V], left where it was computed
         viewed.append(
             Completion(
                 token_ids=ids,
-                logprobs=log_probs.gather(-1, ids[:, None]).squeeze(-1),
-                top_ids=torch.topk(log_probs, min(top_k, log_probs.shape[-1]), dim=-1).indices,
+                logprobs=log_probs.gather(-1, ids[:, None].to(log_probs.device)).squeeze(-1).cpu(),  # what comes back: [T]
+                top_ids=torch.topk(log_probs, min(top_k, log_probs.shape[-1]), dim=-1).indices.cpu(),  # and [T, k]
                 finish_reason=finish_reason,
             )
         )

@@ -55,6 +55,15 @@ def open_for_job(job, role: str):
 
 def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
     """The vLLM engine of a rollout worker (`role` rollout) or teacher replica, from the job."""
+    engine = VLLMEngine(model_dir, **engine_arguments(job, model_dir, role))
+    if role == "teacher":
+        check_teacher_scoring(engine)
+    return engine
+
+
+def engine_arguments(job, model_dir: Path, role: str) -> dict:
+    """What `engine_for_job` opens `role`'s engine on `model_dir` with, once what it refuses of the job is checked.
+    (A rollout pool on vLLM for a mode whose responses the student does not sample is the schema's refusal.)"""
     import json
 
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
@@ -66,8 +75,7 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
             f"pools.{role}.backend vllm with model.dtype {job.model.dtype}: vLLM's CPU kernels run {family.name}"
             " (Gated DeltaNet) only in bfloat16; set model.dtype: bfloat16"
         )
-    engine = VLLMEngine(
-        model_dir,
+    return dict(
         dtype=job.model.dtype,
         max_model_len=context_length(job, config),
         max_logprobs=job.objective.top_k + 1,  # top-k, and k + 1 requested ids per scored row
@@ -79,6 +87,3 @@ def engine_for_job(job, model_dir: Path, role: str) -> VLLMEngine:
         token_merge=role == "rollout" and job.selector.merge == "learnable",
         tuning=getattr(job.pools, role).vllm,
     )
-    if role == "teacher":
-        check_teacher_scoring(engine)
-    return engine
