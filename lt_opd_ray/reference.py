@@ -17,7 +17,7 @@ import torch
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.curriculum import BudgetSchedule
-from lt_opd_ray.core.dynamic_sampling import draw_replacements, is_flat
+from lt_opd_ray.core.dynamic_sampling import is_flat, reserve_rows
 from lt_opd_ray.core.microbatch import update_mini_batches
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.samples import Sample
@@ -36,6 +36,7 @@ from lt_opd_ray.models.loss import (
     sampled_log_probs,
     student_forward,
     student_loss,
+    trained_count,
     update_normaliser,
     with_old_log_probs,
 )
@@ -83,20 +84,21 @@ class ReferenceTrainer:
         return encode_samples(self.processor, samples, self.job.data.system_prompt)
 
     @staticmethod
-    def policy_inputs(rollouts, on_policy: bool, scale: bool = True) -> PolicyInputs:
+    def policy_inputs(rollouts, on_policy: bool, scale: bool = True, leave_flat_out: bool = False) -> PolicyInputs:
         """The RL baselines' advantages, each prompt's rollouts as one group (sampled by the weights being updated, or
-        by the lagged copy a version behind); `scale`: divided by each group's spread (objective.scale_advantages)."""
+        by the lagged copy a version behind); `scale`: divided by each group's spread (objective.scale_advantages);
+        `leave_flat_out`: a group whose rewards are all equal takes no part in the step (dynamic sampling)."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rollouts):
             groups.setdefault(r.prompt_index, []).append(i)
-        advantages = torch.zeros(len(rollouts))
+        advantages, trained = torch.zeros(len(rollouts)), torch.ones(len(rollouts))
         old_logp: list[torch.Tensor | None] = [None] * len(rollouts)
         for members in groups.values():
-            inputs = group_policy_inputs([rollouts[i] for i in members], on_policy, scale)
-            advantages[members] = inputs.advantages
+            inputs = group_policy_inputs([rollouts[i] for i in members], on_policy, scale, leave_flat_out)
+            advantages[members], trained[members] = inputs.advantages, inputs.trained
             for i, old in zip(members, inputs.old_logp):
                 old_logp[i] = old
-        return PolicyInputs(advantages, old_logp)
+        return PolicyInputs(advantages, old_logp, trained)
 
     def sample(self, samples: list[Sample], prompts: list, budget: int) -> list:
         """The rollouts of `samples` (encoded as `prompts`) in this update, rewarded where the job has a reward."""
@@ -122,23 +124,24 @@ class ReferenceTrainer:
         return rollouts
 
     def resample_flat(self, samples: list[Sample], prompts: list, rollouts: list, budget: int) -> tuple[list, int, int]:
-        """Dynamic sampling as the driver runs it (core/dynamic_sampling.py): `samples` and `prompts` get the new rows
-        in place; returns the update's rollouts in prompt order, the groups replaced and those kept flat."""
-        rounds, resampled, tried = self.job.reward.dynamic_sampling_rounds, 0, {s.uid for s in samples}
+        """Dynamic sampling as the driver runs it (core/dynamic_sampling.py), round by round: each slot's chain of
+        reserved rows is its own, so the rows and groups are the driver's, which moves each slot on as its group
+        finishes. `samples` and `prompts` get the new rows in place; returns the update's rollouts in prompt order, the
+        groups replaced and those kept flat."""
+        rounds, resampled = self.job.reward.dynamic_sampling_rounds, 0
+        reserved = reserve_rows(self.rows, self.job.data.shuffle_seed, self.step_index, {s.uid for s in samples}, range(len(samples)), rounds)
         flat = [p for p in range(len(samples)) if is_flat([r.reward for r in rollouts if r.prompt_index == p])]
-        for round_ in range(1, rounds + 1):
+        for round_ in range(rounds):
             if not flat:
                 break
-            drawn = draw_replacements(self.rows, self.job.data.shuffle_seed, self.step_index, round_, tried, flat)
-            tried |= {row.uid for row in drawn.values()}
-            new = [drawn[slot] for slot in flat]
+            new = [reserved[slot][round_] for slot in flat]
             encoded = self.encode(new)
             again = self.sample(new, encoded, budget)
             for r in again:
                 r.prompt_index = flat[r.prompt_index]
             for slot, row, prompt in zip(flat, new, encoded):
                 samples[slot], prompts[slot] = row, prompt
-            rollouts = sorted([r for r in rollouts if r.prompt_index not in drawn] + again, key=lambda r: r.prompt_index)
+            rollouts = sorted([r for r in rollouts if r.prompt_index not in flat] + again, key=lambda r: r.prompt_index)
             resampled += len(flat)
             flat = [slot for slot in flat if is_flat([r.reward for r in again if r.prompt_index == slot])]
         return rollouts, resampled, len(flat)
@@ -158,7 +161,8 @@ class ReferenceTrainer:
                 self.job.pools.teacher.micro_batch_tokens, packed=self.job.pools.teacher.packing,
             ) if self.job.objective.teacher_scores else None  # the cross-entropy modes and the RL baselines ask no teacher
             on_policy = self.lagged is None or c == 0
-            policy = self.policy_inputs(rollouts, on_policy, self.job.objective.scale_advantages) if self.job.objective.policy_gradient else None
+            policy = (self.policy_inputs(rollouts, on_policy, self.job.objective.scale_advantages, self.job.reward.dynamic_sampling_rounds > 0)
+                      if self.job.objective.policy_gradient else None)
         if self.lagged is not None:
             self.lagged.model.load_state_dict(self.student.model.state_dict())  # v(c) samples update c + 1
         steps = self.job.optimizer.steps_per_update
@@ -173,11 +177,14 @@ class ReferenceTrainer:
         for batch in map(set, batches):
             chosen = [i for i, r in enumerate(rollouts) if r.prompt_index in batch]
             mine = [rollouts[i] for i in chosen]
-            normaliser = update_normaliser(self.job.objective, len(mine), sum(r.response_ids.numel() for r in mine))
+            if policy is not None:  # the mini-batch's responses (or tokens) of the prompts that take part in the step
+                normaliser = max(trained_count(self.job.objective, mine, policy.trained[chosen].tolist()), 1)
+            else:
+                normaliser = update_normaliser(self.job.objective, len(mine), sum(r.response_ids.numel() for r in mine))
             with compute_precision(self.job.model.dtype, self.student.device):
                 loss, stats = student_loss(
                     self.student, prompts, mine, [scores[i] for i in chosen] if scores is not None else None, self.job.objective, normaliser,
-                    PolicyInputs(policy.advantages[chosen], [policy.old_logp[i] for i in chosen]) if policy is not None else None,
+                    policy.of(chosen) if policy is not None else None,
                     packed=self.job.pools.learner.packing,
                 )
             self.optimizer.zero_grad(set_to_none=True)

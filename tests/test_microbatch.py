@@ -389,7 +389,7 @@ def test_a_learner_micro_batch_reads_nothing_back_from_the_device(updates, mode,
 
     trainer, prompts, rollouts, scores = updates["qwen3_5"]
     objective = trainer.job.objective.model_copy(update={"mode": mode})
-    policy = PolicyInputs(torch.tensor([0.5, -0.5, 0.0] * 2), [None] * len(rollouts)) if mode == "grpo" else None
+    policy = PolicyInputs(torch.tensor([0.5, -0.5, 0.0] * 2), [None] * len(rollouts), torch.ones(len(rollouts))) if mode == "grpo" else None
     if mode == "grpo":
         scores = None
     with DeviceReads(trainer.student.model.parameters()) as reads:

@@ -405,6 +405,39 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
             assert float(at_range.detach()) != pytest.approx(float(loss.detach()), rel=1e-4, abs=1e-7)  # the range acts here
 
 
+def test_a_flat_group_left_out_of_the_step_neither_adds_to_its_loss_nor_dilutes_it(tiny_dirs, samples):
+    """Dynamic sampling's filter (DAPO's): a prompt whose responses all got one reward after the last round takes no
+    part in the step. With a KL term (where a flat group still has a loss) the step's loss over both prompts is the
+    loss of the other prompt's rollouts alone, divided by their count; kept in, the flat group adds its KL term and
+    counts in the normaliser, and the loss is another."""
+    from lt_opd_ray.models.loss import trained_count
+
+    for mode in ("grpo", "dapo"):
+        job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format", kl_coef=0.5)
+        trainer = ReferenceTrainer(job)
+        _perturbed_student(trainer)
+        batch = samples[:2]
+        prompts = trainer.encode(batch)
+        with torch.no_grad():
+            rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
+                               10_000, 2, trainer.params, 4, job.seed, 0)
+        for i, r in enumerate(rollouts):
+            r.reward = [1.0, 0.0, 0.5, 0.0][i % 4] if r.prompt_index == 0 else 1.0  # prompt 1's group is flat
+        scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16, 4096)
+        policy = ReferenceTrainer.policy_inputs(rollouts, True, leave_flat_out=True)
+        assert policy.trained.tolist() == [float(r.prompt_index == 0) for r in rollouts]
+        kept = [i for i, r in enumerate(rollouts) if r.prompt_index == 0]
+        whole, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective,
+                                trained_count(job.objective, rollouts, policy.trained.tolist()), policy)
+        alone, _ = student_loss(trainer.student, prompts, [rollouts[i] for i in kept], [scores[i] for i in kept], job.objective,
+                                trained_count(job.objective, [rollouts[i] for i in kept], [1.0] * len(kept)), policy.of(kept))
+        assert float(whole) == pytest.approx(float(alone), rel=1e-6), mode
+        diluted = ReferenceTrainer.policy_inputs(rollouts, True)
+        old, _ = student_loss(trainer.student, prompts, rollouts, scores, job.objective,
+                              trained_count(job.objective, rollouts, diluted.trained.tolist()), diluted)
+        assert abs(float(old) - float(whole)) > 1e-4, mode
+
+
 def test_later_steps_of_an_update_compare_with_the_weights_it_started_from(tiny_dirs, samples):
     """optimizer.steps_per_update 2 (GRPO, one rank: prompt 0, then prompt 1), at full tokens so that transformers'
     own forward replays each rollout: the reference's update equals two AdamW steps written here on plain forwards,

@@ -1004,23 +1004,23 @@ def test_a_reward_that_gives_nan_ends_the_run_naming_its_row_and_the_checkpoint_
 
 def groups_flat_on_even_rows(job, updates: int) -> list[tuple[int, int]]:
     """(groups replaced, kept flat) per update under `user_rewards:letters_on_odd_rows` (every response of an even row
-    gets one reward), from the rows' parity and the draws alone: whatever the responses sampled."""
-    from lt_opd_ray.core.dynamic_sampling import draw_replacements
+    gets one reward), from the rows' parity and each slot's reserved rows alone: whatever the responses sampled."""
+    from lt_opd_ray.core.dynamic_sampling import reserve_rows
 
     rows = load_samples(job.data.path, job.data.image_root, job.seed)
 
     def even(row) -> bool:
         return int(row.uid.rsplit("-", 1)[1]) % 2 == 0
 
-    expected = []
+    rounds, expected = job.reward.dynamic_sampling_rounds, []
     for update, batch in zip(range(updates), batches(rows, job.sampling.prompts_per_step, job.data.shuffle_seed)):
-        flat, resampled, tried = [slot for slot, row in enumerate(batch) if even(row)], 0, {row.uid for row in batch}
-        for round_ in range(1, job.reward.dynamic_sampling_rounds + 1):
-            if flat:
-                drawn = draw_replacements(rows, job.data.shuffle_seed, update, round_, tried, flat)
-                tried |= {row.uid for row in drawn.values()}
-                resampled, flat = resampled + len(flat), [slot for slot in flat if even(drawn[slot])]
-        expected.append((resampled, len(flat)))
+        reserved = reserve_rows(rows, job.data.shuffle_seed, update, {row.uid for row in batch}, range(len(batch)), rounds)
+        resampled = flat = 0
+        for slot, row in enumerate(batch):
+            chain = [row, *reserved[slot]]
+            moves = next((i for i, r in enumerate(chain) if not even(r)), None)  # the rows it takes until one is not flat
+            resampled, flat = (resampled + moves, flat) if moves is not None else (resampled + rounds, flat + 1)
+        expected.append((resampled, flat))
     return expected
 
 
@@ -1048,7 +1048,7 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
         def sample_then_kill(flight, indices, workers):
             sample_slots(flight, indices, workers)
             if flight.update in (0, 1) and flight.update not in killed:
-                victims = list(workers) if flight.update == 0 else workers[:1]
+                victims = driver.live_workers() if flight.update == 0 else workers[:1]
                 killed[flight.update] = [driver.rollouts.names[w] for w in victims]
                 for w in victims:
                     os.kill(ray.get(driver.rollouts.workers[w].pid.remote()), signal.SIGKILL)
@@ -1060,9 +1060,9 @@ def test_dapo_dynamic_sampling_replaces_flat_groups_as_the_reference_and_a_resum
     with driven(job, 3, kept, prepare=kill_on_drawn_rows) as (_, logs, run):
         pass
     out = capsys.readouterr().out
-    assert f"{killed[1][0]} lost while sampling rewards of update 1's rollout groups (dynamic sampling round 2) (replaced after the update)" in out
+    assert f"{killed[1][0]} lost while sampling rewards of update 1's rollout groups (dynamic sampling) (replaced after the update)" in out
     # update 0: each death is seen as its group fails, the last with no worker left
-    assert ("rollout-0, rollout-1 lost while sampling rewards of update 0's rollout groups (dynamic sampling round 2) (no worker left: all"
+    assert ("rollout-0, rollout-1 lost while sampling rewards of update 0's rollout groups (dynamic sampling) (no worker left: all"
             " replaced now and given weights v0)") in out, out
     assert [(log.resampled_groups, log.flat_groups) for log in logs] == [(r.resampled_groups, r.flat_groups) for r in reports] == expected
     assert [log.reward_mean for log in logs] == pytest.approx([r.reward_mean for r in reports], rel=1e-6)

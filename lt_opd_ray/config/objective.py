@@ -177,9 +177,10 @@ class RewardConfig(StrictModel):
     """DAPO's dynamic sampling (the RL baselines): a prompt whose responses all get the same reward, after the overlong
     punishment (zero advantages, no gradient; DAPO's paper judges the answers' accuracy, which differs only where the
     punishment tells responses apart), gives its place in the update to a training row drawn at random, sampled before
-    the learners start, up to this many times per place; one still flat after the last keeps its responses. Every
-    prompt is its own rollout group (schedule.group_prompts 1). The step line counts the replacements (one per place
-    per round) and the places kept flat. 0: off."""
+    the learners start, up to this many times per place, each place moving on as soon as its own group is judged
+    (core/dynamic_sampling.py); one still flat after the last takes no part in the step (no loss, no place in its
+    normaliser: DAPO's filter). Every prompt is its own rollout group (schedule.group_prompts 1). The step line counts
+    the replacements (one per place per round) and the places kept flat. 0: off."""
 
     @property
     def uses_judge(self) -> bool:

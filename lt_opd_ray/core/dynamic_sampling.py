@@ -1,13 +1,15 @@
 """DAPO's dynamic sampling, as the driver and the reference both run it: a prompt whose n responses all get the same
 reward (after the overlong punishment: the reward the advantages see) has zero advantages, so no gradient; its slot in
 the update is given a fresh training row, sampled again, up to `reward.dynamic_sampling_rounds` times (a slot still
-flat after the last round keeps its group: it adds nothing to the gradient and the update keeps its size). Ray-free and
-torch-free.
+flat after the last round is left out of the step: no loss and no place in its normaliser, DAPO's filter,
+models/loss.group_policy_inputs). Ray-free and torch-free.
 
-A replacement row is drawn uniformly from the training rows by a generator seeded with (data.shuffle_seed, update,
-slot, round), passing over the rows the update has already sampled (its own and those drawn in earlier rounds: sampled
-again they would give the same responses, seeded by update and row) while any row is left. The drawn rows are extra
-views: the epoch order and its cursor are untouched, and a resumed run draws the same rows.
+Each slot's replacement rows, one per round, are reserved before any is needed (`reserve_rows`): a row is drawn
+uniformly from the training rows by a generator seeded with (data.shuffle_seed, update, slot, round), passing over the
+rows the update samples (its own, and those reserved before it) while any row is left. So a slot's chain of rows does
+not depend on when the other slots' groups finish: the driver moves a slot on as soon as its own group is judged, and
+the reference, round by round, gets the same rows. The reserved rows are extra views: the epoch order and its cursor
+are untouched, and a resumed run reserves the same rows.
 """
 
 from __future__ import annotations
@@ -24,21 +26,24 @@ def is_flat(rewards: Sequence[float]) -> bool:
     return max(rewards) == min(rewards)
 
 
-def draw_replacements(rows: Sequence[Sample], shuffle_seed: int, update: int, round_: int, tried: set[str],
-                      slots: Sequence[int]) -> dict[int, Sample]:
-    """A new row for each of `slots` (positions in the update's rows) in round `round_` (1, 2, ...): each drawn
-    uniformly from `rows`, slot by slot in ascending order, passing over the uids in `tried` (every row the update has
-    sampled so far) and those drawn before it while any row is left."""
-    taken = set(tried)
+def reserve_rows(rows: Sequence[Sample], shuffle_seed: int, update: int, sampled: set[str], slots: Sequence[int],
+                 rounds: int) -> dict[int, list[Sample]]:
+    """Per slot of `slots` (positions in the update's rows), its replacement rows for rounds 1..`rounds`: slot by slot
+    in ascending order, round by round, each drawn uniformly from `rows` with the (seed, update, slot, round)
+    generator, passing over the uids in `sampled` (the update's own rows) and those reserved before it while any row
+    is left; once every row is taken, rows repeat."""
+    taken = set(sampled)
     left = len({r.uid for r in rows} - taken)
-    drawn = {}
+    reserved: dict[int, list[Sample]] = {}
     for slot in sorted(slots):
-        rng = random.Random(stable_seed("dynamic-sampling", shuffle_seed, update, slot, round_))
-        row = rows[rng.randrange(len(rows))]
-        while left and row.uid in taken:
+        reserved[slot] = []
+        for round_ in range(1, rounds + 1):
+            rng = random.Random(stable_seed("dynamic-sampling", shuffle_seed, update, slot, round_))
             row = rows[rng.randrange(len(rows))]
-        if row.uid not in taken:
-            taken.add(row.uid)
-            left -= 1
-        drawn[slot] = row
-    return drawn
+            while left and row.uid in taken:
+                row = rows[rng.randrange(len(rows))]
+            if row.uid not in taken:
+                taken.add(row.uid)
+                left -= 1
+            reserved[slot].append(row)
+    return reserved

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from lt_opd_ray.core.dynamic_sampling import is_flat
 from lt_opd_ray.core.objective import divergence, gather_log_probs, lt_opd_token_losses, union_support
 from lt_opd_ray.core.rl import TOKEN_MEAN, group_advantages, sequence_terms
 from lt_opd_ray.core.wire import Rollout, TeacherScore
@@ -127,22 +128,38 @@ class PolicyInputs:
 
     advantages: torch.Tensor  # [B] each rollout's reward relative to its prompt's group (`core.rl.group_advantages`)
     old_logp: list[torch.Tensor | None]  # per rollout, the old policy's log-probs of its tokens ([T]); None: the weights trained now
+    trained: torch.Tensor  # [B] 1 where the rollout takes part in the step, 0 where its group is left out (`group_policy_inputs`)
+
+    def of(self, members: list[int]) -> PolicyInputs:
+        """These rollouts' inputs, in this order."""
+        return PolicyInputs(self.advantages[members], [self.old_logp[i] for i in members], self.trained[members])
 
 
-def group_policy_inputs(rollouts: list[Rollout], on_policy: bool, scale: bool = True) -> PolicyInputs:
+def group_policy_inputs(rollouts: list[Rollout], on_policy: bool, scale: bool = True, leave_flat_out: bool = False) -> PolicyInputs:
     """`PolicyInputs` of one prompt's rollouts (its whole group of sampling.n responses, rewarded). The old policy:
     for rollouts sampled by the weights this update starts from, those weights (None here: the student's own
     log-probs at the update's first step, or `with_old_log_probs` recorded before it); for rollouts sampled a version
     earlier (schedule.max_staleness 1), the rollout engine's recorded log-probs, the only record of that policy.
-    `scale`: the advantages divided by the group's spread (objective.scale_advantages)."""
-    advantages = group_advantages(torch.tensor([r.reward for r in rollouts]), len(rollouts), scale=scale)
-    return PolicyInputs(advantages, [None if on_policy else r.old_logp for r in rollouts])
+    `scale`: the advantages divided by the group's spread (objective.scale_advantages). `leave_flat_out` (dynamic
+    sampling): a group whose rewards are all equal takes no part in the step (DAPO's filter): no loss, no place in the
+    normaliser (`trained_count`)."""
+    rewards = [r.reward for r in rollouts]
+    advantages = group_advantages(torch.tensor(rewards), len(rollouts), scale=scale)
+    trained = torch.full((len(rollouts),), 0.0 if leave_flat_out and is_flat(rewards) else 1.0)
+    return PolicyInputs(advantages, [None if on_policy else r.old_logp for r in rollouts], trained)
 
 
 def with_old_log_probs(policy: PolicyInputs, recorded: list[torch.Tensor | None]) -> PolicyInputs:
     """`policy` with the log-probs the update's starting weights gave (`sampled_log_probs`, before its first optimizer
     step) as the old policy where it was None: what a later step of the update compares with."""
-    return PolicyInputs(policy.advantages, [old if old is not None else new for old, new in zip(policy.old_logp, recorded)])
+    return PolicyInputs(policy.advantages, [old if old is not None else new for old, new in zip(policy.old_logp, recorded)], policy.trained)
+
+
+def trained_count(objective, rollouts: list[Rollout], trained: list[float]) -> int:
+    """What the step's loss divides these rollouts by, counting those that take part: their responses, or their
+    response tokens (`averages_tokens`)."""
+    chosen = [r for r, keep in zip(rollouts, trained) if keep]
+    return update_normaliser(objective, len(chosen), sum(r.response_ids.numel() for r in chosen))
 
 
 @torch.no_grad()
@@ -292,6 +309,7 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
         overlap = torch.cat([(k - valid[:, k : 2 * k].sum(-1)).float() / k for _, valid, _ in reference])  # teacher top-k ids already in student top-k
     if objective.truncated == "mask":
         terms = terms * torch.tensor([r.finish_reason != "length" for r in rollouts], device=device, dtype=terms.dtype)  # no gradient
+    terms = terms * policy.trained.to(device, terms.dtype)  # a group left out of the step: no loss (its KL term included)
     loss = terms.sum() / normaliser
     with torch.no_grad():  # token means as masked sums: no boolean indexing, nothing read back to the host
         tokens = sum(lp.shape[0] for lp in sampled_logp)

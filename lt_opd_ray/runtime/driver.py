@@ -17,16 +17,12 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections import Counter
-from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError, RayError
 
 from lt_opd_ray.config.schema import JobConfig
 from lt_opd_ray.core.batch_order import batches
 from lt_opd_ray.core.curriculum import BPS, BudgetSchedule
-from lt_opd_ray.core.dynamic_sampling import draw_replacements, is_flat
-from lt_opd_ray.core.samples import Sample
 from lt_opd_ray.core.wire import (
     LearnerStepResult,
     RolloutGroup,
@@ -37,6 +33,8 @@ from lt_opd_ray.core.wire import (
     SyncResult,
 )
 from lt_opd_ray.runtime.checkpoint import CheckpointStore
+from lt_opd_ray.runtime.dynamic_rounds import DynamicSampling
+from lt_opd_ray.runtime.in_flight import InFlight
 from lt_opd_ray.runtime.metrics import DriverMetrics
 from lt_opd_ray.runtime.roles import RAY_ROLES, Roles
 from lt_opd_ray.runtime.rollout_pool import REPLACE_ATTEMPTS, GroupRef
@@ -47,23 +45,7 @@ from lt_opd_ray.runtime.waits import NoAnswerError, RoleDiedError, Watched
 REPLICA_COUNT_MAX_AGE_S = 10.0
 
 
-@dataclass
-class InFlight:
-    """One update's submitted work: its prompts and its rollout groups (ObjectRefs); each group's learner rank asks
-    the teacher to score it."""
-
-    update: int
-    budget_bps: int
-    batch: list[Sample]
-    samples_ref: object  # ref to `batch`
-    groups: list[GroupRef]
-    replaced: Counter[int] = field(default_factory=Counter)  # per worker: replacements started inside this update
-    drawn: dict[int, str] = field(default_factory=dict)  # dynamic sampling: per prompt slot given a new row, that row's uid
-    resampled: int = 0  # dynamic sampling: flat groups replaced by a new row's
-    flat: int = 0  # dynamic sampling: groups still flat after the last round, trained on as they are
-
-
-class Driver:
+class Driver(DynamicSampling):
     def __init__(self, job: JobConfig, resume: bool = False, roles: Roles = RAY_ROLES):
         self.job = job
         self.objects = roles.objects
@@ -184,83 +166,6 @@ class Driver:
             self.resample_flat_groups(flight)
         self.request_scores(flight.samples_ref, flight.groups)
         return flight
-
-    def resample_flat_groups(self, flight: InFlight) -> None:
-        """DAPO's dynamic sampling (core/dynamic_sampling.py): round by round, each group (one prompt) whose rewards
-        are all equal gives its slot to a new row, sampled by the workers in turn; the learners get the update once
-        every slot's last group is sampled. Before a step starts (with max_staleness 1 while the learners train on the
-        update before)."""
-        rounds, tried = self.job.reward.dynamic_sampling_rounds, {s.uid for s in flight.batch}
-        pending = list(range(len(flight.groups)))  # the groups whose rewards are still to be judged
-        for round_ in range(1, rounds + 2):
-            rewards = self.rewards_of(flight, pending, f"rewards of update {flight.update}'s rollout groups (dynamic sampling round {round_})")
-            pending = [i for i, values in zip(pending, rewards) if is_flat(values)]
-            if not pending or round_ > rounds:
-                break
-            drawn = draw_replacements(self.samples, self.job.data.shuffle_seed, flight.update, round_, tried, [flight.groups[i].start for i in pending])
-            tried |= {row.uid for row in drawn.values()}
-            for i in pending:
-                flight.batch[flight.groups[i].start] = drawn[flight.groups[i].start]
-                flight.drawn[flight.groups[i].start] = drawn[flight.groups[i].start].uid
-            self.sample_slots(flight, pending, self.live_workers())
-            flight.resampled += len(pending)
-        flight.flat = len(pending)
-        if flight.drawn:
-            flight.samples_ref = self.objects.put(flight.batch)  # the rows the learners train on (and a lost group's resample reads)
-
-    def rewards_of(self, flight: InFlight, indices: list[int], what: str) -> list[tuple[float, ...]]:
-        """The rewards of `flight.groups[indices]`, once sampled. A worker that dies on them is stopped (replaced after
-        the update) and its groups sampled again by the live workers: the same rollouts (sampling is seeded by update,
-        row and response, not by worker)."""
-        while True:
-            groups = [flight.groups[i] for i in indices]
-            try:
-                return [s.rewards for s in self.rollouts.wait([g.summary for g in groups], [self.rollouts.names[g.worker] for g in groups], what)]
-            except RayActorError:
-                dead = {g.worker for g in groups if self.died(g)}
-                if not dead:
-                    raise
-                again = [i for i in indices if flight.groups[i].worker in dead]
-                survivors = [w for w in self.live_workers() if w not in dead]
-                if survivors:
-                    for worker in sorted(dead):
-                        self.rollouts.stop(worker)
-                        self.lost_workers.add(worker)
-                    how = "replaced after the update"
-                else:
-                    dead |= self.lost_workers  # stopped earlier inside the update: none lives
-                    survivors = self.replace_every_worker(dead, what)
-                    how = f"no worker left: all replaced now and given weights v{self.step}"
-                self.sample_slots(flight, again, survivors)
-                print(f"{', '.join(self.rollouts.names[w] for w in sorted(dead))} lost while sampling {what} ({how}): prompt slots"
-                      f" {', '.join(str(flight.groups[i].start) for i in again)} sampled again by"
-                      f" {', '.join(self.rollouts.names[w] for w in survivors)}", flush=True)
-
-    def replace_every_worker(self, dead: set[int], what: str) -> list[int]:
-        """No rollout worker lives on dynamic sampling's rounds: before the learners' step (max_staleness 0, or the
-        first update) each one is replaced now and given the learners' weights, which the rounds sample with; returns
-        them. Inside the step (the next update's rounds, max_staleness 1) the weights they sample with, v(step), may
-        already be gone from the learners (their optimizer step does not wait for these rounds): the run ends, and
-        `--resume` continues from its last checkpoint."""
-        gone = sorted(dead)
-        names = ", ".join(self.rollouts.names[w] for w in gone)
-        if self.stepping:
-            raise RoleDiedError(f"{names} died while sampling {what} with no worker left, while the learners train on update {self.step}: the"
-                                f" rows must be sampled by weights v{self.step}, which the learners' step moves on from")
-        for worker in gone:
-            self.rollouts.replace(worker)  # stops the dead one first
-            self.metrics.record_restart("rollout")
-        self.lost_workers.clear()
-        self.sync.connect()
-        self.broadcast(version=self.step)
-        return gone
-
-    def sample_slots(self, flight: InFlight, indices: list[int], workers: list[int]) -> None:
-        """`flight.groups[indices]` (one prompt each) sampled afresh from the rows their slots hold now, dealt over `workers`."""
-        rows = self.objects.put({flight.groups[i].start: flight.batch[flight.groups[i].start] for i in indices})  # a worker reads rows[slot]
-        bounds = [(flight.groups[i].start, flight.groups[i].stop, flight.groups[i].learner_rank) for i in indices]
-        for i, group in zip(indices, self.rollouts.submit_groups(rows, bounds, flight.budget_bps, flight.update, workers)):
-            flight.groups[i] = group
 
     def live_workers(self) -> list[int]:
         """The rollout workers not stopped inside the update."""

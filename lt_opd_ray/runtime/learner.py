@@ -143,7 +143,7 @@ class Learner:
         mini_batch = mini_batch_of(sorted(samples), steps)
         learner = self.job.pools.learner
         stream = MicroBatchStream(groups, encode, learner.micro_batch_tokens, objective.policy_gradient, mini_batch, learner.packing,
-                                  objective.scale_advantages)
+                                  objective.scale_advantages, leave_flat_out=self.job.reward.dynamic_sampling_rounds > 0)
         source = iter(stream)
         mark(f"u{version} waiting for rollouts", working=False)
         first = next(source, None)
@@ -155,17 +155,18 @@ class Learner:
         parts, spans, norms, real, passes, positions = [], [], [], 0, 0, 0
         for k in range(steps):
             micro_batches = until_end_of(source, k)
-            if steps == 1:
+            if averages_tokens(objective) or stream.leave_flat_out:  # a mean over the mini-batch's tokens, or over the
+                # sequences of the prompts that take part: every rank's rollouts counted before the first backward
+                micro_batches = list(micro_batches)
+                mark(f"u{version} lockstep with the other ranks", working=False)
+                (count,) = all_reduce_sum([stream.trained_count(objective, [i for mb in micro_batches for i in mb.sequences])])
+                normaliser = max(count, 1) / self.world  # every prompt left out: a step of no loss
+            elif steps == 1:
                 normaliser = total_sequences / self.world  # the ranks' losses are averaged: each divides by its share
             else:  # this mini-batch's sequences over the ranks (each rank's k-th share of its prompts)
                 mark(f"u{version} lockstep with the other ranks", working=False)
                 (sequences,) = all_reduce_sum([self.job.sampling.n * sum(1 for p in mini_batch.values() if p == k)])
                 normaliser = sequences / self.world
-            if averages_tokens(objective):  # a mean over the mini-batch's tokens: every rank's rollouts counted first
-                micro_batches = list(micro_batches)
-                mark(f"u{version} lockstep with the other ranks", working=False)
-                (tokens,) = all_reduce_sum([sum(stream.rollouts[i].response_ids.numel() for mb in micro_batches for i in mb.sequences)])
-                normaliser = tokens / self.world
             label = f"u{version}" + (f" step{k}" if steps > 1 else "")
             done = self._accumulate(stream, iter(micro_batches), filler, normaliser, old_logp, label, mark)
             parts += done[0]

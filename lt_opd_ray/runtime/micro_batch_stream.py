@@ -11,7 +11,7 @@ import torch
 
 from lt_opd_ray.core.microbatch import MicroBatch, Packer, Sequence
 from lt_opd_ray.core.wire import Rollout, TeacherScore
-from lt_opd_ray.models.loss import PolicyInputs, group_policy_inputs, reduced_length
+from lt_opd_ray.models.loss import PolicyInputs, group_policy_inputs, reduced_length, trained_count
 from lt_opd_ray.models.processor import PromptInputs
 
 
@@ -34,9 +34,11 @@ class MicroBatchStream:
     """
 
     def __init__(self, groups: Iterator[StreamedGroup], encode, token_budget: int, policy_gradient: bool, mini_batch: dict[int, int],
-                 packed: bool = False, scale_advantages: bool = True):
+                 packed: bool = False, scale_advantages: bool = True, leave_flat_out: bool = False):
+        """`leave_flat_out` (dynamic sampling): a prompt whose rewards are all equal takes no part in the step
+        (models/loss.group_policy_inputs)."""
         self.groups, self.encode, self.policy_gradient, self.mini_batch = groups, encode, policy_gradient, mini_batch
-        self.scale_advantages = scale_advantages
+        self.scale_advantages, self.leave_flat_out = scale_advantages, leave_flat_out
         self.packer = Packer(token_budget, packed)
         self.rollouts: list[Rollout] = []
         self.prompts: dict[int, PromptInputs] = {}
@@ -45,7 +47,7 @@ class MicroBatchStream:
         self._owners: list[int] = []  # per sequence: its group
         self._scores: dict[int, list[TeacherScore]] = {}  # per group, once waited for
         self.lengths: list[tuple[int, ...]] = []  # per prompt, in the order packed: its sequences' tokens
-        self._policy: dict[int, tuple[float, torch.Tensor | None]] = {}  # per sequence (RL baselines): its advantage, its old policy
+        self._policy: dict[int, tuple[float, torch.Tensor | None, float]] = {}  # per sequence (RL baselines): advantage, old policy, trained
 
     def scores(self, sequences: tuple[int, ...]) -> list[TeacherScore] | None:
         """The teacher's scores of these sequences, waiting for each of their groups' answers the first time; None
@@ -63,7 +65,14 @@ class MicroBatchStream:
         old policy); None for the other objectives."""
         if not self.policy_gradient:
             return None
-        return PolicyInputs(torch.tensor([self._policy[i][0] for i in sequences]), [self._policy[i][1] for i in sequences])
+        advantages, old_logp, trained = zip(*(self._policy[i] for i in sequences))
+        return PolicyInputs(torch.tensor(advantages), list(old_logp), torch.tensor(trained))
+
+    def trained_count(self, objective, sequences: list[int]) -> int:
+        """What these sequences count in the step's normaliser (models/loss.trained_count): those of a prompt left out
+        of the step count nothing."""
+        trained = [self._policy[i][2] for i in sequences] if self.policy_gradient else [1.0] * len(sequences)
+        return trained_count(objective, [self.rollouts[i] for i in sequences], trained)
 
     def compares_with_starting_weights(self, sequences: tuple[int, ...]) -> bool:
         """Whether any of these sequences takes the weights the update starts from as its old policy (sampled by them)."""
@@ -86,8 +95,10 @@ class MicroBatchStream:
             for prompt in sorted(by_prompt):
                 sequences = by_prompt[prompt]
                 if self.policy_gradient:  # a prompt's sampling.n rollouts arrive together, in one group
-                    inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], group.lag == 0, self.scale_advantages)
-                    self._policy.update({s.index: (float(a), old) for s, a, old in zip(sequences, inputs.advantages, inputs.old_logp)})
+                    inputs = group_policy_inputs([self.rollouts[s.index] for s in sequences], group.lag == 0, self.scale_advantages,
+                                                 self.leave_flat_out)
+                    self._policy.update({s.index: (float(a), old, float(t))
+                                         for s, a, old, t in zip(sequences, inputs.advantages, inputs.old_logp, inputs.trained)})
                 self.lengths.append(tuple(s.tokens for s in sequences))
                 k = self.mini_batch[prompt]
                 yield from ((k, batch) for batch in self.packer.add(sequences))

@@ -36,7 +36,7 @@ class StepLog:
     reward_mean: float | None = None  # mean reward.name score of the update's responses; None: the job has no reward
     reward_std: float | None = None  # their standard deviation (population)
     resampled_groups: int | None = None  # dynamic sampling: flat groups given to drawn rows (one per place per round); None: off
-    flat_groups: int | None = None  # dynamic sampling: groups still all equal after the last round, trained on as they are
+    flat_groups: int | None = None  # dynamic sampling: groups still all equal after the last round, left out of the step
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps

@@ -35,6 +35,18 @@ def wait_for(refs: list, names: list[str], timeout_s: float, what: str, error: t
     return objects.get(refs)
 
 
+def wait_any(refs: list, names: list[str], timeout_s: float, what: str, error: type[Exception] = NoAnswerError,
+             objects: ObjectStore = RAY_OBJECTS) -> dict[int, object]:
+    """{i: get(refs[i])} for the refs ready as soon as any is (at least one; every other one done by then too);
+    `names[i]` is the actor behind refs[i], named if none answers in `timeout_s`. A call that failed raises its error."""
+    first, _ = objects.wait(list(refs), num_returns=1, timeout=timeout_s)
+    if not first:
+        raise error(f"{what}: no answer after {timeout_s:.0f} s from {', '.join(sorted(set(names)))}")
+    done, _ = objects.wait(list(refs), num_returns=len(refs), timeout=0)
+    ready = [i for i, ref in enumerate(refs) if ref in done]
+    return dict(zip(ready, objects.get([refs[i] for i in ready])))
+
+
 def wait_one(ref, name: str, timeout_s: float, what: str, objects: ObjectStore = RAY_OBJECTS):
     return wait_for([ref], [name], timeout_s, what, objects=objects)[0]
 
