@@ -653,7 +653,8 @@ def test_the_rl_arms_variants_change_their_group_size_or_clip_range_and_nothing_
     paper's clip range halved or doubled; no other field moves. The choice among an arm's own settings and its
     variants is the highest validation retain at its chosen scale, a tie going to its own settings."""
     from lt_opd_ray.core.rl import CLIP_RANGES
-    from lt_opd_ray.tools.ablation import RL_VARIANTS, arm_job, chosen_lr_scale, chosen_variant, grid_ends
+    from lt_opd_ray.tools.ablation import RL_VARIANTS, arm_job
+    from lt_opd_ray.tools.ablation_choices import chosen_lr_scale, chosen_variant, grid_ends
 
     base = load_job("jobs/toy_discs.yaml")
     for arm in ("grpo", "dapo", "gspo"):
