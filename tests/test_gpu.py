@@ -80,3 +80,18 @@ def test_nccl_takes_the_lockstep_flags_and_the_weight_sync_on_the_device(tmp_pat
             group._broadcast(torch.arange(4, device="cuda"))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_packed_row_through_the_varlen_kernels_equals_the_per_sequence_loop(monkeypatch):
+    """On CUDA in bf16 a packed row's attention is one variable-length flash-attention call (`varlen_kernels`); it
+    gives what the per-sequence SDPA loop (the fallback, the CPU's path) gives, within bf16's rounding."""
+    from test_packing import Attention, packed_qkv
+
+    from lt_opd_ray.models import packing
+
+    assert "attention" in packing.varlen_kernels(torch.device("cuda"), torch.bfloat16)
+    q, k, v, bounds = packed_qkv("cuda", torch.bfloat16, lengths=(130, 7, 512, 64))
+    fused, _ = packing.packed_attention(Attention(), q, k, v, None, cu_seq_lens_q=bounds)
+    monkeypatch.setattr(packing, "varlen_kernels", lambda device, dtype: frozenset())
+    looped, _ = packing.packed_attention(Attention(), q, k, v, None, cu_seq_lens_q=bounds)
+    torch.testing.assert_close(fused.float(), looped.float(), rtol=2e-2, atol=2e-2)

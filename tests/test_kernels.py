@@ -56,3 +56,4 @@ def test_one_warning_names_every_slow_actor_the_packages_and_the_fix():
     assert "rollout-0" not in warning
     assert "causal-conv1d, fla-core not installed" in warning and "10x" in warning and INSTALL_HINT in warning
     assert slow_kernels_warning(placements[3:]) is None
+

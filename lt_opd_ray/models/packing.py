@@ -11,6 +11,11 @@ Every layer that mixes positions is told where one sequence ends and the next be
   neither the convolution's window nor the state reaches the next sequence. The layer's projections run once over
   the row (under ZeRO-3 its weights are gathered once, not per sequence).
 Every other layer (projections, MLPs, norms, the head) works per token and runs over the whole row at once.
+
+Where a kernel takes the row's bounds itself (`varlen_kernels`: on CUDA, torch's variable-length flash attention, and
+fla's chunked gated delta rule where fla is installed), the row runs through it in one call instead of a call per
+sequence (at the main job's ~8 sequences a micro-batch, forward, recompute and backward: ~6k launches per rank and
+update instead of ~46k); the per-sequence calls are the fallback, and what runs on the CPU.
 """
 
 from __future__ import annotations
@@ -45,6 +50,22 @@ def packed_call():
         _packed_call.reset(token)
 
 
+def varlen_kernels(device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+    """Which of a packed row's position-mixing functions run the whole row in one kernel here: "attention" (torch's
+    variable-length flash attention, CUDA in fp16 / bf16) and "delta_rule" (fla's chunked gated delta rule, CUDA, where
+    fla imports). The short convolution is not among them: the causal_conv1d kernel takes sequence ids only in a
+    channels-last layout transformers does not give it, so it runs once per sequence everywhere (a width-4 depthwise
+    convolution: the cheapest of the three)."""
+    if device.type != "cuda":
+        return frozenset()
+    from lt_opd_ray.models.kernels import LINEAR_ATTENTION_KERNELS, importable
+
+    found = {"delta_rule"} if importable(*LINEAR_ATTENTION_KERNELS["fla-core"]) else set()
+    if dtype in (torch.float16, torch.bfloat16) and importable("torch.nn.attention.varlen", "varlen_attn"):
+        found.add("attention")
+    return frozenset(found)
+
+
 def spans(bounds: torch.Tensor) -> list[tuple[int, int]]:
     edges = bounds.tolist()
     return list(zip(edges, edges[1:]))
@@ -60,6 +81,14 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if kwargs.get("sliding_window"):
         raise ValueError("packed rows do not cover sliding-window attention: set pools.*.packing false")
     prefix = key.shape[2] - query.shape[2]
+    if prefix == 0 and not dropout and "attention" in varlen_kernels(query.device, query.dtype):
+        from torch.nn.attention.varlen import varlen_attn
+
+        longest = max(end - start for start, end in spans(bounds))  # the bounds live on the host: no sync
+        on_device = bounds.to(query.device, torch.int32)
+        rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [L, heads, d]
+        out = varlen_attn(*rows, on_device, on_device, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True)
+        return out[None], None  # [1, L, heads, d], as SDPA's forward returns it
     outputs = []
     for start, end in spans(bounds):
         if prefix == 0:  # causal on the sequence alone: SDPA's fused kernels, no mask
@@ -128,6 +157,8 @@ def segment_linear_attention() -> None:
         none). The state returned is the initial one: after a packed row the cache holds no one sequence's state."""
         if cu_seqlens is None:
             return delta_rule(query, key, value, *args, **kwargs)
+        if kwargs.get("initial_state") is None and "delta_rule" in varlen_kernels(query.device, query.dtype):
+            return delta_rule(query, key, value, *args, cu_seqlens=cu_seqlens.to(query.device, torch.long), **kwargs)  # fla's varlen
         if kwargs.get("output_final_state") and kwargs.get("initial_state") is None:
             raise ValueError("a packed row has no one state to cache: run it without use_cache")
         g, beta = kwargs.pop("g"), kwargs.pop("beta")
