@@ -171,6 +171,7 @@ def test_not_yaml_and_not_a_mapping():
     ("objective: {mode: gspo, importance_clip: 5.0}\nreward: {name: format}", "objective", "objective.importance_clip weighs"),
     ("objective: {dual_clip: 4.0}", "objective", "objective.dual_clip is the RL baselines'"),
     ("objective: {mode: grpo, dual_clip: 1.0}\nreward: {name: format}", "objective.dual_clip", "greater than 1"),
+    ("objective: {mode: gspo, dual_clip: 5.0}\nreward: {name: format}", "objective", "objective.mode gspo clips one ratio per response"),
 ])
 def test_values_that_would_fail_later_are_refused_by_validate(extra, where, reason):
     problems, _ = problems_of(MINIMAL + extra + "\n")

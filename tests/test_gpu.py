@@ -84,14 +84,54 @@ def test_nccl_takes_the_lockstep_flags_and_the_weight_sync_on_the_device(tmp_pat
 
 def test_a_packed_row_through_the_varlen_kernels_equals_the_per_sequence_loop(monkeypatch):
     """On CUDA in bf16 a packed row's attention is one variable-length flash-attention call (`varlen_kernels`); it
-    gives what the per-sequence SDPA loop (the fallback, the CPU's path) gives, within bf16's rounding."""
+    gives what the per-sequence SDPA loop (the fallback, the CPU's path) gives, forward and backward, within bf16's
+    rounding; so does fla's varlen delta rule against the loop, where fla is installed."""
     from test_packing import Attention, packed_qkv
 
     from lt_opd_ray.models import packing
 
     assert "attention" in packing.varlen_kernels(torch.device("cuda"), torch.bfloat16)
-    q, k, v, bounds = packed_qkv("cuda", torch.bfloat16, lengths=(130, 7, 512, 64))
-    fused, _ = packing.packed_attention(Attention(), q, k, v, None, cu_seq_lens_q=bounds)
-    monkeypatch.setattr(packing, "varlen_kernels", lambda device, dtype: frozenset())
-    looped, _ = packing.packed_attention(Attention(), q, k, v, None, cu_seq_lens_q=bounds)
-    torch.testing.assert_close(fused.float(), looped.float(), rtol=2e-2, atol=2e-2)
+    found = packing.varlen_kernels
+
+    def both(run):
+        """(output, gradients) through the varlen kernels, then through the per-sequence loop."""
+        results = []
+        for kernels in (found, lambda device, dtype: frozenset()):
+            monkeypatch.setattr(packing, "varlen_kernels", kernels)
+            out, inputs = run()
+            out.float().square().sum().backward()
+            results.append((out.detach().float(), [t.grad.float() for t in inputs]))
+        return results
+
+    def attention():
+        q, k, v, bounds = packed_qkv("cuda", torch.bfloat16, lengths=(130, 7, 512, 64))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        return packing.packed_attention(Attention(), q, k, v, None, cu_seq_lens_q=bounds)[0], (q, k, v)
+
+    (fused, fused_grads), (looped, looped_grads) = both(attention)
+    torch.testing.assert_close(fused, looped, rtol=2e-2, atol=2e-2)
+    for a, b in zip(fused_grads, looped_grads):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+    if "delta_rule" not in found(torch.device("cuda"), torch.bfloat16):
+        return  # fla is not installed here: the delta rule loops either way
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    packing.segment_linear_attention()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = (130, 7, 512, 64)
+    bounds = packing.row_bounds(list(lengths))["cu_seq_lens_q"]
+
+    def delta_rule():
+        g.manual_seed(0)  # the same inputs for both paths
+        L = sum(lengths)
+        q, k, v = (torch.randn(1, L, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True) for _ in range(3))
+        gate = -torch.rand(1, L, 4, device="cuda", generator=g)
+        beta = torch.rand(1, L, 4, device="cuda", generator=g, dtype=torch.bfloat16)
+        out, _ = qwen3_5.torch_chunk_gated_delta_rule(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=False,
+                                                      use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
+        return out, (q, k, v)
+
+    (fused, fused_grads), (looped, looped_grads) = both(delta_rule)
+    torch.testing.assert_close(fused, looped, rtol=5e-2, atol=5e-2)
+    for a, b in zip(fused_grads, looped_grads):
+        torch.testing.assert_close(a, b, rtol=1e-1, atol=1e-1)

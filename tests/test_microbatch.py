@@ -374,11 +374,6 @@ def test_student_loss_equals_the_loss_from_plain_forwards_on_a_real_model(tiny_d
     assert float(wrong) != pytest.approx(expected, rel=1e-3)
 
 
-# device reads of one learner micro-batch (forward, loss, backward) on 6 rollouts of 2 prompts, each left where it is
-# and why: transformers' own code (Qwen3.5's packed varlen split of its linear attention: `lengths.tolist()`)
-MICRO_BATCH_DEVICE_READS = {"lt_opd": 0, "grpo": 0}
-
-
 @pytest.mark.parametrize("mode, packed", [("lt_opd", True), ("grpo", True), ("lt_opd", False)])
 def test_a_learner_micro_batch_reads_nothing_back_from_the_device(updates, mode, packed):
     """The learner's micro-batch as its DeepSpeed module runs it (the student's forward on the replayed rollouts, the

@@ -130,6 +130,9 @@ class ObjectiveConfig(StrictModel):
             if getattr(self, name) != type(self).model_fields[name].default and not self.policy_gradient:
                 raise ValueError(f"objective.{name} is the RL baselines' (grpo, dapo, gspo); objective.mode {self.mode} trains no"
                                  " clipped policy gradient")
+        if self.mode == "gspo" and self.dual_clip != type(self).model_fields["dual_clip"].default:
+            raise ValueError("objective.dual_clip caps a token's term; objective.mode gspo clips one ratio per response and takes"
+                             " no dual clip (as verl's GSPO)")
         for name in ("importance", "importance_clip"):
             if self.policy_gradient and getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"objective.{name} weighs the distillation modes' divergence; objective.mode {self.mode} corrects"
@@ -179,7 +182,8 @@ class RewardConfig(StrictModel):
     punishment tells responses apart), gives its place in the update to a training row drawn at random, sampled before
     the learners start, up to this many times per place, each place moving on as soon as its own group is judged
     (core/dynamic_sampling.py); one still flat after the last takes no part in the step (no loss, no place in its
-    normaliser: DAPO's filter). Every prompt is its own rollout group (schedule.group_prompts 1). The step line counts
+    normaliser: DAPO's filter; a step left with none has a zero gradient, though AdamW's momentum and weight decay
+    still move the weights and the learning rate still steps). Every prompt is its own rollout group (schedule.group_prompts 1). The step line counts
     the replacements (one per place per round) and the places kept flat. 0: off."""
 
     @property

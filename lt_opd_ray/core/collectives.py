@@ -46,6 +46,14 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def host_group():
+    """A gloo group over the default group's ranks, for what the host decides in lockstep (the learners' flags and
+    counts): under NCCL those would be device tensors, each read back to the host behind the forward or backward queued
+    before it; on gloo they are host values, reduced without waiting for the device. Every rank calls it, in the same
+    order (a new group is a collective)."""
+    return dist.new_group(backend="gloo")
+
+
 def all_reduce_max(values: list[int], group=None) -> list[int]:
     """Element-wise maximum of small integers over the group (the learners' lockstep flags)."""
     flags = torch.tensor(values, dtype=torch.int64, device=backend_device(dist.get_backend(group)))

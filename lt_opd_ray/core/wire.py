@@ -76,6 +76,8 @@ class Rollout:
     @classmethod
     def sampled(cls, prompt_index: int, completion, selected, merge_routes, budget_bps: int) -> Rollout:
         """From either backend's completion (token_ids, logprobs, top_ids, finish_reason) and the prompt's selection."""
+        if completion.logprobs is None:
+            raise ValueError("a rollout carries its tokens' log-probs: sample it with top_k_logprobs 0 or more, not None")
         return cls(
             prompt_index=prompt_index,
             response_ids=completion.token_ids,

@@ -173,7 +173,7 @@ class VLLMRolloutEngine:
 
         prompts = self._encode(samples, system_prompt)
         engine_prompts = [engine_prompt(p, sample_images(s), self.engine.video_token_id) for p, s in zip(prompts, samples)]
-        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=0, stop=stop, eos_token_ids=self.processor.eos_token_ids)
+        params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=None, stop=stop, eos_token_ids=self.processor.eos_token_ids)
         selections = [  # at 10000 bps the selector keeps every visual token
             SelectionRequest(budget_bps=budget_bps, k_min=self.job.budget.k_min, selector=selector, seed=eval_selection_seed(s.uid))
             for s in samples

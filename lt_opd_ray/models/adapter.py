@@ -23,6 +23,7 @@ from lt_opd_ray.core.curriculum import tokens_to_keep
 from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import SelectionInput, Selector
+from lt_opd_ray.models.transfer import to_device
 from lt_opd_ray.models.processor import IMAGE, TEXT, VIDEO, PromptInputs
 from lt_opd_ray.models.token_merge import assign_to_kept, merge_head
 
@@ -97,7 +98,7 @@ class QwenVLM:
         return self.lm_head.weight.dtype
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(ids.to(self.device))
+        return self.model.get_input_embeddings()(to_device(ids, self.device))
 
     # ---------------------------------------------------------- full prompt
     def visual_features(self, prompt: PromptInputs) -> VisualFeatures:
@@ -115,7 +116,7 @@ class QwenVLM:
         (a clip's t*h*w merged tokens are t runs of h*w in the prompt)."""
         if pixels is None or grid_thw is None or not len(grid_thw):
             return iter(())
-        out = encode(pixels.to(self.device), grid_thw.to(self.device), return_dict=True)
+        out = encode(to_device(pixels, self.device), to_device(grid_thw, self.device), return_dict=True)
         per_item = [list(layers) for layers in zip(*out.deepstack_features)] if self.family.deepstack else [None] * len(grid_thw)
         for embeds, layers, (t, h, w) in zip(out.pooler_output, per_item, grid_thw.tolist()):
             size = h * w // self.merge**2
@@ -195,7 +196,7 @@ class QwenVLM:
                 unit = f"image {i}" if prompt.visual_units[i][0] == IMAGE else f"the clip's temporal patch {i - prompt.num_images}"
                 raise ValueError(f"{unit}: selected index outside [0, {n})")
             keep[visual_at[start + indices]] = True
-            on_device = indices.to(self.device)
+            on_device = to_device(indices, self.device)
             if head is None:
                 kept_parts.append(features.embeds[i][on_device])
             else:  # each kept token also carries its discarded neighbours (models/token_merge.py)
@@ -209,13 +210,13 @@ class QwenVLM:
         visual = torch.cat(kept_parts).to(embeds.dtype)
         kept_visual_mask = is_image & keep
         # rows as integer positions found on the host: indexing the device's embeddings by a mask would wait for it
-        embeds[kept_visual_mask.nonzero().flatten().to(self.device)] = visual  # image 0's kept tokens, then image 1's ...
+        embeds[to_device(kept_visual_mask.nonzero().flatten(), self.device)] = visual  # image 0's kept tokens, then image 1's ...
         full_pos = self.full_positions(prompt)
         deepstack = None
         if features.deepstack is not None:
             deepstack = [torch.cat(per_layer).to(embeds.dtype) for per_layer in zip(*kept_deepstack)]
         return ReducedPrompt(
-            inputs_embeds=embeds.index_select(0, keep.nonzero().flatten().to(self.device)),
+            inputs_embeds=embeds.index_select(0, to_device(keep.nonzero().flatten(), self.device)),
             positions=full_pos[:, keep],
             visual_mask=kept_visual_mask[keep],
             deepstack=deepstack,
@@ -241,8 +242,8 @@ class QwenVLM:
             embeds[b, pad:] = torch.cat([seq.inputs_embeds, self.embed_tokens(ids).to(embeds.dtype)])
             mask[b, pad:] = 1
             positions[0, b, pad:] = torch.arange(length, device=device)  # plain index over the reduced sequence
-            positions[1:, b, pad:] = torch.cat([seq.positions, response_pos.expand(3, -1)], dim=1).to(device)
-            visual[b, pad : pad + seq.length] = seq.visual_mask.to(device)
+            positions[1:, b, pad:] = to_device(torch.cat([seq.positions, response_pos.expand(3, -1)], dim=1), device)
+            visual[b, pad : pad + seq.length] = to_device(seq.visual_mask, device)
         deepstack = None
         if sequences[0].deepstack is not None:
             deepstack = [torch.cat(layer) for layer in zip(*(seq.deepstack for seq in sequences))]
@@ -265,7 +266,7 @@ class QwenVLM:
             deepstack = [torch.cat(layer) for layer in zip(*(seq.deepstack for seq in sequences))]
         row, device = torch.cat(embeds), self.device
         return PaddedBatch(row[None], torch.ones(1, row.shape[0], dtype=torch.long, device=device),
-                           torch.cat(positions, dim=1)[:, None].to(device), torch.cat(visual)[None].to(device), deepstack, lengths)
+                           to_device(torch.cat(positions, dim=1)[:, None], device), to_device(torch.cat(visual)[None], device), deepstack, lengths)
 
     def run_language_model(self, batch: PaddedBatch, past_key_values=None, use_cache: bool = False):
         """Language model over a padded or packed batch; returns (final hidden [B, L, H], cache). A packed row's cache

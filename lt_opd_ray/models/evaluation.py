@@ -51,7 +51,7 @@ def generate_responses(
     choose = build_selector(selector, scope)
     tokenizer = processor.tokenizer
     params = SamplingParams(
-        max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=0, stop=stop, eos_token_ids=processor.eos_token_ids
+        max_new_tokens=max_new_tokens, greedy=True, top_k_logprobs=None, stop=stop, eos_token_ids=processor.eos_token_ids
     )
     was_training = vlm.model.training
     vlm.model.eval()

@@ -11,10 +11,11 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lt_opd_ray.core.dynamic_sampling import is_flat
 from lt_opd_ray.core.objective import divergence, gather_log_probs, lt_opd_token_losses, union_support
-from lt_opd_ray.core.rl import TOKEN_MEAN, group_advantages, sequence_terms
+from lt_opd_ray.core.rl import LOG_RATIO_LIMIT, SEQUENCE_LOG_RATIO_LIMIT, TOKEN_MEAN, group_advantages, sequence_terms
 from lt_opd_ray.core.wire import Rollout, TeacherScore
 from lt_opd_ray.models.adapter import QwenVLM
 from lt_opd_ray.models.processor import TEXT, PromptInputs
+from lt_opd_ray.models.transfer import to_device
 
 
 Figure = float | torch.Tensor  # a statistic: a 0-dim detached tensor on the device until `LossStats.on_host` reads it
@@ -78,7 +79,7 @@ def supports_of(rollouts: list[Rollout], scores: list[TeacherScore], device: tor
     Built on `device` for every response row of the micro-batch at once: the top-k ids travel there (int32) and one
     sort marks the repeats, rather than a sort per rollout on the host and its [T, 2k+1] result copied over."""
     def on_device(tensors):
-        return torch.cat(tensors).to(device)
+        return to_device(torch.cat(tensors), device)
 
     k = rollouts[0].student_top_ids.shape[1]
     ids, valid = union_support(on_device([r.student_top_ids for r in rollouts]).long(), on_device([s.top_ids for s in scores]).long(),
@@ -219,7 +220,7 @@ def loss_on_forward(
     device = hidden[0].device
     sampled_only = scores is None
     if sampled_only:  # one column per position: the response's own token
-        supports = [(r.response_ids[:, None].to(device), None, None) for r in rollouts]
+        supports = [(to_device(r.response_ids[:, None], device), None, None) for r in rollouts]
     else:
         supports = supports_of(rollouts, scores, device)
     # one output-head pass over every response row of the micro-batch (one [V, H] gradient buffer, not one per sequence)
@@ -233,7 +234,7 @@ def loss_on_forward(
         return policy_gradient_loss(sampled, rollouts, forward, objective, normaliser, policy, reference)
     sequence_losses, divs, weights, overlaps, gaps = [], [], [], [], []
     for student_logp, r, (ids, valid, teacher_logp) in zip(student_logp_all.split(lengths), rollouts, supports):
-        old_logp = r.old_logp.to(device)
+        old_logp = to_device(r.old_logp, device)
         sampled_logp = student_logp[:, ids.shape[1] - 1]  # the sampled token's column (the last of the support)
         if sampled_only:
             token_loss = -sampled_logp  # cross-entropy of the response's own token (sft, sequence_kd)
@@ -293,12 +294,12 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
         raise ValueError(f"rollout(s) {empty} of the micro-batch have no response tokens: nothing to average")
     device = sampled_logp[0].device
     logp = pad_sequence([lp[:, 0] for lp in sampled_logp], batch_first=True)  # [B, T]
-    recorded = pad_sequence([r.old_logp.to(device) for r in rollouts], batch_first=True)  # the rollout engine's
-    old = pad_sequence([lp[:, 0].detach() if given is None else given.to(device, lp.dtype) for lp, given in zip(sampled_logp, policy.old_logp)],
+    recorded = pad_sequence([to_device(r.old_logp, device) for r in rollouts], batch_first=True)  # the rollout engine's
+    old = pad_sequence([lp[:, 0].detach() if given is None else to_device(given, device, lp.dtype) for lp, given in zip(sampled_logp, policy.old_logp)],
                        batch_first=True)
     mask = pad_sequence([torch.ones(lp.shape[0], device=device) for lp in sampled_logp], batch_first=True)
     low, high = objective.clip_range
-    terms = sequence_terms(logp, old, policy.advantages.to(device), mask, kind=objective.mode, clip_low=low, clip_high=high,
+    terms = sequence_terms(logp, old, to_device(policy.advantages, device), mask, kind=objective.mode, clip_low=low, clip_high=high,
                            dual_clip=objective.dual_clip)
     kl = overlap = None
     if reference is not None:
@@ -308,8 +309,8 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
         k = rollouts[0].student_top_ids.shape[1]
         overlap = torch.cat([(k - valid[:, k : 2 * k].sum(-1)).float() / k for _, valid, _ in reference])  # teacher top-k ids already in student top-k
     if objective.truncated == "mask":
-        terms = terms * torch.tensor([r.finish_reason != "length" for r in rollouts], device=device, dtype=terms.dtype)  # no gradient
-    terms = terms * policy.trained.to(device, terms.dtype)  # a group left out of the step: no loss (its KL term included)
+        terms = terms * to_device(torch.tensor([r.finish_reason != "length" for r in rollouts]), device, terms.dtype)  # no gradient
+    terms = terms * to_device(policy.trained, device, terms.dtype)  # a group left out of the step: no loss (its KL term included)
     loss = terms.sum() / normaliser
     with torch.no_grad():  # token means as masked sums: no boolean indexing, nothing read back to the host
         tokens = sum(lp.shape[0] for lp in sampled_logp)
@@ -318,10 +319,10 @@ def policy_gradient_loss(sampled_logp: tuple[torch.Tensor, ...], rollouts: list[
             return (values * mask).sum() / tokens
 
         log_ratio = (logp - old) * mask
-        if objective.mode == "gspo":  # one ratio per response, shown at each of its tokens
-            log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)).expand_as(mask)
-        ratio = torch.exp(log_ratio)
-        advantage = policy.advantages.to(device)[:, None]
+        if objective.mode == "gspo":  # one ratio per response, shown at each of its tokens, bounded as the loss bounds it
+            log_ratio = (log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)).clamp(max=SEQUENCE_LOG_RATIO_LIMIT).expand_as(mask)
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        advantage = to_device(policy.advantages, device)[:, None]
         # the clip acts (no gradient through the token) where the ratio passed it in the advantage's direction
         clipped = ((ratio > 1 + high) & (advantage > 0)) | ((ratio < 1 - low) & (advantage < 0))
         if objective.dual_clip is not None and objective.mode != "gspo":  # and where the dual clip capped a push down

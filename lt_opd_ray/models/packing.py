@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
+import inspect
 import itertools
+import weakref
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from lt_opd_ray.models.kernels import LINEAR_ATTENTION_KERNELS, importable
+from lt_opd_ray.models.transfer import to_device
 
 PACKED_ATTENTION = "lt_opd_packed"  # the attention implementation's registered name
 _packed_call = contextvars.ContextVar("packed_call", default=False)  # a packed row's forward is running on this thread
@@ -58,12 +64,34 @@ def varlen_kernels(device: torch.device, dtype: torch.dtype) -> frozenset[str]:
     convolution: the cheapest of the three)."""
     if device.type != "cuda":
         return frozenset()
-    from lt_opd_ray.models.kernels import LINEAR_ATTENTION_KERNELS, importable
-
     found = {"delta_rule"} if importable(*LINEAR_ATTENTION_KERNELS["fla-core"]) else set()
     if dtype in (torch.float16, torch.bfloat16) and importable("torch.nn.attention.varlen", "varlen_attn"):
         found.add("attention")
     return frozenset(found)
+
+
+_on_device: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}  # (id of a row's host bounds, device, dtype) -> its copy
+
+
+def bounds_on(bounds: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A packed row's host bounds on `device`, copied once for the row: every layer of its forward and of its
+    recompute reads the one copy (no copy per layer, and fla keys its per-row caches by the tensor)."""
+    key = (id(bounds), device, dtype)
+    held = _on_device.get(key)
+    if held is not None and held[0]() is bounds:
+        return held[1]
+    for stale in [k for k, (ref, _) in _on_device.items() if ref() is None]:
+        del _on_device[stale]
+    copy = to_device(bounds, device, dtype)
+    _on_device[key] = (weakref.ref(bounds), copy)
+    return copy
+
+
+def fla_delta_rule():
+    """fla's chunked gated delta rule itself (transformers' dispatcher would drop `cu_seqlens` for a kernel it had
+    not resolved to, and run the row as one sequence)."""
+    module, function = LINEAR_ATTENTION_KERNELS["fla-core"]
+    return getattr(importlib.import_module(module), function)
 
 
 def spans(bounds: torch.Tensor) -> list[tuple[int, int]]:
@@ -85,7 +113,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         from torch.nn.attention.varlen import varlen_attn
 
         longest = max(end - start for start, end in spans(bounds))  # the bounds live on the host: no sync
-        on_device = bounds.to(query.device, torch.int32)
+        on_device = bounds_on(bounds, query.device, torch.int32)
         rows = [t[0].transpose(0, 1) for t in (query, key, value)]  # [L, heads, d]
         out = varlen_attn(*rows, on_device, on_device, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True)
         return out[None], None  # [1, L, heads, d], as SDPA's forward returns it
@@ -158,7 +186,10 @@ def segment_linear_attention() -> None:
         if cu_seqlens is None:
             return delta_rule(query, key, value, *args, **kwargs)
         if kwargs.get("initial_state") is None and "delta_rule" in varlen_kernels(query.device, query.dtype):
-            return delta_rule(query, key, value, *args, cu_seqlens=cu_seqlens.to(query.device, torch.long), **kwargs)  # fla's varlen
+            kernel = fla_delta_rule()  # the row at once: fla's varlen path
+            accepted = inspect.signature(kernel).parameters
+            return kernel(query, key, value, *args, cu_seqlens=bounds_on(cu_seqlens, query.device, torch.long),
+                          **{name: value for name, value in kwargs.items() if name in accepted})
         if kwargs.get("output_final_state") and kwargs.get("initial_state") is None:
             raise ValueError("a packed row has no one state to cache: run it without use_cache")
         g, beta = kwargs.pop("g"), kwargs.pop("beta")

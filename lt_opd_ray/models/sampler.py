@@ -25,7 +25,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
-    top_k_logprobs: int = 100
+    top_k_logprobs: int | None = 100  # 0: the sampled token's log-prob only; None: no log-probs (answers whose text alone is read)
     stop: tuple[str, ...] = ("</answer>",)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -33,8 +33,8 @@ class SamplingParams:
 @dataclass
 class Completion:
     token_ids: torch.Tensor  # [T] long, ends with EOS / stop string unless cut by max_new_tokens
-    logprobs: torch.Tensor  # [T] fp32: log p(sampled token) under the model
-    top_ids: torch.Tensor  # [T, k] long: the model's top-k ids at each position
+    logprobs: torch.Tensor | None  # [T] fp32: log p(sampled token) under the model; None where none were asked
+    top_ids: torch.Tensor | None  # [T, k] long: the model's top-k ids at each position; None where none were asked
     finish_reason: str = field(default="length")  # eos | stop | length
 
 
@@ -116,7 +116,7 @@ def sample(
     tops: list[list[torch.Tensor]] = [[] for _ in range(rows)]
     finish = ["length"] * rows
     done = [False] * rows
-    top_k = min(params.top_k_logprobs, vlm.lm_head.weight.shape[0])
+    top_k = min(params.top_k_logprobs or 0, vlm.lm_head.weight.shape[0])
     for step in range(params.max_new_tokens):
         # the step stays on the model's device: only each row's token, its log-prob and its top-k ids come to the host
         log_probs = torch.log_softmax(vlm.lm_head(last_hidden).float(), dim=-1)  # [B, V]

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 
 from lt_opd_ray.config.schema import JobConfig
-from lt_opd_ray.core.collectives import all_reduce_max, all_reduce_sum, hold_every_group_for, install_guard_if_asked
+from lt_opd_ray.core.collectives import all_reduce_max, all_reduce_sum, hold_every_group_for, host_group, install_guard_if_asked
 from lt_opd_ray.core.microbatch import MicroBatch, mini_batch_of
 from lt_opd_ray.core.optim import build_optimizer
 from lt_opd_ray.core.wire import LearnerStepResult, Stopwatch
@@ -114,6 +114,7 @@ class Learner:
         self.module = StudentObjective(model.train(), job.objective, job.pools.learner.packing)
         optimizer, scheduler = build_optimizer(model, job.optimizer)
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        self.lockstep = host_group()  # the ranks' flags and counts: host values, never a wait for the device
         weights_only_checkpoint_engine(self.engine)  # a checkpoint's pickles never run code in the learner
         hold_every_group_for(job.collective_timeout_s)  # DeepSpeed made its data-parallel group with torch's default timeout
         if zero3:
@@ -159,13 +160,13 @@ class Learner:
                 # sequences of the prompts that take part: every rank's rollouts counted before the first backward
                 micro_batches = list(micro_batches)
                 mark(f"u{version} lockstep with the other ranks", working=False)
-                (count,) = all_reduce_sum([stream.trained_count(objective, [i for mb in micro_batches for i in mb.sequences])])
-                normaliser = max(count, 1) / self.world  # every prompt left out: a step of no loss
+                (count,) = all_reduce_sum([stream.trained_count(objective, [i for mb in micro_batches for i in mb.sequences])], group=self.lockstep)
+                normaliser = max(count, 1) / self.world  # every prompt left out: a zero gradient
             elif steps == 1:
                 normaliser = total_sequences / self.world  # the ranks' losses are averaged: each divides by its share
             else:  # this mini-batch's sequences over the ranks (each rank's k-th share of its prompts)
                 mark(f"u{version} lockstep with the other ranks", working=False)
-                (sequences,) = all_reduce_sum([self.job.sampling.n * sum(1 for p in mini_batch.values() if p == k)])
+                (sequences,) = all_reduce_sum([self.job.sampling.n * sum(1 for p in mini_batch.values() if p == k)], group=self.lockstep)
                 normaliser = sequences / self.world
             label = f"u{version}" + (f" step{k}" if steps > 1 else "")
             done = self._accumulate(stream, iter(micro_batches), filler, normaliser, old_logp, label, mark)
@@ -204,7 +205,7 @@ class Learner:
         current = next(batches, None)
         while True:
             mark(f"{label} lockstep with the other ranks", working=False)
-            (any_current,) = all_reduce_max([current is not None])  # before the forward: ZeRO-3 gathers in it
+            (any_current,) = all_reduce_max([current is not None], group=self.lockstep)  # before the forward: ZeRO-3 gathers in it
             if not any_current:
                 break
             batch = current or filler
@@ -217,7 +218,7 @@ class Learner:
             mark(f"{label} waiting for rollouts", working=False)
             following = next(batches, None) if current is not None else None  # the next groups' rollouts, not scores
             mark(f"{label} lockstep with the other ranks", working=False)
-            (any_following,) = all_reduce_max([following is not None])  # the accumulation boundary
+            (any_following,) = all_reduce_max([following is not None], group=self.lockstep)  # the accumulation boundary
             mark(f"{name} waiting for the teacher's scores", working=False)
             scores = stream.scores(batch.sequences)
             policy = stream.policy(batch.sequences)
@@ -249,7 +250,7 @@ class Learner:
         current = next(todo, None)
         while True:
             mark(f"{label} lockstep with the other ranks", working=False)
-            (any_current,) = all_reduce_max([current is not None])
+            (any_current,) = all_reduce_max([current is not None], group=self.lockstep)
             if not any_current:
                 return recorded
             batch = current or filler

@@ -138,6 +138,9 @@ class LearnerActor:
         self.sync = self.sync_store = None
         if self.learner is not None:
             self.learner.engine.destroy()
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.learner.lockstep)  # every rank ends the run: the next makes its own
         self.learner = None
         free_run_memory()
         self.score_requests.sender.join(timeout=SENDER_END_S)

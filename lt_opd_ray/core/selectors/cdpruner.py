@@ -40,16 +40,18 @@ def greedy_dpp_map(unit_features: torch.Tensor, rho: torch.Tensor, k: int) -> to
     picked = torch.empty(k, dtype=torch.long, device=unit_features.device)
     available = torch.ones(n, dtype=torch.bool, device=unit_features.device)
     for t in range(k):
-        j = torch.argmax(torch.where(available, gains, -torch.inf))  # the first maximum: ties go to the lowest index
-        picked[t] = j
-        available[j] = False
-        gain_j = gains[j]
+        # the pick as a one-element index tensor: indexing by a 0-dim tensor reads it on the host (a sync on a GPU)
+        j = torch.argmax(torch.where(available, gains, -torch.inf)).reshape(1)  # the first maximum: ties to the lowest index
+        picked[t : t + 1] = j
+        available.index_fill_(0, j, False)
+        gain_j = gains.index_select(0, j)
         # numerically exhausted (no item adds volume): the remaining picks follow index order, no Cholesky row
         exhausted = gain_j <= 0
-        kernel_row = rho[j] * rho * (unit_features @ unit_features[j])  # L_{j,:} computed on the fly
-        kernel_row[j] += KERNEL_RIDGE
+        row_j = unit_features.index_select(0, j)[0]
+        kernel_row = rho.index_select(0, j) * rho * (unit_features @ row_j)  # L_{j,:} computed on the fly
+        kernel_row = kernel_row.index_add(0, j, kernel_row.new_full((1,), KERNEL_RIDGE))
         # e_i = (L_ji - <c_j, c_i>) / d_j ; then d_i^2 -= e_i^2
-        e = (kernel_row - cholesky_rows[:t].T @ cholesky_rows[:t, j]) / torch.sqrt(torch.where(exhausted, 1.0, gain_j))
+        e = (kernel_row - cholesky_rows[:t].T @ cholesky_rows[:t].index_select(1, j)[:, 0]) / torch.sqrt(torch.where(exhausted, 1.0, gain_j))
         e = torch.where(exhausted, torch.zeros_like(e), e)
         cholesky_rows[t] = e
         gains = torch.where(exhausted, torch.where(available, torch.zeros_like(gains), gains), gains - e * e)

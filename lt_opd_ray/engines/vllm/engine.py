@@ -240,7 +240,8 @@ class VLLMEngine:
         results = []
         for request, output in zip(requests, outputs):
             completion = output.outputs[0]
-            logprobs, top_ids = _sampled_and_top(completion.logprobs, completion.token_ids, params.top_k_logprobs)
+            logprobs, top_ids = (None, None) if params.top_k_logprobs is None else _sampled_and_top(
+                completion.logprobs, completion.token_ids, params.top_k_logprobs)
             finish = "length"
             if completion.finish_reason == "stop":  # vLLM's stop: a stop string (str reason) or an end token
                 finish = "stop" if isinstance(completion.stop_reason, str) else "eos"
