@@ -326,6 +326,20 @@ def brute_force_reverse_kl(student_lp, teacher_lp, student_top_ids, sampled, k) 
     return torch.stack(values)
 
 
+def rl_rollouts(tiny_dirs, samples, mode: str, kl_coef: float):
+    """(job, reference trainer with its student moved off the teacher, 2 prompts, their 4 rollouts each at 100%) of an
+    RL baseline rewarded by `format`."""
+    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format", kl_coef=kl_coef)
+    trainer = ReferenceTrainer(job)
+    _perturbed_student(trainer)
+    batch = samples[:2]
+    prompts = trainer.encode(batch)
+    with torch.no_grad():
+        rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
+                           10_000, 2, trainer.params, 4, job.seed, 0)
+    return job, trainer, prompts, rollouts
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "gspo"])
 def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs, samples, mode, kl_coef):
@@ -339,15 +353,8 @@ def test_the_rl_baselines_loss_is_the_papers_formula_on_plain_forwards(tiny_dirs
 
     from lt_opd_ray.core.rl import CLIP_RANGES, TOKEN_MEAN, policy_loss
 
-    job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format", kl_coef=kl_coef)
+    job, trainer, prompts, rollouts = rl_rollouts(tiny_dirs, samples, mode, kl_coef)
     assert job.objective.teacher_scores == (kl_coef > 0)  # the frozen weights are the teacher pool's
-    trainer = ReferenceTrainer(job)
-    _perturbed_student(trainer)
-    batch = samples[:2]
-    prompts = trainer.encode(batch)
-    with torch.no_grad():
-        rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
-                           10_000, 2, trainer.params, 4, job.seed, 0)
     for i, r in enumerate(rollouts):
         r.reward = [1.0, 0.0, 0.5, 0.0][i % 4] + 0.25 * r.prompt_index  # varied within each prompt's group
     by_prompt = [[r.reward for r in rollouts if r.prompt_index == p] for p in (0, 1)]
@@ -413,14 +420,7 @@ def test_a_flat_group_left_out_of_the_step_neither_adds_to_its_loss_nor_dilutes_
     from lt_opd_ray.models.loss import trained_count
 
     for mode in ("grpo", "dapo"):
-        job = tiny_job(tiny_dirs["qwen3_5"], mode=mode, n=4, reward="format", kl_coef=0.5)
-        trainer = ReferenceTrainer(job)
-        _perturbed_student(trainer)
-        batch = samples[:2]
-        prompts = trainer.encode(batch)
-        with torch.no_grad():
-            rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, [s.uid for s in batch], trainer.selector,
-                               10_000, 2, trainer.params, 4, job.seed, 0)
+        job, trainer, prompts, rollouts = rl_rollouts(tiny_dirs, samples, mode, kl_coef=0.5)
         for i, r in enumerate(rollouts):
             r.reward = [1.0, 0.0, 0.5, 0.0][i % 4] if r.prompt_index == 0 else 1.0  # prompt 1's group is flat
         scores = teacher_scores(trainer.teacher, prompts, rollouts, 8, 16, 4096)
