@@ -379,3 +379,30 @@ def test_a_run_whose_metrics_port_another_program_holds_is_refused_before_ray_st
     assert f"ablation: job 'toy-circles-quick' exports its metrics on metrics.export_port {port}, which another program" in err, err
     assert "Traceback" not in err and "teacher:" not in capsys.readouterr().out and not ray.is_initialized()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "toy.yaml"]  # no study folder
+
+
+def test_validate_names_a_model_folder_the_vllm_engines_would_refuse_wherever_they_run(tmp_path, capsys, tiny_dirs):
+    """A folder of an architecture the vLLM plugin does not serve, or a GLM-4V config without `attention_bias` (vLLM
+    would drop its q/k/v biases), is named by `validate` for the roles that run vLLM, not when their engines start;
+    on the transformers backends the same folder passes."""
+    import shutil
+
+    from lt_opd_ray.cli.main import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny_vllm.yaml").read())
+    for family, edit, expected in [
+        ("qwen3_vl", lambda c: c.update(architectures=["SomeOtherVLM"]), "architecture SomeOtherVLM has no visual-token pruning support"),
+        ("glm4v", lambda c: c["text_config"].pop("attention_bias"), "text_config.attention_bias is not true"),
+    ]:
+        folder = tmp_path / family
+        shutil.copytree(tiny_dirs[family], folder)
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        settings = [f"model.path={folder}", "model.dtype=float32"]
+        assert main(["validate", str(job), *(f"--set={s}" for s in settings)]) == 1, family
+        err = capsys.readouterr().err
+        assert f"pools.rollout and pools.teacher run vLLM: model.path '{folder}' ({folder / 'config.json'}): {expected}" in err, err
+        on_transformers = ["pools.rollout.backend=transformers", "pools.teacher.backend=transformers"]
+        assert main(["validate", str(job), *(f"--set={s}" for s in settings + on_transformers)]) == 0, capsys.readouterr().err

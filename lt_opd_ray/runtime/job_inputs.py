@@ -86,8 +86,23 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
             shown = f"{len(clips)} rows of {spec!r} show a video ({', '.join(clips[:3])}{', ...' if len(clips) > 3 else ''})" if clips else f"{spec!r} draws videos"
             problems.append(f"{shown}, but data.max_videos is 0 and pools.{' and pools.'.join(vllm)} run vLLM, whose engines reserve"
                             " room for a clip only when asked: set data.max_videos: 1")
+    if model_dir is not None and (vllm_roles := [role for role in ("rollout", "teacher") if getattr(job.pools, role).backend == "vllm"]):
+        problems += vllm_model_problems(job, model_dir, vllm_roles)
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}, model_dir), problems
+
+
+def vllm_model_problems(job: JobConfig, model_dir: Path, roles: list[str]) -> list[str]:
+    """What a vLLM engine of `roles` would refuse of the model folder wherever it runs (core/families.vllm_model_problem)."""
+    import json
+
+    from lt_opd_ray.core.families import vllm_model_problem
+
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.exists():
+        return []  # the folder's own problem: named where the model is read
+    problem = vllm_model_problem(json.loads(config_path.read_text()), f"model.path {job.model.path!r} ({config_path})")
+    return [f"pools.{' and pools.'.join(roles)} run vLLM: {problem}"] if problem else []
 
 
 def reward_problems(name: str, samples: list[Sample] | None, spec: str) -> list[str]:

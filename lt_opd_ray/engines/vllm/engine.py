@@ -404,27 +404,14 @@ def _with_nonce(selection: SelectionRequest, nonce: int) -> SelectionRequest:
 def check_architecture(model_dir: Path) -> None:
     import json
 
-    from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
-    from lt_opd_ray.engines.vllm.models import PRUNED_ARCHITECTURES
+    from lt_opd_ray.core.families import UnsupportedArchitectureError, vllm_model_problem
 
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path}: no model config (a vLLM engine needs a local Hugging Face model folder)")
     config = json.loads(config_path.read_text())
-    architectures = config.get("architectures") or []
-    unsupported = [a for a in architectures if a not in PRUNED_ARCHITECTURES] or ([] if architectures else ["(none given)"])
-    if unsupported:
-        raise UnsupportedArchitectureError(
-            f"{config_path}: architecture {', '.join(unsupported)} has no visual-token pruning support in the vLLM engine;"
-            f" supported: {', '.join(PRUNED_ARCHITECTURES)}"
-        )
-    family = family_of_config(config, str(config_path))
-    if family.text_qkv_bias_flag and config.get("text_config", {}).get("attention_bias") is not True:
-        raise UnsupportedArchitectureError(
-            f"{config_path}: text_config.attention_bias is not true; transformers builds {family.name}'s q/k/v biases"
-            " regardless, vLLM only when it is true (so its engine would drop them and sample another model). The"
-            " releases set it: add \"attention_bias\": true to text_config"
-        )
+    if problem := vllm_model_problem(config, str(config_path)):
+        raise UnsupportedArchitectureError(problem)
     if not torch.cuda.is_available():
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
