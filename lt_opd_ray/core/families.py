@@ -112,12 +112,14 @@ def vllm_model_problem(config: dict, where: str) -> str | None:
     engines/vllm/engine.check_architecture.) Torch-free: `lt-opd validate` asks it."""
     served = {f.architecture for f in FAMILIES.values() if f.vllm_module}
     architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
     unsupported = [a for a in architectures if a not in served] or ([] if architectures else ["(none given)"])
     if unsupported:
         return (f"{where}: architecture {', '.join(unsupported)} has no visual-token pruning support in the vLLM engine;"
                 f" supported: {', '.join(sorted(served))}")
     family = family_of_config(config, where)
-    if family.text_qkv_bias_flag and config.get("text_config", {}).get("attention_bias") is not True:
+    if family.text_qkv_bias_flag and (config.get("text_config") or {}).get("attention_bias") is not True:
         return (f"{where}: text_config.attention_bias is not true; transformers builds {family.name}'s q/k/v biases"
                 " regardless, vLLM only when it is true (so its engine would drop them and sample another model). The"
                 " releases set it: add \"attention_bias\": true to text_config")

@@ -188,8 +188,9 @@ def segment_linear_attention() -> None:
         if kwargs.get("initial_state") is None and "delta_rule" in varlen_kernels(query.device, query.dtype):
             kernel = fla_delta_rule()  # the row at once: fla's varlen path
             accepted = inspect.signature(kernel).parameters
+            given = {**kwargs, "cu_seqlens_cpu": cu_seqlens.to(torch.long)}  # fla releases that take the host bounds read no device copy
             return kernel(query, key, value, *args, cu_seqlens=bounds_on(cu_seqlens, query.device, torch.long),
-                          **{name: value for name, value in kwargs.items() if name in accepted})
+                          **{name: setting for name, setting in given.items() if name in accepted})
         if kwargs.get("output_final_state") and kwargs.get("initial_state") is None:
             raise ValueError("a packed row has no one state to cache: run it without use_cache")
         g, beta = kwargs.pop("g"), kwargs.pop("beta")

@@ -101,7 +101,10 @@ def vllm_model_problems(job: JobConfig, model_dir: Path, roles: list[str]) -> li
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
         return []  # the folder's own problem: named where the model is read
-    problem = vllm_model_problem(json.loads(config_path.read_text()), f"model.path {job.model.path!r} ({config_path})")
+    try:
+        problem = vllm_model_problem(json.loads(config_path.read_text()), f"model.path {job.model.path!r} ({config_path})")
+    except ValueError as exc:  # a config.json that does not parse, or names no family we know: say so, do not stop
+        problem = str(exc)
     return [f"pools.{' and pools.'.join(roles)} run vLLM: {problem}"] if problem else []
 
 
