@@ -9,7 +9,8 @@ lines) when it ends, so a run cut short keeps what it measured. What each arm st
 
   learner  one learner micro-batch of the job's `micro_batch_tokens` (10,400: 10 rollouts of ~1,000 tokens on the
            reduced prompt), one packed row, activation checkpointing, forward + loss + backward in bf16 (DeepSpeed's bf16
-           module computes so): seconds, peak GB. Not: ZeRO-2's gradient reduce-scatter, the optimizer step, NCCL.
+           module computes so): seconds, peak GB, and where one more micro-batch synchronises with the GPU (CUDA's sync
+           debug mode, counted by file and line). Not: ZeRO-2's gradient reduce-scatter, the optimizer step, NCCL.
   varlen   the same micro-batch with a packed row's attention (and fla's delta rule, where fla imports) as one
            variable-length kernel against the per-sequence loop (`models/packing.varlen_kernels`).
   teacher  the transformers teacher (`teacher_scores`): 8 responses of 1,024 tokens sharing one cached full-token
@@ -151,7 +152,34 @@ def learner_arm(model_dir: Path, device: str, small: bool) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds = best_of(2, step)
-    return {"seconds": seconds, "response_tokens": tokens, "tokens_per_s": tokens / seconds, "peak_gb": peak_gb(device)}
+    return {"seconds": seconds, "response_tokens": tokens, "tokens_per_s": tokens / seconds, "peak_gb": peak_gb(device),
+            "syncs": synchronizing_calls(step) if device == "cuda" else None}
+
+
+def synchronizing_calls(step) -> dict[str, int]:
+    """Where one more micro-batch makes the host wait for the GPU: CUDA's sync debug mode warns at each synchronizing
+    call; the warnings counted by the innermost frame of this package or of transformers (tests/device_reads.py is
+    this count's CPU stand-in)."""
+    import collections
+    import traceback
+    import warnings
+
+    places = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/lt_opd_ray/" in f.filename or "/transformers/" in f.filename]
+        where = frames[-1] if frames else None
+        places[f"{where.filename.rsplit('/', 2)[-2]}/{where.filename.rsplit('/', 1)[-1]}:{where.lineno}" if where else "?"] += 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():  # restores showwarning after
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return dict(places.most_common())
 
 
 def varlen_arm(model_dir: Path, device: str, small: bool) -> dict:
