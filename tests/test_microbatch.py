@@ -4,7 +4,6 @@ The brute force runs every rollout alone: its own vision-tower pass, its own
 full-sequence forward, its own loss; the update's loss is the mean of those.
 """
 
-import math
 import random
 
 import pytest
@@ -295,59 +294,12 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_the_gradients(upda
 
 
 # ------------------------------------------- the loss on a real model, from plain forwards
-def plain_log_probs(model, inputs_embeds=None, position_ids=None, prompt_length=0, response=None, **inputs) -> torch.Tensor:
-    """Full-vocabulary log-softmax (fp64) at the positions predicting `response`, from one plain transformers forward."""
-    with torch.no_grad():
-        if inputs_embeds is not None:
-            inputs = {"inputs_embeds": inputs_embeds[None], "position_ids": position_ids,
-                      "attention_mask": torch.ones(1, inputs_embeds.shape[0], dtype=torch.long)}
-        logits = model(**inputs).logits[0].double()
-    return torch.log_softmax(logits[prompt_length - 1 : prompt_length - 1 + response.numel()], dim=-1)
-
-
-def jsd_by_hand(student: list[float], teacher: list[float], alpha: float) -> float:
-    """(1 - α) KL(P_S || M) + α KL(P_T || M), M = (1 - α) P_S + α P_T, bin by bin."""
-    total = 0.0
-    for s, t in zip(student, teacher):
-        m = (1 - alpha) * s + alpha * t
-        total += ((1 - alpha) * s * math.log(s / m) if s > 0 else 0.0) + (alpha * t * math.log(t / m) if t > 0 else 0.0)
-    return total
-
-
-def loss_by_hand(trainer, prompts, rollouts, objective) -> float:
-    """The LT-OPD loss from scratch: the teacher's full-token forward and the student's forward on its reduced prompt
-    (plain transformers calls, full vocabulary, fp64), the support U = student top-k ∪ teacher top-k ∪ {sampled} built
-    as a set, one tail bin holding the rest of each distribution, JSD bin by bin, the truncated importance weight
-    against the rollout's own log-prob; mean over each sequence's tokens, then over sequences."""
-    student, teacher = trainer.student, trainer.teacher
-    per_sequence = []
-    for r in rollouts:
-        prompt, response = prompts[r.prompt_index], r.response_ids
-        ids = torch.cat([prompt.input_ids, response])[None]
-        t = plain_log_probs(teacher.model, input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=prompt.pixel_values,
-                            image_grid_thw=prompt.image_grid_thw, mm_token_type_ids=torch.cat([prompt.mm_token_type_ids, torch.zeros_like(response)])[None],
-                            prompt_length=prompt.input_ids.numel(), response=response)
-        with torch.no_grad():
-            reduced = student.reduce(prompt, student.visual_features(prompt), r.selected)
-        embeds = torch.cat([reduced.inputs_embeds, student.embed_tokens(response)])
-        rope = torch.cat([reduced.positions, (reduced.next_position + torch.arange(response.numel())).expand(3, -1)], dim=1)
-        positions = torch.cat([torch.arange(embeds.shape[0])[None], rope])[:, None]
-        s = plain_log_probs(student.model, embeds, positions, reduced.length, response)
-        losses = []
-        for j, token in enumerate(response.tolist()):
-            union = set(torch.topk(s[j], objective.top_k).indices.tolist()) | set(torch.topk(t[j], objective.top_k).indices.tolist()) | {token}
-            p_s = [math.exp(s[j, i]) for i in union]
-            p_t = [math.exp(t[j, i]) for i in union]
-            weight = min(math.exp(float(s[j, token]) - float(r.old_logp[j])), objective.importance_clip)
-            losses.append(weight * jsd_by_hand([*p_s, 1 - sum(p_s)], [*p_t, 1 - sum(p_t)], objective.alpha))
-        per_sequence.append(sum(losses) / len(losses))
-    return sum(per_sequence) / len(per_sequence)
-
-
-def test_student_loss_equals_the_loss_from_plain_forwards_on_a_real_model(tiny_dirs):
-    """student_loss (the union's columns in models/loss.py, the chunked gather, the objective) against loss_by_hand,
-    on a tiny Qwen3.5 whose student is moved away from its teacher (loss ~1e-1, not ~1e-5, so fp32 rounding of
-    near-equal log-probs does not hide an error). Teacher scores whose top-k columns are shifted by one must not pass."""
+@pytest.fixture(scope="module")
+def moved_student(tiny_dirs):
+    """(trainer, prompts, rollouts, scores): a tiny Qwen3.5 whose student is moved away from its teacher (loss ~1e-1,
+    not ~1e-5, so fp32 rounding of near-equal log-probs does not hide an error), 2 prompts x 3 rollouts at 25% whose
+    recorded log-probs are moved (a rollout engine a version behind): the importance weights pass any clip above
+    e^-0.5 on half the positions and stay under it on the other half."""
     from dataclasses import replace
 
     from lt_opd_ray.engines.transformers.rollout import rollout
@@ -358,16 +310,49 @@ def test_student_loss_equals_the_loss_from_plain_forwards_on_a_real_model(tiny_d
     with torch.no_grad():
         for parameter in trainer.student.model.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    samples = load_samples("synthetic:4")[:2]
-    prompts = trainer.encode(samples)
+    prompts = trainer.encode(load_samples("synthetic:4")[:2])
     rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 2500, 2, trainer.params, 3, 0, 0)
+    rollouts = [replace(r, old_logp=r.old_logp + torch.tensor([-1.0, 0.5]).repeat(r.old_logp.numel())[: r.old_logp.numel()]) for r in rollouts]
     scores = teacher_scores(trainer.teacher, prompts, rollouts, trainer.job.objective.top_k, 16)
-    objective = trainer.job.objective
+    return trainer, prompts, rollouts, scores
+
+
+# Settings away from the defaults, where a learner that reads another value (the default, the mixture's weights
+# swapped, the other importance weight, no clip) gives another loss by far more than the tolerance.
+LOSS_SETTINGS = {
+    "jsd-alpha0.2-token-clip1.5": {"divergence": "jsd", "alpha": 0.2, "importance": "token", "importance_clip": 1.5},
+    "jsd-alpha0.8-prefix-clip1.5": {"divergence": "jsd", "alpha": 0.8, "importance": "prefix", "importance_clip": 1.5},
+    "reverse_kl-token-clip1.2": {"divergence": "reverse_kl", "importance": "token", "importance_clip": 1.2},
+    "forward_kl-prefix-clip3": {"divergence": "forward_kl", "importance": "prefix", "importance_clip": 3.0},
+}
+
+
+@pytest.mark.parametrize("settings", LOSS_SETTINGS.values(), ids=LOSS_SETTINGS.keys())
+def test_student_loss_equals_the_loss_by_hand_at_the_jobs_objective_settings(moved_student, settings):
+    """student_loss (the union's columns in models/loss.py, the chunked gather, the objective) against loss_by_hand
+    (tests/loss_by_hand.py: plain forwards, full vocabulary, the support as a set, the tail bin, the divergence and the
+    importance weight written token by token) at the job's divergence, mixture weight, importance weight and clip,
+    where the clip binds on some tokens; each setting read as another value (its default, α swapped, no clip) gives a
+    loss off by far more than the tolerance, and teacher scores whose top-k columns are shifted by one do not pass."""
+    from dataclasses import replace
+
+    from loss_by_hand import loss_by_hand
+
+    trainer, prompts, rollouts, scores = moved_student
+    objective = trainer.job.objective.model_copy(update=settings)
+    assert objective.top_k == 8  # away from the default 100, as the teacher scored it
     with torch.no_grad():
-        loss, _ = student_loss(trainer.student, prompts, rollouts, scores, objective)
+        loss, stats = student_loss(trainer.student, prompts, rollouts, scores, objective)
     expected = loss_by_hand(trainer, prompts, rollouts, objective)
-    assert expected > 1e-2
+    assert expected > 1e-2 and 0 < stats.clipped < 1  # the clip binds on some tokens, not all
     assert float(loss) == pytest.approx(expected, rel=1e-5)
+    defaults = type(objective).model_fields
+    misread = [{name: defaults[name].default} for name in settings if settings[name] != defaults[name].default]
+    misread += [{"importance_clip": float("inf")}] + ([{"alpha": 1 - objective.alpha}] if objective.divergence == "jsd" else [])
+    for wrong in misread:
+        with torch.no_grad():
+            off, _ = student_loss(trainer.student, prompts, rollouts, scores, objective.model_copy(update=wrong))
+        assert abs(float(off) - expected) > 1e-3 * expected, wrong  # 100 times the tolerance
     shifted = [replace(s, top_logp=s.top_logp.roll(1, dims=-1)) for s in scores]  # a column-order slip
     with torch.no_grad():
         wrong, _ = student_loss(trainer.student, prompts, rollouts, shifted, objective)

@@ -12,15 +12,17 @@ from lt_opd_ray.core.rl import CLIP_RANGES, group_advantages, policy_loss
 
 
 def test_group_advantages_are_each_groups_centred_rewards_over_its_sample_std():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, -1.0, 0.0, 3.0])
+    """The last group's spread (1e-6) is the size of the eps the spread is offset by: there an eps of 1e-8, or none,
+    doubles its advantages."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 2e-6])
     for scale in (True, False):
         got = group_advantages(rewards, 4, scale=scale)
         expected = []
-        for g in range(3):
+        for g in range(4):
             group = rewards[4 * g : 4 * g + 4].tolist()
             mean, std = statistics.fmean(group), statistics.stdev(group)  # unbiased, as torch.std
             expected += [(r - mean) / (std + 1e-6) if scale else r - mean for r in group]
-        torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-12)
         assert torch.equal(got[4:8], torch.zeros(4))  # a group whose rewards are all equal teaches nothing
     assert torch.equal(group_advantages(torch.tensor([3.0, 1.0]), 1), torch.zeros(2))  # one response per prompt
     with pytest.raises(ValueError, match=r"rewards of shape \(5,\) do not split into groups of 2"):

@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 from conftest import job_for  # noqa: E402
+from held_weights import assert_engines_hold
 
 from lt_opd_ray.core.batch_order import batches  # noqa: E402
 from lt_opd_ray.reference import ReferenceTrainer  # noqa: E402
@@ -113,7 +114,8 @@ def _reference_trajectory(job, steps) -> Trajectory:
 def driven(job, steps, roles, prepare=None):
     """A driver that has run `steps` updates, still up: (driver, step logs, trajectory), the learners' weights
     gathered before and after each update. After each update's sync every rollout worker holds exactly the learners'
-    weights, and the sync sent each fp32 parameter once. `prepare(driver)` runs before the first update."""
+    weights, tensor by tensor, and the sync sent each fp32 parameter once. `prepare(driver)` runs before the first
+    update."""
     driver = Driver(job, roles=roles)
     try:
         if prepare is not None:
@@ -123,7 +125,7 @@ def driven(job, steps, roles, prepare=None):
         for step in range(1, steps + 1):
             logs.append(driver.run_step())
             weights.append(driver.learners.full_state_dict())
-            assert driver.rollouts.checksums() == [(step, driver.learners.weights_checksum())] * job.pools.rollout.workers
+            assert_engines_hold(driver, weights[-1], step)
             assert logs[-1].sync_bytes == 4 * numel
         yield driver, logs, Trajectory([log.loss for log in logs], [log.grad_norm for log in logs], weights)
     finally:
@@ -287,12 +289,18 @@ def assert_equality_case(job, logs, run: Trajectory, reference: Trajectory) -> N
             assert log.micro_batches == ranks and log.vision_forwards == prompts  # vision once per prompt
 
 
+# The objective's settings away from their defaults, rollouts a version behind (schedule.max_staleness 1): the
+# learners must read the job's divergence weight, importance weight and clip, which act on update 1's ratios.
+OFF_DEFAULT_OBJECTIVE = {"alpha": 0.3, "importance": "prefix", "importance_clip": 1.2}
+
+
 @pytest.mark.parametrize(
-    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch, packing, gradient_step",
-    [(1, 2, 16384, 2, False, 1, 4, False, False), (2, 2, 40, 3, False, 1, 1, True, True), (2, 3, 16384, 2, True, 1, 4, True, True)],
+    "ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch, packing, gradient_step, objective",
+    [(1, 2, 16384, 2, False, 1, 4, False, False, None), (2, 2, 40, 3, False, 1, 1, True, True, None),
+     (2, 3, 16384, 2, True, 1, 4, True, True, OFF_DEFAULT_OBJECTIVE)],
 )
 def test_distributed_updates_reproduce_the_reference(cluster, kept, tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing,
-                                                    warmup, teacher_batch, packing, gradient_step):
+                                                    warmup, teacher_batch, packing, gradient_step, objective):
     """One rank, then two ranks under each ZeRO stage. A 40-token budget splits every prompt's group (one ~45-token
     sequence per micro-batch), and 3 prompts split 2 + 1 over 2 ranks: uneven shares, unequal micro-batch counts
     (fillers) and split vision groups; there the teacher admits 2 requests at once (max_batch_size 1) for the 3
@@ -300,13 +308,20 @@ def test_distributed_updates_reproduce_the_reference(cluster, kept, tiny_dirs, t
     rank) also recomputes activations in the backward; the same case without recompute adds nothing the others do
     not check, and the suite's time is budgeted. The learners pack a micro-batch's sequences in one row (the
     default) but in the one-rank case, whose rows are left-padded; the reference pads throughout. (ZeRO-3 with split
-    groups and a warmed-up learning rate: the next test.)"""
+    groups and a warmed-up learning rate: the next test.) The last case also trains at objective settings away from
+    their defaults on rollouts a version behind, where its importance clip binds: learners that read another value
+    of any of them leave the reference."""
     job = equality_job(tiny_dirs, tmp_path, ranks, zero_stage, micro_batch_tokens, prompts, checkpointing, warmup, teacher_batch=teacher_batch,
                        packing=packing, gradient_step=gradient_step)
+    if objective:
+        job = job.model_copy(update={"objective": job.objective.model_copy(update=objective),
+                                     "schedule": job.schedule.model_copy(update={"max_staleness": 1})})
     assert (job.teacher_admission_note() is not None) == (teacher_batch == 1)
     reference = reference_trajectory(job, STEPS)
     logs, run = driver_trajectory(job, STEPS, kept)
     assert_equality_case(job, logs, run, reference)
+    if objective:  # the settings act: updates 1 and 2 train on rollouts a version behind, and the clip binds
+        assert [log.staleness for log in logs] == [0, 1, 1] and max(log.clipped_share for log in logs) > 0, [(log.staleness, log.clipped_share) for log in logs]
 
 
 @pytest.mark.parametrize("scope", ["image", "prompt"])
@@ -444,7 +459,8 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
     checkpoint ties its embeddings, as Qwen3.5-4B does: the head is sent once, under the embedding's name, and the
     engine's head follows it. The second run shows clips and merges tokens: the engine gets the head (a base folder
     has none), every sync writes it too, and each temporal patch is pruned (and merged) in the engine and replayed by
-    the learners (an importance weight near 1 says the learners saw what was sampled)."""
+    the learners (an importance weight near 1 says the learners saw what was sampled). After every sync, and after the
+    first run's worker is killed and replaced, every tensor vLLM holds is the learners' in bf16."""
     from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.models.processor import VLMProcessor, encode_samples
     from lt_opd_ray.models.tiny import build_tiny_model
@@ -474,12 +490,17 @@ def test_the_distributed_job_runs_on_vllm_rollouts_and_the_vllm_teacher(cluster,
         for step in range(1, 4):
             log = driver.run_step()
             logs.append(log)
-            assert log.tokens > 0 and torch.isfinite(torch.tensor(log.loss))
-            # the engine was written with exactly the learners' weights, in bf16
-            assert driver.rollouts.checksums("bfloat16") == [(step, driver.learners.weights_checksum("bfloat16"))]
+            # the engine holds exactly the learners' weights in bf16: what it was sent (the digest), and every tensor
+            # it computes with
+            assert_engines_hold(driver, driver.learners.full_state_dict(), step, "bfloat16")
             assert log.sync_bytes == 2 * numel
             # bf16 sampler vs fp32 learner: the truncated weight (clipped at 2) averages near 1 over the tokens
             assert log.importance_weight == pytest.approx(1.0, abs=0.1), log.importance_weight
+            if step == 2 and tied:  # a worker killed mid-run: its replacement's new engine is given the learners' weights
+                os.kill(ray.get(worker.pid.remote()), signal.SIGKILL)
+                assert driver.replace_dead_rollout_workers() == ["rollout-0"]
+                worker = driver.rollouts.workers[0]
+                assert_engines_hold(driver, driver.learners.full_state_dict(), step, "bfloat16")
         assert [log.budget_bps for log in logs] == [2500, 2207, 1500]
         samples = load_samples(job.data.path, job.data.image_root, job.seed)[:2]
         _, group = ray.get(worker.generate.options(num_returns=2).remote(samples, [(0, 2, 0)], 1500, 9))
@@ -586,10 +607,10 @@ def test_zero3_on_two_workers_reproduces_the_reference_a_killed_worker_is_replac
         os.kill(old_pid, signal.SIGKILL)
         assert driver.replace_dead_rollout_workers() == ["rollout-1"]
         assert ray.get(driver.rollouts.workers[1].pid.remote()) != old_pid
-        assert driver.rollouts.checksums() == [(STEPS, driver.learners.weights_checksum())] * 2
+        assert_engines_hold(driver, driver.learners.full_state_dict(), STEPS)  # the new worker too, tensor by tensor
         log = driver.run_step()
-        assert log.step == STEPS and log.tokens > 0
-        assert driver.rollouts.checksums() == [(STEPS + 1, driver.learners.weights_checksum())] * 2
+        assert log.step == STEPS
+        assert_engines_hold(driver, driver.learners.full_state_dict(), STEPS + 1)
         assert 0 < log.payload_bytes_per_token
         # every role's series reach the node's Prometheus endpoint (Ray's agent exports every few seconds)
         wanted = {
