@@ -193,6 +193,121 @@ def test_a_file_planted_beside_an_honest_manifest_is_refused_by_name_and_its_pic
     assert not marker.exists()
 
 
+def plant_link_to_payload(step, outside, marker):
+    torch.save({"module": RunsCode(marker)}, outside / "payload.pt")
+    os.symlink(outside / "payload.pt", step / "a_model_states.pt")
+
+
+def plant_dangling_link(step, outside, marker):
+    os.symlink(outside / "later.pt", step / "a_model_states.pt")  # its target written after any check ran
+
+
+def plant_fifo(step, outside, marker):
+    os.mkfifo(step / "a_model_states.pt")
+
+
+def swap_a_listed_file_for_a_link_to_its_copy(step, outside, marker):
+    target = model_file(step)
+    shutil.copy(target, outside / "copy.pt")
+    target.unlink()
+    os.symlink(outside / "copy.pt", target)  # the same bytes, read through a link
+
+
+def plant_a_folder_link(step, outside, marker):
+    (outside / "d").mkdir()
+    torch.save({"module": RunsCode(marker)}, outside / "d" / "x_model_states.pt")
+    os.symlink(outside / "d", step / "sub")
+
+
+def swap_the_manifest_for_a_link(step, outside, marker):
+    shutil.copy(step / MANIFEST, outside / MANIFEST)
+    (step / MANIFEST).unlink()
+    os.symlink(outside / MANIFEST, step / MANIFEST)
+
+
+def list_a_file_outside_the_folder(step, outside, marker):
+    manifest = json.loads((step / MANIFEST).read_text())
+    torch.save({"module": RunsCode(marker)}, outside / "payload.pt")
+    manifest["files"]["../../outside/payload.pt"] = [os.path.getsize(outside / "payload.pt"), "0" * 64]
+    (step / MANIFEST).write_text(json.dumps(manifest))
+
+
+IRREGULAR = {
+    "a link to a payload": (plant_link_to_payload, "a_model_states.pt: a link"),
+    "a dangling link": (plant_dangling_link, "a_model_states.pt: a link"),
+    "a FIFO": (plant_fifo, "a_model_states.pt: a FIFO"),
+    "a listed file as a link to its copy": (swap_a_listed_file_for_a_link_to_its_copy, "model_states.pt: a link"),
+    "a folder link": (plant_a_folder_link, "sub: a link"),
+    "the manifest as a link": (swap_the_manifest_for_a_link, f"{MANIFEST}: a link"),
+    "a manifest naming a path outside": (list_a_file_outside_the_folder, "names '../../outside/payload.pt', not a path inside the checkpoint folder"),
+}
+
+
+@pytest.mark.parametrize("plant", IRREGULAR.values(), ids=IRREGULAR.keys())
+def test_links_fifos_and_paths_outside_make_a_checkpoint_untrusted_and_nothing_is_read_through_them(finished, tmp_path, tiny_dirs, plant):
+    """A checkpoint folder holds regular files and folders only, at the paths its manifest names: each form is named
+    by resume (which passes over to the checkpoint before) and by export, no FIFO blocks either, and no pickle
+    planted behind a link runs, then or when the dangling link's target is written after the check."""
+    make, reason = plant
+    folder, outside = copy_of(finished, tmp_path), tmp_path / "outside"
+    outside.mkdir()
+    marker = tmp_path / "pwned"
+    make(folder / "step-3", outside, marker)
+    job = small_job(tiny_dirs["qwen3_5"], folder)
+    tag, passed = CheckpointStore(job).choose()
+    assert tag == "step-2" and [p.tag for p in passed] == ["step-3"] and reason in str(passed[0]), passed
+    with pytest.raises(ExportError, match="not exported, the checkpoint is damaged or untrusted"):
+        export_student(job, tmp_path / "out", step=3)
+    torch.save({"module": RunsCode(marker)}, outside / "later.pt")
+    assert damage(folder / "step-3") is not None and not marker.exists()
+
+
+def test_the_exporters_reader_unpickles_weights_only_and_reads_a_private_copy_of_what_was_hashed(finished, tmp_path):
+    """DeepSpeed's zero_to_fp32 unpickles with weights_only=False: under `weights_only_loads` a payload is refused.
+    `private_copy` hashes what it copies: a file changed after `damage` read it is refused and nothing is left."""
+    from lt_opd_ray.runtime.checkpoint_files import private_copy, weights_only_loads
+
+    marker = tmp_path / "pwned"
+    torch.save({"module": RunsCode(marker)}, tmp_path / "payload.pt")
+    with weights_only_loads(), pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(tmp_path / "payload.pt", weights_only=False)
+    assert not marker.exists() and "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+    step = finished / "step-3"
+    listed = Manifest.read(step).files
+    private_copy(step, listed, tmp_path / "copy")
+    assert oct((tmp_path / "copy").stat().st_mode & 0o777) == "0o700"
+    assert {str(p.relative_to(tmp_path / "copy")) for p in (tmp_path / "copy").rglob("*") if p.is_file()} == set(listed)
+    changed = {name: [size, "0" * 64] if name == next(iter(listed)) else [size, digest] for name, (size, digest) in listed.items()}
+    with pytest.raises(CheckpointError, match="SHA-256 differs from the manifest"):
+        private_copy(step, changed, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
+def test_export_copies_no_link_out_of_final(finished, tmp_path, tiny_dirs):
+    """A `final/notes.md -> ~/.aws/credentials` link: the export is refused by name and writes nothing."""
+    folder = copy_of(finished, tmp_path)
+    job = small_job(tiny_dirs["qwen3_5"], folder)
+    export_student(job, folder / "final", step=3)  # a finished student's folder
+    (tmp_path / "credentials").write_text("aws_secret_access_key = wJalr")
+    os.symlink(tmp_path / "credentials", folder / "final" / "notes.md")
+    with pytest.raises(ExportError, match=r"final is not exported: .*notes.md: a link"):
+        export_student(job, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (folder / "final" / "notes.md").unlink()
+    assert "wJalr" not in "".join(p.read_text(errors="replace") for p in export_student(job, tmp_path / "out").rglob("*") if p.is_file())
+
+
+def test_a_folder_named_like_a_step_in_other_digits_is_no_checkpoint(finished, tmp_path, tiny_dirs):
+    """`step-²` (a digit to str.isdigit, not to int): passed by as no checkpoint's name; `latest` naming it is refused."""
+    folder = copy_of(finished, tmp_path)
+    shutil.copytree(folder / "step-3", folder / "step-²")
+    store = CheckpointStore(small_job(tiny_dirs["qwen3_5"], folder))
+    assert store.choose()[0] == "step-3"
+    (folder / "latest").write_text("step-²")
+    with pytest.raises(CheckpointError, match="names 'step-²', not a checkpoint name a run writes"):
+        store.choose()
+
+
 @pytest.mark.parametrize("pointer", ["../outside", "/tmp/elsewhere", "step-1/../../outside", "step-2\n../x", "final"])
 def test_a_latest_pointer_that_is_no_checkpoint_name_is_refused_and_moves_nothing(finished, tmp_path, tiny_dirs, pointer):
     """`latest` is read as a checkpoint's name only when it is one a run writes (step-N): a path would be renamed to

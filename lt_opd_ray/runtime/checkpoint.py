@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -45,6 +44,7 @@ from lt_opd_ray.runtime.checkpoint_files import (
     file_digests,
     load_weights_only,
     remote_damage,
+    step_of,
     write_failure,
 )
 from lt_opd_ray.runtime.waits import RoleDiedError
@@ -164,8 +164,8 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
     def _step_tags(self) -> list[str]:
-        tags = [name for name in self.storage.names() if name.startswith("step-") and name[5:].isdigit() and self.storage.is_dir(name)]
-        return sorted(tags, key=lambda tag: int(tag[5:]))
+        tags = [name for name in self.storage.names() if step_of(name) is not None and self.storage.is_dir(name)]
+        return sorted(tags, key=step_of)
 
     def _manifest(self, tag: str) -> Manifest:
         return Manifest.parse(self.storage.read_text(f"{tag}/{MANIFEST}"), self.storage.describe(f"{tag}/{MANIFEST}"))
@@ -177,7 +177,7 @@ class CheckpointStore:
         if pointer is None:
             return None
         tag = pointer.strip()
-        if not re.fullmatch(r"step-[0-9]+", tag):
+        if step_of(tag) is None:
             raise CheckpointError(f"{self.storage.describe('latest')} names {tag[:200]!r}, not a checkpoint name a run writes (step-N);"
                                   " fix or remove the file")
         return tag

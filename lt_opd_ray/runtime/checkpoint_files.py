@@ -6,7 +6,10 @@ file is checked against it (random bytes over the weights, a truncated optimizer
 or a hand-edited driver_state.json are caught here, by name, not by NaNs two steps
 later), and every `.pt` is opened with `torch.load(weights_only=True)`, which refuses
 any pickle that would run code. Only the three non-tensor types DeepSpeed itself
-pickles are allowed beside tensors and plain containers.
+pickles are allowed beside tensors and plain containers. A checkpoint folder holds regular files and folders only:
+a link (dangling, or to anything), a FIFO, a socket or a device anywhere in it makes it untrusted, and nothing is
+read through a link. `private_copy` copies the files the manifest names into a folder only this user can write,
+hashing the bytes it copies: what a loader then reads is what was hashed.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
+import re
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,14 +61,100 @@ def load_weights_only(path: Path, mmap: bool = False):
         raise CheckpointError(f"{path}: unreadable ({str(exc).splitlines()[0][:200]})") from None
 
 
+STEP_TAG = re.compile(r"step-([0-9]+)", re.ASCII)
+
+
+def step_of(name: str) -> int | None:
+    """N of a checkpoint name a run writes (`step-N`, ASCII digits), else None (`step-²`, `step-1/..`, anything else)."""
+    match = STEP_TAG.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def open_regular(path: Path):
+    """`path` opened for reading, refused unless it is a regular file reached without a link at its last component
+    (O_NOFOLLOW: a link swapped in after a check is not followed) and without blocking on a FIFO (O_NONBLOCK)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a link; a checkpoint folder holds regular files only, and none is read through a link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file ({_kind(os.lstat(path).st_mode)}); a checkpoint folder holds regular files only")
+    return os.fdopen(fd, "rb")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def irregular_entry(folder: Path) -> str | None:
+    """The first entry under `folder` (itself included) that is neither a regular file nor a folder reached without
+    a link, said in words; None when there is none. Walked without following any link."""
+    mode = os.lstat(folder).st_mode
+    if not stat.S_ISDIR(mode):
+        return f"{folder}: {_kind(mode)}, not a folder"
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in sorted(dirs + files):
+            mode = os.lstat(os.path.join(top, name)).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                return f"{os.path.join(top, name)}: {_kind(mode)}; a checkpoint or model folder holds regular files and folders only"
+    return None
+
+
+@contextmanager
+def weights_only_loads():
+    """Every torch.load in the block weights-only, whatever its caller passes (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD),
+    DeepSpeed's own pickled types allowed: for a reader of ours that unpickles with weights_only=False (DeepSpeed's
+    zero_to_fp32)."""
+    import torch
+
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_pickled_types()):
+            yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
 def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def private_copy(folder: Path, names: dict[str, list], into: Path) -> None:
+    """Copy the files `names` lists (relative path -> [bytes, sha256]) from `folder` into `into`, a new folder only
+    this user can enter (0700), hashing the bytes as they are copied: a file that differs from its digest, or is
+    swapped for a link or a FIFO during the copy, is refused and `into` removed. Loaders then read the copy."""
+    into.mkdir(mode=0o700, parents=False)
+    try:
+        for name, (size, digest) in names.items():
+            target = into / name
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            hasher = hashlib.sha256()
+            with open_regular(folder / name) as source, open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as out:
+                while block := source.read(1 << 24):
+                    hasher.update(block)
+                    out.write(block)
+            if hasher.hexdigest() != digest or target.stat().st_size != size:
+                raise CheckpointError(f"{folder / name}: SHA-256 differs from the manifest (the file was changed after it was written)")
+    except BaseException:
+        shutil.rmtree(into, ignore_errors=True)
+        raise
 
 
 def file_digests(folder: Path) -> dict[str, list]:
     """Every file under `folder` but a manifest: path relative to `folder` -> [bytes, sha256]."""
-    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and p.name != MANIFEST)
     with ThreadPoolExecutor(HASH_THREADS) as pool:  # hashlib releases the GIL: files hash in parallel
         digests = list(pool.map(sha256, paths))
     return {str(p.relative_to(folder)): [p.stat().st_size, d] for p, d in zip(paths, digests)}
@@ -87,7 +180,10 @@ class Manifest:
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST
-        return cls.parse(path.read_text() if path.exists() else None, str(path))
+        if not os.path.lexists(path):
+            return cls.parse(None, str(path))
+        with open_regular(path) as f:
+            return cls.parse(f.read().decode("utf-8", errors="replace"), str(path))
 
     @classmethod
     def parse(cls, text: str | None, where: str) -> Manifest:
@@ -96,9 +192,14 @@ class Manifest:
             raise CheckpointError(f"{where}: missing (an unfinished checkpoint, or one written before manifests)")
         try:
             data = json.loads(text)
-            return cls(str(data["run_id"]), int(data["step"]), float(data["written_at"]), dict(data["files"]))
+            manifest = cls(str(data["run_id"]), int(data["step"]), float(data["written_at"]), dict(data["files"]))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{where}: unreadable ({exc!r})") from None
+        for name in manifest.files:  # a name a run writes: a relative path below the checkpoint, in plain parts
+            parts = name.split("/")
+            if not name or name.startswith("/") or any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in parts):
+                raise CheckpointError(f"{where}: names {name[:200]!r}, not a path inside the checkpoint folder")
+        return manifest
 
 
 def remote_damage(storage, tag: str) -> str | None:
@@ -122,6 +223,8 @@ def remote_damage(storage, tag: str) -> str | None:
 def damage(folder: Path, only: set[str] | None = None) -> str | None:
     """Why the checkpoint in `folder` cannot be trusted (the first file that differs from its manifest, or a
     pickle that is not weights-only), or None when it is intact. `only`: check just these of its files."""
+    if only is None and (irregular := irregular_entry(folder)):
+        return irregular
     try:
         manifest = Manifest.read(folder)
     except CheckpointError as exc:
@@ -136,13 +239,19 @@ def damage(folder: Path, only: set[str] | None = None) -> str | None:
                     " folder holds only the files its run wrote")
     for name, (size, _) in manifest.files.items():
         path = folder / name
-        if not path.is_file():
+        if not os.path.lexists(path):
             return f"{path}: missing"
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode):
+            return f"{path}: {_kind(mode)}; a checkpoint folder holds regular files only"
         if path.stat().st_size != size:
             return f"{path}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
     names = list(manifest.files)
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        digests = list(pool.map(lambda name: sha256(folder / name), names))
+    try:
+        with ThreadPoolExecutor(HASH_THREADS) as pool:
+            digests = list(pool.map(lambda name: sha256(folder / name), names))
+    except CheckpointError as exc:  # swapped for a link or a FIFO since the look above
+        return str(exc)
     for name, digest in zip(names, digests):
         if digest != manifest.files[name][1]:
             return f"{folder / name}: SHA-256 differs from the manifest (the file was changed after it was written)"

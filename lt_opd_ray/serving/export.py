@@ -11,6 +11,7 @@ and `--force` replaces only an earlier export, never a folder export did not wri
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from lt_opd_ray.core.compression import CompressionConfig
@@ -43,10 +44,10 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
                 )
             if storage.remote:
                 storage.get("final", into=staging)
-                _check_final(staging, storage.describe("final"))
             else:
                 _check_final(storage.local / "final", storage.describe("final"))
-                shutil.copytree(storage.local / "final", staging, dirs_exist_ok=True)
+                shutil.copytree(storage.local / "final", staging, symlinks=True, dirs_exist_ok=True)  # a link stays a link: refused below
+            _check_final(staging, storage.describe("final"))  # what was copied, links and FIFOs included
         else:
             _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
@@ -62,6 +63,10 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
 
 
 def _check_final(folder: Path, where: str) -> None:
+    from lt_opd_ray.runtime.checkpoint_files import irregular_entry
+
+    if irregular := irregular_entry(folder):  # nothing is exported through a link (a notes.md -> ~/.aws/credentials)
+        raise ExportError(f"{where} is not exported: {irregular.replace(str(folder), where)}")
     try:
         check_model_folder(folder)
     except ModelFolderError as exc:
@@ -77,8 +82,9 @@ def _first_os_error(exc: OSError) -> str:
 
 
 def _steps(storage) -> list[int]:
-    names = storage.names()
-    return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit() and storage.read_text(f"{n}/driver_state.json") is not None)
+    from lt_opd_ray.runtime.checkpoint_files import step_of
+
+    return sorted(step for n in storage.names() if (step := step_of(n)) is not None and storage.read_text(f"{n}/driver_state.json") is not None)
 
 
 def _from_deepspeed_checkpoint(job, storage, step: int, staging: Path) -> None:
@@ -87,22 +93,29 @@ def _from_deepspeed_checkpoint(job, storage, step: int, staging: Path) -> None:
 
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.models.processor import VLMProcessor
-    from lt_opd_ray.runtime.checkpoint_files import damage
+    from lt_opd_ray.runtime.checkpoint_files import CheckpointError, Manifest, damage, private_copy, weights_only_loads
     from lt_opd_ray.sources.resolve import resolve_model_dir
 
     tag = f"step-{step}"
     if storage.read_text(f"{tag}/driver_state.json") is None:
         raise ExportError(f"{storage.describe(tag)}: no complete checkpoint (available steps: {_steps(storage) or 'none'})")
-    root = staging.with_name(staging.name + ".checkpoint") if storage.remote else storage.local
+    fetched = staging.with_name(staging.name + ".checkpoint") if storage.remote else storage.local
     if storage.remote:
-        storage.get(tag, into=root / tag)
+        storage.get(tag, into=fetched / tag)
+    private = Path(tempfile.mkdtemp(prefix=".lt-opd-export-", dir=staging.parent))  # 0700: only this user writes it
     try:
-        if why := damage(root / tag):  # sizes, SHA-256 and weights-only pickles, before DeepSpeed's loader opens a file
+        if why := damage(fetched / tag):  # links, FIFOs, sizes, SHA-256 and weights-only pickles, before any loader opens a file
             raise ExportError(f"{storage.describe(tag)}: not exported, the checkpoint is damaged or untrusted: {why}")
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        try:  # DeepSpeed's reader globs its folder and unpickles: it reads a private copy of what was hashed, weights-only
+            private_copy(fetched / tag, Manifest.read(fetched / tag).files, private / tag)
+        except CheckpointError as exc:
+            raise ExportError(f"{storage.describe(tag)}: not exported, the checkpoint is damaged or untrusted: {exc}") from None
+        with weights_only_loads():
+            state = get_fp32_state_dict_from_zero_checkpoint(str(private), tag=tag)
     finally:
+        shutil.rmtree(private, ignore_errors=True)
         if storage.remote:
-            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(fetched, ignore_errors=True)
     prefix = "model."  # the DeepSpeed module wraps the Hugging Face model as `.model`
     weights = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
     model_dir, model = load_vlm(resolve_model_dir(job.model.path), token_merge=job.selector.merge == "learnable")
