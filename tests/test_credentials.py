@@ -24,7 +24,7 @@ STORE = "s3://AKIALEAKEDKEY:s3-SeCrEt%2Fleak@bucket/runs/t?endpoint_override=127
 TRACKER = "https://lt-user:mlflow-pw-leak@mlflow.internal:5000"
 
 
-@pytest.mark.parametrize("given, shown", [
+FORMS = [  # (given, shown): userinfo in any spelling, every query and fragment value but the few known safe keys'
     (STORE, "s3://***@bucket/runs/t?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"),
     (TRACKER, "https://***@mlflow.internal:5000"),
     ("https://ghp_token@host/repo", "https://***@host/repo"),
@@ -33,14 +33,64 @@ TRACKER = "https://lt-user:mlflow-pw-leak@mlflow.internal:5000"
     ("https://u:p@ss@mlflow:5000/x", "https://***@mlflow:5000/x"),  # an "@" in the password: split at the last
     ("s3://KEY:wJal/rXU@bucket/run", "s3://***@bucket/run"),  # a raw "/" in the secret (pyarrow then refuses the URI, quoting it)
     ("abfs://c@acct.dfs.core.windows.net/p?client_id=app&client_secret=S3CR3T&tenant_id=t",
-     "abfs://***@acct.dfs.core.windows.net/p?client_id=app&client_secret=***&tenant_id=t"),
-    ("https://b.s3.amazonaws.com/o?X-Amz-Credential=AK%2F1&X-Amz-Signature=abc&X-Amz-Expires=60",
-     "https://b.s3.amazonaws.com/o?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=60"),
+     "abfs://***@acct.dfs.core.windows.net/p?client_id=***&client_secret=***&tenant_id=***"),
+    ("https://b.s3.amazonaws.com/o?X-Amz-Credential=AK%2F1&X-Amz-Signature=abc&X-Amz-Expires=60&X-Amz-Security-Token=tok",
+     "https://b.s3.amazonaws.com/o?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Expires=60&X-Amz-Security-Token=***"),
     ("gs://bucket/runs/model@v2", "gs://bucket/runs/model@v2"),  # an "@" in a path is not userinfo
     ("/data/rows@2x.png and mailto:me@example.org", "/data/rows@2x.png and mailto:me@example.org"),
-])
+    ("https://alice:s3'cr3t@host/x", "https://***@host/x"),  # a quote in the secret
+    ('s3://AKIAXX:wJalr"SECRET@bucket/p', "s3://***@bucket/p"),
+    ("https://h/x?pwd=hunter2", "https://h/x?pwd=***"),
+    ("https://h/x?pass=hunter2&user=me", "https://h/x?pass=***&user=***"),
+    ("https://h/cb#access_token=abc&expires_in=60", "https://h/cb#access_token=***&expires_in=***"),
+    ("https://h/cb#tok123", "https://h/cb#***"),  # a bare fragment
+    ("s3://a:b@x/y,s3://c:d@z/w", "s3://***@x/y,s3://***@z/w"),  # two URIs joined
+    ("s3://a:b@x/y;gs://c:d@z/w", "s3://***@x/y;gs://***@z/w"),
+    ("s3://a:b@x/y|https://c:d@z/w", "s3://***@x/y|https://***@z/w"),
+    ('{"uri": "s3://k:s@b/x"}', '{"uri": "s3://***@b/x"}'),
+    ("dir: 'https://u:p@h/x'", "dir: 'https://***@h/x'"),
+    ("https://u%40x:p%2F@h/run", "https://***@h/run"),  # percent-encoded userinfo
+    ("ftp://anonymous@ftp.host/x", "ftp://***@ftp.host/x"),
+    ("postgresql://u:p@db:5432/x?sslmode=require", "postgresql://***@db:5432/x?sslmode=***"),
+    ("jdbc:mysql://u:p@h/db", "jdbc:mysql://***@h/db"),
+    ("HTTPS://U:P@H/X", "HTTPS://***@H/X"),
+    ("https://h/x?a=1;sig=2", "https://h/x?a=***;sig=***"),
+    ("(see https://u:p@h/x)", "(see https://***@h/x)"),
+    ("redis://:password@host:6379/0", "redis://***@host:6379/0"),
+    ("s3://a:b@c/run\nnext line s3://bucket/ok", "s3://***@c/run\nnext line s3://bucket/ok"),
+    ("wss://h/socket?token=abc", "wss://h/socket?token=***"),
+    ("https://acct.blob.core.windows.net/c/b?sv=2024&sig=abc%3D", "https://acct.blob.core.windows.net/c/b?sv=***&sig=***"),
+    ("step 3 loss 0.5, budget 5.00%", "step 3 loss 0.5, budget 5.00%"),
+]
+
+
+@pytest.mark.parametrize("given, shown", FORMS)
 def test_a_uris_userinfo_and_secret_query_values_are_hidden_and_nothing_else(given, shown):
     assert redact(given) == shown
+
+
+def test_the_command_lines_output_and_argv_are_redacted_line_by_line_however_they_are_written(capsys):
+    """Every line the command line prints, written in pieces that split a URI, and the `sys.argv` Ray and W&B record
+    while it runs, show no credential; the parsed arguments keep them, and everything is restored after."""
+    import sys
+
+    from lt_opd_ray.core.redact import redacted_process
+
+    argv = sys.argv
+    sys.argv = ["lt-opd", "train", "job.yaml", "--set", f"checkpoint.dir={STORE}"]
+    try:
+        with redacted_process():
+            assert sys.argv[-1] == "checkpoint.dir=s3://***@bucket/runs/t?endpoint_override=127.0.0.1:9&scheme=http&region=us-east-1"
+            sys.stdout.write("cannot open s3://AKIALEAKEDKEY:s3-Se")
+            sys.stdout.write("CrEt@bucket/x\nnext ")
+            print(" line", TRACKER, file=sys.stderr)
+            print("https://h/o?X-Amz-Signature=mlflow-pw-leak")
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    assert out == "cannot open s3://***@bucket/x\nnext https://h/o?X-Amz-Signature=***\n", out
+    assert err == " line https://***@mlflow.internal:5000\n", err
+    assert sys.argv is argv
 
 
 def test_an_mlflow_servers_credentials_go_to_mlflows_variables_not_its_uri(monkeypatch):

@@ -17,13 +17,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lt_opd_ray.core.redact import redacted_process
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `lt-opd submit JOB [options] -- [lt-opd train options]`: what follows -- goes to the remote train
-    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    args = build_parser().parse_args(argv)
-    args.train_args = train_args
-    return args.func(args)
+    with redacted_process():  # every line printed, and the command line Ray and the trackers record, without credentials
+        # `lt-opd submit JOB [options] -- [lt-opd train options]`: what follows -- goes to the remote train
+        train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+        argv = argv[: argv.index("--")] if "--" in argv else argv
+        args = build_parser().parse_args(argv)
+        args.train_args = train_args
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,73 @@
-"""Credentials never leave the process: every URI a run writes or prints has its secrets replaced by `***`.
+"""Credentials never leave the process: every URI a run writes, prints or sends has its secrets replaced by `***`.
 
-A URI may carry them as userinfo (`s3://KEY:SECRET@bucket/runs`, `https://user:p@ss@mlflow:5000`, `https://token@host`;
-a raw "/" or "@" in a secret included) or in its query (`?secret_key=...`, Azure's `client_secret`, a signed URL's
-`sig` / `X-Amz-Signature`: any key naming a secret, token, key, password, credential or signature). The process keeps
-the URI as given (the storage and the tracker open it); what is written (the run's job.yaml, its error.log, the
-trackers' config) and printed (start-up lines, errors) goes through `redact`.
+A URI is parsed, not matched: from each `scheme://` to the next whitespace or the next `scheme://` (two URIs joined by
+`,`, `;` or `|` are two), whatever characters the secret holds (quotes, `"`, `/`, `@`). Its userinfo (everything
+before the authority's last `@`, or before the last `@` of the URI where a secret holds a raw `/`) is hidden, and so
+is every value of its query and fragment (`?pwd=`, `#access_token=`, a presigned URL's `X-Amz-Signature`,
+`X-Amz-Credential` and `X-Amz-Security-Token`) but those of the few keys known to hold no secret (`SAFE_QUERY_KEYS`):
+a key is not trusted to say whether its value is one. The process keeps the URI as given (the storage and the tracker
+open it); what it writes (the run's job.yaml, its error.log, the trackers' config), prints (every line of the
+command line's stdout and stderr, `redacted_process`) and hands to Ray and the trackers as its command line
+(`sys.argv`) goes through `redact`; so does every Ray worker's output (`redact_worker_output`, the runtime env's
+setup hook).
 """
 
 from __future__ import annotations
 
+import io
 import re
+import sys
+from contextlib import contextmanager
 
 HIDDEN = "***"
-_URI = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]*")
-_SECRET_QUERY = re.compile(r"([?&;][^=&;#?]*(?:secret|token|key|password|passwd|credential|sig)[^=&;#?]*=)[^&;#]*", re.IGNORECASE)
+_SCHEME = re.compile(r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://")
+_END = re.compile(r"\s")
+SAFE_QUERY_KEYS = frozenset({"region", "endpoint_override", "scheme", "versionid", "format", "x-amz-expires", "x-amz-date", "x-amz-algorithm",
+                             "x-amz-signedheaders"})
 
 
 def redact(text: str) -> str:
-    """`text` with every URI's userinfo and secret query values replaced by `***`; anything else unchanged."""
-    return _URI.sub(lambda match: _redact_uri(match.group(0)), text)
+    """`text` with every URI's userinfo and query and fragment values replaced by `***`; anything else unchanged."""
+    starts = [m.start() for m in _SCHEME.finditer(text)]
+    if not starts:
+        return text
+    out, done = [text[: starts[0]]], starts[0]
+    for i, start in enumerate(starts):
+        if start < done:
+            continue
+        limit = starts[i + 1] if i + 1 < len(starts) else len(text)
+        space = _END.search(text, start, limit)
+        end = space.start() if space else limit
+        out.append(_redact_uri(text[start:end]))
+        out.append(text[end:limit])
+        done = limit
+    return "".join(out)
 
 
 def _redact_uri(uri: str) -> str:
     scheme, rest = uri.split("://", 1)
-    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:authority_end]
     if "@" in authority:  # userinfo ends at the authority's last "@", as urllib and requests split it
-        rest = HIDDEN + rest[authority.rindex("@"):]
+        rest = HIDDEN + rest[authority.rindex("@") :]
     elif ":" in authority and "@" in rest:  # a secret holding a raw "/": the "@" after it ends the userinfo
-        rest = HIDDEN + rest[rest.rindex("@"):]
-    return f"{scheme}://{_SECRET_QUERY.sub(lambda m: m.group(1) + HIDDEN, rest)}"
+        rest = HIDDEN + rest[rest.rindex("@") :]
+    cut = min((i for i in (rest.find(c) for c in "?#") if i >= 0), default=-1)
+    if cut < 0:
+        return f"{scheme}://{rest}"
+    return f"{scheme}://{rest[:cut]}{_redact_parameters(rest[cut:])}"
+
+
+def _redact_parameters(tail: str) -> str:
+    """A URI's query and fragment (from its `?` or `#`) with each parameter's value hidden, the safe keys' kept."""
+    parts = re.split(r"([?#&;])", tail)
+    for i in range(2, len(parts), 2):
+        key, eq, value = parts[i].partition("=")
+        if not eq:
+            parts[i] = HIDDEN if key else key  # a bare value (`#<token>`) is hidden whole
+        elif value and key.lower() not in SAFE_QUERY_KEYS:
+            parts[i] = f"{key}={HIDDEN}"
+    return "".join(parts)
 
 
 def redact_values(value):
@@ -40,3 +79,55 @@ def redact_values(value):
     if isinstance(value, (list, tuple)):
         return [redact_values(item) for item in value]
     return value
+
+
+class RedactedStream(io.TextIOBase):
+    """A text stream that writes each whole line through `redact` (a URI is never split between two writes of it)."""
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            lines, self.pending = self.pending.rsplit("\n", 1)
+            self.stream.write(redact(lines + "\n"))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(redact(self.pending))
+            self.pending = ""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.stream, "encoding", "utf-8")
+
+
+@contextmanager
+def redacted_process():
+    """The command line's process while it runs: its stdout and stderr redacted line by line, and `sys.argv` (which
+    W&B records and Ray keeps as the job's entrypoint, readable by every token holder) redacted; the parsed arguments
+    keep the values. Restored on exit."""
+    argv, out, err = sys.argv, sys.stdout, sys.stderr
+    sys.argv = [redact(a) for a in argv]
+    sys.stdout, sys.stderr = RedactedStream(out), RedactedStream(err)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.argv, sys.stdout, sys.stderr = argv, out, err
+
+
+def redact_worker_output() -> None:
+    """Ray's worker_process_setup_hook: a worker's stdout and stderr (its log files) redacted line by line."""
+    if not isinstance(sys.stdout, RedactedStream):
+        sys.stdout, sys.stderr = RedactedStream(sys.stdout), RedactedStream(sys.stderr)

@@ -23,6 +23,7 @@ WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TRANSFORMERS_VERBOSITY
 # bind the loopback interface. On a cluster, set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the job's runtime
 # env to the private network's interface (docs/operating.md, "Network exposure").
 LOCAL_ENV = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform == "linux" else {}
+WORKER_SETUP_HOOK = "lt_opd_ray.core.redact.redact_worker_output"  # every worker's output without credentials
 
 
 def init_ray(job: JobConfig, address: str | None = None) -> None:
@@ -47,7 +48,7 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
         address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine
         num_cpus=machine_cpus(),
         include_dashboard=False,
-        runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_ENV}},
+        runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_ENV}, "worker_process_setup_hook": WORKER_SETUP_HOOK},
         log_to_driver=False,
         logging_level=logging.WARNING,
         _metrics_export_port=job.metrics.export_port,
