@@ -16,6 +16,7 @@ VLLM_FAMILIES = [name for name, family in DESCRIPTIONS.items() if family.vllm_mo
 # Every collective of every test (learner groups, weight syncs, in this process, its Ray actors and the CLI runs it
 # starts) is held to its backend's device rule, as NCCL holds a GPU run (core/collectives.py).
 os.environ.setdefault("LT_OPD_CHECK_COLLECTIVES", "1")
+os.environ.setdefault("LT_OPD_TRUSTED_MODULES", "user_rewards")  # the operator's opt-in for the tests' own reward module
 
 
 def pytest_report_header(config) -> str:
@@ -107,7 +108,7 @@ def cluster(request, metrics_port):
         tests = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
         pool_nodes = {"lt_opd_rollout": 1, "lt_opd_teacher": 1, "lt_opd_learner": 1}  # every pool's node_resource: the dashboard's panels read them
         ray.init(address="local", num_cpus=8, resources=pool_nodes, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests}}, _metrics_export_port=metrics_port)
+                 runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": tests, "LT_OPD_TRUSTED_MODULES": os.environ["LT_OPD_TRUSTED_MODULES"]}}, _metrics_export_port=metrics_port)
         SHARED_CLUSTER["running"] = True
     yield ray.get_runtime_context().gcs_address
     left = leftovers()

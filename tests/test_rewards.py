@@ -41,6 +41,7 @@ def test_a_users_own_reward_is_named_as_module_and_function(tmp_path, monkeypatc
     (tmp_path / "my_rewards.py").write_text("import numpy as np\ndef length(samples, responses):\n"
                                             "    return [np.float32(len(r)) for r in responses]\nnot_callable = 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LT_OPD_TRUSTED_MODULES", "user_rewards, my_rewards")
     assert checked_rewards("my_rewards:length", load_reward("my_rewards:length"), rows("a", "b"), ["xy", "xyz"]) == [2.0, 3.0]
     with pytest.raises(RewardError, match="reward 'my_rewards:nothing' cannot be loaded"):
         load_reward("my_rewards:nothing")
@@ -60,6 +61,28 @@ def test_a_users_own_reward_is_named_as_module_and_function(tmp_path, monkeypatc
 def test_a_reward_that_gives_anything_but_one_finite_number_per_response_is_named(values, message):
     with pytest.raises(RewardError, match=message):
         checked_rewards("r", lambda samples, responses: values, rows("a", "b"), ["x", "y"])
+
+
+@pytest.mark.parametrize("trusted", ["", "my", "my_rewards.sub", "other,  ", "my_rewards_x", "*"])
+def test_a_module_the_operator_does_not_trust_is_never_imported_validate_included(tmp_path, monkeypatch, capsys, trusted):
+    """A job naming `module:function` runs that module's top-level code only where the operator's environment lists the
+    module by its whole name (LT_OPD_TRUSTED_MODULES): `lt-opd validate` of the job imports nothing, names the
+    variable, and fails."""
+    from lt_opd_ray.cli.main import main
+
+    marker = tmp_path / "ran"
+    (tmp_path / "my_rewards.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef length(samples, responses):\n    return [0.0] * len(responses)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LT_OPD_TRUSTED_MODULES", trusted)
+    with pytest.raises(RewardError, match=r"reward 'my_rewards:length' names code to import, and module 'my_rewards' is not among the"
+                                          r" operator's trusted modules: set LT_OPD_TRUSTED_MODULES=my_rewards where the job runs"):
+        load_reward("my_rewards:length")
+    job = tmp_path / "job.yaml"
+    job.write_text(f'model: {{path: "tiny:qwen3_5"}}\ndata: {{path: "synthetic:4"}}\nobjective: {{mode: grpo}}\nsampling: {{n: 2}}\n'
+                   f'reward: {{name: "my_rewards:length"}}\ncheckpoint: {{dir: "{tmp_path / "run"}"}}\n')
+    assert main(["validate", str(job)]) == 1  # validate: 1 when a job has problems
+    assert "not among the operator's trusted modules" in capsys.readouterr().err
+    assert not marker.exists() and "my_rewards" not in sys.modules
 
 
 def test_a_reward_that_raises_is_named_with_the_rows_it_was_given():
@@ -103,7 +126,8 @@ def test_validate_names_a_reward_that_cannot_load_or_score_the_rows(tmp_path, ca
     data = [f"--set=data.path={tmp_path / 'rows.jsonl'}", f"--set=data.image_root={tmp_path}", "--set=sampling.prompts_per_step=2"]
     for reward, expected in (("answer", f"reward.name answer compares each response with its row's answer, but 2 of the 3 rows of"
                                         f" data.path '{tmp_path / 'rows.jsonl'}' carry none (b, c)"),
-                             ("nowhere:fn", "reward.name: reward 'nowhere:fn' cannot be loaded: No module named 'nowhere'")):
+                             ("user_rewards:fn", "reward.name: reward 'user_rewards:fn' cannot be loaded: module 'user_rewards' has no"
+                                                 " attribute 'fn'")):
         assert main(["validate", str(job), *data, f"--set=reward.name={reward}"]) == 1, reward
         err = capsys.readouterr().err
         assert expected in err, (reward, err)

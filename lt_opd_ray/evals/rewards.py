@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import os
 from collections.abc import Callable, Sequence
 
 from lt_opd_ray.config.objective import JUDGE_REWARD
@@ -86,6 +87,16 @@ def row_problems(name: str, samples: Sequence[Sample], spec: str) -> list[str]:
     return []
 
 
+TRUSTED_MODULES = "LT_OPD_TRUSTED_MODULES"
+
+
+def trusted_modules() -> set[str]:
+    """The modules a job's `module:function` reward may import: the operator's comma-separated list in the
+    LT_OPD_TRUSTED_MODULES variable of the process (a local run passes it to its workers; on a cluster, the job's
+    runtime env), whole module names only. Nothing else is imported, `lt-opd validate` included."""
+    return {m.strip() for m in os.environ.get(TRUSTED_MODULES, "").split(",") if m.strip()}
+
+
 def load_reward(name: str, judge: Reward | None = None) -> Reward:
     """A built-in reward by name, `judge` (the judge model's answer, as `judge` gives it: its Serve pool's client in
     a run, the model itself in process), or `module:function` importable where the job runs."""
@@ -98,6 +109,9 @@ def load_reward(name: str, judge: Reward | None = None) -> Reward:
     module, _, function = name.partition(":")
     if not module or not function:
         raise RewardError(f"reward {name!r}: one of {', '.join([*BUILT_IN, JUDGE_REWARD])}, or module:function")
+    if module not in trusted_modules():  # a job file names code; only the operator's environment lets it run
+        raise RewardError(f"reward {name!r} names code to import, and module {module!r} is not among the operator's trusted modules:"
+                          f" set {TRUSTED_MODULES}={module} where the job runs (a job file alone never runs code)")
     try:
         found = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as exc:

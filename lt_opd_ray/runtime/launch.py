@@ -48,11 +48,18 @@ def init_ray(job: JobConfig, address: str | None = None) -> None:
         address="local",  # a cluster of its own, even where a `ray start` cluster runs on this machine
         num_cpus=machine_cpus(),
         include_dashboard=False,
-        runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_ENV}, "worker_process_setup_hook": WORKER_SETUP_HOOK},
+        runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_ENV, **operator_trust()}, "worker_process_setup_hook": WORKER_SETUP_HOOK},
         log_to_driver=False,
         logging_level=logging.WARNING,
         _metrics_export_port=job.metrics.export_port,
     )
+
+
+def operator_trust() -> dict[str, str]:
+    """The operator's list of modules a job's reward may import (evals/rewards.py), passed on to a local run's workers."""
+    from lt_opd_ray.evals.rewards import TRUSTED_MODULES
+
+    return {TRUSTED_MODULES: os.environ[TRUSTED_MODULES]} if os.environ.get(TRUSTED_MODULES) else {}
 
 
 def check_local_start(job: JobConfig, address: str | None = None) -> None:
