@@ -48,7 +48,8 @@ def test_rayjob_runs_the_recipe_on_the_raycluster_spec():
     cluster = load(REPO / "cluster/kuberay/raycluster.yaml")
     assert job["spec"]["rayClusterSpec"] == cluster["spec"]
     assert job["spec"]["entrypoint"].split()[:3] == ["lt-opd", "train", "jobs/train_qwen35.yaml"]
-    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {"env_vars": load(REPO / "cluster/runtime_env.yaml")["env_vars"]}
+    shipped = load(REPO / "cluster/runtime_env.yaml")
+    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {key: shipped[key] for key in ("env_vars", "worker_process_setup_hook")}
 
 
 def pinned_recipe():
@@ -153,16 +154,31 @@ def kuberay_pods(name: str) -> list[dict]:
     return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
 
 
+def network_policies():
+    cluster, submitter = yaml.safe_load_all((REPO / "cluster" / "kubernetes" / "networkpolicy.yaml").read_text())
+    return cluster, submitter
+
+
+DNS = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+               "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+       "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+
+
 def test_the_kuberay_clusters_take_jobs_only_with_the_token_from_the_pods_the_network_policy_admits():
-    policy = load(REPO / "cluster" / "kubernetes" / "networkpolicy.yaml")
-    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    policy, _ = network_policies()
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     selected = policy["spec"]["podSelector"]["matchLabels"]
     own, submit, metrics = policy["spec"]["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": selected}}]}  # the cluster's pods, among themselves
     assert submit["ports"] == [{"port": 8265, "protocol": "TCP"}] and metrics["ports"] == [{"port": 8090, "protocol": "TCP"}]
-    rayjob = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")
+    rayjob = load(REPO / "cluster/kuberay/rayjob.yaml")
     assert {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": rayjob["metadata"]["name"]}}} in submit["from"]
-    assert {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}} in submit["from"]
+    # the operator: its pods in its own namespace, one element (two elements would admit every pod of that namespace
+    # and the label in every namespace); an empty namespaceSelector would admit the label from any namespace
+    (operator,) = [peer for peer in submit["from"] if "namespaceSelector" in peer]
+    assert operator == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+    assert all(peer.keys() == {"podSelector"} for peer in submit["from"] if peer is not operator)  # this namespace only
     for name in ("raycluster.yaml", "rayjob.yaml"):
         doc = load(REPO / "cluster" / "kuberay" / name)
         spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
@@ -170,9 +186,31 @@ def test_the_kuberay_clusters_take_jobs_only_with_the_token_from_the_pods_the_ne
         assert all(pod["metadata"]["labels"].items() >= selected.items() for pod in kuberay_pods(name)), name
 
 
+def test_the_network_policies_close_egress_but_to_the_cluster_dns_and_public_https():
+    policy, submitter = network_policies()
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    own, dns, https = policy["spec"]["egress"]
+    assert own == {"to": [{"podSelector": {"matchLabels": selected}}]}
+    assert dns == DNS
+    assert https["ports"] == [{"port": 443, "protocol": "TCP"}]
+    (block,) = https["to"]
+    assert block["ipBlock"]["cidr"] == "0.0.0.0/0"
+    # no private network (the API server, in-cluster services) and no metadata endpoint (169.254.169.254)
+    assert set(block["ipBlock"]["except"]) >= {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"}
+    # the submitter: nothing in, and out only to the head's job API and DNS
+    rayjob = load(REPO / "cluster/kuberay/rayjob.yaml")
+    assert submitter["spec"]["podSelector"] == {"matchLabels": {"batch.kubernetes.io/job-name": rayjob["metadata"]["name"]}}
+    assert submitter["spec"]["policyTypes"] == ["Ingress", "Egress"] and not submitter["spec"]["ingress"]
+    assert submitter["spec"]["egress"] == [
+        {"to": [{"podSelector": {"matchLabels": selected}}], "ports": [{"port": 8265, "protocol": "TCP"}]}, DNS]
+
+
 def test_every_kuberay_pod_runs_unprivileged_without_a_service_account_token():
+    submitter = load(REPO / "cluster/kuberay/rayjob.yaml")["spec"]["submitterPodTemplate"]
+    head = kuberay_pods("rayjob.yaml")[0]
+    assert submitter["spec"]["securityContext"] == head["spec"]["securityContext"]  # the submitter as the head and workers
     for name in ("raycluster.yaml", "rayjob.yaml"):
-        for pod in kuberay_pods(name):
+        for pod in kuberay_pods(name) + ([submitter] if name == "rayjob.yaml" else []):
             spec = pod["spec"]
             assert spec["automountServiceAccountToken"] is False
             assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
@@ -197,3 +235,131 @@ def test_a_cluster_without_token_auth_is_named():
     worker, head = sorted(check_cluster_file(launcher, RECIPE, "ray-cluster.yaml"), reverse=True)
     assert worker.startswith("ray-cluster.yaml: worker_start_ray_commands: 'ray start --address=") and "without token auth" in worker
     assert head.startswith("ray-cluster.yaml: head_start_ray_commands: 'RAY_AUTH_MODE=token; ray start") and "without token auth" in head  # a shell variable, not the command's
+
+
+# ---- what the launcher runs: the config merged over Ray's defaults, every command read by a shell parser
+
+OK = None
+# (command, what check-cluster says: None when accepted, else a phrase of its one-sentence refusal)
+HEAD_START_FORMS = [
+    ("RAY_AUTH_MODE=token ray start --head --port=6379 --dashboard-host=0.0.0.0", OK),
+    ("export RAY_AUTH_MODE=token; ray start --head", OK),
+    ("export RAY_AUTH_MODE=token && ulimit -n 65536 && ray start --head", OK),
+    ("env RAY_AUTH_MODE=token /usr/local/bin/ray start --head", OK),
+    ("RAY_AUTH_MODE=token python3 -m ray.scripts.scripts start --head", OK),
+    ("bash -c 'RAY_AUTH_MODE=token ray start --head'", OK),
+    ("RAY_AUTH_MODE=token bash -c 'ray start --head'", OK),
+    ("RAY_AUTH_MODE=token ray --logging-level info start --head > /tmp/ray.log 2>&1", OK),
+    ("RAY_AUTH_MODE=token nohup ray start --head &", OK),
+    ("RAY_AUTH_MODE=token timeout 600 $HOME/.local/bin/ray start --head", OK),
+    ("{ export RAY_AUTH_MODE=token; }; ray start --head", OK),
+    ("env -u RAY_AUTH_MODE RAY_AUTH_MODE=token ray start --head", OK),
+    ("time -p env RAY_AUTH_MODE=token ray start --head", OK),
+    ("ray start --head --dashboard-host=0.0.0.0", "without token auth (RAY_AUTH_MODE is not set to token in the command itself)"),
+    ("RAY_AUTH_MODE=disabled ray  start --head", "RAY_AUTH_MODE is 'disabled'"),  # two spaces
+    ("python -m ray.scripts.scripts start --head", "without token auth"),
+    ("RAY_AUTH_MODE=token; ray start --head", "without token auth"),  # a shell variable, not exported
+    ("export RAY_AUTH_MODE=token; RAY_AUTH_MODE=disabled; ray start --head", "RAY_AUTH_MODE is 'disabled'"),
+    ("(export RAY_AUTH_MODE=token); ray start --head", "without token auth"),  # a subshell's export ends with it
+    ("export RAY_AUTH_MODE=token | true; ray start --head", "without token auth"),  # so does a pipeline's
+    ("true || export RAY_AUTH_MODE=token; ray start --head", "without token auth"),  # never runs
+    ("RAY_AUTH_MODE=token env -u RAY_AUTH_MODE ray start --head", "RAY_AUTH_MODE is unset"),
+    ("RAY_AUTH_MODE=token env -i ray start --head", "RAY_AUTH_MODE is unset"),
+    ("RAY_AUTH_MODE=token bash -lc 'ray start --head'", "without token auth"),  # a login shell reads ~/.profile
+    ("RAY_AUTH_MODE=$MODE ray start --head", "without token auth"),
+    ("RAY_AUTH_MODE=TOKEN ray start --head", "RAY_AUTH_MODE is 'TOKEN'"),
+    ("RAY_AUTH_MODE=token sudo ray start --head", "under sudo"),
+    ("sudo RAY_AUTH_MODE=token ray start --head", "under sudo"),
+    ("RAY_AUTH_MODE=token ray start --head --system-config='{\"AUTH_MODE\": \"disabled\"}'", "--system-config"),
+    ("ra\\y st'art' --head", "without token auth"),  # quotes and escapes do not hide it
+    ("echo $(ray start --head)", "without token auth"),  # nor a command substitution
+    ("eval 'ray start --head'", "without token auth"),
+    ("ray symmetric-run --address $RAY_HEAD_IP:6379 -- python train.py", "without token auth"),
+    ("~/start_ray.sh", "runs ~/start_ray.sh, which check-cluster cannot read"),
+    ("sudo -u ubuntu bash -c 'RAY_AUTH_MODE=token ray start --head'", "under sudo"),
+    ("ray() { RAY_AUTH_MODE=disabled command ray \"$@\"; }; RAY_AUTH_MODE=token ray start --head", "cannot prove"),
+    ("echo start --head | xargs ray", "runs xargs, which check-cluster cannot read"),
+    ("$RAY start --head", "a program named by an expansion"),
+    ("python -m ray start --head", "the Python module ray"),
+    ("if true; then RAY_AUTH_MODE=token ray start --head; fi", "control flow"),
+    ("cat <<EOF | bash\nray start --head\nEOF", "here-document"),
+    ("RAY_AUTH_MODE=token ray start --head 'unclosed", "unclosed quote"),
+]
+
+
+def launcher_with(**fields):
+    launcher = load(REPO / "cluster/ray-cluster.yaml")
+    launcher.update(fields)
+    return launcher
+
+
+@pytest.mark.parametrize(("command", "refusal"), HEAD_START_FORMS, ids=[c for c, _ in HEAD_START_FORMS])
+def test_a_launcher_start_command_is_accepted_only_where_token_auth_is_proven(command, refusal):
+    launcher = launcher_with(head_start_ray_commands=["ray stop", command])
+    problems = check_cluster_file(launcher, RECIPE, "ray-cluster.yaml")
+    if refusal is OK:
+        assert problems == []
+    else:
+        (problem,) = problems  # one sentence, naming the file, the field and the command
+        assert problem.startswith(f"ray-cluster.yaml: head_start_ray_commands: {command!r} "), problem
+        assert refusal in problem and problem.endswith("start it as RAY_AUTH_MODE=token ray start ..."), problem
+
+
+def test_a_launcher_without_start_commands_is_judged_by_the_defaults_ray_runs():
+    launcher = load(REPO / "cluster/ray-cluster.yaml")
+    del launcher["head_start_ray_commands"], launcher["worker_start_ray_commands"]
+    head, worker = check_cluster_file(launcher, RECIPE, "ray-cluster.yaml")
+    assert head.startswith("ray-cluster.yaml: head_start_ray_commands (Ray's aws defaults: the config sets none): 'ulimit -n 65536; ray start --head")
+    assert "(its dashboard on 0.0.0.0)" in head and "without token auth" in head
+    assert worker.startswith("ray-cluster.yaml: worker_start_ray_commands (Ray's aws defaults: the config sets none)")
+    no_types = load(REPO / "cluster/ray-cluster.yaml")
+    del no_types["available_node_types"], no_types["head_node_type"]  # still a launcher config: Ray fills both in
+    assert any("missing available_node_types" in p for p in check_cluster_file(no_types, RECIPE, "ray-cluster.yaml"))
+
+
+def test_every_command_list_the_launcher_runs_is_read():
+    starts = "ray start --head"
+    for field in ("setup_commands", "head_setup_commands", "worker_setup_commands", "initialization_commands"):
+        launcher = launcher_with(**{field: ["pip install foo", starts]})
+        assert check_cluster_file(launcher, RECIPE, "ray-cluster.yaml") == [
+            f"ray-cluster.yaml: {field}: {starts!r} starts Ray without token auth (RAY_AUTH_MODE is not set to token in the "
+            "command itself), so anyone who reaches the node can run a job on it; start it as RAY_AUTH_MODE=token ray start ..."]
+    launcher = launcher_with()
+    launcher["available_node_types"]["gpu_node"]["worker_setup_commands"] = ["bash -c 'ray start --address=$RAY_HEAD_IP:6379'"]
+    (problem,) = check_cluster_file(launcher, RECIPE, "ray-cluster.yaml")
+    assert problem.startswith("ray-cluster.yaml: available_node_types.gpu_node.worker_setup_commands: ")
+    # setup commands may run what they like (scripts, pip) as long as no Ray start hides in it; start commands may not
+    assert check_cluster_file(launcher_with(setup_commands=["bash ~/install.sh", "$HOME/bin/pip install x"]), RECIPE, "r.yaml") == []
+    (problem,) = check_cluster_file(launcher_with(worker_start_ray_commands=["bash ~/install.sh"]), RECIPE, "r.yaml")
+    assert "runs bash on a script or its input, which check-cluster cannot read" in problem
+    (problem,) = check_cluster_file(launcher_with(setup_commands=["python -c 'import ray; ray.init()'"]), RECIPE, "r.yaml")
+    assert "runs Python code that uses Ray" in problem
+    # an export in one entry does not reach the next: the launcher runs each in a shell of its own
+    (problem,) = check_cluster_file(launcher_with(head_start_ray_commands=["export RAY_AUTH_MODE=token", "ray start --head"]), RECIPE, "r.yaml")
+    assert problem.startswith("r.yaml: head_start_ray_commands: 'ray start --head' starts Ray without token auth")
+
+
+def test_a_launcher_needs_the_token_file_and_a_provider_ray_knows():
+    launcher = launcher_with()
+    del launcher["file_mounts"]["~/.ray/auth_token"]
+    assert check_cluster_file(launcher, RECIPE, "r.yaml") == [
+        "r.yaml: file_mounts: no ~/.ray/auth_token, so the nodes' `RAY_AUTH_MODE=token ray start` finds no token; "
+        'mount the one `ray get-auth-token --generate` wrote: file_mounts: {"~/.ray/auth_token": "~/.ray/auth_token"}']
+    launcher = launcher_with(provider={"type": "nowhere"})
+    (problem,) = check_cluster_file(launcher, RECIPE, "r.yaml")
+    assert problem.startswith("r.yaml: provider: Ray's cluster launcher cannot fill in its defaults")
+    (problem,) = check_cluster_file(launcher_with(setup_commands="pip install x"), RECIPE, "r.yaml")
+    assert problem == "r.yaml: setup_commands: not a list of shell commands, so check-cluster cannot tell what the nodes run"
+
+
+def test_a_kuberay_container_cannot_set_the_auth_mode_itself():
+    for name, spec_of in (("raycluster.yaml", lambda d: d["spec"]), ("rayjob.yaml", lambda d: d["spec"]["rayClusterSpec"])):
+        doc = load(REPO / "cluster" / "kuberay" / name)
+        spec_of(doc)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"] = [{"name": "RAY_AUTH_MODE", "value": "disabled"}]
+        (problem,) = check_cluster_file(doc, RECIPE, name)
+        assert ".workerGroupSpecs[0].template.spec.containers[0].env: sets RAY_AUTH_MODE, which KubeRay's authOptions sets" in problem
+    job = load(REPO / "cluster/kuberay/rayjob.yaml")
+    job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "x"}}]
+    assert check_cluster_file(job, RECIPE, "rayjob.yaml") == [
+        "rayjob.yaml: spec.submitterPodTemplate.spec.containers[0].envFrom: may set RAY_AUTH_MODE, which KubeRay's "
+        "authOptions sets; name the variables one by one in env"]

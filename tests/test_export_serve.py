@@ -230,7 +230,7 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         remote = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}, content[1]]
         assert "remote image URLs are off" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": remote}]})
         bomb = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(bomb_png()).decode()}}, content[1]]
-        assert "decompression bomb" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": bomb}]})
+        assert "(400000000 pixels) refused, more than this server's 1000000 (lt-opd serve --max-image-pixels)" in _refused(url, {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": bomb}]})
         # what a server reachable beyond this host must refuse: no key or a wrong one (401), a body over --max-body-mb
         # (413), media over --max-media-mb, an image of more pixels than --max-image-pixels (from its header, not
         # decoded), what vLLM would fetch however its scheme is spelt, local files
@@ -242,14 +242,18 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         with pytest.raises(urllib.error.HTTPError, match="401"):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30)
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30)  # the health check stays open
-        assert "refused: this server takes at most 2097152 (2 MiB; lt-opd serve --max-body-mb)" in _refused(url, b" " * 2**21 + plain, 413)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:  # refused unread: the body never sent
+            connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                               f"Content-Length: {2**21 + 1}\r\n\r\n".encode())
+            answer = connection.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413") and b"refused: this server takes at most 2097152 (2 MiB; lt-opd serve --max-body-mb)" in answer
         def asking(url_of_image: str) -> dict:
             return {**body, "mm_processor_kwargs": {}, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": url_of_image}}, content[1]]}]}
         big = "data:image/png;base64," + base64.b64encode(os.urandom(1_100_000)).decode()  # 1.05 MiB encoded, in a body under 2 MiB
         assert "more than this server's 1 MiB (lt-opd serve --max-media-mb)" in _refused(url, asking(big))
         wide = "data:image/png;base64," + base64.b64encode(bomb_png(1100)).decode()  # a header claiming 1100 x 1100
-        assert "1210000 pixels) exceed the maximum of 1000000 pixels" in _refused(url, asking(wide))
+        assert "(1210000 pixels) refused, more than this server's 1000000 (lt-opd serve --max-image-pixels)" in _refused(url, asking(wide))
         for fetched in ("HTTP://127.0.0.1:9/cat.png", "httpx://127.0.0.1:9/cat.png"):
             assert "remote image URLs are off" in _refused(url, asking(fetched)), fetched
         assert "file: URLs are off" in _refused(url, asking(f"file://{student / 'config.json'}"))
@@ -277,8 +281,9 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
         assert server.alive()
 
 
-def test_serving_beyond_loopback_without_a_key_is_warned_and_a_key_file_is_checked(tiny_dirs, tmp_path, capsys):
-    """The server's environment: the key from its file (never on a command line), the limits, redirects off."""
+def test_serving_beyond_loopback_without_a_key_is_refused_and_a_key_file_is_checked(tiny_dirs, tmp_path, capsys):
+    """The server's environment: the key from its file (never on a command line), the limits, redirects off; beyond
+    loopback without a key only with --allow-no-api-key (warned)."""
     from lt_opd_ray.serving.limits import ServeLimits
     from lt_opd_ray.serving.serve import serve_command
 
@@ -286,7 +291,9 @@ def test_serving_beyond_loopback_without_a_key_is_warned_and_a_key_file_is_check
     serve_command(student, host="127.0.0.1")
     serve_command(student, host="::1")
     assert "warning" not in capsys.readouterr().err
-    argv, env = serve_command(student, host="0.0.0.0", port=8123)
+    with pytest.raises(ValueError, match="--host 0.0.0.0 without --api-key-file refused: anyone who reaches port 8123 could use the model"):
+        serve_command(student, host="0.0.0.0", port=8123)
+    argv, env = serve_command(student, host="0.0.0.0", port=8123, allow_no_api_key=True)
     assert "warning: serving on 0.0.0.0 without an API key: anyone who reaches port 8123 can use the model" in capsys.readouterr().err
     assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0" and argv[argv.index("--middleware") + 1] == "lt_opd_ray.serving.limits.RequestGuard"
     assert (env["LT_OPD_MAX_BODY_BYTES"], env["LT_OPD_MAX_MEDIA_BYTES"], env["VLLM_MAX_IMAGE_PIXELS"]) == (str(32 * 2**20), str(24 * 2**20), "50000000")

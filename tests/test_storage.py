@@ -4,6 +4,9 @@ s3:// / gs:// (the same pyarrow calls); a plain path stays a plain folder."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 
 import pytest
 
@@ -72,3 +75,58 @@ def test_a_storage_that_cannot_be_opened_is_named(tmp_path):  # and at preflight
         load_job(path)
     with pytest.raises(StorageError, match=r"cannot open hdfs://namenode:8020/run: "):
         RunStorage("hdfs://namenode:8020/run")  # no Hadoop client on this machine: refused by name, before any actor starts
+
+
+def someone_elses_folder(path):
+    """The folder made first by another local user (uid 65534), as in a shared /tmp."""
+    path.mkdir(mode=0o755)
+    os.chown(path, 65534, 65534)
+
+
+def a_link_to_elsewhere(path):
+    (path.parent / "elsewhere").mkdir()
+    path.symlink_to(path.parent / "elsewhere")
+
+
+def a_world_writable_folder(path):
+    path.mkdir()
+    path.chmod(0o777)
+
+
+def a_file(path):
+    path.write_text("x")
+
+
+PLANTED = {"a link to elsewhere": (a_link_to_elsewhere, "a link"), "writable by all": (a_world_writable_folder, "writable by others (mode 777)"),
+           "a file": (a_file, "not a folder")}
+if os.geteuid() == 0:  # another user exists to be only where this one is root (CI's and this machine's case)
+    PLANTED["another user's"] = (someone_elses_folder, "owned by uid 65534")
+
+
+@pytest.mark.parametrize("plant", PLANTED.values(), ids=PLANTED.keys())
+def test_the_staging_folder_of_a_uri_is_this_users_own_and_a_planted_one_is_refused(tmp_path, monkeypatch, plant):
+    """URI checkpoints stage under <tmp>/lt-opd-ray-<uid>, made 0700: where someone made that name first (another
+    user, a link, a folder open to all, a file), the run is refused by name before it writes anything there."""
+    import tempfile
+
+    make, why = plant
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = tmp_path / f"lt-opd-ray-{os.getuid()}"
+    storage = RunStorage("mock://bucket/run")
+    assert storage.local.is_relative_to(mine.resolve()) and oct(mine.stat().st_mode & 0o777) == "0o700"
+    os.rmdir(storage.local) if storage.local.exists() else None
+    shutil.rmtree(mine)
+    make(mine)
+    with pytest.raises(StorageError, match=f"{mine}: {re.escape(why)}.*not a private folder|{mine}: {re.escape(why)}"):
+        RunStorage("mock://bucket/run")
+
+
+def test_a_link_planted_at_a_staged_files_temporary_name_is_not_written_through(tmp_path):
+    """`write_text` replaces a file through <name>.tmp: a link placed there (to a file the run's user may write) is
+    removed, never followed."""
+    storage = RunStorage("mock://bucket/run", tmp_path / "stage")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (storage.local / "latest.tmp").symlink_to(victim)
+    storage.write_text("latest", "step-1")
+    assert victim.read_text() == "precious" and storage.read_text("latest") == "step-1"

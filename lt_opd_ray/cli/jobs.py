@@ -193,7 +193,7 @@ def cmd_check_cluster(args) -> int:
             print(problem, file=sys.stderr)
         print(f"{path}: {'ok' if not problems else f'{len(problems)} problem(s)'} for {args.job}")
         failed += bool(problems)
-    return 1 if failed else 0
+    return 2 if failed else 0  # a config it cannot prove safe is refused
 
 
 def cmd_ablation(args) -> int:

@@ -21,7 +21,8 @@ def cmd_data(args) -> int:
             bar.update(done - bar.n)
 
         try:
-            access = MediaAccess(tuple(args.allowed_media_domains), args.allow_outside_root)
+            access = MediaAccess(tuple(args.allowed_media_domains), args.allow_outside_root,
+                                 tuple(network for networks in args.allowed_media_addresses for network in networks))
             manifest = prepare(args.source, args.out, args.images, args.shard_rows, args.max_shards, progress, access)
         except (DataError, InputError) as exc:
             bar.close()
@@ -86,13 +87,13 @@ def cmd_export(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    from lt_opd_ray.serving.limits import MIB, ServeLimits
+    from lt_opd_ray.serving.limits import ServeLimits
     from lt_opd_ray.serving.serve import serve_command
 
-    limits = ServeLimits(args.max_body_mb * MIB, args.max_media_mb * MIB, args.max_image_pixels)
+    limits = ServeLimits.from_args(args)
     try:
         argv, env = serve_command(args.model, args.host, args.port, args.dtype, args.max_model_len, extra=args.train_args,
-                                  api_key_file=args.api_key_file, limits=limits, engine=args.engine)
+                                  api_key_file=args.api_key_file, limits=limits, engine=args.engine, allow_no_api_key=args.allow_no_api_key)
     except (FileNotFoundError, ValueError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 2
@@ -161,6 +162,8 @@ def cmd_efficiency(args) -> int:
 
 def register(sub) -> None:
     """This module's subcommands on the `lt-opd` parser."""
+    from lt_opd_ray.sources.fetch import media_addresses
+
     data = sub.add_parser("data", help="verify and shard a training set (LT-14K layout, datasets folder, JSONL/parquet)")
     data.add_argument("source", help="LT-14K folder, datasets save_to_disk folder, or .jsonl/.parquet file")
     data.add_argument("--out", required=True, help="output folder (manifest.json is written last)")
@@ -169,8 +172,11 @@ def register(sub) -> None:
     data.add_argument("--max-shards", type=whole_number(1), default=None, help="stop after N new shards (run again to continue)")
     data.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                       help="hosts whose image URLs in the rows are fetched (default: none, a URL is refused; redirects are never followed)")
+    data.add_argument("--allowed-media-addresses", nargs="+", default=[], metavar="ADDRESSES", type=media_addresses,
+                      help="loopback, private, link-local, ... addresses or networks (comma-separated, e.g. 10.0.0.0/8,127.0.0.1) an"
+                           " allowed host may resolve to (default: none, a host resolving to one is refused; public addresses need no listing)")
     data.add_argument("--allow-outside-root", action="store_true",
-                      help="let rows name files outside the source's folder (absolute paths, or climbing out with ..)")
+                      help="let rows name files outside the source's folder (absolute paths, climbing out with .., or through a link leading out)")
     data.set_defaults(func=cmd_data)
 
     evaluate = sub.add_parser("eval", help="score a model at full tokens and at budgets over local benchmarks; the retain table")
@@ -206,6 +212,14 @@ def register(sub) -> None:
     serve.add_argument("--max-body-mb", type=whole_number(1, 4096), default=32, help="largest request body in MiB (default 32)")
     serve.add_argument("--max-media-mb", type=whole_number(1, 4096), default=24, help="largest image or clip in MiB, inline or fetched (default 24)")
     serve.add_argument("--max-image-pixels", type=whole_number(1), default=50_000_000, help="most pixels in one image, checked before it is decoded (default 50,000,000)")
+    serve.add_argument("--max-images", type=whole_number(1, 1000), default=1, help="most images in one request (default 1)")
+    serve.add_argument("--max-clips", type=whole_number(1, 1000), default=1, help="most video clips in one request, vLLM only (default 1)")
+    serve.add_argument("--max-request-pixels", type=whole_number(1), default=50_000_000,
+                       help="most pixels of all a request's images together, checked before any is decoded (default 50,000,000)")
+    serve.add_argument("--max-tokens", type=whole_number(1), default=4096, help="largest max_tokens a request may ask for (default 4096)")
+    serve.add_argument("--request-timeout", type=whole_number(1, 86400), default=300,
+                       help="seconds a request may take, waiting for the model included; then it is stopped and answered 503/504 (default 300)")
+    serve.add_argument("--allow-no-api-key", action="store_true", help="serve on a --host beyond loopback without --api-key-file (refused otherwise)")
     serve.set_defaults(func=cmd_serve)
 
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")

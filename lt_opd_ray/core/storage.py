@@ -49,8 +49,32 @@ def check_location(location: str) -> str:
 
 
 def default_staging(location: str) -> Path:
-    """Per storage location, the same folder on every node."""
-    return Path(tempfile.gettempdir()) / "lt-opd-ray" / "staging" / hashlib.sha256(location.encode()).hexdigest()[:16]
+    """Per storage location, the same folder on every node: under this user's own folder of the temporary directory
+    (`private_folder`: made 0700, refused when another user made it first or it is a link)."""
+    root = private_folder(Path(tempfile.gettempdir()) / f"lt-opd-ray-{os.getuid()}")
+    return root / "staging" / hashlib.sha256(location.encode()).hexdigest()[:16]
+
+
+def private_folder(path: Path) -> Path:
+    """`path`, a folder only this user can write: made 0700 where missing; refused (StorageError) when it is a link,
+    not a folder, another user's, or writable by its group or others (in a shared /tmp, whoever makes the name first
+    owns it: a folder someone else made could be read, or have links planted in it, before anything is uploaded)."""
+    import stat
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise StorageError(f"{path}: {'a link' if stat.S_ISLNK(info.st_mode) else 'not a folder'}, where this user's private folder belongs;"
+                           " remove it, or set checkpoint.staging_dir to a folder of your own")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        why = f"owned by uid {info.st_uid}" if info.st_uid != os.getuid() else f"writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+        raise StorageError(f"{path}: {why}, not a private folder of uid {os.getuid()}; remove it, or set checkpoint.staging_dir to a"
+                           " folder of your own")
+    return path
 
 
 class RunStorage:
@@ -67,7 +91,7 @@ class RunStorage:
             except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... : all mean "cannot open"
                 raise StorageError(redact(f"cannot open {location}: {str(exc).splitlines()[0]}")) from None
             self.base = self.base.rstrip("/")
-            self.local = Path(staging) if staging else default_staging(location)
+            self.local = private_folder(Path(staging)) if staging else default_staging(location)
         else:
             self.fs, self.base = None, None
             self.local = Path(location)
@@ -141,7 +165,9 @@ class RunStorage:
         path = self.local / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         staged = path.with_name(path.name + ".tmp")
-        staged.write_text(text)
+        staged.unlink(missing_ok=True)  # a link planted there is removed, never written through
+        with open(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+            f.write(text)
         staged.replace(path)
         self.put(rel)
 

@@ -1,57 +1,217 @@
 """What one request to `lt-opd serve` may carry, enforced in the server's front end.
 
 `RequestGuard` is an ASGI middleware, loaded by vLLM's server through its `--middleware` option and by the
-transformers engine: with an API key, a request to any route but the health checks without it is answered 401
-before its body is read; a request body over `LT_OPD_MAX_BODY_BYTES` is answered 413 before the app sees it (counted
-as it arrives, whatever Content-Length says; never more than the limit held). The limit on one image or clip's bytes
-and on an image's pixel count are the media connector's (`engines/vllm/media.py`) and vLLM's own
-(`VLLM_MAX_IMAGE_PIXELS`, checked from the image's header before it is decoded).
+transformers engine. In order: with an API key, a request to any route but the health checks without it is answered
+401 before its body is read; a body over `LT_OPD_MAX_BODY_BYTES` is answered 413 without reading it (a Content-Length
+over the limit at once, a chunked body as soon as it passes the limit; the connection is closed); a JSON body nested
+deeper than `JSON_DEPTH` is answered 400 before anything parses it. In front of vLLM (`inspect`) the parsed body is
+then checked against the rest of `ServeLimits` (the transformers engine checks its one request shape itself, in
+`ChatRequest.parse`): `max_tokens` (and `max_completion_tokens`, `max_output_tokens`), the images and clips one
+request carries, each inline image's format (`IMAGE_FORMATS`) and the pixels of them all, from their headers before
+anything is decoded; and the app's answer is awaited at most `request_seconds` (504 after, the request aborted). The
+limit on one image or clip's bytes and on one image's pixels are the media connector's (`engines/vllm/media.py`)
+and vLLM's own (`VLLM_MAX_IMAGE_PIXELS`). Pillow, in the processes that load the guard, opens only `IMAGE_FORMATS`
+(`restrict_pillow`, in vLLM's server when it loads the guard, in the transformers engine's `main`): its EPS plugin, say, would launch Ghostscript.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import hmac
+import io
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 
 from lt_opd_ray.engines.vllm.media import MAX_MEDIA_ENV, MIB
 
 MAX_BODY_ENV = "LT_OPD_MAX_BODY_BYTES"
 API_KEY_ENV = "LT_OPD_API_KEY"  # the transformers engine's key (vLLM's server reads VLLM_API_KEY)
 PIXELS_ENV = "VLLM_MAX_IMAGE_PIXELS"  # vLLM's own name; the transformers engine reads it too
+IMAGE_FORMATS = ("BMP", "GIF", "JPEG", "PNG", "WEBP")  # what a request's image may be (Pillow's format names)
+JSON_DEPTH = 64  # an OpenAI-style chat body nests about 6 deep; a tool's JSON schema a few dozen at most
+
+
+class LimitError(ValueError):
+    """A request over one of the server's limits: its HTTP status and the one sentence naming the field or limit."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
 class ServeLimits:
     """One request's most: its body, one image or clip's encoded bytes, one image's pixels (a 48-megapixel photo
-    fits; the processors resize far below that)."""
+    fits; the processors resize far below that), its images and clips, the pixels of all its images, the tokens it
+    may ask for, the seconds it may take."""
 
     body_bytes: int = 32 * MIB
     media_bytes: int = 24 * MIB
     image_pixels: int = 50_000_000
+    images: int = 1
+    clips: int = 1
+    request_pixels: int = 50_000_000
+    max_tokens: int = 4096
+    request_seconds: int = 300
+
+    ENVIRONMENT = {"body_bytes": MAX_BODY_ENV, "media_bytes": MAX_MEDIA_ENV, "image_pixels": PIXELS_ENV, "images": "LT_OPD_MAX_IMAGES",
+                   "clips": "LT_OPD_MAX_CLIPS", "request_pixels": "LT_OPD_MAX_REQUEST_PIXELS", "max_tokens": "LT_OPD_MAX_TOKENS",
+                   "request_seconds": "LT_OPD_REQUEST_SECONDS"}
 
     def environment(self) -> dict[str, str]:
         """What the server process reads them from (ours, and vLLM's own pixel limit)."""
-        return {MAX_BODY_ENV: str(self.body_bytes), MAX_MEDIA_ENV: str(self.media_bytes), PIXELS_ENV: str(self.image_pixels)}
+        return {self.ENVIRONMENT[f.name]: str(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_environment(cls) -> ServeLimits:
-        return cls(int(os.environ[MAX_BODY_ENV]), int(os.environ[MAX_MEDIA_ENV]), int(os.environ[PIXELS_ENV]))
+        return cls(**{f.name: int(os.environ[cls.ENVIRONMENT[f.name]]) for f in fields(cls)})
+
+    @classmethod
+    def from_args(cls, args) -> ServeLimits:
+        """`lt-opd serve`'s flags."""
+        return cls(args.max_body_mb * MIB, args.max_media_mb * MIB, args.max_image_pixels, args.max_images, args.max_clips,
+                   args.max_request_pixels, args.max_tokens, args.request_timeout)
+
+
+def restrict_pillow(formats: tuple[str, ...] = IMAGE_FORMATS) -> None:
+    """Pillow, in this process, opens only `formats`, whoever calls `Image.open` (vLLM's image loader included)."""
+    from PIL import Image
+
+    Image.init()  # every plugin registered now: Image.open never loads the others again
+    for name in [name for name in Image.OPEN if name not in formats]:
+        del Image.OPEN[name]
+    Image.ID[:] = [name for name in Image.ID if name in formats]
+
+
+def image_size(raw: bytes, where: str) -> tuple[int, int]:
+    """An encoded image's width and height from its header (nothing decoded), one of `IMAGE_FORMATS` only."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw), formats=list(IMAGE_FORMATS)) as image:  # the header only
+            return image.size
+    except Image.UnidentifiedImageError:
+        raise LimitError(f"{where}: not an image this server reads: it takes {', '.join(IMAGE_FORMATS)}") from None
+    except (ValueError, OSError, Image.DecompressionBombError) as exc:
+        raise LimitError(f"{where}: not an image this server reads ({type(exc).__name__}: {exc})") from None
+
+
+def check_pixels(width: int, height: int, total: int, limits: ServeLimits, where: str) -> int:
+    """The request's pixels so far with this image's, refused past either limit."""
+    if width * height > limits.image_pixels:
+        raise LimitError(f"{where}: image of {width}x{height} ({width * height} pixels) refused, more than this server's "
+                         f"{limits.image_pixels} (lt-opd serve --max-image-pixels)")
+    if total + width * height > limits.request_pixels:
+        raise LimitError(f"{where}: the request's images come to {total + width * height} pixels or more, more than this "
+                         f"server's {limits.request_pixels} per request (lt-opd serve --max-request-pixels)")
+    return total + width * height
+
+
+def check_count(kind: str, count: int, limits: ServeLimits, where: str) -> None:
+    """`count` images (or clips) in one request, refused past the limit: `where` names the first one too many."""
+    most = limits.images if kind == "image" else limits.clips
+    if count > most:
+        flag = "--max-images" if kind == "image" else "--max-clips"
+        raise LimitError(f"{where}: {kind} {count} of the request refused, more than this server's {most} per request (lt-opd serve {flag})")
+
+
+def check_max_tokens(name: str, value, limits: ServeLimits) -> None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limits.max_tokens:
+        raise LimitError(f"{name}: {value} is more than this server's {limits.max_tokens} (lt-opd serve --max-tokens)")
+
+
+_ESCAPE = re.compile(rb"\\.", re.S)
+_STRING = re.compile(rb'"[^"]*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth_over(body: bytes, limit: int = JSON_DEPTH) -> bool:
+    """Whether a JSON body opens more than `limit` arrays and objects inside one another (an unclosed run counted as
+    open), found without parsing it: Python's parser recurses once per level."""
+    import numpy as np
+
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):  # json.loads reads UTF-16 and UTF-32 too
+        body = body.decode(encoding, "replace").encode()
+    if body.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] not in (b"[", b"{"):
+        return False
+    brackets = _STRING.sub(b"", _ESCAPE.sub(b"", body)).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= limit:
+        return False
+    depth = 0
+    for start in range(0, len(brackets), 1 << 20):
+        chunk = np.frombuffer(brackets, np.uint8, count=min(1 << 20, len(brackets) - start), offset=start)
+        running = np.cumsum(((chunk == 91) | (chunk == 123)).astype(np.int32) * 2 - 1) + depth  # [ and { open
+        if int(running.max()) > limit:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def check_request_body(body: object, limits: ServeLimits) -> None:
+    """A parsed request body (vLLM's routes) against the limits: the token fields, the images and clips it carries
+    (`image_url` and `video_url` anywhere in it), each inline image's format and the pixels of them all."""
+    if isinstance(body, dict):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            check_max_tokens(name, body.get(name), limits)
+    media: dict[str, list[tuple[str, object]]] = {"image_url": [], "video_url": []}
+    stack: list[tuple[str, object]] = [("body", body)]
+    while stack:  # every image and clip, counted before any is decoded
+        where, value = stack.pop()
+        children: list[tuple[str, object]] = []
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where != "body" else str(key)
+                if key in media:
+                    media[key].append((path, item.get("url") if isinstance(item, dict) else item))
+                else:
+                    children.append((path, item))
+        elif isinstance(value, list):
+            children = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+        stack.extend(reversed(children))  # in the body's own order
+    for key, kind, most in (("image_url", "image", limits.images), ("video_url", "clip", limits.clips)):
+        if len(media[key]) > most:
+            check_count(kind, most + 1, limits, media[key][most][0])
+    pixels = 0
+    for path, url in media["image_url"]:
+        if isinstance(url, str) and url[:5].lower() == "data:":  # a fetched one: vLLM's VLLM_MAX_IMAGE_PIXELS
+            width, height = image_size(_data_url_bytes(url, limits, path), path)
+            pixels = check_pixels(width, height, pixels, limits, path)
+
+
+def _data_url_bytes(url: str, limits: ServeLimits, where: str) -> bytes:
+    header, comma, data = url[5:].partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise LimitError(f"{where}: only base64 data URLs are read")
+    if len(data) > 4 * (limits.media_bytes + 2) // 3:
+        raise LimitError(f"{where}: media refused, more than this server's {limits.media_bytes / MIB:g} MiB (lt-opd serve --max-media-mb)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise LimitError(f"{where}: not base64 ({exc})") from None
 
 
 class RequestGuard:
     """The front door of both servers: with an API key, every request but the health checks carries it (vLLM's own key
     check covers only its /v1, /v2, /inference and /cohere routes, not /invocations, /tokenize or /metrics), checked
-    before the body is read; then the body limit."""
+    before the body is read; then the body limit and the JSON depth; with `inspect` (vLLM's server), the body's
+    fields against the limits and the time limit."""
 
     OPEN_PATHS = ("/health", "/ping")
 
-    def __init__(self, app, limit: int | None = None, api_key: str | None = None):
+    def __init__(self, app, limits: ServeLimits | None = None, api_key: str | None = None, inspect: bool = True):
         self.app = app
-        self.limit = int(os.environ[MAX_BODY_ENV]) if limit is None else limit
+        self.limits = ServeLimits.from_environment() if limits is None else limits
+        self.limit = self.limits.body_bytes
+        self.inspect = inspect
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY")
         self.expected = f"Bearer {key}".encode() if key else None
+        if limits is None:  # loaded by vLLM's server from the environment `lt-opd serve` set: that process's Pillow
+            restrict_pillow()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -64,31 +224,62 @@ class RequestGuard:
                 return await _answer(send, 401, "Unauthorized: send the server's API key as `Authorization: Bearer KEY`", "Unauthorized")
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.strip().isdigit() and int(declared) > self.limit:  # refused unread; the connection is closed
+            return await self._too_large(send, f"{int(declared)} bytes")
         messages, size = [], 0
-        while True:  # the whole body, counted as it arrives; past the limit it is read and dropped, then refused
+        while True:  # the body, counted as it arrives; refused the moment it passes the limit
             message = await receive()
             if message["type"] != "http.request":
-                if size > self.limit:
-                    return None  # the client left before the answer
-                messages.append(message)  # the app sees the disconnect too
+                messages.append(message)  # the client left: the app sees the disconnect too
                 break
             size += len(message.get("body", b""))
-            if size <= self.limit:
-                messages.append(message)
+            if size > self.limit:
+                return await self._too_large(send, f"more than {self.limit} bytes")
+            messages.append(message)
             if not message.get("more_body", False):
                 break
-        if size > self.limit:  # answered once the client has sent it all: a client still sending would see a broken pipe
-            return await _answer(send, 413, f"request body of {size} bytes refused: this server takes at most {self.limit} "
-                                            f"({self.limit / MIB:g} MiB; lt-opd serve --max-body-mb)", "RequestEntityTooLarge")
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        try:
+            if json_depth_over(body):
+                raise LimitError(f"request body refused: its JSON nests more than {JSON_DEPTH} arrays and objects deep, this server's most")
+            if self.inspect and body:
+                try:
+                    parsed = json.loads(body)
+                except (ValueError, UnicodeDecodeError):
+                    parsed = None  # not JSON: the app answers it
+                check_request_body(parsed, self.limits)
+        except LimitError as exc:
+            return await _answer(send, exc.status, str(exc), "BadRequestError")
+        messages = [{"type": "http.request", "body": body, "more_body": False}] + [m for m in messages if m["type"] != "http.request"]
 
         async def replay():
             return messages.pop(0) if messages else await receive()
 
-        await self.app(scope, replay, send)
+        if not self.inspect:
+            return await self.app(scope, replay, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await asyncio.wait_for(self.app(scope, replay, sending), self.limits.request_seconds)
+        except asyncio.TimeoutError:  # the app's task is cancelled: vLLM aborts the request
+            if started:  # a stream cut short: ended, no status left to send
+                return await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await _answer(send, 504, f"request stopped: not answered within this server's {self.limits.request_seconds} s "
+                                     "(lt-opd serve --request-timeout)", "TimeoutError")
+
+    async def _too_large(self, send, size: str) -> None:
+        await _answer(send, 413, f"request body of {size} refused: this server takes at most {self.limit} "
+                                 f"({self.limit / MIB:g} MiB; lt-opd serve --max-body-mb)", "RequestEntityTooLarge", close=True)
 
 
-async def _answer(send, status: int, text: str, kind: str) -> None:
+async def _answer(send, status: int, text: str, kind: str, close: bool = False) -> None:
     body = json.dumps({"error": {"message": text, "type": kind, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + ([(b"connection", b"close")] if close else [])})
     await send({"type": "http.response.body", "body": body})

@@ -11,9 +11,12 @@ otherwise. A request may set its own selection (`mm_processor_kwargs` with
 checked in the front end (a bad one is a 400 naming it). Images and clips are
 taken inline (data: URLs) unless the operator allows domains (`-- --allowed-media-domains HOST`, redirects never
 followed); a clip is sampled by vLLM's video loader and processor, by the family's own rule (Qwen3-VL: 2 frames a
-second), and pruned per temporal patch. A request's body, each image or clip's bytes and each image's pixels are
-capped (`ServeLimits`). With an API key (vLLM's own check, the key given in a file so it is not on a command line)
-every request must carry it as a bearer token; serving beyond loopback without one is warned about.
+second), and pruned per temporal patch. What one request may carry is capped (`ServeLimits`, enforced by
+`RequestGuard` in front of either engine, and by vLLM's own `--limit-mm-per-prompt` and `--override-generation-config
+'{"max_new_tokens": N}'`): its body, each image or clip's bytes, each image's pixels, its images and clips, the
+pixels of all its images, its max_tokens, its time, its JSON's nesting. With an API key (the key given in a file
+so it is not on a command line) every request must carry it as a bearer token; serving beyond loopback without one
+is refused unless the operator passes --allow-no-api-key.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ ENGINES = ("auto", "vllm", "transformers")
 
 def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
                   max_model_len: int = 8192, extra: list[str] | None = None, api_key_file: str | Path | None = None,
-                  limits: ServeLimits = ServeLimits(), engine: str = "auto") -> tuple[list[str], dict[str, str]]:
+                  limits: ServeLimits = ServeLimits(), engine: str = "auto", allow_no_api_key: bool = False) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the server process for `model_dir`: vLLM's server, or (`engine` transformers, or auto
-    where vLLM cannot run the model on this machine) the transformers engine's (serving/transformers_server.py)."""
+    where vLLM cannot run the model on this machine) the transformers engine's (serving/transformers_server.py).
+    A host beyond loopback without an API key is refused (ValueError) unless `allow_no_api_key`."""
     from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.core.model_files import check_model_folder
@@ -64,9 +68,13 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     if key is None and "--api-key" in (extra or []) and extra.index("--api-key") + 1 < len(extra):
         key = extra[extra.index("--api-key") + 1]  # vLLM's own option: our guard checks it on every route too
     env = {**os.environ, **limits.environment()}
-    if key is None and not _loopback(host) and not env.get("VLLM_API_KEY"):
+    key = key if key is not None else env.get("VLLM_API_KEY") or None  # vLLM's own variable: the transformers engine takes it too
+    if key is None and not _loopback(host):
+        if not allow_no_api_key:
+            raise ValueError(f"--host {host} without --api-key-file refused: anyone who reaches port {port} could use the model "
+                             "(pass --api-key-file, or --allow-no-api-key to serve it open anyway)")
         print(f"warning: serving on {host} without an API key: anyone who reaches port {port} can use the model"
-              " (pass --api-key-file; docs/operating.md, \"Security\")", file=sys.stderr, flush=True)
+              " (--allow-no-api-key; docs/operating.md, \"Security\")", file=sys.stderr, flush=True)
     if engine == "transformers":
         if extra:
             raise ValueError(f"options after -- are vLLM's ({' '.join(extra)}); the transformers engine takes none")
@@ -75,7 +83,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         if key is not None:
             env[API_KEY_ENV] = key
     else:
-        argv = _vllm_argv(model_dir, config, family, host, port, dtype, max_model_len, extra or [])
+        argv = _vllm_argv(model_dir, config, family, host, port, dtype, max_model_len, extra or [], limits)
         if key is not None:
             env["VLLM_API_KEY"] = key
         _vllm_environment(env)
@@ -87,7 +95,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
 
 
 def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtype: str | None, max_model_len: int,
-               extra: list[str]) -> list[str]:
+               extra: list[str], limits: ServeLimits = ServeLimits()) -> list[str]:
     on_gpu = torch.cuda.is_available()
     if dtype is None:  # vLLM's CPU kernels run Qwen3.5's Gated DeltaNet only in bf16
         dtype = "bfloat16" if family.linear_attention and not on_gpu else "auto"
@@ -99,7 +107,8 @@ def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtyp
         "--port", str(port),
         "--dtype", dtype,
         "--max-model-len", str(min(max_model_len, positions)),
-        "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1}),
+        "--limit-mm-per-prompt", json.dumps({"image": limits.images, "video": limits.clips}),
+        "--override-generation-config", json.dumps({"max_new_tokens": limits.max_tokens}),  # vLLM's cap where the guard does not look
         *([] if on_gpu else ["--enforce-eager"]),
         "--middleware", "lt_opd_ray.serving.limits.RequestGuard",
         *extra,

@@ -4,8 +4,10 @@ For a student vLLM cannot run here (vLLM's CPU attention has no kernel for the t
 checking one without vLLM. Each request runs the evaluation path (`models/evaluation`): the folder's compression
 config (`lt_opd_compression.json`: selector, budget, k_min) applied with the question of the request's own prompt
 as the selector's query, then greedy decoding or sampling, one request at a time. The front end keeps the rules of
-vLLM's server under `lt-opd serve`: the API key, the body, media and pixel limits (`ServeLimits`), images inline
-only (`data:` URLs), every refusal a 4xx naming the field. The API key and the limits come from the environment
+vLLM's server under `lt-opd serve`: the API key, the body, media, image, pixel and token limits (`ServeLimits`),
+images inline only (`data:` URLs, PNG, JPEG, WebP, GIF or BMP), every refusal a 4xx naming the field. A request's
+time (`request_seconds`) counts from its arrival: one still waiting for the model when it runs out is answered 503,
+one still generating is stopped at its next token and answered 504 (no partial answer). The API key and the limits come from the environment
 `serve_command` sets (`LT_OPD_API_KEY`, `ServeLimits.environment`), never from a command line.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
-import io
 import os
 import threading
 import time
@@ -22,10 +23,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from lt_opd_ray.serving.limits import LimitError, check_count, check_max_tokens, check_pixels, image_size
+
 DEFAULT_MAX_TOKENS = 256
 
 
-class RequestError(ValueError):
+class RequestError(LimitError):
     """A request the server refuses (400), naming the field."""
 
 
@@ -53,14 +56,21 @@ class ChatRequest:
         if len(turns) != 1 or turns[0].get("role") != "user" or len(system) > 1:
             raise RequestError("messages: this engine answers one user message (after at most one system message); "
                                f"got roles {[m.get('role') for m in messages]}")
-        texts, images = [], []
+        texts, images, pixels = [], [], 0
         content = turns[0].get("content")
-        for index, part in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content or []):
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
+        pictures = [index for index, part in enumerate(parts) if isinstance(part, dict) and part.get("type") == "image_url"]
+        if len(pictures) > limits.images:  # counted before any is decoded
+            check_count("image", limits.images + 1, limits, f"messages[-1].content[{pictures[limits.images]}]")
+        for index, part in enumerate(parts):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
             elif kind == "image_url" and isinstance(part.get("image_url"), dict):
-                images.append(_inline_image(str(part["image_url"].get("url", "")), limits, f"messages[-1].content[{index}]"))
+                where = f"messages[-1].content[{index}]"
+                raw, (width, height) = _inline_image(str(part["image_url"].get("url", "")), limits, where)
+                pixels = check_pixels(width, height, pixels, limits, where)  # the request's sum, from the headers
+                images.append(raw)
             else:
                 raise RequestError(f"messages[-1].content[{index}]: a text or image_url part is expected, got {kind!r}")
         if not images:
@@ -75,7 +85,9 @@ class ChatRequest:
         stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
         if stop is None or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop: a string or a list of at most 4 non-empty strings")
-        return cls(question, tuple(images), system_prompt, _number(body, "max_tokens", int, DEFAULT_MAX_TOKENS, 1, 65536),
+        check_max_tokens("max_tokens", body.get("max_tokens"), limits)
+        return cls(question, tuple(images), system_prompt,
+                   _number(body, "max_tokens", int, min(DEFAULT_MAX_TOKENS, limits.max_tokens), 1, limits.max_tokens),
                    _number(body, "temperature", float, 1.0, 0.0, 10.0), _number(body, "top_p", float, 1.0, 1e-6, 1.0),
                    _number(body, "seed", int, 0, 0, 2**63 - 1), stop)
 
@@ -91,10 +103,9 @@ def _number(body: dict, name: str, kind: type, default, low, high):
     return kind(value)
 
 
-def _inline_image(url: str, limits, where: str) -> bytes:
-    """A `data:` URL's image, within the media and pixel limits (its header read before anything is decoded)."""
-    from PIL import Image
-
+def _inline_image(url: str, limits, where: str) -> tuple[bytes, tuple[int, int]]:
+    """A `data:` URL's image and its size, within the media limit, of a format this server reads (its header read,
+    nothing decoded)."""
     if url[:5].lower() != "data:":
         scheme = url.split(":", 1)[0] if ":" in url else "no scheme"
         raise RequestError(f"{where}: remote image URLs and {scheme}: URLs are off on this server: send the image inline (a data: URL with base64)")
@@ -105,14 +116,27 @@ def _inline_image(url: str, limits, where: str) -> bytes:
         raise RequestError(f"{where}: media refused, more than this server's {limits.media_bytes / 2**20:g} MiB (lt-opd serve --max-media-mb)")
     try:
         raw = base64.b64decode(data, validate=True)
-        with Image.open(io.BytesIO(raw)) as image:  # the header only
-            width, height = image.size
-    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as exc:
+    except (binascii.Error, ValueError) as exc:
         raise RequestError(f"{where}: not an image this server reads ({type(exc).__name__}: {exc})") from None
-    if width * height > limits.image_pixels:
-        raise RequestError(f"{where}: image of {width}x{height} ({width * height} pixels) refused, more than this server's "
-                           f"{limits.image_pixels} (lt-opd serve --max-image-pixels)")
-    return raw
+    return raw, image_size(raw, where)
+
+
+class _Deadline:
+    """The model as the sampler sees it, stopping the request (504) at its next forward pass once its time is up."""
+
+    def __init__(self, vlm, deadline: float, seconds: float):
+        self.vlm, self.deadline, self.seconds = vlm, deadline, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.vlm, name)
+
+    def check(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise LimitError(f"request stopped: not answered within this server's {self.seconds:g} s (lt-opd serve --request-timeout)", 504)
+
+    def run_language_model(self, *args, **kwargs):
+        self.check()
+        return self.vlm.run_language_model(*args, **kwargs)
 
 
 class TransformersStudent:
@@ -132,9 +156,10 @@ class TransformersStudent:
         self.choose = build_selector(self.compression.selector) if self.compression else None
         self.lock = threading.Lock()  # one request at a time: the model is not shared across threads
 
-    def answer(self, request: ChatRequest) -> dict:
+    def answer(self, request: ChatRequest, deadline: float | None = None, seconds: float = 0) -> dict:
         """The OpenAI-style completion: the text, its finish reason, and the prompt's tokens as the model saw them (the
-        kept visual tokens only)."""
+        kept visual tokens only). Past `deadline` (time.monotonic; `seconds` from the request's arrival) it is refused:
+        503 while waiting for the model, 504 once answering."""
         import torch
 
         from lt_opd_ray.core.samples import Sample
@@ -144,15 +169,22 @@ class TransformersStudent:
         sample_uid = f"request-{uuid.uuid4().hex[:12]}"
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-6), top_p=request.top_p,
                                 greedy=request.temperature == 0, top_k_logprobs=1, stop=request.stop, eos_token_ids=self.processor.eos_token_ids)
-        with self.lock, torch.inference_mode():  # grad mode is per thread: this request's thread, not the process
-            (prompt,) = encode_samples(self.processor, [Sample(sample_uid, request.images, request.question)], request.system_prompt)
-            features = self.vlm.visual_features(prompt)
-            if self.compression is None:
-                kept = self.vlm.keep_all(features)
-            else:
-                kept = self.vlm.select(prompt, features, self.choose, self.compression.budget_bps, self.compression.k_min, seed=request.seed)
-            reduced = self.vlm.reduce(prompt, features, kept)
-            (completion,) = sample(self.vlm, [reduced], params, [request.seed], self.processor.tokenizer)
+        vlm = self.vlm if deadline is None else _Deadline(self.vlm, deadline, seconds)
+        if not self.lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise LimitError(f"server busy: the model was not free within this server's {seconds:g} s per request "
+                             "(lt-opd serve --request-timeout); try again", 503)
+        try:
+            with torch.inference_mode():  # grad mode is per thread: this request's thread, not the process
+                (prompt,) = encode_samples(self.processor, [Sample(sample_uid, request.images, request.question)], request.system_prompt)
+                features = self.vlm.visual_features(prompt)
+                if self.compression is None:
+                    kept = self.vlm.keep_all(features)
+                else:
+                    kept = self.vlm.select(prompt, features, self.choose, self.compression.budget_bps, self.compression.k_min, seed=request.seed)
+                reduced = self.vlm.reduce(prompt, features, kept)
+                (completion,) = sample(vlm, [reduced], params, [request.seed], self.processor.tokenizer)
+        finally:
+            self.lock.release()
         text = self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         if completion.finish_reason == "stop":  # as OpenAI's API and vLLM answer: without the stop string
             text = text[: max(text.rfind(s) for s in request.stop)]
@@ -187,23 +219,27 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
         return JSONResponse({"object": "list", "data": [{"id": student.name, "object": "model", "owned_by": "lt-opd"}]})
 
     async def chat(request):
+        deadline = time.monotonic() + limits.request_seconds  # from the request's arrival, waiting for the model included
         try:
             parsed = ChatRequest.parse(json.loads(await request.body()), limits)
-            return JSONResponse(await run_in_threadpool(student.answer, parsed))
+            return JSONResponse(await run_in_threadpool(student.answer, parsed, deadline, limits.request_seconds))
         except json.JSONDecodeError as exc:
             return error(400, f"the body is not JSON: {exc}", "BadRequestError")
-        except ValueError as exc:  # RequestError, and what the processor refuses about the request's images
+        except LimitError as exc:  # RequestError included: the field or limit named
+            kind = {503: "ServiceUnavailable", 504: "TimeoutError"}.get(exc.status, "BadRequestError")
+            return error(exc.status, str(exc), kind)
+        except ValueError as exc:  # what the processor refuses about the request's images
             return error(400, str(exc), "BadRequestError")
 
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
-    app.add_middleware(RequestGuard, limit=limits.body_bytes, api_key=api_key or "")
+    app.add_middleware(RequestGuard, limits=limits, api_key=api_key or "", inspect=False)  # the key, the body, the JSON depth
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from lt_opd_ray.serving.limits import API_KEY_ENV, ServeLimits
+    from lt_opd_ray.serving.limits import API_KEY_ENV, ServeLimits, restrict_pillow
 
     parser = argparse.ArgumentParser(prog="python -m lt_opd_ray.serving.transformers_server")
     parser.add_argument("model")
@@ -211,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     limits = ServeLimits.from_environment()
+    restrict_pillow()  # the processor's decoding too: only the formats a request's image may be
     app = build_app(TransformersStudent(Path(args.model)), os.environ.get(API_KEY_ENV) or None, limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

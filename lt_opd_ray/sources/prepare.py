@@ -51,25 +51,25 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class MediaAccess:
-    """What a source's rows may read besides their embedded bytes and the files under the source's folder: web hosts
-    to fetch from (none: a URL is refused), and paths outside the folder (absolute, or climbing out with `..`)."""
+    """What a source's rows may read besides their embedded bytes and the regular files under the source's folder (a
+    link in it followed only where it stays in it): web hosts to fetch from (none: a URL is refused), the non-public
+    addresses (loopback, private, link-local, ...) those hosts may resolve to (addresses or networks: none, such a host
+    is refused), and paths outside the folder (absolute, climbing out with `..`, or through a link)."""
 
     allowed_domains: tuple[str, ...] = ()
     outside_root: bool = False
+    allowed_addresses: tuple = ()
 
     def read(self, name: str, folder: Path) -> bytes:
         """The bytes a row's path or URL names, under these rules; FileNotFoundError or ValueError saying why not."""
         from lt_opd_ray.sources.fetch import fetch
-        from lt_opd_ray.sources.rows import OUTSIDE_WAY_OUT, URL, path_problem
+        from lt_opd_ray.sources.rows import OUTSIDE_WAY_OUT, URL, path_problem, read_confined
 
         if URL.match(name):
-            return fetch(name, self.allowed_domains)
+            return fetch(name, self.allowed_domains, self.allowed_addresses)
         if not self.outside_root and (problem := path_problem("path", name)):
             raise ValueError(f"{problem}; {OUTSIDE_WAY_OUT}")
-        file = folder / name
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} not found")
-        return file.read_bytes()
+        return read_confined("path", name, folder, self.outside_root)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class SourceRow:
 
 # ------------------------------------------------------------------------------ sources
 def _lt14k_rows(folder: Path, access: MediaAccess) -> Iterator[SourceRow]:
-    from lt_opd_ray.sources.rows import OUTSIDE_WAY_OUT, path_problem, read_rows_raw
+    from lt_opd_ray.sources.rows import OUTSIDE_WAY_OUT, open_confined, path_problem, read_rows_raw
 
     media = {str(entry.get("sample_uid")): entry for _, entry in read_rows_raw(folder / "media.jsonl")}
     archives: dict[str, tarfile.TarFile] = {}
@@ -100,10 +100,12 @@ def _lt14k_rows(folder: Path, access: MediaAccess) -> Iterator[SourceRow]:
             if not access.outside_root and (problem := path_problem("archive", str(entry.get("archive") or ""))):
                 raise ValueError(f"{problem}; {OUTSIDE_WAY_OUT}")
             archive = folder / str(entry.get("archive") or "")
-            if not archive.is_file():
-                raise FileNotFoundError(f"archive {entry.get('archive')!r} not found")
             if str(archive) not in archives:
-                archives[str(archive)] = tarfile.open(archive)
+                try:
+                    handle = open_confined("archive", str(entry.get("archive") or ""), folder, access.outside_root)
+                except FileNotFoundError:
+                    raise FileNotFoundError(f"archive {entry.get('archive')!r} not found") from None
+                archives[str(archive)] = tarfile.open(fileobj=handle)
             try:
                 member = archives[str(archive)].extractfile(str(entry["path"]))
             except KeyError:

@@ -5,10 +5,13 @@ frames' rate), shown after the images (MVBench-style prompts; sampled to `data.f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import BinaryIO
 
 from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.core.samples import Clip, Sample
@@ -102,13 +105,18 @@ def read_rows_raw(path: str | Path) -> list[tuple[int, dict]]:
 
 
 def read_rows(path: str | Path, image_root: str | Path = ".", allow_outside_root: bool = False) -> list[Sample]:
-    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question, its files under
-    `image_root` unless `allow_outside_root`. Every problem of the file is named in one InputError."""
+    """Rows of a JSONL or parquet file; each must have sample_uid, image (path), question, its files regular files
+    under `image_root` (followed through their links) unless `allow_outside_root`. Every problem of the file is named
+    in one InputError."""
     path = Path(path)
     where = "row" if path.suffix == ".parquet" else "line"
-    samples, numbers, seen, problems = [], [], {}, []
+    samples, seen, problems, missing, files = [], {}, [], [], 0
     for number, row, problem in read_records(path):
         if problem := problem or _row_problem(row, seen, where) or outside_problem(row, allow_outside_root):
+            problems.append(f"{where} {number}: {problem}")
+            continue
+        absent, problem = _files_problem(row, image_root, allow_outside_root)
+        if problem:
             problems.append(f"{where} {number}: {problem}")
             continue
         uid = str(row["sample_uid"])
@@ -116,13 +124,9 @@ def read_rows(path: str | Path, image_root: str | Path = ".", allow_outside_root
         images = tuple(Path(image_root) / image if isinstance(image, str) else image for image in row_images(row))
         samples.append(Sample(uid=uid, images=images, question=str(row["question"]), answer=row.get("answer"), response=row.get("response"),
                               video=row_video(row, image_root)))
-        numbers.append(number)
-    missing = [(number, position, image) for number, sample in zip(numbers, samples) for position, image in enumerate(sample.images)
-               if isinstance(image, Path) and not image.is_file()]
-    missing += [(number, f"video{'' if isinstance(sample.video, Path) else f' frame {position}'}", path)
-                for number, sample in zip(numbers, samples) for position, path in enumerate(video_files(sample.video)) if not path.is_file()]
+        missing += [(number, position, file) for position, file in absent]
+        files += len(_named_files(row))
     if missing:
-        files = sum(len(sample.images) + len(video_files(sample.video)) for sample in samples)
         shown = "; ".join(f"{where} {number}" + (f" image {position}" if isinstance(position, int) and position else f" {position}" if position else "")
                           + f": {image}" for number, position, image in missing[:3])
         kinds = "image or video" if any(sample.video is not None for sample in samples) else "image"
@@ -131,6 +135,28 @@ def read_rows(path: str | Path, image_root: str | Path = ".", allow_outside_root
     if problems:
         raise InputError(listed(path, problems))
     return samples
+
+
+def _named_files(row: dict) -> list[tuple[int | str, str, str]]:
+    """(position, kind, name) of every file a row names: its images (position 0, 1, ...), then its video file
+    ("video") or each of its frames ("video frame N")."""
+    video = row.get("video")
+    frames = [("video", "video", video)] if isinstance(video, str) else [(f"video frame {i}", "video frame", f) for i, f in enumerate(video or [])]
+    return [(position, "image", image) for position, image in enumerate(row_images(row)) if isinstance(image, str)] + frames
+
+
+def _files_problem(row: dict, root: str | Path, allow_outside: bool) -> tuple[list[tuple[int | str, Path]], str | None]:
+    """(the row's files that are not there, as (position, path)), or the first of its files that `confined_file`
+    refuses (a link out of the root, a dangling link or a loop, no regular file)."""
+    absent = []
+    for position, kind, name in _named_files(row):
+        try:
+            confined_file(kind, name, root, allow_outside)
+        except FileNotFoundError:
+            absent.append((position, Path(root) / name))
+        except ValueError as exc:
+            return [], str(exc)
+    return absent, None
 
 
 def row_images(row: dict) -> list:
@@ -192,7 +218,7 @@ OUTSIDE_WAY_OUT = "keep the files under it, or allow this (data.allow_outside_ro
 
 def path_problem(kind: str, name: str) -> str | None:
     """Why a path a row names does not stay under its data folder: a URL, an absolute path, or one climbing out with
-    `..`; None where it stays (the folder is what the user gave; a link placed in it is theirs to make)."""
+    `..`; None where it stays by its name (where its links lead is `confined_file`'s to judge)."""
     path = PurePosixPath(name.replace("\\", "/"))
     if URL.match(name):
         return f"{kind} {name!r} is a URL, not a file under the data folder"
@@ -201,6 +227,63 @@ def path_problem(kind: str, name: str) -> str | None:
     if ".." in path.parts:
         return f"{kind} {name!r} climbs out of the data folder with .."
     return None
+
+
+NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def confined_file(kind: str, name: str, root: str | Path, allow_outside: bool = False) -> tuple[Path, os.stat_result]:
+    """The real path and the status of the regular file a row's `name` names under `root`, every link on the way
+    followed: FileNotFoundError ("<path> not found") where nothing is there; a ValueError, one sentence naming `kind`
+    and `name`, where a link leads out of the resolved root (unless `allow_outside`; `path_problem` is checked
+    before), dangles or loops, or what is there is no regular file (a FIFO would hang the reader)."""
+    file = Path(root) / name
+    real, top = Path(os.path.realpath(file)), Path(os.path.realpath(root))
+    if not allow_outside and not real.is_relative_to(top):
+        raise ValueError(f"{kind} {name!r} leads out of the data folder through a link (to {real}); {OUTSIDE_WAY_OUT}")
+    try:
+        real = Path(os.path.realpath(file, strict=True))
+        status = os.stat(real)
+    except FileNotFoundError:
+        link = next((p for p in (file, *file.parents) if p.is_symlink() and not p.exists()), None)
+        if link is not None:
+            raise ValueError(f"{kind} {name!r} goes through the link {link}, whose target {os.readlink(link)} does not exist") from None
+        raise FileNotFoundError(f"{file} not found") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{kind} {name!r} goes through a loop of links") from None
+        raise ValueError(f"{kind} {name!r} cannot be read ({exc.strerror})") from None
+    if not allow_outside and not real.is_relative_to(top):  # changed since the first look
+        raise ValueError(f"{kind} {name!r} leads out of the data folder through a link (to {real}); {OUTSIDE_WAY_OUT}")
+    if not stat.S_ISREG(status.st_mode):
+        what = next((what for test, what in NOT_REGULAR if test(status.st_mode)), "of no kind a file is")
+        where = f" (at {real})" if str(real) != os.path.normpath(file.absolute()) else ""
+        raise ValueError(f"{kind} {name!r} is {what}{where}, not a regular file")
+    return real, status
+
+
+def open_confined(kind: str, name: str, root: str | Path, allow_outside: bool = False) -> BinaryIO:
+    """The file `confined_file` checked, opened (binary) as that very file: no link followed in its last component, no
+    wait on a FIFO, and a ValueError naming `kind` and `name` where what opened is not the file checked (a path
+    component swapped since)."""
+    real, checked = confined_file(kind, name, root, allow_outside)
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"{kind} {name!r} changed after it was checked and was not read ({exc.strerror})") from None
+    handle = os.fdopen(fd, "rb")
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino) or not stat.S_ISREG(opened.st_mode):
+        handle.close()
+        raise ValueError(f"{kind} {name!r} changed after it was checked (another file is there now) and was not read")
+    return handle
+
+
+def read_confined(kind: str, name: str, root: str | Path, allow_outside: bool = False) -> bytes:
+    """The bytes of the file a row names, under `open_confined`'s rules."""
+    with open_confined(kind, name, root, allow_outside) as handle:
+        return handle.read()
 
 
 def images_problem(row: dict) -> str | None:

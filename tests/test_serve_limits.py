@@ -1,0 +1,236 @@
+"""`lt-opd serve` bounds every request on both engines: a table of requests over each limit, each answered with its
+status and one sentence naming the field or limit, against the transformers engine on a real student (the toy) and
+against the guard that sits in front of vLLM's server; a body over the limit refused unread on a real socket; a
+host beyond loopback without a key refused at start."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+from conftest import bomb_png, random_image
+
+API_KEY = "lt-opd-test-key-0123456789"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+
+
+def _data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(raw).decode()
+
+
+def _png(seed: int = 1, side: int = 128) -> bytes:
+    out = io.BytesIO()
+    random_image(seed, side, side).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _tiff() -> bytes:
+    out = io.BytesIO()
+    random_image(2, 16, 16).save(out, format="TIFF")
+    return out.getvalue()
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+PNG = _png()  # 128 x 128: 16,384 pixels
+
+
+def asking(*urls: str, **fields) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Which colour?"}]}], **fields}
+
+
+def nested(depth: int) -> bytes:
+    """A chat body whose JSON nests `depth` deep (an ignored field of arrays)."""
+    return json.dumps(asking(_data_url(PNG), max_tokens=2, temperature=0, extra="X")).replace('"X"', "[" * (depth - 1) + "]" * (depth - 1)).encode()
+
+
+# what each engine's server runs with here: tight enough for small requests to cross each limit
+LIMITS = dict(body_bytes=300_000, image_pixels=100_000, images=2, request_pixels=30_000, max_tokens=8)
+
+# (request body, status, what the answer names): every row over one limit
+TABLE = [
+    (asking(*[_data_url(PNG)] * 3), 400, "messages[-1].content[2]: image 3 of the request refused, more than this server's 2 per request (lt-opd serve --max-images)"),
+    (asking(*[_data_url(bomb_png(10))] * 1000), 400, "image 3 of the request refused, more than this server's 2 per request (lt-opd serve --max-images)"),
+    (asking(_data_url(PNG), _data_url(PNG)), 400, "messages[-1].content[1]: the request's images come to 32768 pixels or more, more than this server's 30000 per request (lt-opd serve --max-request-pixels)"),
+    (asking(_data_url(bomb_png(400))), 400, "image of 400x400 (160000 pixels) refused, more than this server's 100000 (lt-opd serve --max-image-pixels)"),
+    (asking(_data_url(PNG), max_tokens=65536), 400, "max_tokens: 65536 is more than this server's 8 (lt-opd serve --max-tokens)"),
+    (asking(_data_url(EPS)), 400, "messages[-1].content[0]: not an image this server reads: it takes BMP, GIF, JPEG, PNG, WEBP"),
+    (asking(_data_url(_tiff(), "image/tiff")), 400, "not an image this server reads: it takes BMP, GIF, JPEG, PNG, WEBP"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "request body refused: its JSON nests more than 64 arrays and objects deep, this server's most"),
+    (b"[" * 100_000, 400, "its JSON nests more than 64 arrays and objects deep"),
+    (nested(65), 400, "its JSON nests more than 64 arrays and objects deep"),
+    (("[" * 1000 + "]" * 1000).encode("utf-16"), 400, "its JSON nests more than 64"),  # json.loads reads UTF-16 too
+    (b" " * 300_001, 413, "request body of 300001 bytes refused: this server takes at most 300000 (0.286102 MiB; lt-opd serve --max-body-mb)"),
+]
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.transformers_server import TransformersStudent
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    folder = tmp_path_factory.mktemp("served") / "student"
+    shutil.copytree(resolve_model_dir("toy:circles"), folder)
+    CompressionConfig("cdpruner", 500, 4).write(folder)
+    return TransformersStudent(folder)
+
+
+def _client(student, **limits):
+    from starlette.testclient import TestClient
+
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.transformers_server import build_app
+
+    return TestClient(build_app(student, API_KEY, ServeLimits(**{**LIMITS, **limits})))
+
+
+def _post(client, body: dict | bytes):
+    return client.post("/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body).encode(), headers=HEADERS)
+
+
+@pytest.mark.parametrize(("body", "status", "named"), TABLE, ids=[f"row{i}" for i in range(len(TABLE))])
+def test_the_transformers_engine_refuses_a_request_over_each_limit(student, body, status, named):
+    answered = _post(_client(student), body)
+    assert answered.status_code == status and named in answered.json()["error"]["message"], answered.text[:2000]
+
+
+def test_the_transformers_engine_answers_within_the_limits_and_stops_at_the_time_limit(student):
+    client = _client(student)
+    answered = _post(client, nested(64))  # at the depth limit, at the token limit: answered
+    assert answered.status_code == 200, answered.text[:2000]
+    answered = _post(client, asking(_data_url(PNG), max_tokens=8, temperature=0))
+    assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] <= 8
+    answered = _post(_client(student, request_seconds=0), asking(_data_url(PNG), max_tokens=8))  # out of time at the first step
+    assert answered.status_code == 504, answered.text
+    assert answered.json()["error"]["message"] == "request stopped: not answered within this server's 0 s (lt-opd serve --request-timeout)"
+    with student.lock:  # another request holds the model past this one's time
+        answered = _post(_client(student, request_seconds=1), asking(_data_url(PNG), max_tokens=2))
+    assert answered.status_code == 503 and "server busy: the model was not free within this server's 1 s per request" in answered.text
+    assert _post(client, asking(_data_url(PNG), max_tokens=2)).status_code == 200  # the lock was given back
+
+
+async def _slow_app(scope, receive, send):
+    """A stand-in for vLLM's app behind the guard: reads the body, answers 200 after `delay` seconds."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await asyncio.sleep(json.loads(body).get("delay", 0) if body.strip()[:1] == b"{" else 0)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+VLLM_TABLE = [
+    *[row for row in TABLE if row[1] == 413 or b"nests" in row[2].encode() or "image 3" in row[2] or "pixels" in row[2]
+      or "not an image" in row[2]],
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}] * 2}]}, 400,
+     "messages[0].content[1].video_url: clip 2 of the request refused, more than this server's 1 per request (lt-opd serve --max-clips)"),
+    ({"model": "m", "prompt": "hi", "max_tokens": 9}, 400, "max_tokens: 9 is more than this server's 8 (lt-opd serve --max-tokens)"),
+    ({"messages": [], "max_completion_tokens": 100}, 400, "max_completion_tokens: 100 is more than this server's 8"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": _data_url(EPS)}]}], "max_output_tokens": 4}, 400,
+     "input[0].content[0].image_url: not an image this server reads"),
+    ({"input": "hi", "max_output_tokens": 4096}, 400, "max_output_tokens: 4096 is more than this server's 8"),
+    ({"delay": 3}, 504, "request stopped: not answered within this server's 1 s (lt-opd serve --request-timeout)"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "named"), VLLM_TABLE, ids=[f"row{i}" for i in range(len(VLLM_TABLE))])
+def test_the_guard_in_front_of_vllm_refuses_a_request_over_each_limit(body, status, named):
+    from starlette.testclient import TestClient
+
+    from lt_opd_ray.serving.limits import RequestGuard, ServeLimits
+
+    client = TestClient(RequestGuard(_slow_app, ServeLimits(**LIMITS, request_seconds=1), api_key=API_KEY))
+    answered = _post(client, body)
+    named = re.sub(r"messages\[-1\]\.content\[(\d+)\]:", r"messages[0].content[\1].image_url:", named)  # the guard's path into the body
+    assert answered.status_code == status and named in answered.json()["error"]["message"], answered.text[:2000]
+    assert _post(client, {"messages": [], "max_tokens": 8, "delay": 0}).status_code == 200
+
+
+def test_a_body_over_the_limit_is_refused_unread_on_a_real_socket(student):
+    """A Content-Length over the limit is answered 413 before any of the body is sent; a chunked body as soon as it
+    passes the limit, the rest never sent (the server waited for neither)."""
+    import uvicorn
+
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.transformers_server import build_app
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(student, API_KEY, ServeLimits(**LIMITS)), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.05)
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+        for request in ((head + "Content-Length: 1000000000\r\n\r\n").encode(),  # then nothing
+                        (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"%x\r\n" % 300_001 + b" " * 300_001 + b"\r\n"):  # no last chunk
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+                connection.sendall(request)
+                answer = b""
+                while chunk := connection.recv(65536):  # the server closes the connection after its answer
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 413") and b"lt-opd serve --max-body-mb" in answer, answer[:500]
+            assert b"connection: close" in answer.lower()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_pillow_opens_only_the_formats_a_request_may_send():
+    from PIL import Image
+
+    from lt_opd_ray.serving.limits import IMAGE_FORMATS, restrict_pillow
+
+    Image.init()
+    saved_open, saved_id = dict(Image.OPEN), list(Image.ID)
+    try:
+        restrict_pillow()
+        assert sorted(Image.ID) == sorted(IMAGE_FORMATS)
+        for raw in (EPS, _tiff()):
+            with pytest.raises(Image.UnidentifiedImageError):
+                Image.open(io.BytesIO(raw))
+        assert Image.open(io.BytesIO(PNG)).size == (128, 128)
+    finally:
+        Image.OPEN.clear()
+        Image.OPEN.update(saved_open)
+        Image.ID[:] = saved_id
+
+
+def test_serve_refuses_a_host_beyond_loopback_without_a_key_and_passes_the_limits_to_vllm(tiny_dirs, tmp_path, capsys):
+    from lt_opd_ray.cli.main import main
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.serve import serve_command
+
+    student = tiny_dirs["qwen3_vl"]
+    assert main(["serve", str(student), "--host", "0.0.0.0", "--port", "8123"]) == 2
+    assert ("serve: --host 0.0.0.0 without --api-key-file refused: anyone who reaches port 8123 could use the model "
+            "(pass --api-key-file, or --allow-no-api-key to serve it open anyway)") in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", str(student), "--max-tokens", "0"])
+    assert exited.value.code == 2 and "--max-tokens" in capsys.readouterr().err
+    argv, env = serve_command(student, host="0.0.0.0", allow_no_api_key=True,
+                              limits=ServeLimits(images=3, clips=2, max_tokens=512, request_seconds=60, request_pixels=7))
+    assert "warning: serving on 0.0.0.0 without an API key" in capsys.readouterr().err
+    assert json.loads(argv[argv.index("--limit-mm-per-prompt") + 1]) == {"image": 3, "video": 2}
+    assert json.loads(argv[argv.index("--override-generation-config") + 1]) == {"max_new_tokens": 512}
+    assert (env["LT_OPD_MAX_IMAGES"], env["LT_OPD_MAX_CLIPS"], env["LT_OPD_MAX_TOKENS"], env["LT_OPD_REQUEST_SECONDS"],
+            env["LT_OPD_MAX_REQUEST_PIXELS"]) == ("3", "2", "512", "60", "7")
+    (tmp_path / "key").write_text("k\n")
+    serve_command(student, host="0.0.0.0", api_key_file=tmp_path / "key")  # with a key: served, no warning
+    assert "warning" not in capsys.readouterr().err
