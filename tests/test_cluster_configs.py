@@ -279,6 +279,8 @@ HEAD_START_FORMS = [
     ("sudo -u ubuntu bash -c 'RAY_AUTH_MODE=token ray start --head'", "under sudo"),
     ("ray() { RAY_AUTH_MODE=disabled command ray \"$@\"; }; RAY_AUTH_MODE=token ray start --head", "cannot prove"),
     ("echo start --head | xargs ray", "runs xargs, which check-cluster cannot read"),
+    ("nohup sh -c 'sleep 1; ray start --head' &", "without token auth"),
+    ("screen -dm ray start --head", "runs screen, which check-cluster cannot read, with ray among the words it is given"),
     ("$RAY start --head", "a program named by an expansion"),
     ("python -m ray start --head", "the Python module ray"),
     ("if true; then RAY_AUTH_MODE=token ray start --head; fi", "control flow"),
@@ -363,3 +365,84 @@ def test_a_kuberay_container_cannot_set_the_auth_mode_itself():
     assert check_cluster_file(job, RECIPE, "rayjob.yaml") == [
         "rayjob.yaml: spec.submitterPodTemplate.spec.containers[0].envFrom: may set RAY_AUTH_MODE, which KubeRay's "
         "authOptions sets; name the variables one by one in env"]
+
+
+# ---- every command list: an opaque program given a word naming Ray, a write to a start-up file or ~/.ray, a Ray install
+INSTALL_FIX = "install no other"
+STARTUP_FIX = "leave the shell start-up files and ~/.ray to the image and file_mounts (the token comes from file_mounts)"
+# (command, a phrase of its one-sentence refusal or None when accepted, the fix the sentence ends with)
+EVERY_LIST_FORMS = [
+    ("uv run ray start --head --port=6380", "runs uv, which check-cluster cannot read, with ray among", None),
+    ("taskset -c 0 ray start --head --port=6380", "runs taskset", None),
+    ("su ubuntu -c 'ray start --head --port=6380'", "runs su, which check-cluster cannot read, with 'ray start", None),
+    ("tmux new -d 'ray start --head --port=6380'", "runs tmux", None),
+    ("screen -dm ray start --head", "runs screen", None),
+    ("docker run --rm img ray start --head", "runs docker", None),
+    ("echo 'ray start --head' | bash", "runs bash on a script or its input", None),  # fed through a pipe
+    ("bash <<< 'ray start --head'", "runs bash on a script or its input", None),
+    ("CMD='ray start --head'; tmux new -d \"$CMD\"", "an expansion, in a command that names Ray", None),
+    ("curl -o ~/.local/bin/ray https://example.com/ray", "runs curl", None),
+    ("echo 'ray start --head' > /tmp/start.sh", "writes 'ray start --head' into /tmp/start.sh", None),
+    ("echo 'ray() { RAY_AUTH_MODE=disabled command ray \"$@\"; }' >> ~/.bashrc", "writes ~/.bashrc, a shell or Python start-up file", STARTUP_FIX),
+    ("echo 'env() { command env -u RAY_AUTH_MODE \"$@\"; }' >> ~/.bashrc", "writes ~/.bashrc", STARTUP_FIX),
+    ("printf 'alias ray=true\\n' | tee -a ~/.profile", "runs tee, which check-cluster cannot read, on ~/.profile", STARTUP_FIX),
+    ("echo 'export PATH=/opt/x:$PATH' | sudo tee /etc/profile.d/x.sh", "on /etc/profile.d/x.sh", STARTUP_FIX),
+    ("sed -i 's/token/disabled/' $HOME/.bash_profile", "runs sed", STARTUP_FIX),
+    ("cp /tmp/rc /home/ubuntu/.bash_aliases", "runs cp", STARTUP_FIX),
+    ("echo x >> .bash_login", "writes .bash_login", STARTUP_FIX),  # the launcher's shell starts in the home directory
+    ("echo 'export RAY_AUTH_MODE=disabled' > /etc/bash.bashrc", "writes /etc/bash.bashrc", STARTUP_FIX),
+    ("echo 'import os' > /usr/lib/python3/dist-packages/sitecustomize.py", "writes /usr/lib/python3", STARTUP_FIX),
+    ("cat >> ~/.bashrc <<EOF\nalias ray=true\nEOF", "uses a here-document", None),
+    ("cp -r /tmp/dotfiles/. ~/", "copies what check-cluster cannot list into ~/", STARTUP_FIX),
+    ("tar xzf dotfiles.tar.gz", "unpacks an archive into the home directory", STARTUP_FIX),
+    ("echo x > ~/.ray/auth_token", "writes ~/.ray/auth_token, Ray's directory ~/.ray", STARTUP_FIX),
+    ("ln -sf /dev/null ~/.ray/auth_token", "runs ln", STARTUP_FIX),
+    ("cp /tmp/token /root/.ray/auth_token", "runs cp", STARTUP_FIX),
+    ("dd if=/dev/zero of=$HOME/.ray/auth_token", "on of=$HOME/.ray/auth_token", STARTUP_FIX),
+    ("echo x > $TARGET", "writes $TARGET, a file check-cluster cannot name", STARTUP_FIX),
+    ("pip install -U ray==2.40.0", "installs Ray (ray==2.40.0)", INSTALL_FIX),
+    ("pip3 install 'ray[default]==2.40.0'", "installs Ray ('ray[default]==2.40.0')", INSTALL_FIX),
+    ("python -m pip install --upgrade ray", "installs Ray (ray)", INSTALL_FIX),
+    ("uv pip install ray==2.40.0", "installs Ray", INSTALL_FIX),
+    ("uv add 'ray>=2.0'", "installs Ray", INSTALL_FIX),
+    ("conda install -y -c conda-forge ray-core=2.40", "installs Ray (ray-core=2.40)", INSTALL_FIX),
+    ("mamba install ray-default", "installs Ray", INSTALL_FIX),
+    ("sudo pip install ray-2.40.0-cp311-cp311-manylinux2014_x86_64.whl", "installs Ray", INSTALL_FIX),
+    ("pip install -r requirements.txt", "installs from requirements.txt, a file check-cluster cannot read", INSTALL_FIX),
+    ("pip install git+https://github.com/ray-project/ray", "a URL check-cluster cannot read", INSTALL_FIX),
+    ("pip install $PACKAGES", "a requirement check-cluster cannot read", INSTALL_FIX),
+    ("poetry install", "installs what a project or lock file check-cluster cannot read lists", INSTALL_FIX),
+    ("conda update --all -y", "upgrades every package with --all", INSTALL_FIX),
+    # accepted in a setup list: nothing names Ray, writes a start-up file or ~/.ray, or installs another Ray
+    ("pip install foo && pip install --no-build-isolation -e ~/lt-opd-ray[model]", OK, None),
+    ("pip install -U pip 'boto3>=1.4.8' lt-opd-ray", OK, None),
+    ("conda install -y -c conda-forge htop", OK, None),
+    ("tar xzf data.tar.gz -C /mnt/data", OK, None),
+    ("cp /tmp/x ~/x && mkdir -p ~/.ray", OK, None),
+    ("apt-get install -y htop > /tmp/apt.log 2>&1", OK, None),
+    ("cp ~/lt-opd-ray/cluster/ray-cluster.yaml /tmp/", OK, None),  # ray-cluster, lt-opd-ray: not Ray itself
+    ("echo 'export FOO=1' >> ~/foo.env", OK, None),
+]
+
+
+@pytest.mark.parametrize(("command", "refusal", "fix"), EVERY_LIST_FORMS, ids=[c for c, _, _ in EVERY_LIST_FORMS])
+def test_every_command_list_refuses_what_may_change_the_ray_that_starts(command, refusal, fix):
+    for field in ("setup_commands", "head_setup_commands", "initialization_commands", "head_start_ray_commands"):
+        commands = [command] if field != "head_start_ray_commands" else [command, "RAY_AUTH_MODE=token ray start --head"]
+        problems = check_cluster_file(launcher_with(**{field: commands}), RECIPE, "ray-cluster.yaml")
+        if refusal is OK:
+            if field != "head_start_ray_commands":  # a start command may run only what check-cluster reads
+                assert problems == [], (field, problems)
+            continue
+        (problem,) = problems
+        assert problem.startswith(f"ray-cluster.yaml: {field}: {command!r} "), problem
+        assert refusal in problem and "cannot prove that Ray starts there with token auth; " in problem, problem
+        assert problem.endswith(fix or "start it as RAY_AUTH_MODE=token ray start ..."), problem
+
+
+def test_the_shipped_setup_commands_pass_and_ray_defaults_that_install_ray_do_not():
+    launcher = load(REPO / "cluster/ray-cluster.yaml")
+    assert check_cluster_file(launcher, RECIPE, "ray-cluster.yaml") == []
+    del launcher["setup_commands"]  # Ray's aws defaults write ~/.bashrc and install a Ray wheel from a URL
+    (problem, *_) = check_cluster_file(launcher, RECIPE, "ray-cluster.yaml")
+    assert problem.startswith("ray-cluster.yaml: setup_commands (Ray's aws defaults: the config sets none): ")

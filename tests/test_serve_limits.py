@@ -62,6 +62,9 @@ TABLE = [
     (asking(_data_url(PNG), _data_url(PNG)), 400, "messages[-1].content[1]: the request's images come to 32768 pixels or more, more than this server's 30000 per request (lt-opd serve --max-request-pixels)"),
     (asking(_data_url(bomb_png(400))), 400, "image of 400x400 (160000 pixels) refused, more than this server's 100000 (lt-opd serve --max-image-pixels)"),
     (asking(_data_url(PNG), max_tokens=65536), 400, "max_tokens: 65536 is more than this server's 8 (lt-opd serve --max-tokens)"),
+    (asking(_data_url(PNG), max_tokens="1000000"), 400, 'max_tokens: expected an integer, got str "1000000"'),
+    (asking(_data_url(PNG), max_tokens=True), 400, "max_tokens: expected an integer, got bool true"),
+    (asking(_data_url(PNG), n=2), 400, "n: 2 is more than this server's 1 per request (lt-opd serve --max-choices)"),
     (asking(_data_url(EPS)), 400, "messages[-1].content[0]: not an image this server reads: it takes BMP, GIF, JPEG, PNG, WEBP"),
     (asking(_data_url(_tiff(), "image/tiff")), 400, "not an image this server reads: it takes BMP, GIF, JPEG, PNG, WEBP"),
     (b"[" * 100_000 + b"]" * 100_000, 400, "request body refused: its JSON nests more than 64 arrays and objects deep, this server's most"),
@@ -131,9 +134,49 @@ async def _slow_app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"{}"})
 
 
+def _block(raw: bytes = PNG, mime: str = "image/png") -> dict:
+    """An Anthropic image block (vLLM's /v1/messages), its bytes inline."""
+    return {"type": "image", "source": {"type": "base64", "media_type": mime, "data": base64.b64encode(raw).decode()}}
+
+
+def _anthropic(*blocks, **fields) -> dict:
+    return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [*blocks, {"type": "text", "text": "?"}]}], **fields}
+
+
 VLLM_TABLE = [
     *[row for row in TABLE if row[1] == 413 or b"nests" in row[2].encode() or "image 3" in row[2] or "pixels" in row[2]
-      or "not an image" in row[2]],
+      or "not an image" in row[2] or "expected an integer" in row[2] or "--max-choices" in row[2]],
+    # every media part type vLLM reads is counted, its inline bytes read for their pixels
+    (_anthropic(_block(), _block(), _block()), 400, "messages[0].content[2].source: image 3 of the request refused, more than this server's 2"),
+    (_anthropic(_block(), _block()), 400, "messages[0].content[1].source: the request's images come to 32768 pixels or more"),
+    (_anthropic(_block(bomb_png(400))), 400, "messages[0].content[0].source: image of 400x400 (160000 pixels) refused"),
+    (_anthropic(_block(EPS, "image/eps")), 400, "messages[0].content[0].source: not an image this server reads"),
+    (_anthropic({"type": "tool_result", "tool_use_id": "t", "content": [_block(bomb_png(400))]}), 400,
+     "messages[0].content[0].content[0].source: image of 400x400"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": _data_url(PNG)}] * 2}]}, 400,
+     "input[0].content[1].image_url: the request's images come to 32768 pixels"),
+    ({"messages": [{"role": "user", "content": [{"image_url": {"url": _data_url(PNG)}, "uuid": "a"}, {"type": "image_embeds", "image_embeds": "AA"},
+                                                {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, 400,
+     "messages[0].content[2].image_url: image 3 of the request refused"),
+    ({"messages": [{"role": "user", "content": [{"type": "video", "source": {}}, {"type": "input_video", "video_url": "x"}]}]}, 400,
+     "messages[0].content[1].video_url: clip 2 of the request refused"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]}, 400,
+     "messages[0].content[0].input_audio: audio refused: this server takes images and clips"),
+    # a part the guard does not know is refused, not let through
+    (_anthropic({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA"}}), 400,
+     'messages[0].content[0]: a content part of type "document" refused: this server does not know it'),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_data": "AA"}}]}]}, 400, 'messages[0].content[0]: a content part of type "file"'),
+    ({"input": [{"type": "mcp_call", "output": "x"}]}, 400, 'input[0]: a content part of type "mcp_call" refused'),
+    ({"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]}, 400, 'a content part of type ["text"] refused'),
+    # what sizes the work: integers, one choice, one prompt
+    ({"model": "m", "prompt": "hi", "max_tokens": 9}, 400, "max_tokens: 9 is more than this server's 8 (lt-opd serve --max-tokens)"),
+    ({"model": "m", "prompt": "hi", "max_tokens": 4.0}, 400, "max_tokens: expected an integer, got float 4.0"),
+    ({"model": "m", "prompt": "hi", "best_of": 3}, 400, "best_of: 3 is more than this server's 1 per request (lt-opd serve --max-choices)"),
+    ({"model": "m", "prompt": "hi", "n": "2"}, 400, 'n: expected an integer, got str "2"'),
+    ({"model": "m", "prompt": "hi", "min_tokens": 9}, 400, "min_tokens: 9 is more than this server's 8"),
+    ({"model": "m", "prompt": ["hi", "ho"], "max_tokens": 8}, 400, "prompt: a batch of 2 prompts refused: this server answers one prompt per request"),
+    ({"model": "m", "prompt": [[1, 2], [3]]}, 400, "prompt: a batch of 2 prompts refused"),
+    ({"input": "hi", "max_output_tokens": "8"}, 400, 'max_output_tokens: expected an integer, got str "8"'),
     ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}] * 2}]}, 400,
      "messages[0].content[1].video_url: clip 2 of the request refused, more than this server's 1 per request (lt-opd serve --max-clips)"),
     ({"model": "m", "prompt": "hi", "max_tokens": 9}, 400, "max_tokens: 9 is more than this server's 8 (lt-opd serve --max-tokens)"),
@@ -156,6 +199,34 @@ def test_the_guard_in_front_of_vllm_refuses_a_request_over_each_limit(body, stat
     named = re.sub(r"messages\[-1\]\.content\[(\d+)\]:", r"messages[0].content[\1].image_url:", named)  # the guard's path into the body
     assert answered.status_code == status and named in answered.json()["error"]["message"], answered.text[:2000]
     assert _post(client, {"messages": [], "max_tokens": 8, "delay": 0}).status_code == 200
+
+
+# within the limits: answered (the stand-in app's 200), parts the guard knows in every shape they come in
+VLLM_ANSWERED = [
+    {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 8, "n": 1, "best_of": 1},  # one prompt as token ids
+    {"model": "m", "prompt": ["hi"], "max_tokens": None},
+    _anthropic(_block(), {"type": "tool_use", "id": "t", "name": "f", "input": {"type": "circle", "image_url": 3}},
+               {"type": "thinking", "thinking": "x", "signature": "s"}, {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}},
+               system=[{"type": "text", "text": "be brief"}]),
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                  {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "ok"}]},
+                  {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(PNG)}}, {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": ["string", "null"]}}}}}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}, "max_completion_tokens": 8},
+    {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": _data_url(PNG)}]},
+               {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c", "output": "1"},
+               {"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": "x"}]}], "max_output_tokens": 8},
+]
+
+
+@pytest.mark.parametrize("body", VLLM_ANSWERED, ids=[f"row{i}" for i in range(len(VLLM_ANSWERED))])
+def test_the_guard_in_front_of_vllm_lets_a_request_within_the_limits_through(body):
+    from starlette.testclient import TestClient
+
+    from lt_opd_ray.serving.limits import RequestGuard, ServeLimits
+
+    answered = _post(TestClient(RequestGuard(_slow_app, ServeLimits(**LIMITS), api_key=API_KEY)), body)
+    assert answered.status_code == 200, answered.text[:2000]
 
 
 def test_a_body_over_the_limit_is_refused_unread_on_a_real_socket(student):
@@ -234,3 +305,121 @@ def test_serve_refuses_a_host_beyond_loopback_without_a_key_and_passes_the_limit
     (tmp_path / "key").write_text("k\n")
     serve_command(student, host="0.0.0.0", api_key_file=tmp_path / "key")  # with a key: served, no warning
     assert "warning" not in capsys.readouterr().err
+
+
+# vLLM options after `--`: (the options, the spelling the refusal names or None where they pass); every spelling
+# vLLM's parser takes for an option `lt-opd serve` sets or the guard relies on
+OPTIONS_TABLE = [
+    (["--host", "0.0.0.0"], "--host"),
+    (["--host=0.0.0.0"], "--host"),
+    (["--hos", "0.0.0.0"], "--hos (vLLM's --host)"),
+    (["--ho=0.0.0.0"], "--ho (vLLM's --host)"),
+    (["--port", "9000"], "--port"),
+    (["--port=9000"], "--port"),
+    (["--api-key", "k"], "--api-key"),
+    (["--api-key=k"], "--api-key"),
+    (["--api_key", "k"], "--api_key (vLLM's --api-key)"),
+    (["--api-k", "k"], "--api-k (vLLM's --api-key)"),
+    (["--middleware", "x.Y"], "--middleware"),
+    (["--middleware=x.Y"], "--middleware"),
+    (["--middle", "x.Y"], "--middle (vLLM's --middleware)"),
+    (["--limit-mm-per-prompt", '{"image": 99}'], "--limit-mm-per-prompt"),
+    (["--limit-mm-per-prompt.image", "99"], "--limit-mm-per-prompt.image (vLLM's --limit-mm-per-prompt)"),
+    (["--limit_mm_per_prompt.image=99"], "--limit_mm_per_prompt.image (vLLM's --limit-mm-per-prompt)"),
+    (["--limit-mm", '{"image": 99}'], "--limit-mm (vLLM's --limit-mm-per-prompt)"),
+    (["--override-generation-config", '{"max_new_tokens": 100000}'], "--override-generation-config"),
+    (["--override-generation-config.max_new_tokens", "100000"], "--override-generation-config.max_new_tokens"),
+    (["--override-generation", "{}"], "--override-generation (vLLM's --override-generation-config)"),
+    (["--uds", "/tmp/s"], "--uds"),
+    (["--grpc"], "--grpc"),
+    (["--grpc-port=9"], "--grpc-port"),
+    (["--model", "/elsewhere"], "--model"),
+    (["--dtype=float32"], "--dtype"),
+    (["--max-model-len", "99"], "--max-model-len"),
+    (["--config", "CONFIG"], "--config"),
+    (["--trust-request-mm-kwargs", "--", "--host", "0.0.0.0"], "a second `--`"),
+    # the documented pass-through options, and vLLM's others
+    (["--trust-request-mm-kwargs"], None),
+    (["--allowed-media-domains", "a.example", "b.example"], None),
+    (["--allowed-media-domains=a.example"], None),
+    (["--allowed-local-media-path", "/data"], None),
+    (["--allowed_local_media_path=/data"], None),
+    (["--served-model-name", "m", "--max-num-seqs", "4", "--enable-prefix-caching", "--no-enforce-eager"], None),
+    (["--hf-overrides.rope_theta", "1"], None),
+    (["-asc", "1"], None),
+]
+
+
+@pytest.mark.parametrize(("extra", "named"), OPTIONS_TABLE, ids=[f"row{i}" for i in range(len(OPTIONS_TABLE))])
+def test_the_options_after_the_separator_set_nothing_serve_sets(extra, named):
+    from lt_opd_ray.serving.serve import check_vllm_options
+
+    if named is None:
+        check_vllm_options(extra)
+        return
+    with pytest.raises(ValueError) as refused:
+        check_vllm_options(extra)
+    text = str(refused.value)
+    assert text.startswith(f"vLLM option {named} after -- refused: lt-opd serve sets it; use ") or named in text, text
+
+
+def test_vllms_own_parser_reads_each_refused_spelling_as_an_option_serve_sets(tmp_path):
+    """The table against vLLM's own parser (its underscores, dotted JSON keys, prefixes, config file): each refused row,
+    placed last as it used to be, changes one of the values `lt-opd serve` passes or is an error; each passing row
+    changes none."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from lt_opd_ray.serving.serve import OWNED_OPTIONS
+
+    ours = ["--model", "/m", "--host", "127.0.0.1", "--port", "8000", "--dtype", "auto", "--max-model-len", "64",
+            "--limit-mm-per-prompt", '{"image": 1, "video": 1}', "--override-generation-config", '{"max_new_tokens": 8}',
+            "--middleware", "lt_opd_ray.serving.limits.RequestGuard"]
+    (tmp_path / "c.yaml").write_text("api-key: k\n")  # a config file's options go before the command line's
+    owned = [option[2:].replace("-", "_") for option in OWNED_OPTIONS]
+
+    def parsed(argv):
+        try:
+            namespace = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        except SystemExit:
+            return None
+        return {name: getattr(namespace, name) for name in owned}
+
+    expected = parsed(ours)
+    for extra, named in OPTIONS_TABLE:
+        extra = [str(tmp_path / "c.yaml") if arg == "CONFIG" else arg for arg in extra]
+        if named is None:
+            assert parsed(ours + extra) == expected, extra
+        elif "--" not in extra:
+            assert parsed(ours + extra) != expected, extra
+
+
+def test_serve_refuses_an_option_after_the_separator_that_it_sets(tiny_dirs, capsys):
+    from lt_opd_ray.cli.main import main
+    from lt_opd_ray.serving.serve import serve_command
+
+    student = tiny_dirs["qwen3_vl"]
+    assert main(["serve", str(student), "--", "--host", "0.0.0.0"]) == 2  # the reviewer's: past the loopback check before
+    assert "serve: vLLM option --host after -- refused: lt-opd serve sets it; use lt-opd serve --host" in capsys.readouterr().err
+    assert main(["serve", str(student), "--", "--api-key=k"]) == 2
+    assert "vLLM option --api-key after -- refused" in capsys.readouterr().err
+    argv, _ = serve_command(student, extra=["--allowed-media-domains", "a.example", "--trust-request-mm-kwargs"])
+    assert argv[3:7] == ["--allowed-media-domains", "a.example", "--trust-request-mm-kwargs", "--model"]  # ours after: argparse keeps them
+
+
+def test_training_decodes_only_the_image_formats_a_request_may_send():
+    from lt_opd_ray.core.errors import InputError
+    from lt_opd_ray.core.samples import IMAGE_FORMATS
+    from lt_opd_ray.models.processor import ImageError, decode_image, load_image
+    from lt_opd_ray.serving import limits
+
+    assert limits.IMAGE_FORMATS is IMAGE_FORMATS
+    assert decode_image(PNG).size == (128, 128)
+    for raw, name in ((EPS, "EPS"), (_tiff(), "TIFF")):
+        with pytest.raises(ImageError, match=f"is {name}, an image format refused here: images may be BMP, GIF, JPEG, PNG, WEBP"):
+            decode_image(raw)
+    with pytest.raises(InputError, match=rf"uid-1: image 0 \({len(EPS)} bytes\) is EPS, an image format refused here"):
+        load_image(EPS, "uid-1: image 0")
+    with pytest.raises(ImageError, match="does not decode"):
+        decode_image(b"not an image")

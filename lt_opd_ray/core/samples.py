@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_FRAMES = 16  # frames a clip is sampled to unless the job says otherwise (data.frames): MVBench's protocol
+# the image formats anything here decodes (Pillow's names): training and data rows (models/processor.py `decode_image`)
+# and a served request's images (serving/limits.py); Pillow's others stay shut (its EPS plugin would launch Ghostscript)
+IMAGE_FORMATS = ("BMP", "GIF", "JPEG", "PNG", "WEBP")
 
 
 @dataclass(frozen=True)

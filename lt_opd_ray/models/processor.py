@@ -80,20 +80,54 @@ def _runs(types: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def decode_image(source):
-    """A fully decoded PIL image from bytes or a path; what stops it (undecodable, truncated, or larger than PIL's
+    """A fully decoded PIL image from bytes or a path, one of `IMAGE_FORMATS` only (Pillow's other plugins are never
+    tried: EPS would launch Ghostscript); what stops it (another format, undecodable, truncated, or larger than PIL's
     decompression-bomb limit) raises ImageError with the reason."""
     from PIL import Image, UnidentifiedImageError
 
+    from lt_opd_ray.core.samples import IMAGE_FORMATS
+
     try:
-        image = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else Path(source))
+        image = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else Path(source), formats=list(IMAGE_FORMATS))
         image.load()
         return image
     except FileNotFoundError:
         raise
     except Image.DecompressionBombError as exc:
         raise ImageError(f"refused, too many pixels (a decompression bomb?): {exc}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except UnidentifiedImageError as exc:
+        refused = _refused_format(source)
+        if refused:
+            raise ImageError(f"is {refused}, an image format refused here: images may be {', '.join(IMAGE_FORMATS)}") from None
         raise ImageError(f"does not decode: {exc}") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ImageError(f"does not decode: {exc}") from None
+
+
+def _refused_format(source) -> str | None:
+    """The Pillow format an image not of `IMAGE_FORMATS` is, from its first bytes (each plugin's own prefix test;
+    nothing opened), or None."""
+    from PIL import Image
+
+    from lt_opd_ray.core.samples import IMAGE_FORMATS
+
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            head = bytes(source[:4096])
+        else:
+            with open(source, "rb") as file:
+                head = file.read(4096)
+    except OSError:
+        return None
+    Image.init()
+    for name, (_, accept) in list(getattr(Image, "OPEN", {}).items()):
+        if name not in IMAGE_FORMATS and accept is not None:
+            try:
+                if accept(head):
+                    return name
+            except Exception:  # a plugin's prefix test on bytes it did not expect
+                continue
+    return None
 
 
 class ImageError(ValueError):

@@ -6,9 +6,11 @@ transformers engine. In order: with an API key, a request to any route but the h
 over the limit at once, a chunked body as soon as it passes the limit; the connection is closed); a JSON body nested
 deeper than `JSON_DEPTH` is answered 400 before anything parses it. In front of vLLM (`inspect`) the parsed body is
 then checked against the rest of `ServeLimits` (the transformers engine checks its one request shape itself, in
-`ChatRequest.parse`): `max_tokens` (and `max_completion_tokens`, `max_output_tokens`), the images and clips one
-request carries, each inline image's format (`IMAGE_FORMATS`) and the pixels of them all, from their headers before
-anything is decoded; and the app's answer is awaited at most `request_seconds` (504 after, the request aborted). The
+`ChatRequest.parse`): the token fields (`max_tokens`, `max_completion_tokens`, `max_output_tokens`, `min_tokens`:
+integers, not above the limit), the choices (`n`, `best_of`) and one prompt (a batched `prompt` list refused), every
+content part of its messages or input of a type the guard knows (any other refused), the images and clips one request
+carries in any of the part types vLLM reads (OpenAI, Responses, Anthropic `source` blocks, embeddings; audio refused),
+each inline image's format (`IMAGE_FORMATS`) and the pixels of them all, from their headers before anything is decoded; and the app's answer is awaited at most `request_seconds` (504 after, the request aborted). The
 limit on one image or clip's bytes and on one image's pixels are the media connector's (`engines/vllm/media.py`)
 and vLLM's own (`VLLM_MAX_IMAGE_PIXELS`). Pillow, in the processes that load the guard, opens only `IMAGE_FORMATS`
 (`restrict_pillow`, in vLLM's server when it loads the guard, in the transformers engine's `main`): its EPS plugin, say, would launch Ghostscript.
@@ -26,12 +28,12 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from lt_opd_ray.core.samples import IMAGE_FORMATS
 from lt_opd_ray.engines.vllm.media import MAX_MEDIA_ENV, MIB
 
 MAX_BODY_ENV = "LT_OPD_MAX_BODY_BYTES"
 API_KEY_ENV = "LT_OPD_API_KEY"  # the transformers engine's key (vLLM's server reads VLLM_API_KEY)
 PIXELS_ENV = "VLLM_MAX_IMAGE_PIXELS"  # vLLM's own name; the transformers engine reads it too
-IMAGE_FORMATS = ("BMP", "GIF", "JPEG", "PNG", "WEBP")  # what a request's image may be (Pillow's format names)
 JSON_DEPTH = 64  # an OpenAI-style chat body nests about 6 deep; a tool's JSON schema a few dozen at most
 
 
@@ -57,10 +59,11 @@ class ServeLimits:
     request_pixels: int = 50_000_000
     max_tokens: int = 4096
     request_seconds: int = 300
+    choices: int = 1  # `n` and `best_of`: one answer per request (a client wanting k sends k requests, each bounded)
 
     ENVIRONMENT = {"body_bytes": MAX_BODY_ENV, "media_bytes": MAX_MEDIA_ENV, "image_pixels": PIXELS_ENV, "images": "LT_OPD_MAX_IMAGES",
                    "clips": "LT_OPD_MAX_CLIPS", "request_pixels": "LT_OPD_MAX_REQUEST_PIXELS", "max_tokens": "LT_OPD_MAX_TOKENS",
-                   "request_seconds": "LT_OPD_REQUEST_SECONDS"}
+                   "request_seconds": "LT_OPD_REQUEST_SECONDS", "choices": "LT_OPD_MAX_CHOICES"}
 
     def environment(self) -> dict[str, str]:
         """What the server process reads them from (ours, and vLLM's own pixel limit)."""
@@ -74,7 +77,7 @@ class ServeLimits:
     def from_args(cls, args) -> ServeLimits:
         """`lt-opd serve`'s flags."""
         return cls(args.max_body_mb * MIB, args.max_media_mb * MIB, args.max_image_pixels, args.max_images, args.max_clips,
-                   args.max_request_pixels, args.max_tokens, args.request_timeout)
+                   args.max_request_pixels, args.max_tokens, args.request_timeout, getattr(args, "max_choices", cls.choices))
 
 
 def restrict_pillow(formats: tuple[str, ...] = IMAGE_FORMATS) -> None:
@@ -119,9 +122,30 @@ def check_count(kind: str, count: int, limits: ServeLimits, where: str) -> None:
         raise LimitError(f"{where}: {kind} {count} of the request refused, more than this server's {most} per request (lt-opd serve {flag})")
 
 
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")  # OpenAI's, Responses', vLLM's
+CHOICE_FIELDS = ("n", "best_of")  # each multiplies the request's work
+
+
 def check_max_tokens(name: str, value, limits: ServeLimits) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limits.max_tokens:
         raise LimitError(f"{name}: {value} is more than this server's {limits.max_tokens} (lt-opd serve --max-tokens)")
+
+
+def check_token_fields(body: dict, limits: ServeLimits) -> None:
+    """The fields that size a request's work: the token counts and the choices, JSON integers (vLLM's models would
+    take "1000000" or true for one) within the limits, and one prompt (a batched `prompt` list is several requests)."""
+    for name in TOKEN_FIELDS + CHOICE_FIELDS:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise LimitError(f"{name}: expected an integer, got {type(value).__name__} {json.dumps(value)[:40]}")
+    for name in TOKEN_FIELDS:
+        check_max_tokens(name, body.get(name), limits)
+    for name in CHOICE_FIELDS:
+        if body.get(name) is not None and body[name] > limits.choices:
+            raise LimitError(f"{name}: {body[name]} is more than this server's {limits.choices} per request (lt-opd serve --max-choices)")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and any(isinstance(item, (str, list, dict)) for item in prompt):
+        raise LimitError(f"prompt: a batch of {len(prompt)} prompts refused: this server answers one prompt per request")
 
 
 _ESCAPE = re.compile(rb"\\.", re.S)
@@ -152,41 +176,103 @@ def json_depth_over(body: bytes, limit: int = JSON_DEPTH) -> bool:
     return False
 
 
+# the content parts the guard knows, by `type`: what a part of each media type is (a kind counted, audio refused; the
+# field holding it), and the parts that carry none (text, thinking, tool calls and results, Responses' items)
+MEDIA_TYPES = {"image_url": "image", "input_image": "image", "image": "image", "image_embeds": "image", "image_pil": "image",
+               "video_url": "clip", "input_video": "clip", "video": "clip", "video_embeds": "clip",
+               "audio_url": "audio", "input_audio": "audio", "audio": "audio", "audio_embeds": "audio"}
+MEDIA_KEYS = ("image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds", "audio_url", "input_audio", "video_url")  # vLLM's order
+TEXT_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "redacted_thinking", "summary_text",
+                        "reasoning_text", "tool_reference", "function", "tool_use", "tool_result", "message", "function_call",
+                        "function_call_output", "reasoning", "item_reference"})
+CONTENT_FIELDS = ("messages", "input", "prompt", "system", "query", "documents", "data_1", "data_2", "text_1", "text_2")
+OPAQUE_FIELDS = ("input", "arguments", "cache_control", "citations", "encrypted_content")  # inside a part: its own JSON, no parts
+
+
 def check_request_body(body: object, limits: ServeLimits) -> None:
-    """A parsed request body (vLLM's routes) against the limits: the token fields, the images and clips it carries
-    (`image_url` and `video_url` anywhere in it), each inline image's format and the pixels of them all."""
+    """A parsed request body (vLLM's routes) against the limits: the token and choice fields, every content part of
+    its messages or input (a type the guard does not know refused), the images and clips it carries (every media
+    part type vLLM reads, anywhere in the body), each inline image's format and the pixels of them all."""
+    if not isinstance(body, (dict, list)):
+        return
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-            check_max_tokens(name, body.get(name), limits)
-    media: dict[str, list[tuple[str, object]]] = {"image_url": [], "video_url": []}
-    stack: list[tuple[str, object]] = [("body", body)]
+        check_token_fields(body, limits)
+    media: dict[str, list[tuple[str, dict]]] = {"image": [], "clip": [], "audio": []}
+    stack: list[tuple[str, object, bool]] = [("body", body, False)]
     while stack:  # every image and clip, counted before any is decoded
-        where, value = stack.pop()
-        children: list[tuple[str, object]] = []
+        where, value, content = stack.pop()
+        children: list[tuple[str, object, bool]] = []
         if isinstance(value, dict):
+            kind, field = _media_kind(value)
+            if kind is not None:
+                media[kind].append((f"{where}.{field}", value))
+                continue
+            kind = value.get("type")
+            if content and "type" in value and (not isinstance(kind, str) or kind not in TEXT_TYPES):
+                raise LimitError(f"{where}: a content part of type {json.dumps(kind)[:60]} refused: this server does not know it "
+                                 "(it takes text, image and video parts, tool calls and their results)")
             for key, item in value.items():
                 path = f"{where}.{key}" if where != "body" else str(key)
-                if key in media:
-                    media[key].append((path, item.get("url") if isinstance(item, dict) else item))
-                else:
-                    children.append((path, item))
+                if content and "type" in value and key in OPAQUE_FIELDS:
+                    continue  # a tool call's own arguments, a cache hint: its own JSON, nothing vLLM reads media from
+                children.append((path, item, content or (where == "body" and key in CONTENT_FIELDS)))
         elif isinstance(value, list):
-            children = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+            children = [(f"{where}[{index}]", item, content) for index, item in enumerate(value)]
         stack.extend(reversed(children))  # in the body's own order
-    for key, kind, most in (("image_url", "image", limits.images), ("video_url", "clip", limits.clips)):
-        if len(media[key]) > most:
-            check_count(kind, most + 1, limits, media[key][most][0])
+    if media["audio"]:
+        raise LimitError(f"{media['audio'][0][0]}: audio refused: this server takes images and clips")
+    for kind, most in (("image", limits.images), ("clip", limits.clips)):
+        if len(media[kind]) > most:
+            check_count(kind, most + 1, limits, media[kind][most][0])
     pixels = 0
-    for path, url in media["image_url"]:
-        if isinstance(url, str) and url[:5].lower() == "data:":  # a fetched one: vLLM's VLLM_MAX_IMAGE_PIXELS
-            width, height = image_size(_data_url_bytes(url, limits, path), path)
+    for path, part in media["image"]:
+        raw = _inline_image_bytes(part, limits, path)
+        if raw is not None:  # a fetched one: vLLM's VLLM_MAX_IMAGE_PIXELS; embeddings: no pixels
+            width, height = image_size(raw, path)
             pixels = check_pixels(width, height, pixels, limits, path)
+
+
+def _media_kind(part: dict) -> tuple[str | None, str]:
+    """What vLLM would take `part` for (its `type`, or without one or with a `uuid`, its first media field; an
+    Anthropic block by its `source`) and the field that holds it; (None, "") for no media part."""
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in MEDIA_TYPES and part.get("uuid") is None:
+        return MEDIA_TYPES[kind], next((field for field in (kind, "source", *MEDIA_KEYS) if field in part), kind)
+    for field in MEDIA_KEYS:
+        if field in part:
+            return MEDIA_TYPES[field], field
+    if isinstance(kind, str) and kind in MEDIA_TYPES:
+        return MEDIA_TYPES[kind], "source" if "source" in part else kind
+    return None, ""
+
+
+def _inline_image_bytes(part: dict, limits: ServeLimits, where: str) -> bytes | None:
+    """An image part's inline bytes (a base64 data: URL, or an Anthropic base64 `source`), or None for one vLLM
+    fetches, reads from its own cache (a `uuid`) or takes as embeddings."""
+    source = part.get("source")
+    if isinstance(source, dict) and part.get("type") == "image":  # Anthropic: {"type": "base64", "media_type", "data"} or a URL
+        if source.get("type") == "base64" or "data" in source:
+            data = source.get("data")
+            if not isinstance(data, str):
+                raise LimitError(f"{where}: an image's base64 data is expected in `data`")
+            return _base64_bytes(data, limits, where)
+        url = source.get("url")
+    else:
+        url = next((part[key] for key in ("image_url", "image", "url") if key in part), None)
+        url = url.get("url") if isinstance(url, dict) else url
+    if isinstance(url, str) and url[:5].lower() == "data:":
+        return _data_url_bytes(url, limits, where)
+    return None
 
 
 def _data_url_bytes(url: str, limits: ServeLimits, where: str) -> bytes:
     header, comma, data = url[5:].partition(",")
     if not comma or not header.lower().endswith(";base64"):
         raise LimitError(f"{where}: only base64 data URLs are read")
+    return _base64_bytes(data, limits, where)
+
+
+def _base64_bytes(data: str, limits: ServeLimits, where: str) -> bytes:
     if len(data) > 4 * (limits.media_bytes + 2) // 3:
         raise LimitError(f"{where}: media refused, more than this server's {limits.media_bytes / MIB:g} MiB (lt-opd serve --max-media-mb)")
     try:

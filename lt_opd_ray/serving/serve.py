@@ -16,7 +16,10 @@ second), and pruned per temporal patch. What one request may carry is capped (`S
 '{"max_new_tokens": N}'`): its body, each image or clip's bytes, each image's pixels, its images and clips, the
 pixels of all its images, its max_tokens, its time, its JSON's nesting. With an API key (the key given in a file
 so it is not on a command line) every request must carry it as a bearer token; serving beyond loopback without one
-is refused unless the operator passes --allow-no-api-key.
+is refused unless the operator passes --allow-no-api-key. The vLLM options after `--` may not set what `lt-opd serve`
+sets itself or what the guard relies on (`OWNED_OPTIONS`: where it listens, the key, the middleware, the per-prompt
+media and token caps, the model), in any spelling vLLM's parser takes (`--host=X`, `--hos X`, `--api_key X`,
+`--limit-mm-per-prompt.image 9`): `check_vllm_options`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,40 @@ from lt_opd_ray.serving.limits import ServeLimits
 
 
 ENGINES = ("auto", "vllm", "transformers")
+
+# vLLM's options that `lt-opd serve` sets itself or that the request guard relies on, and what to use instead; every
+# other option passes after `--` (--allowed-media-domains, --allowed-local-media-path, --trust-request-mm-kwargs, ...)
+OWNED_OPTIONS = {
+    "--host": "lt-opd serve --host", "--port": "lt-opd serve --port",
+    "--uds": "lt-opd serve --host and --port (the server listens where they say)",
+    "--grpc": "vLLM's HTTP server (a gRPC server would not pass through the request guard)",
+    "--grpc-port": "vLLM's HTTP server (a gRPC port would not pass through the request guard)",
+    "--api-key": "lt-opd serve --api-key-file (a key on a command line is readable by every user of the machine)",
+    "--middleware": "lt-opd serve's request guard (it is the server's middleware)",
+    "--limit-mm-per-prompt": "lt-opd serve --max-images and --max-clips",
+    "--override-generation-config": "lt-opd serve --max-tokens",
+    "--model": "the folder given to lt-opd serve", "--dtype": "lt-opd serve --dtype", "--max-model-len": "lt-opd serve --max-model-len",
+    "--config": "the options themselves after -- (a config file's would pass unchecked)",
+}
+
+
+def check_vllm_options(extra: list[str]) -> None:
+    """Refuse (ValueError, naming it) an option after `--` that sets one of `OWNED_OPTIONS`, spelled any way vLLM's
+    parser (FlexibleArgumentParser, an argparse parser) takes it: `--flag value`, `--flag=value`, underscores for
+    dashes, a dotted JSON key (`--limit-mm-per-prompt.image 9`), `+` appended; or an unambiguous prefix (`--hos`),
+    refused here when it is a prefix of an owned option whatever else it could abbreviate."""
+    for arg in extra:
+        if arg == "--":
+            raise ValueError("a second `--` among vLLM's options refused: what follows it would not be read as options")
+        if not arg.startswith("--"):
+            continue  # a value, or a short option (none of the owned options has one)
+        name = arg[2:].split("=", 1)[0].split(".", 1)[0].rstrip("+").replace("_", "-")
+        if not name:
+            continue
+        for option, instead in OWNED_OPTIONS.items():
+            if option[2:].startswith(name):
+                spelled = f"{arg.split('=', 1)[0]}" + (f" (vLLM's {option})" if arg.split("=", 1)[0] != option else "")
+                raise ValueError(f"vLLM option {spelled} after -- refused: lt-opd serve sets it; use {instead}")
 
 
 def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
@@ -64,9 +101,8 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
             print(f"the transformers engine serves it, one request at a time: vLLM cannot run it on this machine ({exc})",
                   file=sys.stderr, flush=True)
             engine = "transformers"
+    check_vllm_options(extra or [])  # before anything reads --host: none of what serve sets is overridden after --
     key = _read_key(Path(api_key_file)) if api_key_file is not None else None
-    if key is None and "--api-key" in (extra or []) and extra.index("--api-key") + 1 < len(extra):
-        key = extra[extra.index("--api-key") + 1]  # vLLM's own option: our guard checks it on every route too
     env = {**os.environ, **limits.environment()}
     key = key if key is not None else env.get("VLLM_API_KEY") or None  # vLLM's own variable: the transformers engine takes it too
     if key is None and not _loopback(host):
@@ -102,6 +138,7 @@ def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtyp
     positions = int(config.get("text_config", config).get("max_position_embeddings", max_model_len))
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        *extra,  # first: were one of ours ever spelled past check_vllm_options, argparse keeps the last, ours
         "--model", str(model_dir),
         "--host", host,
         "--port", str(port),
@@ -111,7 +148,6 @@ def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtyp
         "--override-generation-config", json.dumps({"max_new_tokens": limits.max_tokens}),  # vLLM's cap where the guard does not look
         *([] if on_gpu else ["--enforce-eager"]),
         "--middleware", "lt_opd_ray.serving.limits.RequestGuard",
-        *extra,
     ]
 
 

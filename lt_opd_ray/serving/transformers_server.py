@@ -5,7 +5,8 @@ checking one without vLLM. Each request runs the evaluation path (`models/evalua
 config (`lt_opd_compression.json`: selector, budget, k_min) applied with the question of the request's own prompt
 as the selector's query, then greedy decoding or sampling, one request at a time. The front end keeps the rules of
 vLLM's server under `lt-opd serve`: the API key, the body, media, image, pixel and token limits (`ServeLimits`),
-images inline only (`data:` URLs, PNG, JPEG, WebP, GIF or BMP), every refusal a 4xx naming the field. A request's
+images inline only (`data:` URLs, PNG, JPEG, WebP, GIF or BMP), the token and choice fields integers within the
+limits (`check_token_fields`), every refusal a 4xx naming the field. A request's
 time (`request_seconds`) counts from its arrival: one still waiting for the model when it runs out is answered 503,
 one still generating is stopped at its next token and answered 504 (no partial answer). The API key and the limits come from the environment
 `serve_command` sets (`LT_OPD_API_KEY`, `ServeLimits.environment`), never from a command line.
@@ -23,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from lt_opd_ray.serving.limits import LimitError, check_count, check_max_tokens, check_pixels, image_size
+from lt_opd_ray.serving.limits import LimitError, check_count, check_pixels, check_token_fields, image_size
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -85,7 +86,7 @@ class ChatRequest:
         stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
         if stop is None or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop: a string or a list of at most 4 non-empty strings")
-        check_max_tokens("max_tokens", body.get("max_tokens"), limits)
+        check_token_fields(body, limits)  # integers within the limits, one choice (n, best_of), as in front of vLLM
         return cls(question, tuple(images), system_prompt,
                    _number(body, "max_tokens", int, min(DEFAULT_MAX_TOKENS, limits.max_tokens), 1, limits.max_tokens),
                    _number(body, "temperature", float, 1.0, 0.0, 10.0), _number(body, "top_p", float, 1.0, 1e-6, 1.0),

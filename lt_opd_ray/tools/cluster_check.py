@@ -11,7 +11,10 @@ on request), KubeRay through `authOptions` (and no container setting RAY_AUTH_MO
 Ray start it runs. The launcher's commands are judged as the launcher will run them: the config merged over the
 provider's defaults by Ray's own `fillout_defaults` (a config without start commands gets Ray's, which start the
 head without auth), every command list read by a shell parser (lt_opd_ray/tools/shell_commands.py), and a Ray start
-accepted only where RAY_AUTH_MODE=token is proven for it; what cannot be read is refused. Imports Ray's autoscaler
+accepted only where RAY_AUTH_MODE=token is proven for it; what cannot be read is refused. In every list (setup commands
+included) a program the parser cannot read may not be given a word naming Ray, nothing may write a shell start-up file
+(the launcher's `bash --login -i` reads them before every later command) or ~/.ray (the token), and no package manager
+may install Ray (the image carries the version that supports token auth). Imports Ray's autoscaler
 defaults for launcher configs only.
 """
 
@@ -121,7 +124,8 @@ def launcher_access(config: dict, source: str) -> list[str]:
             why = next((w for start in reading.starts if (w := _start_problem(start, token_mounted))), None)
             host = next((s.dashboard_host for s in reading.starts if s.head and s.dashboard_host not in (None, "127.0.0.1", "localhost")), None)
             if reading.unreadable:
-                problems.append(f"{source}: {where}: {command!r} {reading.unreadable[0]}, so check-cluster cannot prove that Ray starts there with token auth; {FIX}")
+                problems.append(f"{source}: {where}: {command!r} {reading.unreadable[0]}, so check-cluster cannot prove that Ray starts there "
+                                f"with token auth; {reading.fixes[0] or FIX}")
             elif why:
                 exposed = f" (its dashboard on {host})" if host else ""
                 problems.append(f"{source}: {where}: {command!r} starts Ray {why}, so anyone who reaches the node{exposed} can run a job on it; {FIX}")

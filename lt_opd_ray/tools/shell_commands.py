@@ -52,6 +52,43 @@ WRAPPER_VALUED = {
 PLAIN_PROGRAMS = {"ulimit", "export", "unset", "echo", "printf", "true", "false", ":", "sleep", "cd", "mkdir",
                   "test", "[", "which", "set"}
 NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+# `ray` as a word of its own: the program, a path to it, `ray.` module paths, `ray[default]`, RAY_ variables, a quoted
+# `'ray start ...'`; not `lt-opd-ray`, `lt_opd_ray`, `ray-cluster.yaml` or the directory `.ray`
+RAY_WORD = re.compile(r"(?<![A-Za-z0-9_.$\-])ray(?![A-Za-z0-9_\-])|RAY_AUTH", re.I)
+# files every later command reads before it runs: the launcher runs each as `bash --login -i -c`, so a function, an
+# alias or a variable written into one changes what a proven `ray start` runs; Python's start-up hooks likewise
+STARTUP_FILES = {".bashrc", ".bash_profile", ".bash_login", ".profile", ".bash_aliases", ".bash_logout",
+                 ".pam_environment", ".inputrc", ".zshrc", ".zshenv", ".zprofile", "sitecustomize.py", "usercustomize.py"}
+ETC_STARTUP = re.compile(r"(^|/)etc/(profile|profile\.d(/.*)?|bash\.bashrc|bashrc|environment|bash_completion\.d(/.*)?)$")
+# a home directory or /etc as a whole: a recursive copy or an archive unpacked there may write a start-up file
+HOME_OR_ETC = re.compile(r"(~[A-Za-z0-9_-]*|\$HOME|\$\{HOME\}|/root|/home/[^/]+|/etc|/etc/profile\.d|\.|)/?(\.)?")
+COPIERS = {"cp", "mv", "rsync", "install", "ln", "scp", "ditto"}
+UNPACKERS = {"tar", "bsdtar", "unzip", "cpio"}
+OUTPUTS = {">", ">>", ">|", "&>", "&>>", "<>", ">&"}
+PACKAGE_MANAGERS = {"pip", "uv", "conda", "mamba", "micromamba", "poetry", "pipenv", "pdm", "easy_install", "pipx", "rye"}
+INSTALL_FIX = "let the image carry Ray (cluster/Dockerfile and the runtime extra of pyproject.toml pin it) and install no other"
+STARTUP_FIX = "leave the shell start-up files and ~/.ray to the image and file_mounts (the token comes from file_mounts)"
+
+
+def _path_of(text: str) -> str:
+    """The path a word names: `of=~/.bashrc` and `--target-directory=~/.ray` name their value."""
+    return text.split("=", 1)[1] if re.match(r"-*[A-Za-z][A-Za-z0-9_-]*=", text) else text
+
+
+def protected_path(text: str) -> str | None:
+    """What a path is, where writing it changes what later commands run or which token Ray uses; None otherwise."""
+    path = _path_of(text).rstrip("/")
+    parts = path.split("/")
+    if ".ray" in parts or parts[-1] == "auth_token":
+        return "Ray's directory ~/.ray, where its auth token lives"
+    if parts[-1] in STARTUP_FILES or parts[-1].endswith(".pth") or ETC_STARTUP.search(path):
+        return "a shell or Python start-up file, which every later command reads (`bash --login -i`)"
+    return None
+
+
+def ray_word(words) -> str | None:
+    """The first word that names Ray (the program, a `ray.` module, a RAY_ variable), as written."""
+    return next((w.raw for w in words if RAY_WORD.search(w.text)), None)
 
 
 class Unreadable(Exception):
@@ -65,6 +102,7 @@ class Word:
     dynamic: bool = False  # holds an expansion ($VAR, $(...), a glob): its value is not known here
     substitutions: list[str] = field(default_factory=list)  # commands run by $(...), `...`, <(...)
     end: int = 0
+    redirect: str = ""  # the operator of the redirection this word is the target of (">", ">>", "<", ...)
 
 
 @dataclass
@@ -92,6 +130,11 @@ class RayStart:
 class Reading:
     starts: list[RayStart] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)  # phrases: "runs ~/start.sh, a script check-cluster cannot read"
+    fixes: list[str | None] = field(default_factory=list)  # for each phrase, what to do instead (None: start Ray with token auth)
+
+    def refuse(self, phrase: str, fix: str | None = None):
+        self.unreadable.append(phrase)
+        self.fixes.append(fix)
 
 
 # ---------------------------------------------------------------- lexer
@@ -372,10 +415,12 @@ class _Parser:
 
     def _redirections(self, targets):
         while isinstance(self.peek(), Op) and self.peek().text in REDIRECTIONS:
+            operator = self.peek().text
             self.i += 1
             target = self.peek()
             if not isinstance(target, Word):
                 raise Unreadable("has a redirection without a target")
+            target.redirect = operator
             targets.append(target)
             self.i += 1
         return targets
@@ -433,17 +478,160 @@ def _basename(word: Word) -> str | None:
     return None if not name or re.search(r"[$`*?]", name) or (word.dynamic and "/" not in word.text) else name
 
 
+def _node_words(node) -> list[Word]:
+    """Every word of a command node (a simple command or a group), redirection targets included."""
+    command, targets = node
+    if isinstance(command, Simple):
+        return command.words + command.redirect_targets + targets
+    words = list(targets)
+    for and_or, _background in command.body:
+        for pipeline in and_or[0]:
+            for inner in pipeline:
+                words += _node_words(inner)
+    return words
+
+
+def _is_fd(target: Word) -> bool:
+    return target.redirect in (">&", "<&") and re.fullmatch(r"\d*-?", target.text) is not None
+
+
+def _writes_file(target: Word) -> bool:
+    return target.redirect in OUTPUTS and not _is_fd(target) and target.text not in ("/dev/null", "/dev/stdout", "/dev/stderr")
+
+
+def _requirement_problem(word: Word, conda: bool = False) -> str | None:
+    """Why installing this requirement may bring a Ray check-cluster cannot vouch for; None where it names another project."""
+    text = word.text.strip()
+    if word.dynamic:
+        return f"installs {word.raw}, a requirement check-cluster cannot read"
+    if "://" in text or re.match(r"[A-Za-z]+\+[A-Za-z]+:", text) or text.startswith("git@"):
+        return f"installs from {word.raw}, a URL check-cluster cannot read"
+    base = text.rstrip("/").rsplit("/", 1)[-1]
+    pattern = r"(.*::)?ray(-[a-z]+)?\s*([=<>!~\[ ]|$)" if conda else r"ray(\[[^\]]*\])?\s*([<>=!~;@(,]|$)"
+    if re.match(pattern, text, re.I) or re.match(r"ray-\d.*\.(whl|tar\.gz|zip)$", base, re.I):
+        return (f"installs Ray ({word.raw}), whose version check-cluster cannot prove honours RAY_AUTH_MODE "
+                "(a Ray older than token auth ignores it)")
+    return None
+
+
+PIP_FILES = {"-r", "--requirement", "-c", "--constraint", "--build-constraints", "--overrides", "--override",
+             "--constraints", "--requirements", "--file"}
+PIP_VALUED = {"-e", "--editable", "-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-t", "--target",
+              "--prefix", "--root", "--src", "--upgrade-strategy", "--platform", "--python-version", "--implementation",
+              "--abi", "--no-binary", "--only-binary", "--progress-bar", "--cache-dir", "--log", "--proxy", "--retries",
+              "--timeout", "--trusted-host", "--cert", "--client-cert", "--exists-action", "--global-option",
+              "--config-settings", "-C", "--python", "-p", "--report", "--root-user-action", "--keyring-provider",
+              "--index", "--default-index", "--group", "--extra", "--optional", "--dev-group", "--source", "--channel",
+              "-n", "--name", "--spec", "--with", "--directory", "--project", "--package", "--suffix", "--pip-args"}
+
+
+def _install_problem(name: str, args: list[Word]) -> str | None:
+    """Why a package manager's command may install a Ray check-cluster cannot vouch for (None: it installs none)."""
+    conda = name in ("conda", "mamba", "micromamba")
+    positional: list[Word] = []
+    i = 0
+    while i < len(args):
+        arg, text = args[i], args[i].text
+        if arg.dynamic and text.startswith("-"):
+            return f"gives {name} the option {arg.raw}, which check-cluster cannot read"
+        if not text.startswith("-") or text == "-":
+            positional.append(arg)
+            i += 1
+            continue
+        if text in ("--all", "--update-all") and conda:
+            return f"upgrades every package with {text}, Ray among them, to a version check-cluster cannot prove honours RAY_AUTH_MODE"
+        option, eq, value = text.partition("=") if text.startswith("--") else (text[:2], "", text[2:])
+        if option in PIP_FILES or option in PIP_VALUED or (conda and option in ("-f", "-c", "-n", "-p")):
+            if not value and not eq:
+                i += 1
+                value_word = args[i] if i < len(args) else Word("", "")
+            else:
+                value_word = Word(value, value, arg.dynamic)
+            if (option in PIP_FILES and not (conda and option == "-c")) or (conda and option == "-f"):
+                return f"installs from {value_word.raw or text}, a file check-cluster cannot read"
+            if option in ("-e", "--editable", "--with", "--spec") and (why := _requirement_problem(value_word, conda)):
+                return why
+        i += 1
+    if not positional:
+        return None
+    sub, rest = positional[0].text, positional[1:]
+    if name == "uv" and sub == "pip" and rest:
+        sub, rest = rest[0].text, rest[1:]
+        name = "uv pip"
+    if conda and sub == "env":
+        return f"runs {name} env {rest[0].raw if rest else ''}, which installs from an environment file check-cluster cannot read"
+    if sub in ("sync", "lock") or (sub in ("install", "update", "upgrade") and name in ("poetry", "pdm", "rye", "uv")) or (
+            sub == "install" and name == "pipenv" and not rest):
+        return f"runs {name} {sub}, which installs what a project or lock file check-cluster cannot read lists"
+    if sub in ("install", "add", "create", "update", "upgrade", "inject") or name == "easy_install":
+        targets = positional if name == "easy_install" else rest
+        for word in targets:
+            if why := _requirement_problem(word, conda):
+                return why
+    return None
+
+
 class _Reader:
     def __init__(self, strict: bool, reading: Reading):
         self.strict, self.reading = strict, reading
+        self.pipe_words: list[Word] = []  # the words of the pipeline a command is part of (what it may read from)
+        self.outputs: list[Word] = []  # the files what runs now writes to (its own and its groups' redirections)
+        self.inputs: list[Word] = []  # the files and here-strings it reads
+        self.names_ray = False  # the command line names Ray somewhere
 
-    def opaque(self, phrase: str):
-        """Something a start command runs that check-cluster cannot see into (setup commands may run such things)."""
+    def opaque(self, phrase: str, words: list[Word]):
+        """Something a command runs that check-cluster cannot see into: a start command may run none; a setup command
+        may, unless it is given (or fed through a pipe) a word that names Ray, or a path that changes what later runs."""
+        for word in words:
+            if what := protected_path(word.text):
+                self.unreadable(f"{phrase}, on {word.raw}, {what}", STARTUP_FIX)
+                return
+        if name := ray_word(words + self.inputs + self.pipe_words):
+            self.unreadable(f"{phrase}, with {name} among the words it is given")
+            return
+        if self.names_ray and (dynamic := next((w for w in words[1:] if w.dynamic), None)):
+            self.unreadable(f"{phrase}, with {dynamic.raw}, an expansion, in a command that names Ray")
+            return
         if self.strict:
-            self.reading.unreadable.append(phrase)
+            self.unreadable(phrase)
 
-    def unreadable(self, phrase: str):
-        self.reading.unreadable.append(phrase)
+    def unreadable(self, phrase: str, fix: str | None = None):
+        self.reading.refuse(phrase, fix)
+
+    def redirections(self, targets: list[Word]):
+        """A redirection may not write a start-up file, Ray's directory, a program named ray, or a file it cannot name."""
+        for target in targets:
+            if not _writes_file(target):
+                continue
+            base = target.text.rstrip("/").rsplit("/", 1)[-1]
+            if what := protected_path(target.text):
+                self.unreadable(f"writes {target.raw}, {what}", STARTUP_FIX)
+            elif base == "ray":
+                self.unreadable(f"writes {target.raw}, a program named ray, which a later `ray start` may run", STARTUP_FIX)
+            elif target.dynamic and re.search(r"[$`*?\[{]", base):
+                self.unreadable(f"writes {target.raw}, a file check-cluster cannot name (it may be a shell start-up file)", STARTUP_FIX)
+
+    def copies(self, name: str, args: list[Word], words: list[Word]) -> bool:
+        """cp -r, rsync, an archive unpacked into a home directory or /etc: it may write a start-up file unseen."""
+        options = [a.text for a in args if a.text.startswith("-")]
+        paths = [a for a in args if not a.text.startswith("-")]
+        home = next((a for a in paths if HOME_OR_ETC.fullmatch(a.text)), None)
+        if name in UNPACKERS:
+            extracts = name in ("unzip", "cpio") or any(
+                o in ("--extract", "--get") or (not o.startswith("--") and "x" in o) for o in options) or (
+                paths and re.fullmatch(r"[a-zA-Z]*x[a-zA-Z]*", paths[0].text))
+            into = next((args[k + 1] for k, a in enumerate(args[:-1]) if a.text in ("-C", "--directory", "-d")), None)
+            into = into or next((Word(a.text.split("=", 1)[1], a.raw) for a in args if a.text.startswith("--directory=")), None)
+            if extracts and (into is None or HOME_OR_ETC.fullmatch(into.text)):
+                where = into.raw if into else "the home directory it runs in"
+                self.unreadable(f"runs {words[0].raw}, which unpacks an archive into {where}, where it may write a shell start-up file", STARTUP_FIX)
+                return True
+            return False
+        recursive = name == "rsync" or any(re.fullmatch(r"-[A-Za-z]*[rRa][A-Za-z]*|--recursive|--archive", o) for o in options)
+        if home is not None and (recursive or any(a.dynamic for a in paths)):
+            self.unreadable(f"runs {words[0].raw}, which copies what check-cluster cannot list into {home.raw}, where it may write a shell start-up file", STARTUP_FIX)
+            return True
+        return False
 
     def text(self, line: str, state: State) -> State:
         tokens = tokenize(line)
@@ -478,20 +666,34 @@ class _Reader:
     def pipeline(self, commands, state: State) -> State:
         if len(commands) == 1:
             return self.command(commands[0], state)
-        for command in commands:  # every part of a pipeline runs in a subshell of its own
-            self.command(command, state.copy())
+        saved = self.pipe_words
+        self.pipe_words = saved + [word for command in commands for word in _node_words(command)]
+        try:
+            for command in commands:  # every part of a pipeline runs in a subshell of its own
+                self.command(command, state.copy())
+        finally:
+            self.pipe_words = saved
         return state
 
     def command(self, node, state: State) -> State:
         command, targets = node
         for target in targets:
             self.substitutions(target, state)
-        if isinstance(command, Group):
-            after = self.list_(command.body, state.copy())
-            return state if command.subshell else after
-        for target in command.redirect_targets:
-            self.substitutions(target, state)
-        return self.simple(command.words, state)
+        if isinstance(command, Simple):
+            for target in command.redirect_targets:
+                self.substitutions(target, state)
+            targets = targets + command.redirect_targets
+        self.redirections(targets)
+        saved = self.outputs, self.inputs
+        self.outputs = self.outputs + [t for t in targets if _writes_file(t)]
+        self.inputs = self.inputs + [t for t in targets if t.redirect in ("<", "<<<", "<>")]
+        try:
+            if isinstance(command, Group):
+                after = self.list_(command.body, state.copy())
+                return state if command.subshell else after
+            return self.simple(command.words, state)
+        finally:
+            self.outputs, self.inputs = saved
 
     def substitutions(self, word: Word, state: State):
         for inner in word.substitutions:
@@ -520,7 +722,7 @@ class _Reader:
         program = words[0]
         name = _basename(program)
         if name is None:
-            self.opaque(f"runs {program.raw}, a program named by an expansion")
+            self.opaque(f"runs {program.raw}, a program named by an expansion", words)
             return state
         args = words[1:]
         if in_shell and name in ("export", "unset", "declare", "typeset", "local", "readonly", "source", ".", "eval"):
@@ -537,16 +739,30 @@ class _Reader:
             self.python(args, env, under_sudo)
         elif name == "ray":
             self.ray(args, env, under_sudo)
+        elif name in PACKAGE_MANAGERS or re.fullmatch(r"pip\d*(\.\d+)?", name):
+            self.package(name, words)
+        elif name in ("echo", "printf"):
+            written = next((t for t in self.outputs if _writes_file(t)), None)
+            if written is not None and (ray := ray_word(args)):
+                self.unreadable(f"writes {ray} into {written.raw}, a file a later command may run or read")
         elif name not in PLAIN_PROGRAMS:
-            self.opaque(f"runs {program.raw}, which check-cluster cannot read")
+            if not ((name in COPIERS or name in UNPACKERS) and self.copies(name, args, words)):
+                self.opaque(f"runs {program.raw}, which check-cluster cannot read", words)
         return state
+
+    def package(self, name: str, words: list[Word]):
+        """pip, uv, conda, ...: an install that may bring a Ray other than the image's is refused, in every list."""
+        if why := _install_problem(name, words[1:]):
+            self.unreadable(why, INSTALL_FIX)
+        else:
+            self.opaque(f"runs {words[0].raw}, which check-cluster cannot read", words)
 
     def builtin(self, name: str, args: list[Word], state: State) -> State:
         state = state.copy()
         if name in ("source", ".", "eval"):
             if name == "eval" and args and not any(a.dynamic for a in args):
                 return self.text(" ".join(a.text for a in args), state)
-            self.opaque(f"runs {name} {' '.join(a.raw for a in args)}, which check-cluster cannot read")
+            self.opaque(f"runs {name} {' '.join(a.raw for a in args)}, which check-cluster cannot read", args)
             return State()  # anything may have changed
         options = [a.text for a in args if a.text.startswith("-")]
         for arg in args:
@@ -663,7 +879,7 @@ class _Reader:
                         start.under_sudo = start.under_sudo or under_sudo
                     return
             i += 1
-        self.opaque(f"runs {name} on a script or its input, which check-cluster cannot read")
+        self.opaque(f"runs {name} on a script or its input, which check-cluster cannot read", [Word(name, name), *args])
 
     def python(self, args: list[Word], env: State, under_sudo: bool):
         i = 0
@@ -686,13 +902,15 @@ class _Reader:
                     if re.search(r"\bray\b", value):
                         self.unreadable("runs Python code that uses Ray, which check-cluster cannot read")
                     else:
-                        self.opaque("runs Python code, which check-cluster cannot read")
+                        self.opaque("runs Python code, which check-cluster cannot read", args)
+                elif value in ("pip", "pip3"):
+                    self.package("pip", [Word("python -m pip", "python -m pip"), *args[i + 1:]])
                 elif value == "ray.scripts.scripts":
                     self.ray(args[i + 1:], env, under_sudo, command=None)
                 elif value == "ray" or value.startswith("ray."):
                     self.unreadable(f"runs the Python module {value}, which check-cluster cannot read")
                 else:
-                    self.opaque(f"runs the Python module {value}, which check-cluster cannot read")
+                    self.opaque(f"runs the Python module {value}, which check-cluster cannot read", args)
                 return
             if text in ("-W", "-X", "--check-hash-based-pycs"):
                 i += 2
@@ -700,7 +918,7 @@ class _Reader:
             if not text.startswith("-") or text == "-":
                 break
             i += 1
-        self.opaque("runs a Python script, which check-cluster cannot read")
+        self.opaque("runs a Python script, which check-cluster cannot read", args)
 
     def ray(self, args: list[Word], env: State, under_sudo: bool, command: str | None = None):
         i = 0
@@ -756,8 +974,10 @@ def read_command(line: str, strict: bool) -> Reading:
     """What one launcher command runs. `strict` (a start command): everything it runs must be readable and plain;
     otherwise (a setup command) only the Ray starts it makes, and anything about Ray it cannot read, are reported."""
     reading = Reading()
+    reader = _Reader(strict, reading)
+    reader.names_ray = RAY_WORD.search(line) is not None
     try:
-        _Reader(strict, reading).text(line, State())
+        reader.text(line, State())
     except Unreadable as exc:
-        reading.unreadable.append(str(exc))
+        reading.refuse(str(exc))
     return reading
