@@ -27,7 +27,7 @@ def cmd_data(args) -> int:
         except (DataError, InputError) as exc:
             bar.close()
             print(f"data: {exc}", file=sys.stderr)
-            return 1
+            return 2  # refused input: nothing written
     if manifest is None:
         print(f"stopped after {args.max_shards} new shard(s); run the same command again to continue")
         return 0
