@@ -61,6 +61,8 @@ FORMS = [  # (given, shown): userinfo in any spelling, every query and fragment 
     ("wss://h/socket?token=abc", "wss://h/socket?token=***"),
     ("https://acct.blob.core.windows.net/c/b?sv=2024&sig=abc%3D", "https://acct.blob.core.windows.net/c/b?sv=***&sig=***"),
     ("step 3 loss 0.5, budget 5.00%", "step 3 loss 0.5, budget 5.00%"),
+    ("s3://AKIA:pa://ss@b/x", "s3://***@b/x"),  # a "://" inside the secret starts no URI
+    ("s3://AKIA:p@ss://x@b/y", "s3://***@b/y"),
 ]
 
 

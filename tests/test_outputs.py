@@ -122,7 +122,7 @@ def test_data_names_a_source_that_is_missing_or_not_a_source_and_leaves_nothing(
     (tmp_path / "a-folder").mkdir()
     (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert main(["data", str(tmp_path / source), "--out", str(tmp_path / "out")]) == 1
+    assert main(["data", str(tmp_path / source), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no out/, no out.incoming/

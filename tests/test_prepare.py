@@ -509,7 +509,7 @@ def test_an_allowed_host_resolving_to_a_loopback_address_is_refused_unless_liste
         assert host.requests == []
         assert fetch(url, ("localhost",), ("127.0.0.0/8", "::1")) == host.png
         (tmp_path / "rows.jsonl").write_text(json.dumps({"sample_uid": "r0", "question": "q", "image": url}) + "\n")
-        assert main(["data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "refused"), "--allowed-media-domains", "localhost"]) == 1
+        assert main(["data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "refused"), "--allowed-media-domains", "localhost"]) == 2
         assert "r0: image: " + url + ": localhost resolves to" in capsys.readouterr().err
         assert main(["data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out"), "--allowed-media-domains", "localhost",
                      "--allowed-media-addresses", "127.0.0.0/8,::1"]) == 0

@@ -130,3 +130,25 @@ def test_a_link_planted_at_a_staged_files_temporary_name_is_not_written_through(
     (storage.local / "latest.tmp").symlink_to(victim)
     storage.write_text("latest", "step-1")
     assert victim.read_text() == "precious" and storage.read_text("latest") == "step-1"
+
+
+def test_a_file_uri_storage_copies_no_link_or_fifo_out_of_the_run(tmp_path):
+    """pyarrow's local filesystem copies a link's target as a file: from a `file://` run folder a `final/notes.md ->
+    credentials` link (or a FIFO, which would block the copy) is refused by name and nothing is downloaded."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    (tmp_path / "credentials").write_text("aws_secret_access_key = wJalr")
+    storage = RunStorage(f"file://{run}", tmp_path / "stage")
+    assert (storage.get("final", into=tmp_path / "ok") / "config.json").read_text() == "{}"
+    os.symlink(tmp_path / "credentials", run / "final" / "notes.md")
+    with pytest.raises(StorageError, match=r"final/notes.md: a link"):
+        storage.get("final", into=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (run / "final" / "notes.md").unlink()
+    os.mkfifo(run / "final" / "pipe")
+    with pytest.raises(StorageError, match=r"final/pipe: a FIFO"):
+        storage.get("final", into=tmp_path / "out")
+    os.symlink(tmp_path / "credentials", run / "latest")
+    with pytest.raises(StorageError, match="a link or not a regular file"):
+        storage.get("latest")

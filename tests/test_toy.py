@@ -699,3 +699,31 @@ def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
     titles = plot_curves(results, tmp_path / "curves.png")  # GRPO's loss is 0 by construction: its panel shows its reward
     assert titles == ["held-out retain ratio (2 seeds: mean, min-max band)", "SFT on the data's responses", "LT-OPD", "GRPO (answer reward)"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_plan_file_runs_its_paired_study_and_its_rule_writes_the_verdict(study_cluster, tmp_path):
+    """`lt-opd ablation --plan`: the two arms of the contrast on paired seeds, every run evaluated on the plan's rows
+    every update by kind of question (design 4's kinds), and the verdict, statistic.csv and verdict.md computed from
+    the plan alone: each run's statistic re-derived here from its curve."""
+    from lt_opd_ray.tools.ablation import run_plan
+    from lt_opd_ray.tools.study_plan import kind_retain
+
+    base = tmp_path / "toy_discs.yaml"
+    base.write_text(Path("jobs/toy_discs.yaml").read_text().replace("prompts_per_step: 16", "prompts_per_step: 4")
+                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"job: {base}\nout: {tmp_path / 'study'}\ncontrast: [lt_opd, grpo]\nseeds: 2\nupdates: 2\neval_rows: toy-discs-test:16\n"
+                    "eval_every: 1\nstatistic: {kinds: [biggest, smallest, top], held_out_kinds: [left], last: 1}\nflat_window: 1\n"
+                    "decision: {alpha: 0.05, minimal_effect: 0.05, expected_sd: 0.05}\n")
+    results, verdict = run_plan(str(plan), roles=study_cluster)
+    assert sorted((r["arm"], r["seed"]) for r in results["runs"]) == [("grpo", 0), ("grpo", 1), ("lt_opd", 0), ("lt_opd", 1)]
+    assert results["eval_items"] == 16 and results["eval_rows"] == "toy-discs-test:16" and results["eval_every"] == 1
+    for arm in ("lt_opd", "grpo"):
+        runs = sorted((r for r in results["runs"] if r["arm"] == arm), key=lambda r: r["seed"])
+        assert all([set(e.get("eval_by_kind", {}).get("cdpruner", {})) for e in r["curve"]] == [{"biggest", "smallest", "top", "left"}] * 2 for r in runs)
+        by_hand = [kind_retain(r["curve"][-1]["eval_by_kind"]["cdpruner"], results["teacher_by_kind"], ["biggest", "smallest", "top"]) for r in runs]
+        assert verdict[arm]["statistic"] == pytest.approx(by_hand)
+    assert verdict["decision"] in ("shown", "not shown", "reversed", "no verdict") and verdict["test"]["n"] == 2
+    assert f"Verdict: **{verdict['decision']}**" in (tmp_path / "study" / "verdict.md").read_text()
+    assert len((tmp_path / "study" / "statistic.csv").read_text().splitlines()) == 5

@@ -203,6 +203,8 @@ def cmd_ablation(args) -> int:
     from lt_opd_ray.tools.ablation import StudyStopped, run_ablation
 
     transformers.logging.set_verbosity_error()
+    if args.plan:
+        return run_study_plan(args)
     if load_job_or_report(args.job) is None:
         return 2
     try:
@@ -221,6 +223,31 @@ def cmd_ablation(args) -> int:
         print("ablation: stopped after the learning-rate runs: " + ", ".join(f"{arm} chose {scale:g}x" for arm, scale in results["grid_ends"].items())
               + ", an end of --lr-scales; add a scale beyond it and --resume (or --accept-grid-ends)", file=sys.stderr)
         return EXIT_RESUMABLE
+    return 0
+
+
+def run_study_plan(args) -> int:
+    """`lt-opd ablation --plan PLAN`: the study and the verdict the plan file names (tools/study_plan.py)."""
+    from lt_opd_ray.runtime.resources import InsufficientResourcesError
+    from lt_opd_ray.tools.ablation import StudyStopped, run_plan
+    from lt_opd_ray.tools.study_plan import load_plan
+
+    given = [flag for flag, value in (("--arms", args.arms), ("--lr-scales", args.lr_scales), ("--rl-variants", args.rl_variants),
+                                      ("--choices-from", args.choices_from), ("--updates", args.updates)) if value is not None]
+    if given:
+        print(f"ablation: --plan names the study whole; {', '.join(given)} belong in the plan file", file=sys.stderr)
+        return 2
+    try:
+        results, _ = run_plan(args.plan, resume=args.resume)
+    except (ValueError, InsufficientResourcesError) as exc:
+        print(f"ablation: {exc}", file=sys.stderr)
+        return 2
+    except StudyStopped as exc:
+        print(f"ablation: {exc}", file=sys.stderr)
+        return EXIT_RESUMABLE
+    out = Path(load_plan(args.plan).out)
+    print((out / "verdict.md").read_text())
+    print(f"wrote {out}/results.json, verdict.md, statistic.csv, retain_table.md, curves.png in {results['seconds'] / 60:.1f} min")
     return 0
 
 
@@ -293,6 +320,9 @@ def register(sub) -> None:
     ablation.add_argument("--choices-from", default=None, metavar="RESULTS",
                           help="train every arm at the learning rates (and RL variant) an earlier study of the same task chose on"
                                " validation rows (its results.json), tuning nothing again: a longer run of the same arms")
+    ablation.add_argument("--plan", default=None, metavar="PLAN",
+                          help="a pre-registered contrast's plan file (YAML: tools/study_plan.py): the study it names, and the verdict"
+                          " its rule computes (verdict.md, statistic.csv)")
     ablation.add_argument("--resume", action="store_true", help="keep the finished runs of --out's results.json (the same study; --lr-scales may add"
                           " scales, --rl-variants variants, while no seed has trained) and train only the missing ones")
     ablation.set_defaults(func=cmd_ablation)

@@ -27,7 +27,7 @@ def cmd_data(args) -> int:
         except (DataError, InputError) as exc:
             bar.close()
             print(f"data: {exc}", file=sys.stderr)
-            return 1
+            return 2  # refused input: nothing written
     if manifest is None:
         print(f"stopped after {args.max_shards} new shard(s); run the same command again to continue")
         return 0
@@ -205,6 +205,8 @@ def register(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     serve.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port (default 8000)")
     serve.add_argument("--dtype", default=None, help="vLLM dtype (default: bf16 for Qwen3.5 on CPU, else auto)")
+    serve.add_argument("--max-choices", type=whole_number(1, 16), default=1,
+                       help="most answers one request may ask for (`n`, `best_of`; default 1: a client wanting k sends k requests)")
     serve.add_argument("--max-model-len", type=whole_number(1), default=8192, help="longest prompt + answer in tokens (default 8192, or the model's own limit if lower)")
     serve.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto",
                        help="auto (default): vLLM, or transformers where vLLM cannot run the model on this machine (the toy models' head size on CPU)")

@@ -20,7 +20,8 @@ import sys
 from contextlib import contextmanager
 
 HIDDEN = "***"
-_SCHEME = re.compile(r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://")
+# a scheme (`s3`, `git+ssh`, `jdbc:mysql`) not inside a URI's userinfo (`s3://KEY:pa://ss@`: after a ":", "@" or "/")
+_SCHEME = re.compile(r"(?<![a-zA-Z0-9+.\-:@/])[a-zA-Z][a-zA-Z0-9+.-]*(?::[a-zA-Z][a-zA-Z0-9+.-]*)*://")
 _END = re.compile(r"\s")
 SAFE_QUERY_KEYS = frozenset({"region", "endpoint_override", "scheme", "versionid", "format", "x-amz-expires", "x-amz-date", "x-amz-algorithm",
                              "x-amz-signedheaders"})
@@ -48,7 +49,8 @@ def _redact_uri(uri: str) -> str:
     scheme, rest = uri.split("://", 1)
     authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
     authority = rest[:authority_end]
-    if "@" in authority:  # userinfo ends at the authority's last "@", as urllib and requests split it
+    inner_scheme = rest[authority_end:].startswith("//") and authority.endswith(":")  # `p@ss://x@host`: a "://" in the secret
+    if "@" in authority and not inner_scheme:  # userinfo ends at the authority's last "@", as urllib and requests split it
         rest = HIDDEN + rest[authority.rindex("@") :]
     elif ":" in authority and "@" in rest:  # a secret holding a raw "/": the "@" after it ends the userinfo
         rest = HIDDEN + rest[rest.rindex("@") :]

@@ -44,6 +44,7 @@ class Sample:
     answer: str | None = None  # what an evaluation checks (exact match on <answer>...</answer>)
     response: str | None = None  # a whole response written for the row (its annotators, another model): sft / fixed_prefix train on it
     video: Any = None  # a clip the prompt shows after its images: a video file's path (or its bytes read on use), or a Clip
+    kind: str | None = None  # the kind of question the row asks (a toy task's): evaluations report accuracy per kind too
 
     def __post_init__(self):
         if not self.images and self.video is None:

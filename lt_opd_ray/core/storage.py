@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from lt_opd_ray.core.redact import redact
+from lt_opd_ray.core.regular_files import irregular_entry, write_text_nofollow
 
 URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")  # what pyarrow.fs.FileSystem.from_uri opens
@@ -164,11 +165,7 @@ class RunStorage:
         """Replace `rel` whole (locally through a rename; an object store's PUT is atomic)."""
         path = self.local / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_name(path.name + ".tmp")
-        staged.unlink(missing_ok=True)  # a link planted there is removed, never written through
-        with open(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
-            f.write(text)
-        staged.replace(path)
+        write_text_nofollow(path, text)
         self.put(rel)
 
     def put(self, rel: str, last: tuple[str, ...] = (), to: str | None = None) -> None:
@@ -200,6 +197,11 @@ class RunStorage:
         kind = self.fs.get_file_info(self._path(rel)).type
         if kind == pafs.FileType.NotFound:
             return None
+        if isinstance(self.fs, pafs.LocalFileSystem):  # pyarrow copies a link's target as a file: none is read through one
+            source = Path(self._path(rel))
+            irregular = irregular_entry(source) if kind == pafs.FileType.Directory else None
+            if irregular or source.is_symlink() or (kind == pafs.FileType.File and not source.is_file()):
+                raise StorageError(irregular or f"{source}: a link or not a regular file; a run's storage holds regular files only")
         if target.exists():
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         (target if kind == pafs.FileType.Directory else target.parent).mkdir(parents=True, exist_ok=True)  # pyarrow makes subfolders only

@@ -328,6 +328,7 @@ class EvalResult:
     budget_bps: int
     accuracy: float
     weights_version: int | None
+    by_kind: dict[str, float] = field(default_factory=dict)  # accuracy on the rows of each kind of question (Sample.kind); {} where none has one
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,15 @@ class Evaluation:
     def accuracy(self) -> float:
         return sum(self.correct) / len(self.correct)
 
+    def by_kind(self, samples: list[Sample]) -> dict[str, float]:
+        """Accuracy on the samples of each kind of question (`Sample.kind`, in the order scored); {} where none has one."""
+        counts: dict[str, list[int]] = {}
+        for row, correct in zip(samples, self.correct, strict=True):
+            if row.kind is not None:
+                tally = counts.setdefault(row.kind, [0, 0])
+                tally[0], tally[1] = tally[0] + correct, tally[1] + 1
+        return {kind: right / total for kind, (right, total) in counts.items()}
+
 
 @torch.no_grad()
 def generate_responses(

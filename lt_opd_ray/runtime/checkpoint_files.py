@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lt_opd_ray.core.regular_files import irregular_entry, kind_of, write_text_nofollow
+
 MANIFEST = "manifest.json"
 HASH_THREADS = 8
 DISK_FULL_MARGIN_BYTES = 64 << 20  # a failed write with less than this left is reported as a full disk
@@ -81,30 +83,8 @@ def open_regular(path: Path):
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise CheckpointError(f"{path}: not a regular file ({_kind(os.lstat(path).st_mode)}); a checkpoint folder holds regular files only")
+        raise CheckpointError(f"{path}: not a regular file ({kind_of(os.lstat(path).st_mode)}); a checkpoint folder holds regular files only")
     return os.fdopen(fd, "rb")
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def irregular_entry(folder: Path) -> str | None:
-    """The first entry under `folder` (itself included) that is neither a regular file nor a folder reached without
-    a link, said in words; None when there is none. Walked without following any link."""
-    mode = os.lstat(folder).st_mode
-    if not stat.S_ISDIR(mode):
-        return f"{folder}: {_kind(mode)}, not a folder"
-    for top, dirs, files in os.walk(folder, followlinks=False):
-        for name in sorted(dirs + files):
-            mode = os.lstat(os.path.join(top, name)).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                return f"{os.path.join(top, name)}: {_kind(mode)}; a checkpoint or model folder holds regular files and folders only"
-    return None
 
 
 @contextmanager
@@ -175,7 +155,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=1)
 
     def write(self, folder: Path) -> None:
-        (folder / MANIFEST).write_text(self.text())
+        write_text_nofollow(folder / MANIFEST, self.text())
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -243,7 +223,7 @@ def damage(folder: Path, only: set[str] | None = None) -> str | None:
             return f"{path}: missing"
         mode = os.lstat(path).st_mode
         if not stat.S_ISREG(mode):
-            return f"{path}: {_kind(mode)}; a checkpoint folder holds regular files only"
+            return f"{path}: {kind_of(mode)}; a checkpoint folder holds regular files only"
         if path.stat().st_size != size:
             return f"{path}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
     names = list(manifest.files)

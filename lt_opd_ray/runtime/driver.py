@@ -135,12 +135,12 @@ class Driver(DynamicSampling):
             with Stopwatch() as watch:
                 self.checkpoint()
             spans.append(watch.span("checkpoint", "driver", f"step-{self.step}"))
-        accuracy, scores = {}, {}
+        accuracy, by_kind, scores = {}, {}, {}
         if self._evaluates_now():
             with Stopwatch() as watch:
-                accuracy, scores = self.evaluate()
+                accuracy, by_kind, scores = self.evaluate()
             spans.append(watch.span("eval", "rollout", f"v{self.step}"))
-        return self.log(current, ranks, summaries, sync.bytes, spans, accuracy, scores)
+        return self.log(current, ranks, summaries, sync.bytes, spans, accuracy, scores, by_kind)
 
     def checkpoint(self) -> str:
         """A checkpoint of the current step (with the next update's rollouts when they are in flight), unless the
@@ -343,13 +343,13 @@ class Driver(DynamicSampling):
     # ------------------------------------------------------------------ reporting
     def log(
         self, current: InFlight, ranks: list[LearnerStepResult], summaries: list[RolloutSummary], sync_bytes: int,
-        spans: list[Span], accuracy: dict, scores: dict,
+        spans: list[Span], accuracy: dict, scores: dict, by_kind: dict,
     ) -> StepLog:
         end = time.time()
         period, self.last_end = end - self.last_end, end
         sizes = {"rollout": len(self.rollouts.names), "teacher": self.teacher.replicas(max_age_s=REPLICA_COUNT_MAX_AGE_S) if self.teacher else 0, "learner": self.learners.ranks}
         log = summarize(current.update, current.budget_bps, ranks, [s.span for s in summaries], spans, sizes, period, sync_bytes, accuracy, scores,
-                        rewards=[value for s in summaries for value in s.rewards])
+                        rewards=[value for s in summaries for value in s.rewards], by_kind=by_kind)
         if self.job.reward.dynamic_sampling_rounds:
             log.resampled_groups, log.flat_groups = current.resampled, current.flat
         reward = (log.reward_mean, log.reward_std, log.resampled_groups or 0, log.flat_groups or 0) if log.reward_mean is not None else None
@@ -360,19 +360,21 @@ class Driver(DynamicSampling):
     def _evaluates_now(self) -> bool:
         return self.job.eval.enabled and (self.step % self.job.eval.every_steps == 0 or self.step == self.job.budget.total_steps)
 
-    def evaluate(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The current student (just synced to the rollout workers): accuracy per selector, benchmark scores."""
+    def evaluate(self) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, float]]:
+        """The current student (just synced to the rollout workers): accuracy per selector, per selector and kind of
+        question (where the rows carry kinds), benchmark scores."""
         budget = self.job.eval_budget_bps
-        accuracy, scores = {}, {}
+        accuracy, by_kind, scores = {}, {}, {}
         if self.eval_ref is not None:
             results = self.rollouts.evaluate(self.eval_ref, budget, self.job.eval.selectors)
             accuracy = {r.selector: r.accuracy for r in results}
+            by_kind = {r.selector: r.by_kind for r in results if r.by_kind}
             self.metrics.record_eval(budget, accuracy)
         if self.benchmarks_ref is not None:
             results = self.rollouts.evaluate_benchmarks(self.benchmarks_ref, list(self.job.eval.benchmarks), budget, self.job.eval.selectors)
             scores = {f"{r.benchmark}[{r.selector}]": r.score for r in results}
             self.metrics.record_benchmarks(budget, results)
-        return accuracy, scores
+        return accuracy, by_kind, scores
 
     def evaluate_baseline(self) -> tuple[float, dict[str, float]]:
         """The student before any update: its accuracy on `eval.data` at full visual tokens (any selector keeps

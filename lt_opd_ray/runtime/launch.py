@@ -196,6 +196,8 @@ def start_history(driver, storage: RunStorage, resume: bool) -> Path:
     resume keeps the lines of the steps before its checkpoint (a killed run may have logged later ones)."""
     from tqdm import tqdm
 
+    from lt_opd_ray.core.regular_files import write_text_nofollow
+
     step_file = storage.local / "steps.jsonl"
     if driver.restored is not None:
         for line in driver.restored.passed_over:
@@ -203,9 +205,7 @@ def start_history(driver, storage: RunStorage, resume: bool) -> Path:
         tqdm.write(f"resuming from {storage.describe(driver.restored.tag)} (update {driver.step})")
         if storage.get("steps.jsonl"):
             kept = [line for line in step_file.read_text().splitlines() if _logged_step(line) < driver.step]
-            staged = step_file.with_suffix(".tmp")
-            staged.write_text("".join(line + "\n" for line in kept))
-            staged.replace(step_file)
+            write_text_nofollow(step_file, "".join(line + "\n" for line in kept))
         return step_file
     if resume:
         tqdm.write(f"--resume: no checkpoint in {storage.describe()}; starting at update 0")

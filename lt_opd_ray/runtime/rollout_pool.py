@@ -165,7 +165,7 @@ class RolloutWorker:
             samples, budget_bps, selector, self.job.eval.max_new_tokens, self.job.data.system_prompt, stop=("</answer>",)
         )
         result = score_answers(samples, responses, budget_bps, selector)
-        return EvalResult(selector, budget_bps, result.accuracy, self.weights_version)
+        return EvalResult(selector, budget_bps, result.accuracy, self.weights_version, result.by_kind(samples))
 
     def evaluate_benchmark(self, benchmarks: dict, name: str, budget_bps: int, selector: str) -> BenchmarkResult:
         """One benchmark's own score for the current student weights (greedy) at `budget_bps` with `selector`."""

@@ -39,6 +39,7 @@ class StepLog:
     flat_groups: int | None = None  # dynamic sampling: groups still all equal after the last round, left out of the step
     sequence_lengths: list[list[list[int]]] = field(default_factory=list)  # per rank, per prompt in the order packed: tokens per sequence
     eval_accuracy: dict[str, float] = field(default_factory=dict)  # selector -> accuracy, on evaluated steps
+    eval_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # selector -> kind of question -> accuracy, where rows carry kinds
     eval_scores: dict[str, float] = field(default_factory=dict)  # "benchmark[selector]" -> score, on evaluated steps
     timeline: list[Span] = field(default_factory=list)  # every piece of this update's work (`lt-opd timeline` draws it)
 
@@ -46,7 +47,7 @@ class StepLog:
 def summarize(
     update: int, budget_bps: int, ranks: list[LearnerStepResult], rollout_spans: list[Span], spans: list[Span],
     sizes: dict[str, int], period: float, sync_bytes: int, accuracy: dict[str, float], scores: dict[str, float],
-    rewards: list[float] | None = None,
+    rewards: list[float] | None = None, by_kind: dict[str, dict[str, float]] | None = None,
 ) -> StepLog:
     """The update's StepLog: `spans` are the driver's own (sync, checkpoint, eval), `sizes` each pool's actors,
     `period` the seconds since the previous update ended and `rewards` the responses' rewards (the job has one)."""
@@ -106,6 +107,7 @@ def summarize(
         reward_std=statistics.pstdev(rewards) if rewards else None,
         sequence_lengths=[[list(prompt) for prompt in r.sequence_lengths] for r in ranks],
         eval_accuracy=accuracy,
+        eval_by_kind=by_kind or {},
         eval_scores=scores,
         timeline=sorted([*rollout_spans, *teacher_spans, *learner_spans, *spans], key=lambda s: s.start),
     )

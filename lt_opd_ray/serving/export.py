@@ -63,7 +63,7 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
 
 
 def _check_final(folder: Path, where: str) -> None:
-    from lt_opd_ray.runtime.checkpoint_files import irregular_entry
+    from lt_opd_ray.core.regular_files import irregular_entry
 
     if irregular := irregular_entry(folder):  # nothing is exported through a link (a notes.md -> ~/.aws/credentials)
         raise ExportError(f"{where} is not exported: {irregular.replace(str(folder), where)}")

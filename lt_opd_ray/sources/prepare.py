@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lt_opd_ray.core.regular_files import write_text_nofollow
 from lt_opd_ray.core.errors import InputError
 from lt_opd_ray.sources.rows import PREPARED_MANIFEST as MANIFEST
 
@@ -329,7 +330,7 @@ def prepare(source: str | Path, out: str | Path, images: str | Path | None = Non
         os.replace(staging / (name + ".tmp"), staging / name)
         state["shards"].append({"file": name, "rows": len(batch), "sha256": hashlib.sha256((staging / name).read_bytes()).hexdigest()})
         state["uids"] += [r["sample_uid"] for r in batch]
-        (staging / PROGRESS).write_text(json.dumps(state))
+        write_text_nofollow(staging / PROGRESS, json.dumps(state))
         batch, new_shards = [], new_shards + 1
 
     for index, row in enumerate(rows):

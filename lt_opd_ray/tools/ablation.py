@@ -16,6 +16,8 @@ Arms (all at the job's target budget, same teacher, same data):
                   with its overlong punishment over the last fifth of max_new_tokens and its dynamic sampling, a flat
                   group's prompt replaced up to 3 times), in PPO's mini-batches: four
                   optimizer steps an update, so their clips act on policy as in their papers' practice
+  oracle_sft_matched  oracle_sft with as many sequences an update as LT-OPD has rollouts (prompts_per_step x n
+                  prompts of one response each): the compute-matched ceiling
   oracle_sft      what the true labels recover at the budget (the gap the report takes shares of; an estimate, not a
                   bound on distillation): cross-entropy (with the curriculum) on the true labels in the student's own
                   format, the response the full-token teacher is trained to write for each training row (toy tasks:
@@ -68,7 +70,9 @@ ARMS: dict[str, dict] = {
     "dapo": {"objective": {"mode": "dapo"}, "reward": {"name": "answer", "dynamic_sampling_rounds": 3}},  # overlong_buffer set below
     "gspo": {"objective": {"mode": "gspo"}, "reward": {"name": "answer"}},
     "oracle_sft": {"objective": {"mode": "sft"}, "sampling": {"n": 1}},  # data.path set below: the rows' true responses
+    "oracle_sft_matched": {"objective": {"mode": "sft"}, "sampling": {"n": 1}},  # and prompts_per_step x n prompts an update
 }
+ORACLES = ("oracle_sft", "oracle_sft_matched")
 # DAPO's soft overlong punishment starts this share of max_new_tokens before it (the paper: 4,096 of 20,480)
 DAPO_OVERLONG_SHARE = 0.2
 RL_STEPS_PER_UPDATE = 4  # the RL arms' optimizer steps an update (PPO's mini-batches), where each rank has the prompts
@@ -105,9 +109,10 @@ def apply_variant(data: dict, variant: str) -> None:
 
 
 def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None = None, lr_scale: float = 1.0,
-            variant: str | None = None) -> JobConfig:
+            variant: str | None = None, eval_every: int | None = None) -> JobConfig:
     """The base job specialised to one arm and seed, its learning rates times `lr_scale`, an RL arm's `variant` (of
-    RL_VARIANTS) applied; `steps` rescales the curriculum to a shorter run."""
+    RL_VARIANTS) applied; `steps` rescales the curriculum to a shorter run (and its evaluations' interval, unless
+    `eval_every` sets it)."""
     data = base.model_dump()
     if steps is not None:
         scale = steps / base.budget.total_steps
@@ -117,13 +122,17 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
             decay_end=round(base.budget.decay_end * scale),
         )
         data["eval"]["every_steps"] = max(1, round(base.eval.every_steps * scale))
+    if eval_every is not None:
+        data["eval"]["every_steps"] = eval_every
     data = _merge(data, ARMS[arm])
     if arm == "lt_opd_no_curriculum":
         data["budget"]["start_bps"] = data["budget"]["target_bps"]
     if arm == "lt_opd_no_hold":  # update c runs at the budget after c steps: the last, c = total_steps - 1, at the target
         data["budget"]["decay_end"] = data["budget"]["total_steps"] - 1
-    if arm == "oracle_sft":
+    if arm in ORACLES:
         data["data"]["path"] = reference_rows(base)
+    if arm == "oracle_sft_matched":  # one true response per prompt, as many as LT-OPD's rollouts an update
+        data["sampling"]["prompts_per_step"] = base.sampling.prompts_per_step * base.sampling.n
     if arm == "dapo":
         data["reward"]["overlong_buffer"] = max(1, round(DAPO_OVERLONG_SHARE * data["sampling"]["max_new_tokens"]))
     if variant is not None:
@@ -211,7 +220,8 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
                  resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
-                 accept_grid_ends: bool = False, choices_from: str | None = None, roles: KeptRoles | None = None) -> dict:
+                 accept_grid_ends: bool = False, choices_from: str | None = None, roles: KeptRoles | None = None,
+                 eval_rows: str | None = None, eval_every: int | None = None, plan: dict | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
@@ -224,12 +234,16 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     (scale, variant) every arm trains with, instead of `lr_scales`' own tuning (`carried_choices`). `roles`: the
     caller's `KeptRoles`, whose pools the study's runs start in and leave up for the caller's next runs (several
     studies in one session); by default the study keeps its own and stops them at its end. A Ray session already up (one `runtime.launch.init_ray` started,
-    with the workers' environment) is used and left up; otherwise the study starts its own and stops it."""
+    with the workers' environment) is used and left up; otherwise the study starts its own and stops it. `eval_rows`,
+    `eval_every`: every run evaluated on these rows (the job's eval.data otherwise) every so many updates; `plan`: the
+    pre-registered plan (tools/study_plan.py) the study runs, whose verdict its report is."""
     import ray
 
     from lt_opd_ray.runtime.launch import check_local_start, claim_run_folder, init_ray, run
 
     base = load_job(base_path)
+    if eval_rows is not None:
+        base = base.model_copy(update={"eval": base.eval.model_copy(update={"data": eval_rows})})
     if not base.eval.data:
         raise ValueError(f"{base_path}: the ablation needs eval.data (held-out rows with answers)")
     arms = arms or list(STUDY_ARMS)
@@ -258,7 +272,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         held = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
         raise ValueError(f"{out_dir} holds {held}; a new study needs a new or empty --out")
     earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants,
-                             carried) if resume else {}
+                             carried, eval_every, plan) if resume else {}
     out_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     from lt_opd_ray.sources.resolve import resolve_model_dir
@@ -274,7 +288,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     done = {(r["arm"], r["seed"]) for r in runs}
     begin -= finished_seconds(out_dir) if earlier else 0.0
     results = {"base_job": base_path, "seeds": seeds, "steps": steps or base.budget.total_steps,
-               "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
+               "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors), "eval_rows": base.eval.data,
+               "eval_every": eval_every, **({"plan": plan} if plan else {}),
                "trained_with": base.selector.name,
                "teacher": teacher, "eval_items": eval_items, "runs": runs, "seconds": 0.0, "complete": False,
                "lr_scales": lr_scales, "rl_variants": rl_variants, "tuning_runs": tuning, "chosen_lr_scale": {}, "chosen_variant": {},
@@ -331,7 +346,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
             for arm in arms:
                 if (arm, seed) in done:
                     continue
-                job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm))
+                job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm),
+                              eval_every)
                 claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
                 started = time.perf_counter()
                 logs = trained(job, run(job, roles=roles))
@@ -340,7 +356,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                     "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm),
                     "seconds": time.perf_counter() - started, "final": final,
                     "curve": [{"step": log.step + 1, "budget_bps": log.budget_bps, "loss": log.loss,
-                               "divergence": log.divergence, "reward": log.reward_mean, "eval": log.eval_accuracy} for log in logs],
+                               "divergence": log.divergence, "reward": log.reward_mean, "eval": log.eval_accuracy,
+                               **({"eval_by_kind": log.eval_by_kind} if log.eval_by_kind else {})} for log in logs],
                 })
                 if len(sets) > 1:  # the trained student on each kind of question
                     runs[-1]["final_by_kind"] = evaluate(str(Path(job.checkpoint.dir) / "final"), job, sets, full_tokens=False)
@@ -376,4 +393,22 @@ def save_results(results: dict, out_dir: Path, begin: float) -> None:
     staging = out_dir / "results.json.tmp"
     staging.write_text(json.dumps(results, separators=(",", ":")))  # compact: a study's curves run to 40 KB a run
     staging.replace(out_dir / "results.json")
-    write_report(results, out_dir)
+    if results.get("plan"):  # a pre-registered contrast's report: its verdict, in its own definition of retain
+        from lt_opd_ray.tools.study_plan import StudyPlan, write_verdict
+
+        write_verdict(results, StudyPlan.model_validate(results["plan"]), out_dir)
+    else:
+        write_report(results, out_dir)
+
+
+def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = None) -> tuple[dict, dict]:
+    """The study a plan file names (tools/study_plan.py), run or resumed, and its verdict computed from the plan:
+    (results, verdict); results.json, the tables, verdict.md and statistic.csv in the plan's `out`."""
+    from lt_opd_ray.tools.study_plan import load_plan, write_verdict
+
+    plan = load_plan(plan_path)
+    results = run_ablation(plan.job, plan.out, plan.seed_list, plan.updates, list(plan.contrast), resume=resume,
+                           choices_from=plan.choices_from, roles=roles, eval_rows=plan.eval_rows, eval_every=plan.eval_every,
+                           plan=plan.model_dump(mode="json"))
+    return results, write_verdict(results, plan, Path(plan.out))
+

@@ -77,7 +77,7 @@ def same_choices(before: dict | None, now: dict | None) -> bool:
 
 
 def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: list[float] | None, rl_variants: list[str] = (),
-                   carried: dict | None = None) -> dict:
+                   carried: dict | None = None, eval_every: int | None = None, plan: dict | None = None) -> dict:
     """What a cut-short study in `out_dir` finished (its "runs" and "tuning_runs"), when it is this study; a
     ValueError naming the difference otherwise (a resumed study never mixes runs of another)."""
     path = out_dir / "results.json"
@@ -85,8 +85,12 @@ def finished_study(out_dir: Path, base_path: str, steps: int, base, lr_scales: l
         return {}
     earlier = json.loads(path.read_text())
     wanted = {"base_job": base_path, "steps": steps, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
-              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants)}
+              "trained_with": base.selector.name, "lr_scales": lr_scales, "rl_variants": list(rl_variants), "eval_rows": base.eval.data,
+              "eval_every": eval_every, "plan": plan}
     earlier.setdefault("rl_variants", [])  # a study from before RL variants existed tried none
+    earlier.setdefault("eval_rows", base.eval.data)  # nor other evaluation rows than the job's, at its own interval
+    earlier.setdefault("eval_every", None)
+    earlier.setdefault("plan", None)  # a study under no plan
     if not earlier.get("runs"):  # no seed trained yet: the tuning may grow (more scales, more variants); its runs are kept
         for key in ("lr_scales", "rl_variants"):
             before, now = earlier.get(key), wanted[key]

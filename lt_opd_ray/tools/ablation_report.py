@@ -24,6 +24,7 @@ LABELS = {
     "dapo": "DAPO (answer reward)",
     "gspo": "GSPO (answer reward)",
     "oracle_sft": "SFT on the true labels (oracle)",
+    "oracle_sft_matched": "SFT on the true labels, compute-matched (oracle)",
 }
 ORACLE = "oracle_sft"  # the true labels at this selector and budget: the recoverable gap's measure (an estimate, not a proof)
 RL_ARMS = ("grpo", "dapo", "gspo")  # their loss is ~0 by construction (centred advantages): their panel shows the reward
@@ -281,27 +282,32 @@ def write_report(results: dict, out_dir: Path) -> None:
 
 OBJECTIVES = {"sft": "cross-entropy", "fixed_prefix": "JSD", "sequence_kd": "cross-entropy", "teacher_prefix": "JSD",
               "lt_opd_no_curriculum": "JSD", "lt_opd": "JSD", "lt_opd_reverse_kl": "reverse KL", "lt_opd_no_hold": "JSD",
-              "oracle_sft": "cross-entropy"}
+              "oracle_sft": "cross-entropy", "oracle_sft_matched": "cross-entropy"}
 
 
-def plot_curves(results: dict, path: Path) -> list[str]:
+def plot_curves(results: dict, path: Path, retain=None, untrained: float | None = None, measure: str | None = None) -> list[str]:
     """Left: retain (headline selector) against update, mean over seeds with the seeds' min-max band; then one
-    panel per arm with its own training loss (objectives differ: never on one axis). Returns the panel titles."""
+    panel per arm with its own training loss (objectives differ: never on one axis). Returns the panel titles.
+    `retain(entry)`: a curve entry's retain (None where the update was not evaluated), `untrained` the untrained
+    student's, `measure` what they are: a plan's own definition (tools/study_plan.py); else accuracy / the teacher's
+    full-token accuracy over all held-out items."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    selector, full = results["selectors"][0], results["teacher"]["full"]
+    if retain is None:
+        selector, full = results["selectors"][0], results["teacher"]["full"]
+        retain, untrained = (lambda entry: entry["eval"][selector] / full if entry["eval"] else None), results["teacher"][selector] / full
+        measure = f"retain at {results['budget_bps'] / 100:g}% ({selector})"
     arms = list(dict.fromkeys(r["arm"] for r in results["runs"]))
     fig, axes = plt.subplots(1, 1 + len(arms), figsize=(5 * (1 + len(arms)), 4.2), squeeze=False)
     left, panels = axes[0][0], axes[0][1:]
-    untrained = results["teacher"][selector] / full
     for arm, loss_axis in zip(arms, panels):
         curves = [r["curve"] for r in results["runs"] if r["arm"] == arm]
-        evaluated = [p["step"] for p in curves[0] if p["eval"]]
-        per_seed = [[next(p for p in c if p["step"] == s)["eval"][selector] / full for c in curves] for s in evaluated]
+        evaluated = [p["step"] for p in curves[0] if retain(p) is not None]
+        per_seed = [[retain(next(p for p in c if p["step"] == s)) for c in curves] for s in evaluated]
         line, = left.plot([0, *evaluated], [untrained, *map(statistics.fmean, per_seed)], marker="o", label=LABELS[arm])
         left.fill_between([0, *evaluated], [untrained, *map(min, per_seed)], [untrained, *map(max, per_seed)], color=line.get_color(), alpha=0.15)
         steps = [p["step"] for p in curves[0]]
@@ -314,7 +320,7 @@ def plot_curves(results: dict, path: Path) -> list[str]:
         else:
             loss_axis.set(xlabel="update", ylabel=f"training loss ({OBJECTIVES.get(arm, arm)})", yscale="log", title=LABELS[arm])
     left.axhline(untrained, color="grey", linestyle=":", label="untrained")
-    left.set(xlabel="update", ylabel=f"retain at {results['budget_bps'] / 100:g}% ({selector})",
+    left.set(xlabel="update", ylabel=measure,
              title=f"held-out retain ratio ({len({r['seed'] for r in results['runs']})} seeds: mean, min-max band)")  # those finished
     left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below the axes, never over the curves
     for axis in axes[0]:

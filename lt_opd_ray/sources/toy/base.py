@@ -71,7 +71,8 @@ class ToyTask:
         """Item `index` of `split` under `seed`: question, answer and the teacher's response; its image a ToyImage."""
         chosen = self.layout(index, seed, split)
         image = ToyImage(self.draw, index, seed, split)
-        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", images=(image,), question=chosen.question, answer=chosen.answer, response=chosen.written)
+        sample = Sample(uid=f"{self.name}-{split}-{seed}-{index}", images=(image,), question=chosen.question, answer=chosen.answer,
+                        response=chosen.written, kind=getattr(chosen, "kind", None))
         return ToyItem(sample, chosen.response)
 
     def kind_of(self, sample: Sample) -> str | None:
