@@ -127,6 +127,7 @@ def test_a_link_planted_at_a_staged_files_temporary_name_is_not_written_through(
     storage = RunStorage("mock://bucket/run", tmp_path / "stage")
     victim = tmp_path / "victim"
     victim.write_text("precious")
+    storage.local.mkdir(parents=True)
     (storage.local / "latest.tmp").symlink_to(victim)
     storage.write_text("latest", "step-1")
     assert victim.read_text() == "precious" and storage.read_text("latest") == "step-1"

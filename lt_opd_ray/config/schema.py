@@ -187,8 +187,8 @@ class CheckpointConfig(StrictModel):
     every node mounts) or a URI pyarrow opens: s3://bucket/path, gs://, hdfs://, abfs://, file://."""
     staging_dir: str | None = None
     """With `dir` a URI: the local folder (same path on every node) where outputs are written before they are
-    uploaded, this user's and writable by no one else (refused otherwise); None: a folder under this user's own
-    `lt-opd-ray-<uid>` folder of the system's temp dir, made 0700."""
+    uploaded: a folder already there must be this user's and writable by no one else (else refused); None: a folder
+    under this user's own `lt-opd-ray-<uid>` folder of the system's temp dir, made 0700."""
     every_steps: int = Field(25, ge=1, le=MAX_UPDATES)
     """Checkpoint interval in optimizer steps."""
     keep: int = Field(2, ge=1, le=MAX_UPDATES)

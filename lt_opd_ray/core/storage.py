@@ -56,12 +56,15 @@ def default_staging(location: str) -> Path:
     return root / "staging" / hashlib.sha256(location.encode()).hexdigest()[:16]
 
 
-def private_folder(path: Path) -> Path:
-    """`path`, a folder only this user can write: made 0700 where missing; refused (StorageError) when it is a link,
-    not a folder, another user's, or writable by its group or others (in a shared /tmp, whoever makes the name first
-    owns it: a folder someone else made could be read, or have links planted in it, before anything is uploaded)."""
+def private_folder(path: Path, create: bool = True) -> Path:
+    """`path`, a folder only this user can write: made 0700 where missing (unless not `create`: then a missing one is
+    left for the writes to make); refused (StorageError) when it is a link, not a folder, another user's, or writable
+    by its group or others (in a shared /tmp, whoever makes the name first owns it: a folder someone else made could
+    be read, or have links planted in it, before anything is uploaded)."""
     import stat
 
+    if not create and not os.path.lexists(path):
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=0o700)
@@ -92,7 +95,7 @@ class RunStorage:
             except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... : all mean "cannot open"
                 raise StorageError(redact(f"cannot open {location}: {str(exc).splitlines()[0]}")) from None
             self.base = self.base.rstrip("/")
-            self.local = private_folder(Path(staging)) if staging else default_staging(location)
+            self.local = private_folder(Path(staging), create=False) if staging else default_staging(location)
         else:
             self.fs, self.base = None, None
             self.local = Path(location)

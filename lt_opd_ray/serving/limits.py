@@ -77,7 +77,7 @@ class ServeLimits:
     def from_args(cls, args) -> ServeLimits:
         """`lt-opd serve`'s flags."""
         return cls(args.max_body_mb * MIB, args.max_media_mb * MIB, args.max_image_pixels, args.max_images, args.max_clips,
-                   args.max_request_pixels, args.max_tokens, args.request_timeout, getattr(args, "max_choices", cls.choices))
+                   args.max_request_pixels, args.max_tokens, args.request_timeout, args.max_choices)
 
 
 def restrict_pillow(formats: tuple[str, ...] = IMAGE_FORMATS) -> None:
