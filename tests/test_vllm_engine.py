@@ -231,6 +231,32 @@ def test_weight_update_in_place_and_refused_whole_on_mismatch(tiny_dirs, engines
 
 
 @pytest.mark.slow
+def test_the_held_weights_check_reloads_every_tensor_and_names_one_the_engine_left_stale(tiny_dirs, engines):
+    """tests/held_weights.py's vLLM check, on an engine at hand: writing weights moved everywhere through vLLM's own
+    reload changes every parameter the engine holds (none is skipped, so a stale one cannot hide); the same weights
+    again change nothing; a tensor left out of the engine's own write is named, with how far it is off."""
+    from held_weights import vllm_mismatches, vllm_model
+
+    engine = engines("qwen3_5")
+    vlm = _adapter(tiny_dirs["qwen3_5"])
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in vlm.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    moved = {n: p.detach().clone() for n, p in vlm.model.named_parameters()}
+    parameters = {n for n, _ in vllm_model(engine).named_parameters()}
+    changed = {problem.split(":")[0] for problem in vllm_mismatches(engine, moved, torch.bfloat16)}
+    assert parameters <= changed  # every parameter vLLM holds was written by the reload
+    assert vllm_mismatches(engine, moved, torch.bfloat16) == []
+    stale = next(n for n in moved if n.endswith("layers.0.mlp.down_proj.weight"))
+    with torch.no_grad():
+        again = {n: t + 0.01 for n, t in moved.items()}
+    engine.load_weights([(n, t.to(torch.bfloat16)) for n, t in again.items() if n != stale])  # in the dtype the sync sends
+    problems = vllm_mismatches(engine, again, torch.bfloat16)
+    assert len(problems) == 1 and problems[0].startswith("language_model.model.layers.0.mlp.down_proj.weight: max |held - learners'|"), problems
+
+
+@pytest.mark.slow
 def test_the_samples_of_a_prompt_share_one_vision_pass_and_selection(tiny_dirs, engines):
     """n identical requests carry one nonce, so vLLM sees equal multimodal inputs: one selection for the n samples.
 
@@ -516,28 +542,3 @@ def test_every_shipped_job_opens_its_vllm_engines_as_shipped(tiny_dirs):
                      "train_tiny_vllm.yaml:rollout", "train_tiny_vllm.yaml:teacher"]
     print(f"\n{len(roles)} vLLM roles of the shipped jobs, {len(opened)} distinct engines opened")
 
-
-@pytest.mark.slow
-def test_the_held_weights_check_reloads_every_tensor_and_names_one_the_engine_left_stale(tiny_dirs, engines):
-    """tests/held_weights.py's vLLM check, on an engine at hand: writing weights moved everywhere through vLLM's own
-    reload changes every parameter the engine holds (none is skipped, so a stale one cannot hide); the same weights
-    again change nothing; a tensor left out of the engine's own write is named, with how far it is off."""
-    from held_weights import vllm_mismatches, vllm_model
-
-    engine = engines("qwen3_5")
-    vlm = _adapter(tiny_dirs["qwen3_5"])
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in vlm.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    moved = {n: p.detach().clone() for n, p in vlm.model.named_parameters()}
-    parameters = {n for n, _ in vllm_model(engine).named_parameters()}
-    changed = {problem.split(":")[0] for problem in vllm_mismatches(engine, moved, torch.bfloat16)}
-    assert parameters <= changed  # every parameter vLLM holds was written by the reload
-    assert vllm_mismatches(engine, moved, torch.bfloat16) == []
-    stale = next(n for n in moved if n.endswith("layers.0.mlp.down_proj.weight"))
-    with torch.no_grad():
-        again = {n: t + 0.01 for n, t in moved.items()}
-    engine.load_weights([(n, t) for n, t in again.items() if n != stale])
-    problems = vllm_mismatches(engine, again, torch.bfloat16)
-    assert len(problems) == 1 and problems[0].startswith("language_model.model.layers.0.mlp.down_proj.weight: max |held - learners'|"), problems

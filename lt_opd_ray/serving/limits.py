@@ -85,9 +85,13 @@ def restrict_pillow(formats: tuple[str, ...] = IMAGE_FORMATS) -> None:
     from PIL import Image
 
     Image.init()  # every plugin registered now: Image.open never loads the others again
-    for name in [name for name in Image.OPEN if name not in formats]:
-        del Image.OPEN[name]
+    for name in [name for name in Image.OPEN if name not in formats]:  # kept by name (a caller may ask for one), never accepted
+        Image.OPEN[name] = (_refused_format, lambda prefix: False)
     Image.ID[:] = [name for name in Image.ID if name in formats]
+
+
+def _refused_format(*args):
+    raise OSError("an image format this server does not read")
 
 
 def image_size(raw: bytes, where: str) -> tuple[int, int]:
@@ -97,10 +101,25 @@ def image_size(raw: bytes, where: str) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(raw), formats=list(IMAGE_FORMATS)) as image:  # the header only
             return image.size
+    except Image.DecompressionBombError:  # Pillow's own bound, twice MAX_IMAGE_PIXELS: the size is still what is refused
+        return _header_size(raw)
     except Image.UnidentifiedImageError:
         raise LimitError(f"{where}: not an image this server reads: it takes {', '.join(IMAGE_FORMATS)}") from None
     except (ValueError, OSError, Image.DecompressionBombError) as exc:
         raise LimitError(f"{where}: not an image this server reads ({type(exc).__name__}: {exc})") from None
+
+
+def _header_size(raw: bytes) -> tuple[int, int]:
+    """The size in the header, read by the allowed format's own Pillow plugin (what Image.open does, before its
+    decompression-bomb check)."""
+    from PIL import Image
+
+    for name in IMAGE_FORMATS:
+        factory, accept = Image.OPEN[name]
+        if accept(raw[:16]):
+            with factory(io.BytesIO(raw), None) as image:
+                return image.size
+    raise LimitError("not an image this server reads")
 
 
 def check_pixels(width: int, height: int, total: int, limits: ServeLimits, where: str) -> int:
