@@ -301,6 +301,9 @@ BAD_COMMAND_LINES = [
      "ablation: --choices-from {tmp}/no-study.json: not a study's results.json"),
     ("ablation jobs/toy_discs.yaml --out {tmp}/study --choices-from {tmp}/no-study.json --arms grpo --rl-variants 2x_group",
      "ablation: --choices-from trains at an earlier study's choices: give it without --lr-scales and --rl-variants"),
+    ("ablation --plan {tmp}/no-plan.yaml", "ablation: {tmp}/no-plan.yaml: No such file or directory"),
+    ("ablation --plan docs/ablation/discs_contrast/plan.yaml --seeds 3 --arms grpo", "ablation: --plan names the study whole; --arms belong in the plan file"),
+    ("ablation --plan {tmp}/twice.yaml", "ablation: {tmp}/twice.yaml: job: Field required"),
 ]
 
 
