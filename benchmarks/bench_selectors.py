@@ -1,4 +1,6 @@
-"""Time and memory of the selectors at Qwen3.5-4B scale: N = 4096 tokens, D = 2560, k = 205 (5%).
+"""Time and memory of the selectors at Qwen3.5-4B scale: N = 4096 tokens, D = 2560, k = 205 (5%); and HiPrune's
+scores, the attention each patch receives in two blocks of Qwen3.5-4B's vision tower (4 x 4096 patches, 16 heads of 64),
+beside the [heads, S, S] attention matrix that reading them from an eager kernel would hold.
 
 Peak memory is read from torch's profiler as the largest single tensor allocation
 during selection, next to the size an N x N fp32 kernel would take, so a matrix-
@@ -17,8 +19,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lt_opd_ray.core.selectors import SelectionInput, build_selector
+from lt_opd_ray.core.selectors import EncoderAttention, SelectionInput, build_selector
 from lt_opd_ray.core.selectors.cdpruner import KERNEL_RIDGE, relevance
+from lt_opd_ray.core.selectors.hiprune import received_attention
 
 
 def explicit_kernel_greedy(features: torch.Tensor, query: torch.Tensor, k: int) -> torch.Tensor:
@@ -51,17 +54,21 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--d", type=int, default=2560)
     parser.add_argument("--k", type=int, default=205)
+    parser.add_argument("--heads", type=int, default=16, help="vision tower heads (Qwen3.5-4B: 16 of 64)")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     features = torch.randn(args.n, args.d, generator=g)
     query = torch.randn(args.d, generator=g)
-    item = SelectionInput(features, query, (64, args.n // 64))
+    item = SelectionInput(features, query, (64, args.n // 64), attention=EncoderAttention(torch.rand(args.n, generator=g), torch.rand(args.n, generator=g)))
+    patches = 4 * args.n  # a 2 x 2 merge
+    q, k = torch.randn(args.heads, patches, 64, generator=g), torch.randn(args.heads, patches, 64, generator=g)
     nxn_mb = args.n * args.n * 4 / 2**20
     print(f"N = {args.n}, D = {args.d}, k = {args.k}; an N x N fp32 kernel is {nxn_mb:.1f} MB; features are {features.numel() * 4 / 2**20:.1f} MB")
     print(f"{'selector':<26} {'seconds':>8} {'largest alloc MB':>17} {'vs N x N':>9}")
     runs = {
         "cdpruner (matrix-free)": lambda: build_selector("cdpruner").select(item, args.k),
         "divprune": lambda: build_selector("divprune").select(item, args.k),
+        "hiprune (given scores)": lambda: build_selector("hiprune").select(item, args.k),
         "random": lambda: build_selector("random").select(item, args.k),
         "uniform": lambda: build_selector("uniform").select(item, args.k),
         "naive explicit kernel": lambda: explicit_kernel_greedy(features, query, args.k),
@@ -74,6 +81,12 @@ def main() -> None:
         seconds = time.perf_counter() - start
         largest = largest_allocation_bytes(fn) / 2**20
         print(f"{name:<26} {seconds:>8.3f} {largest:>17.2f} {largest / nxn_mb:>8.2f}x")
+    start = time.perf_counter()
+    largest = largest_allocation_bytes(lambda: received_attention(q, k, [0, patches])) / 2**20  # one run, timed with the profiler on
+    seconds = time.perf_counter() - start
+    matrix_mb = args.heads * patches * patches * 4 / 2**20
+    print(f"hiprune scores, one block of S = {patches} patches x {args.heads} heads: {seconds:.2f} s, largest allocation {largest:.1f} MB"
+          f" against {matrix_mb:.0f} MB for the [heads, S, S] fp32 attention ({largest / matrix_mb:.4f}x); HiPrune scores two blocks")
     same = torch.equal(results["cdpruner (matrix-free)"], results["naive explicit kernel"])
     print(f"cdpruner == explicit-kernel greedy: {same}")
     print("(the largest matrix-free allocation is the L2-normalised copy of the N x D features)")

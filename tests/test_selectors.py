@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lt_opd_ray.core.selectors import SelectionInput, build_selector
+from lt_opd_ray.core.selectors import SELECTORS, EncoderAttention, SelectionInput, build_selector
 from lt_opd_ray.core.selectors.cdpruner import CDPruner
 
 
@@ -118,12 +118,13 @@ def test_divprune_equals_naive_max_min(seed):
     assert got.tolist() == naive_divprune(features, k)
 
 
-@pytest.mark.parametrize("name", ["cdpruner", "divprune", "random", "uniform"])
+@pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_every_selector_returns_k_sorted_distinct_indices(name):
     selector = build_selector(name)
     features = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))
+    attention = EncoderAttention(torch.rand(37), torch.rand(37))  # read by the selectors that read it (HiPrune)
     for k in (1, 5, 36, 37):
-        got = selector.select(SelectionInput(features, torch.randn(16), (1, 37), seed=7), k)
+        got = selector.select(SelectionInput(features, torch.randn(16), (1, 37), seed=7, attention=attention), k)
         assert got.dtype == torch.long
         assert got.tolist() == sorted(set(got.tolist()))
         assert len(got) == k and 0 <= got.min() and got.max() < 37
@@ -153,6 +154,14 @@ def test_k_outside_one_to_n_is_refused(k):
         build_selector("cdpruner").select(SelectionInput(torch.randn(16, 4), torch.randn(4), (4, 4)), k)
 
 
+def test_the_job_schema_offers_every_selector_and_only_those():
+    from typing import get_args
+
+    from lt_opd_ray.config.schema import SelectorName
+
+    assert sorted(get_args(SelectorName)) == sorted(SELECTORS)
+
+
 def test_unknown_selector_is_named():
-    with pytest.raises(ValueError, match="unknown selector 'fastv'"):
-        build_selector("fastv")
+    with pytest.raises(ValueError, match="unknown selector 'tome'"):
+        build_selector("tome")

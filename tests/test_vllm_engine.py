@@ -91,6 +91,29 @@ def test_pruned_rollout_equals_transformers_with_the_same_indices(family, tiny_d
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "glm4v"])
+def test_hiprune_in_the_engine_keeps_what_the_transformers_adapter_keeps(family, tiny_dirs, engines):
+    """HiPrune reads vLLM's own tower attention (its windowed Qwen2.5-VL block among them): at 90% of an image's 36 or 64
+    tokens (an anchor and its buffers, the rest registers) the engine keeps the adapter's tokens."""
+    from lt_opd_ray.core.selectors import build_selector
+    from lt_opd_ray.core.selectors.hiprune import ALPHA as HIPRUNE_ALPHA
+    from lt_opd_ray.engines.vllm.engine import engine_prompt
+    from lt_opd_ray.engines.vllm.selection import SelectionRequest
+    from lt_opd_ray.models.processor import VLMProcessor, encode_samples
+
+    samples = [synthetic_sample(i, size=320) for i in range(2)]
+    prompts = encode_samples(VLMProcessor(tiny_dirs[family]), samples)
+    selections = [SelectionRequest(budget_bps=9000, k_min=K_MIN, selector="hiprune", seed=i) for i in range(2)]
+    results = engines(family).generate([engine_prompt(p, list(s.images)) for p, s in zip(prompts, samples)], selections, GREEDY, seeds=[1, 2])
+    vlm = _adapter(tiny_dirs[family])
+    for prompt, (_, kept) in zip(prompts, results):
+        features = vlm.visual_features(prompt, with_attention=True)
+        assert round(HIPRUNE_ALPHA * kept.indices[0].numel() / 5) >= 1  # an anchor
+        own = vlm.select(prompt, features, build_selector("hiprune"), 9000, K_MIN)
+        assert torch.equal(kept.indices[0], own[0]), family
+
+
+@pytest.mark.slow
 def test_two_image_prompts_prune_each_image_as_the_transformers_path(tiny_dirs):
     """Rows of two images in vLLM: each image's picks are the adapter's for that image (per-image seeds), and the
     greedy tokens and log-probs are the transformers path's on those picks."""

@@ -80,9 +80,13 @@ class DataConfig(StrictModel):
         return self
 
 
+SelectorName = Literal["cdpruner", "divprune", "hiprune", "random", "uniform"]  # core/selectors SELECTORS (tests/test_selectors.py holds them equal)
+
+
 class SelectorConfig(StrictModel):
-    name: Literal["cdpruner", "divprune", "random", "uniform"] = "cdpruner"
-    """Which visual tokens the student keeps: CDPruner (docs/architecture.md §1), DivPrune, seeded random, uniform grid."""
+    name: SelectorName = "cdpruner"
+    """Which visual tokens the student keeps: CDPruner (docs/architecture.md §1), DivPrune, HiPrune (the vision encoder's
+    own attention), seeded random, uniform grid."""
     merge: Literal["none", "learnable"] = "none"
     """`learnable`: each kept token also takes in its discarded cosine neighbours through a trained head (the paper's
     release, with cdpruner; models/token_merge.py); `none`: the discarded tokens are dropped."""
@@ -208,7 +212,7 @@ class EvalConfig(StrictModel):
     """Evaluate after every this many optimizer steps (and after the last)."""
     budget_bps: int | None = Field(None, gt=0, le=BPS)
     """Visual budget of the evaluation; None: budget.target_bps."""
-    selectors: list[Literal["cdpruner", "divprune", "random", "uniform"]] = ["cdpruner"]
+    selectors: list[SelectorName] = ["cdpruner"]
     """Selectors evaluated at that budget (the first is the headline metric)."""
     at_start: bool = False
     """Before the first update of a fresh run, also evaluate `data` at full visual tokens (the reference a retain

@@ -13,6 +13,7 @@ For Qwen3-VL the deepstack features are pruned with the same indices. What diffe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ import torch
 from lt_opd_ray.core.curriculum import tokens_to_keep
 from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
-from lt_opd_ray.core.selectors import SelectionInput, Selector
+from lt_opd_ray.core.selectors import EncoderAttention, SelectionInput, Selector
+from lt_opd_ray.models.encoder_attention import recorded_attention, tower_attention
 from lt_opd_ray.models.transfer import to_device
 from lt_opd_ray.models.processor import IMAGE, TEXT, VIDEO, PromptInputs
 from lt_opd_ray.models.token_merge import assign_to_kept, merge_head
@@ -35,6 +37,7 @@ class VisualFeatures:
     embeds: list[torch.Tensor]  # per image [N_i, D]
     deepstack: list[list[torch.Tensor]] | None  # per image, per deepstack layer [N_i, D] (Qwen3-VL only)
     merged_grids: list[tuple[int, int, int]]  # per image (t, h, w) after the spatial merge; N_i = t*h*w
+    attention: list[EncoderAttention] | None = None  # per unit, when asked for (a selector that reads it)
 
 
 @dataclass
@@ -101,28 +104,38 @@ class QwenVLM:
         return self.model.get_input_embeddings()(to_device(ids, self.device))
 
     # ---------------------------------------------------------- full prompt
-    def visual_features(self, prompt: PromptInputs) -> VisualFeatures:
+    def visual_features(self, prompt: PromptInputs, with_attention: bool = False) -> VisualFeatures:
         """Vision tower + merger (differentiable: the learner trains both), one unit per image and per temporal patch
-        of the clip, in prompt order (`PromptInputs.visual_units`)."""
-        parts = {IMAGE: self._encoded(prompt.pixel_values, prompt.image_grid_thw, self.model.model.get_image_features),
-                 VIDEO: self._encoded(prompt.pixel_values_videos, prompt.video_grid_thw, self.model.model.get_video_features)}
+        of the clip, in prompt order (`PromptInputs.visual_units`); `with_attention`: also the attention each merged
+        token receives inside the tower (for a selector that reads it, models/encoder_attention.py)."""
+        parts = {IMAGE: self._encoded(prompt.pixel_values, prompt.image_grid_thw, self.model.model.get_image_features, with_attention),
+                 VIDEO: self._encoded(prompt.pixel_values_videos, prompt.video_grid_thw, self.model.model.get_video_features, with_attention)}
         units = [next(parts[kind]) for kind, _ in prompt.visual_units]
         grids = [(t, h // self.merge, w // self.merge) for _, (t, h, w) in prompt.visual_units]
-        deepstack = [layers for _, layers in units] if self.family.deepstack else None
-        return VisualFeatures(embeds=[embeds for embeds, _ in units], deepstack=deepstack, merged_grids=grids)
+        deepstack = [layers for _, layers, _ in units] if self.family.deepstack else None
+        return VisualFeatures(embeds=[embeds for embeds, _, _ in units], deepstack=deepstack, merged_grids=grids,
+                              attention=[attention for _, _, attention in units] if with_attention else None)
 
-    def _encoded(self, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, encode):
-        """(embeds, deepstack layers or None) per unit of one modality: per image, or per temporal patch of each clip
-        (a clip's t*h*w merged tokens are t runs of h*w in the prompt)."""
+    def _encoded(self, pixels: torch.Tensor | None, grid_thw: torch.Tensor | None, encode, with_attention: bool):
+        """(embeds, deepstack layers or None, encoder attention or None) per unit of one modality: per image, or per
+        temporal patch of each clip (a clip's t*h*w merged tokens are t runs of h*w in the prompt)."""
         if pixels is None or grid_thw is None or not len(grid_thw):
             return iter(())
-        out = encode(to_device(pixels, self.device), to_device(grid_thw, self.device), return_dict=True)
+        visual = self.model.model.visual
+        with recorded_attention(visual) if with_attention else contextlib.nullcontext() as record:
+            out = encode(to_device(pixels, self.device), to_device(grid_thw, self.device), return_dict=True)
+        attention = None
+        if with_attention:
+            attention = tower_attention(visual, record, grid_thw, self.merge, self.family.windowed_vision)
         per_item = [list(layers) for layers in zip(*out.deepstack_features)] if self.family.deepstack else [None] * len(grid_thw)
+        start = 0
         for embeds, layers, (t, h, w) in zip(out.pooler_output, per_item, grid_thw.tolist()):
             size = h * w // self.merge**2
             for frame in range(t):
                 piece = slice(frame * size, (frame + 1) * size)
-                yield embeds[piece], None if layers is None else [layer[piece] for layer in layers]
+                received = None if attention is None else EncoderAttention(attention.object_block[start : start + size], attention.last_block[start : start + size])
+                start += size
+                yield embeds[piece], None if layers is None else [layer[piece] for layer in layers], received
 
     def query_embedding(self, prompt: PromptInputs) -> torch.Tensor:
         """Mean LLM input embedding of the question tokens (CDPruner's q before normalisation)."""
@@ -164,12 +177,14 @@ class QwenVLM:
                 i = group[0]
                 embeds, grid = features.embeds[i], features.merged_grids[i]
                 k = tokens_to_keep(embeds.shape[0], budget_bps, k_min)
-                item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=stable_seed(seed, i))  # per unit, any size of seed
+                item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=stable_seed(seed, i),  # per unit, any size of seed
+                                      attention=features.attention[i] if features.attention else None)
                 selected.append(selector.select(item, k))
                 continue
             union = torch.cat([features.embeds[i].detach().float() for i in group])
             k = tokens_to_keep(union.shape[0], budget_bps, k_min)
-            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0])), k)
+            attention = EncoderAttention.joined([features.attention[i] for i in group]) if features.attention else None
+            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0]), attention=attention), k)
             bounds = list(itertools.accumulate((features.embeds[i].shape[0] for i in group), initial=0))  # each unit's range in the union
             selected += [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         return selected

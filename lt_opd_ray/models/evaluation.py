@@ -69,7 +69,7 @@ def generate_responses(
         chunk = samples[start : start + batch_size]
         reduced = []
         for prompt, s in zip(encode_samples(processor, chunk, system_prompt), chunk):
-            features = vlm.visual_features(prompt)
+            features = vlm.visual_features(prompt, with_attention=budget_bps < BPS and choose.reads_encoder_attention)
             if budget_bps >= BPS:
                 kept = vlm.keep_all(features)
             else:

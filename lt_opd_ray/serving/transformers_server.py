@@ -177,7 +177,7 @@ class TransformersStudent:
         try:
             with torch.inference_mode():  # grad mode is per thread: this request's thread, not the process
                 (prompt,) = encode_samples(self.processor, [Sample(sample_uid, request.images, request.question)], request.system_prompt)
-                features = self.vlm.visual_features(prompt)
+                features = self.vlm.visual_features(prompt, with_attention=self.choose is not None and self.choose.reads_encoder_attention)
                 if self.compression is None:
                     kept = self.vlm.keep_all(features)
                 else:

@@ -1,12 +1,13 @@
 """Visual-token selectors behind one interface (`Selector.select`)."""
 
-from lt_opd_ray.core.selectors.base import SelectionInput, Selector
+from lt_opd_ray.core.selectors.base import EncoderAttention, SelectionInput, Selector
 from lt_opd_ray.core.selectors.cdpruner import CDPruner
 from lt_opd_ray.core.selectors.divprune import DivPrune
+from lt_opd_ray.core.selectors.hiprune import HiPrune
 from lt_opd_ray.core.selectors.simple import RandomSelector, UniformGridSelector
 
 SELECTORS: dict[str, type[Selector]] = {
-    cls.name: cls for cls in (CDPruner, DivPrune, RandomSelector, UniformGridSelector)
+    cls.name: cls for cls in (CDPruner, DivPrune, HiPrune, RandomSelector, UniformGridSelector)
 }
 
 
@@ -27,4 +28,4 @@ def build_selector(name: str, scope: str = "image") -> Selector:
     return selector
 
 
-__all__ = ["SCOPES", "SELECTORS", "SelectionInput", "Selector", "build_selector"]
+__all__ = ["SCOPES", "SELECTORS", "EncoderAttention", "SelectionInput", "Selector", "build_selector"]

@@ -42,7 +42,7 @@ def rollout(
     """
     reduced, full, owners, seeds = [], [], [], []
     for index, (prompt, uid) in enumerate(zip(prompts, uids)):
-        features = vlm.visual_features(prompt)
+        features = vlm.visual_features(prompt, with_attention=selector.reads_encoder_attention)
         selected = vlm.select(prompt, features, selector, budget_bps, k_min, seed=selection_seed(seed, update, uid))
         prompt_reduced = vlm.reduce(prompt, features, selected)
         prompt_full = None

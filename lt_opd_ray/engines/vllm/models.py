@@ -30,19 +30,20 @@ what the teacher scorer uses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lt_opd_ray.core.curriculum import tokens_to_keep
-from lt_opd_ray.core.families import FAMILIES
+from lt_opd_ray.core.families import FAMILIES, family_of
 from lt_opd_ray.core.seeding import stable_seed
-from lt_opd_ray.core.selectors import SelectionInput, build_selector
+from lt_opd_ray.core.selectors import SELECTORS, EncoderAttention, SelectionInput, build_selector
 from lt_opd_ray.engines.vllm.selection import SELECTOR_NAMES, SelectionRequest
 from lt_opd_ray.models.token_merge import assign_to_kept
 
@@ -238,12 +239,15 @@ class PruningModelMixin:
         modality = "video" if kwargs.get("pixel_values_videos") is not None or kwargs.get("video_embeds") is not None else "image"
         ours = {name: kwargs.pop(name, None) for name in (*SELECTION_FIELD.values(), *QUERY_FIELD.values())}  # not the tower's
         selection, query = ours[SELECTION_FIELD[modality]], ours[QUERY_FIELD[modality]]
-        embeddings = super().embed_multimodal(**kwargs)
+        reads_attention = selection is not None and any(SELECTORS[SELECTOR_NAMES[int(row[2])]].reads_encoder_attention for row in selection)
+        with self._recorded_attention() if reads_attention else contextlib.nullcontext() as record:
+            embeddings = super().embed_multimodal(**kwargs)
         if embeddings is None:
             return None
         if selection is None:
             raise ValueError(f"{modality} inputs without {SELECTION_FIELD[modality]}: the request did not pass through the pruning processor")
         grids = kwargs[f"{modality}_grid_thw"]
+        units = iter(self._unit_attention(record, grids.tolist()) if reads_attention else ())
         kept = []
         for i, rows in enumerate(embeddings):
             budget_bps, k_min, selector, seed, nonce, first_unit = (int(v) for v in selection[i])
@@ -258,20 +262,41 @@ class PruningModelMixin:
             for patch in range(t):  # an image is one unit; a clip's temporal patches are one each
                 unit = rows[patch * h * w : (patch + 1) * h * w]
                 picked, indices = self._keep(unit, (h, w), tokens_to_keep(h * w, budget_bps, k_min), SELECTOR_NAMES[selector],
-                                             stable_seed(seed, first_unit + patch), q, nonce, first_unit + patch)
+                                             stable_seed(seed, first_unit + patch), q, nonce, first_unit + patch, next(units, None))
                 offsets = grid_offsets((1, h, w))[indices]
                 offsets[:, 0] = times[patch]
                 parts.append(torch.cat([picked, offsets.to(device=rows.device, dtype=rows.dtype)], dim=-1))
             kept.append(torch.cat(parts))
         return tuple(kept)
 
-    def _keep(self, rows: torch.Tensor, grid: tuple[int, int], k: int, selector: str, seed: int, query, nonce: int, unit: int):
+    def _recorded_attention(self):
+        """The tower's attention recorded during its forward (engines/vllm/encoder_attention.py), on one rank only."""
+        from lt_opd_ray.engines.vllm.encoder_attention import recorded_attention
+
+        if getattr(self, "use_data_parallel", False):
+            raise ValueError("hiprune on vLLM: the vision tower runs data-parallel (images split over ranks); run it with tensor_parallel_size 1")
+        return recorded_attention(self.visual)
+
+    def _unit_attention(self, record, grids: list[list[int]]) -> Iterator[EncoderAttention]:
+        """Per visual unit of this call (each image, each temporal patch of a clip), in order: its tokens' attention."""
+        from lt_opd_ray.engines.vllm.encoder_attention import tower_attention
+
+        attention = tower_attention(self.visual, record, grids, self._merge, family_of(self.config.model_type).windowed_vision)
+        start = 0
+        for grid in grids:
+            t, h, w = _merged_grid(grid, self._merge)
+            for _ in range(t):
+                yield EncoderAttention(attention.object_block[start : start + h * w], attention.last_block[start : start + h * w])
+                start += h * w
+
+    def _keep(self, rows: torch.Tensor, grid: tuple[int, int], k: int, selector: str, seed: int, query, nonce: int, unit: int,
+              attention: EncoderAttention | None = None):
         """(kept rows, their indices) of one visual unit's [N, D] rows on its (h, w) grid; recorded for collection."""
         n, width = rows.shape[0], self._main_width()
         if k == n:
             indices = torch.arange(n)
         else:
-            indices = build_selector(selector).select(SelectionInput(rows[:, :width].float(), query, grid, seed=seed), k)
+            indices = build_selector(selector).select(SelectionInput(rows[:, :width].float(), query, grid, seed=seed, attention=attention), k)
         on_device = indices.to(rows.device)
         head, route = getattr(self, "vision_token_compressor", None), None
         if head is None:
