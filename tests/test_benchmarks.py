@@ -209,7 +209,7 @@ def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, caps
     out = tmp_path / "eval"
     argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}", "--bench", f"muirbench={muirbench}",
             "--bench", f"mvbench={mvbench}", "--frames", "8",
-            "--budgets", "500", "2500", "--selectors", "cdpruner", "divprune", "--max-new-tokens", "4", "--out", str(out)]
+            "--budgets", "500", "2500", "--selectors", "cdpruner", "hiprune", "--max-new-tokens", "4", "--out", str(out)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["benchmarks"]) == {"mmbench", "pope", "muirbench", "mvbench"}
