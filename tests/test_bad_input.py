@@ -183,6 +183,8 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         f"data.path={tmp_path / 'prepared'}": f"{tmp_path / 'prepared' / 'manifest.json'}: not a manifest `lt-opd data` wrote",
         f"data.image_root={tmp_path}": "2 of 3 image file(s) not found",
         "sampling.n=1000000000": "sampling.n (--set): Input should be less than or equal to 1024",
+        "sampling.stop=['a','b','c','d','e']": "sampling.stop (--set): List should have at most 4 items after validation, not 5",
+        "selector.name=fastv": "selector.name (--set): Input should be 'cdpruner', 'divprune', 'hiprune', 'random' or 'uniform'",
         "pools.rollout.workers=1000000": "pools.rollout.workers (--set): Input should be less than or equal to 4096",
         "sampling.prompts_per_step=65": "sampling.prompts_per_step (65) is more than the 64 rows of data.path 'synthetic:64'",
         f"model.path={tmp_path / 'nomodel'}": f"model.path '{tmp_path / 'nomodel'}': no config.json there",  # train's preflight: the same check

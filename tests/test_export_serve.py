@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -45,10 +47,28 @@ def test_compression_config_round_trips_and_a_broken_one_is_named(tmp_path):
         CompressionConfig.read(tmp_path)
 
 
+def test_serving_defaults_round_trip_and_a_broken_file_is_named(tmp_path):
+    from lt_opd_ray.core.compression import ServingDefaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "eos_token_id": 3}))
+    assert ServingDefaults.read(tmp_path) == ServingDefaults((), (3,))
+    ServingDefaults(("</answer>",), (3, 9)).write(tmp_path)
+    assert ServingDefaults.read(tmp_path) == ServingDefaults(("</answer>",), (3, 9))
+    assert json.loads((tmp_path / "generation_config.json").read_text())["temperature"] == 0.7  # its other fields kept
+    for written, named in (("{", "generation_config.json: not JSON (line 1"), ("[]", "expected a JSON object, got list"),
+                           (json.dumps({"stop_strings": ["a"] * 5}), "stop_strings must be at most 4 non-empty strings"),
+                           (json.dumps({"stop_strings": [""]}), "stop_strings must be at most 4 non-empty strings"),
+                           (json.dumps({"eos_token_id": [True]}), "eos_token_id integers")):
+        (tmp_path / "generation_config.json").write_text(written)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            ServingDefaults.read(tmp_path)
+
+
 def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(tiny_dirs, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
+    from lt_opd_ray.models.processor import VLMProcessor
     from lt_opd_ray.serving.export import ExportError, export_student
 
     job = job_for(tiny_dirs["qwen3_vl"], tmp_path / "run")
@@ -64,6 +84,8 @@ def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(ti
     shutil.copytree(tiny_dirs["qwen3_vl"], tmp_path / "run" / "final")  # what a finished run leaves
     export_student(job, out)
     assert CompressionConfig.read(out) == CompressionConfig("cdpruner", job.budget.target_bps, job.budget.k_min)
+    assert ServingDefaults.read(out) == ServingDefaults(("</answer>",), VLMProcessor(tiny_dirs["qwen3_vl"]).eos_token_ids)
+    assert ServingDefaults.read(tiny_dirs["qwen3_vl"]).stop == ()  # the base model it was trained from names none
     exported = AutoModelForImageTextToText.from_pretrained(out)
     original = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen3_vl"])
     for (name, a), (_, b) in zip(exported.state_dict().items(), original.state_dict().items()):
@@ -198,7 +220,8 @@ def test_a_tied_qwen3_5_student_is_served_at_its_budget(tmp_path):
 
 @pytest.mark.slow
 def test_served_student_answers_an_image_question_with_the_compressed_prefill(tiny_dirs, tmp_path):
-    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
+    from lt_opd_ray.core.model_files import write_file_list
     from lt_opd_ray.core.curriculum import tokens_to_keep
     from lt_opd_ray.models.processor import VLMProcessor, question_messages
     from lt_opd_ray.serving.export import export_student
@@ -208,6 +231,10 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
     shutil.copytree(tiny_dirs["qwen3_vl"], tmp_path / "run" / "final")  # what a finished run leaves
     student = export_student(job, tmp_path / "student")
     assert CompressionConfig.read(student) == CompressionConfig("cdpruner", 2500, 2)
+    # the random student never writes the job's "</answer>": its folder's stop strings become four common letters (a
+    # request carries at most 4), so that a plain request visibly ends at the first it writes
+    ServingDefaults(("e", "a", "n", "t"), ServingDefaults.read(student).end_token_ids).write(student)
+    write_file_list(student)
     image, question = random_image(7), "What is in the picture?"
     prompt = VLMProcessor(student).encode(question_messages(question), [image])
     n = int((prompt.mm_token_type_ids == 1).sum())
@@ -216,6 +243,21 @@ def test_served_student_answers_an_image_question_with_the_compressed_prefill(ti
     with serving(student, tmp_path, "--max-body-mb", "2", "--max-media-mb", "1", "--max-image-pixels", "1000000") as server:
         port = server.port
         body, content = image_question(student, image, question, port, 2500, 2)  # the compression config's budget
+        # the official `openai` client: the folder's stop strings end a plain answer, a request's own `stop` overrides
+        # them; a stream carries the same answer; a seed repeats a sampled one; n over --max-choices is refused
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
+        ask = functools.partial(client.chat.completions.create, model=str(student), messages=body["messages"], max_tokens=8, temperature=0)
+        stopped, free = ask(), ask(stop=[])
+        assert stopped.choices[0].finish_reason == "stop" and free.choices[0].finish_reason == "length"
+        assert free.choices[0].message.content.startswith(stopped.choices[0].message.content)
+        chunks = list(ask(stop=[], stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == free.choices[0].message.content
+        sampled = [ask(stop=[], temperature=1.0, seed=3).choices[0].message.content for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        with pytest.raises(openai.BadRequestError, match="n: 2 is more than this server's 1 per request"):
+            ask(n=2)
         # a request may set its own budget where the server trusts request mm kwargs (a vLLM option)
         body["mm_processor_kwargs"] = {"lt_opd_budget_bps": 10000}
         assert _post(f"http://127.0.0.1:{port}/v1/chat/completions", body)["usage"]["prompt_tokens"] == full_length
@@ -361,6 +403,50 @@ def test_the_transformers_engine_keeps_the_servers_rules(tmp_path):
     prompt = VLMProcessor(tmp_path / "student").encode(question_messages("Which colour?"), [png.getvalue()])
     visual = int((prompt.mm_token_type_ids == 1).sum())
     assert answered["usage"]["prompt_tokens"] == prompt.input_ids.numel() - visual + tokens_to_keep(visual, 500, 4)
+
+
+def test_the_transformers_engine_answers_the_openai_client_and_ends_where_training_did(tmp_path):
+    """The official `openai` client (vLLM's own dependency) against the transformers engine, on the trained circles
+    toy: a plain request ends at the student's stop string (its folder's serving defaults), without it in the text;
+    `stop: []` overrides it; a stream carries the same answer, its finish reason and usage; a seed repeats a sampled
+    answer; n > 1 and a field the engine does not read are refused by name."""
+    import openai
+    from starlette.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
+    from lt_opd_ray.models.processor import end_of_sequence_ids
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.transformers_server import TransformersStudent, build_app
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    folder = tmp_path / "student"
+    shutil.copytree(resolve_model_dir("toy:circles"), folder)
+    CompressionConfig("cdpruner", 500, 4).write(folder)
+    ServingDefaults(("</answer>",), end_of_sequence_ids(folder, AutoTokenizer.from_pretrained(folder))).write(folder)  # what export writes
+    app = build_app(TransformersStudent(folder), API_KEY, ServeLimits(choices=4))  # n up to 4 passes the limit: the engine refuses it itself
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=API_KEY, http_client=TestClient(app), max_retries=0)
+    png = io.BytesIO()
+    random_image(1).save(png, format="PNG")
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+                                             {"type": "text", "text": "What colour is the biggest circle?"}]}]
+    ask = functools.partial(client.chat.completions.create, model=str(folder), messages=messages, max_tokens=24)
+
+    plain = ask(temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content.count("<answer>") == 1
+    assert "</answer>" not in plain.choices[0].message.content  # as vLLM answers: without the stop string
+    unstopped = ask(temperature=0, stop=[])  # the request's own stop stands
+    assert unstopped.choices[0].finish_reason == "length" and unstopped.choices[0].message.content.startswith(plain.choices[0].message.content + "</answer>")
+    chunks = list(ask(temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    sampled = [ask(temperature=3.0, seed=5, stop=[]).choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1] != ask(temperature=3.0, seed=6, stop=[]).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="n: 2 choices asked; the transformers engine answers one"):
+        ask(n=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs, top_logprobs: not supported by the transformers engine"):
+        ask(logprobs=True, top_logprobs=2)
 
 
 def test_a_student_cut_short_is_named_by_export_eval_and_serve_before_anything_loads(tiny_dirs, tmp_path, capsys):

@@ -1147,6 +1147,11 @@ def test_a_finished_run_logs_every_step_evaluates_and_exports_the_student(cluste
     assert evaluated == [2, 4, 5]  # every 2nd update and the last
     assert all(sorted(log.eval_accuracy) == ["cdpruner", "uniform"] for log in logs if log.eval_accuracy)
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    from lt_opd_ray.core.compression import ServingDefaults
+    from lt_opd_ray.models.processor import VLMProcessor
+
+    # served, it ends where its rollouts ended: the job's stop strings, every end token its sampler stopped at
+    assert ServingDefaults.read(tmp_path / "final") == ServingDefaults(tuple(job.sampling.stop), VLMProcessor(job.model.path).eos_token_ids)
     reference = reference_trajectory(job, 5)  # the distributed run reproduces the reference (tested above)
     learner = reference.weights[5]
     # 4-5 Adam steps amplify fp32 rounding to ~1.4e-4 (measured, also before micro-batching); a wrong export is off by O(1)

@@ -151,8 +151,9 @@ class SamplingConfig(StrictModel):
     """Nucleus mass of the rollout policy."""
     max_new_tokens: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Longest response."""
-    stop: list[str] = ["</answer>"]
-    """Strings that end a response (besides EOS); the stop string is kept in the response."""
+    stop: list[str] = Field(["</answer>"], max_length=4)
+    """Strings that end a response (besides EOS); the stop string is kept in the response. At most 4: the served
+    student ends at them too, and a chat request carries at most 4 (OpenAI's API, vLLM's server)."""
 
 
 JUDGE_REWARD = "judge"  # reward.name of a reward that needs a model: evals/judge.py, served by pools.reward

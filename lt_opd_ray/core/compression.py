@@ -62,3 +62,44 @@ def learnable_merge(config) -> dict | None:
     entry = config.get("vision_token_compressor") if isinstance(config, dict) else getattr(config, "vision_token_compressor", None)
     merge = (entry.get("learnable_merge") or {}) if isinstance(entry, dict) else {}
     return merge if merge.get("enabled") else None
+
+
+GENERATION_CONFIG = "generation_config.json"
+MAX_STOP = 4  # stop strings one chat request carries (OpenAI's API, vLLM's server)
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    """Where a served student's answer ends unless a request says otherwise: the job's stop strings and every token
+    that ended a response in training (the tokenizer's end token and the base model's), as generation_config.json's
+    `stop_strings` and `eos_token_id` (Hugging Face's names: transformers' generate reads both, vLLM the second; the
+    request guard in front of vLLM fills a request's `stop` from the first)."""
+
+    stop: tuple[str, ...]
+    end_token_ids: tuple[int, ...]
+
+    def write(self, folder: Path) -> None:
+        """Into the folder's generation_config.json, its other fields kept."""
+        path = Path(folder) / GENERATION_CONFIG
+        config = json.loads(path.read_text()) if path.exists() else {}
+        config |= {"stop_strings": list(self.stop), "eos_token_id": list(self.end_token_ids)}
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def read(cls, folder: str | Path) -> ServingDefaults:
+        """The folder's defaults; none named: no stop string, no end token beyond the tokenizer's."""
+        path = Path(folder) / GENERATION_CONFIG
+        try:
+            config = json.loads(path.read_text()) if path.exists() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        stop, ends = config.get("stop_strings") or [], config.get("eos_token_id")
+        stop = [stop] if isinstance(stop, str) else stop
+        ends = [] if ends is None else [ends] if isinstance(ends, int) else ends
+        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop) \
+                or not isinstance(ends, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ends):
+            raise ValueError(f"{path}: stop_strings must be at most {MAX_STOP} non-empty strings (a chat request carries at most"
+                             f" {MAX_STOP}) and eos_token_id integers; got {str(stop)[:200]} and {str(ends)[:200]}")
+        return cls(tuple(stop), tuple(ends))

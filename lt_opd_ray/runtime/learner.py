@@ -314,7 +314,7 @@ class Learner:
         import shutil
         from pathlib import Path
 
-        from lt_opd_ray.core.compression import CompressionConfig
+        from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
         from lt_opd_ray.core.model_files import write_file_list
 
         state = self.full_state_dict()
@@ -327,6 +327,7 @@ class Learner:
         self.processor.tokenizer.save_pretrained(staging)
         self.processor.image_processor.save_pretrained(staging)
         CompressionConfig.from_job(self.job).write(staging)  # `lt-opd serve` on final/ serves it at the budget it was trained for
+        ServingDefaults(tuple(self.job.sampling.stop), self.processor.eos_token_ids).write(staging)  # ... and ends it where training did
         write_file_list(staging)  # what export, eval and serve check it against
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)

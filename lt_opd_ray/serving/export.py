@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lt_opd_ray.core.compression import CompressionConfig
+from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
 from lt_opd_ray.core.model_files import ModelFolderError, check_model_folder, write_file_list
 from lt_opd_ray.core.outputs import OutputFolder, OutputFolderError
 
@@ -51,6 +51,7 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
         else:
             _from_deepspeed_checkpoint(job, storage, step, staging)
         CompressionConfig.from_job(job).write(staging)
+        _write_serving_defaults(job, staging)
         write_file_list(staging)
         _check_loadable(staging)
         return destination.publish(staging)
@@ -60,6 +61,16 @@ def export_student(job, out_dir: str | Path, step: int | None = None, force: boo
     except BaseException:
         destination.discard(staging)
         raise
+
+
+def _write_serving_defaults(job, folder: Path) -> None:
+    """The job's stop strings and the end tokens its rollouts stopped at (the folder tokenizer's and its generation
+    config's), the defaults `lt-opd serve` answers with."""
+    from transformers import AutoTokenizer
+
+    from lt_opd_ray.models.processor import end_of_sequence_ids
+
+    ServingDefaults(tuple(job.sampling.stop), end_of_sequence_ids(folder, AutoTokenizer.from_pretrained(folder))).write(folder)
 
 
 def _check_final(folder: Path, where: str) -> None:

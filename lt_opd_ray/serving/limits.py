@@ -33,6 +33,7 @@ from lt_opd_ray.engines.vllm.media import MAX_MEDIA_ENV, MIB
 
 MAX_BODY_ENV = "LT_OPD_MAX_BODY_BYTES"
 API_KEY_ENV = "LT_OPD_API_KEY"  # the transformers engine's key (vLLM's server reads VLLM_API_KEY)
+SERVED_FOLDER_ENV = "LT_OPD_SERVED_FOLDER"  # the folder vLLM's server serves: the guard reads its serving defaults
 PIXELS_ENV = "VLLM_MAX_IMAGE_PIXELS"  # vLLM's own name; the transformers engine reads it too
 JSON_DEPTH = 64  # an OpenAI-style chat body nests about 6 deep; a tool's JSON schema a few dozen at most
 
@@ -307,12 +308,20 @@ class RequestGuard:
     fields against the limits and the time limit."""
 
     OPEN_PATHS = ("/health", "/ping")
+    STOPPED_PATHS = ("/v1/chat/completions", "/v1/completions")  # where a request without `stop` gets the student's
 
-    def __init__(self, app, limits: ServeLimits | None = None, api_key: str | None = None, inspect: bool = True):
+    def __init__(self, app, limits: ServeLimits | None = None, api_key: str | None = None, inspect: bool = True,
+                 stop: tuple[str, ...] | None = None):
         self.app = app
         self.limits = ServeLimits.from_environment() if limits is None else limits
         self.limit = self.limits.body_bytes
         self.inspect = inspect
+        if stop is None:  # vLLM's server: the served folder's stop strings (its generation config's, ServingDefaults)
+            from lt_opd_ray.core.compression import ServingDefaults
+
+            folder = os.environ.get(SERVED_FOLDER_ENV)
+            stop = ServingDefaults.read(folder).stop if folder else ()
+        self.stop = stop
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY")
         self.expected = f"Bearer {key}".encode() if key else None
         if limits is None:  # loaded by vLLM's server from the environment `lt-opd serve` set: that process's Pillow
@@ -354,6 +363,10 @@ class RequestGuard:
                 except (ValueError, UnicodeDecodeError):
                     parsed = None  # not JSON: the app answers it
                 check_request_body(parsed, self.limits)
+                if self.stop and isinstance(parsed, dict) and parsed.get("stop") is None and scope.get("path") in self.STOPPED_PATHS:
+                    body = json.dumps({**parsed, "stop": list(self.stop)}).encode()  # a request's own `stop` ([] too) stands
+                    scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"content-length"]
+                             + [(b"content-length", str(len(body)).encode())]}
         except LimitError as exc:
             return await _answer(send, exc.status, str(exc), "BadRequestError")
         messages = [{"type": "http.request", "body": body, "more_body": False}] + [m for m in messages if m["type"] != "http.request"]

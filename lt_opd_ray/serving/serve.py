@@ -78,17 +78,18 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     """(argv, environment) of the server process for `model_dir`: vLLM's server, or (`engine` transformers, or auto
     where vLLM cannot run the model on this machine) the transformers engine's (serving/transformers_server.py).
     A host beyond loopback without an API key is refused (ValueError) unless `allow_no_api_key`."""
-    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.core.model_files import check_model_folder
     from lt_opd_ray.engines.vllm.engine import check_architecture
-    from lt_opd_ray.serving.limits import API_KEY_ENV
+    from lt_opd_ray.serving.limits import API_KEY_ENV, SERVED_FOLDER_ENV
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
     model_dir = Path(model_dir).resolve()
     check_model_folder(model_dir)  # its listed files at their sizes, its safetensors headers whole
     compression = CompressionConfig.read(model_dir)  # validates the file before anything starts
+    ServingDefaults.read(model_dir)  # and the stop strings and end tokens it answers with
     config = json.loads((model_dir / "config.json").read_text())
     family = family_of_config(config, str(model_dir))  # a family neither engine runs is refused here
     if engine != "transformers":
@@ -122,6 +123,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         argv = _vllm_argv(model_dir, config, family, host, port, dtype, max_model_len, extra or [], limits)
         if key is not None:
             env["VLLM_API_KEY"] = key
+        env[SERVED_FOLDER_ENV] = str(model_dir)  # the guard gives a request without `stop` the folder's stop strings
         _vllm_environment(env)
     merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
     budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"

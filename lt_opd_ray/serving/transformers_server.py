@@ -27,6 +27,9 @@ from pathlib import Path
 from lt_opd_ray.serving.limits import LimitError, check_count, check_pixels, check_token_fields, image_size
 
 DEFAULT_MAX_TOKENS = 256
+# the chat-completion fields this engine reads; any other is refused by name (never silently ignored)
+FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+                    "stream", "stream_options", "user"})
 
 
 class RequestError(LimitError):
@@ -43,12 +46,18 @@ class ChatRequest:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    stream: bool = False
+    stream_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
     @classmethod
-    def parse(cls, body: object, limits) -> ChatRequest:
-        """The one user turn this server answers (its text and inline images; a system message before it), checked."""
+    def parse(cls, body: object, limits, default_stop: tuple[str, ...] = ()) -> ChatRequest:
+        """The one user turn this server answers (its text and inline images; a system message before it), checked;
+        without a `stop` of its own, the student's (`default_stop`, ServingDefaults)."""
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
+        unsupported = sorted(set(body) - FIELDS)
+        if unsupported:
+            raise RequestError(f"{', '.join(unsupported)}: not supported by the transformers engine (it reads {', '.join(sorted(FIELDS))})")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages: a non-empty list of message objects is required")
@@ -83,14 +92,21 @@ class ChatRequest:
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise RequestError("messages[0].content: the system message must be text")
         stop = body.get("stop")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
-        if stop is None or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else default_stop if stop is None else None
+        if stop is None or (body.get("stop") is not None and len(stop) > 4) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop: a string or a list of at most 4 non-empty strings")
-        check_token_fields(body, limits)  # integers within the limits, one choice (n, best_of), as in front of vLLM
+        check_token_fields(body, limits)  # integers within the limits, as in front of vLLM
+        if body.get("n") not in (None, 1):
+            raise RequestError(f"n: {body['n']} choices asked; the transformers engine answers one")
+        stream = body.get("stream") or False
+        options = body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise RequestError("stream: true or false; stream_options: at most {\"include_usage\": true or false}")
+        tokens = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
         return cls(question, tuple(images), system_prompt,
-                   _number(body, "max_tokens", int, min(DEFAULT_MAX_TOKENS, limits.max_tokens), 1, limits.max_tokens),
+                   _number(body, tokens, int, min(DEFAULT_MAX_TOKENS, limits.max_tokens), 1, limits.max_tokens),
                    _number(body, "temperature", float, 1.0, 0.0, 10.0), _number(body, "top_p", float, 1.0, 1e-6, 1.0),
-                   _number(body, "seed", int, 0, 0, 2**63 - 1), stop)
+                   _number(body, "seed", int, 0, 0, 2**63 - 1), stop, stream, bool(options.get("include_usage", False)))
 
 
 def _number(body: dict, name: str, kind: type, default, low, high):
@@ -144,7 +160,7 @@ class TransformersStudent:
     """The student folder loaded for answering: its model, processor and compression config."""
 
     def __init__(self, model_dir: Path):
-        from lt_opd_ray.core.compression import CompressionConfig
+        from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
         from lt_opd_ray.core.selectors import build_selector
         from lt_opd_ray.models.adapter import QwenVLM
         from lt_opd_ray.models.loading import load_vlm
@@ -155,6 +171,7 @@ class TransformersStudent:
         model_dir, model = load_vlm(model_dir, token_merge=merge)
         self.name, self.vlm, self.processor = str(model_dir), QwenVLM(model.eval()), VLMProcessor(model_dir)
         self.choose = build_selector(self.compression.selector) if self.compression else None
+        self.stop = ServingDefaults.read(model_dir).stop  # a request without `stop` ends where training did
         self.lock = threading.Lock()  # one request at a time: the model is not shared across threads
 
     def answer(self, request: ChatRequest, deadline: float | None = None, seconds: float = 0) -> dict:
@@ -205,7 +222,7 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
 
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     from lt_opd_ray.serving.limits import RequestGuard
@@ -222,8 +239,11 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
     async def chat(request):
         deadline = time.monotonic() + limits.request_seconds  # from the request's arrival, waiting for the model included
         try:
-            parsed = ChatRequest.parse(json.loads(await request.body()), limits)
-            return JSONResponse(await run_in_threadpool(student.answer, parsed, deadline, limits.request_seconds))
+            parsed = ChatRequest.parse(json.loads(await request.body()), limits, student.stop)
+            answer = await run_in_threadpool(student.answer, parsed, deadline, limits.request_seconds)
+            if parsed.stream:
+                return StreamingResponse(_events(answer, parsed.stream_usage), media_type="text/event-stream")
+            return JSONResponse(answer)
         except json.JSONDecodeError as exc:
             return error(400, f"the body is not JSON: {exc}", "BadRequestError")
         except LimitError as exc:  # RequestError included: the field or limit named
@@ -235,6 +255,27 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key or "", inspect=False)  # the key, the body, the JSON depth
     return app
+
+
+def _events(answer: dict, usage: bool):
+    """A finished answer as OpenAI's server-sent chat-completion chunks: the role, the text, the finish reason, the usage
+    when asked, then [DONE]. The text comes once the whole answer is generated (this engine samples a request to its end
+    before it answers): the first chunk arrives with the last token."""
+    import json
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        body = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"], "model": answer["model"],
+                "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    choice = answer["choices"][0]
+    yield chunk({"role": "assistant", "content": ""})
+    yield chunk({"content": choice["message"]["content"]})
+    yield chunk({}, choice["finish_reason"])
+    if usage:
+        yield chunk(None, usage=answer["usage"])
+    yield "data: [DONE]\n\n"
 
 
 def main(argv: list[str] | None = None) -> None:
