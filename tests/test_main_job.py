@@ -72,7 +72,7 @@ def served_as_evaluated(student, tmp_path) -> None:
         {"type": "text", "text": sample.question}]}]
     with serving(student, tmp_path, vllm_options=()) as server:
         answer = _post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
-                       {"model": str(student), "messages": messages, "max_tokens": 32, "temperature": 0, "stop": "</answer>"})
+                       {"model": str(student), "messages": messages, "max_tokens": 32, "temperature": 0})  # a plain request: final/'s stop ends it
     assert "the transformers engine serves it" in (tmp_path / "server.log").read_text()
     processor = VLMProcessor(student)
     (prompt,) = encode_samples(processor, [sample], job.data.system_prompt)
@@ -80,6 +80,7 @@ def served_as_evaluated(student, tmp_path) -> None:
     assert answer["usage"]["prompt_tokens"] == prompt.input_ids.numel() - visual + tokens_to_keep(visual, job.budget.target_bps, job.budget.k_min)
     (expected,) = generate_responses(QwenVLM(load_vlm(student)[1].eval()), processor, [sample], job.budget.target_bps, "cdpruner",
                                      job.budget.k_min, job.data.system_prompt, max_new_tokens=32, stop=("</answer>",))
+    assert answer["choices"][0]["finish_reason"] == "stop", answer
     assert answer["choices"][0]["message"]["content"] == expected.removesuffix("</answer>"), (answer, expected)
 
 
