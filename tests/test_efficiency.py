@@ -128,3 +128,28 @@ def test_commands_without_their_input_are_refused_in_one_line(capsys):
     assert "give a model folder or --preset (one of qwen3.5-4b, qwen3.5-9b, glm-4.6v-flash)" in capsys.readouterr().err
     assert main(["ablation", "jobs/toy_circles.yaml", "--arms", "nope"]) == 2
     assert "unknown arm(s) nope; known:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vLLM"])
+def test_the_measured_mode_times_the_serving_engine_beside_the_calculators_prediction(engine, tiny_dirs, tmp_path, capsys):
+    """`--measure` on the engine `lt-opd serve` picks: the toy student (head size 16) on transformers, a tiny Qwen3-VL
+    on vLLM's CPU build. The prompt it prefilled at each budget is the calculator's for the same prompt, fewer at 5%;
+    its first-token and end-to-end figures are positive times. Timings themselves are the benchmark's (docs/benchmarks.md), not asserted."""
+    import shutil
+
+    from lt_opd_ray.cli.main import main
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.sources.resolve import resolve_model_dir
+
+    folder = tmp_path / "student"
+    shutil.copytree(resolve_model_dir("toy:circles") if engine == "transformers" else tiny_dirs["qwen3_vl"], folder)
+    CompressionConfig("cdpruner", 500, 2).write(folder)
+    assert main(["efficiency", str(folder), "--measure", "--repeats", "1", "--max-new-tokens", "3", "--budgets", "500", "--image", "224x224"]) == 0
+    out = capsys.readouterr().out
+    assert f"measured on {engine} (CPU)" in out and "differ from what the engine prefilled" not in out
+    full, pruned = (line.split() for line in out.splitlines()[-3:-1])
+    assert full[:1] == ["100%"] and pruned[:1] == ["5%"] and int(pruned[1]) < int(full[1])
+    assert all(float(row[i]) > 0 for row in (full, pruned) for i in (2, 5))  # first token ms, end-to-end ms
+    float(full[4]), float(pruned[4])  # decode ms/token: a difference of medians, noise where answers are short
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--measure"]) == 2
+    assert "--measure times a model folder's serving engine: give the folder, not --preset" in capsys.readouterr().err

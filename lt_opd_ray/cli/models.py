@@ -157,7 +157,45 @@ def cmd_efficiency(args) -> int:
     if merging:
         print(f"learnable token merge: {merge_parameters(config):,} parameters; its GFLOPs (last column) are"
               f" {rows[-1].merge_flops / rows[-1].lm_flops:.3%} of the LM prefill at {min(args.budgets) / 100:g}%")
+    if args.measure:
+        if args.model is None:
+            print("efficiency: --measure times a model folder's serving engine: give the folder, not --preset", file=sys.stderr)
+            return 2
+        return _measured(args, config, (height, width), budgets, merging)
     return 0
+
+
+def _measured(args, config: dict, size: tuple[int, int], budgets: list[int], merging: bool) -> int:
+    """The serving engine's measured latency at each budget, beside the calculator's prediction for the same prompt."""
+    from lt_opd_ray.planning.efficiency import prefill_cost
+    from lt_opd_ray.planning.latency import measure, serving_engine
+
+    engine = serving_engine(Path(args.model))
+    measured = measure(engine, *size, budgets, args.max_new_tokens, args.repeats)
+    full = measured[0]
+    predicted = [prefill_cost(config, row.text_tokens, [row.grid_thw], row.budget_bps, engine.compression.k_min, token_merge=merging) for row in measured]
+    print(f"\nmeasured on {engine.name} ({'GPU' if _on_gpu() else 'CPU'}), one request at a time, medians of {args.repeats}"
+          f" (a fresh {size[0]}x{size[1]} noise image each, {full.text_tokens} text tokens), greedy answers of at most"
+          f" {args.max_new_tokens} tokens ending as served; beside them the calculator's figures for that prompt:")
+    print(f"{'budget':>7} {'prompt':>7} {'first token ms':>18} {'decode ms/token':>16} {'end-to-end ms':>18} {'tokens':>7}"
+          f" {'LM prefill TFLOPs':>18} {'KV cache MB':>12}")
+    for row, cost in zip(measured, predicted):
+        first = f"{row.first_token_s * 1e3:.1f} ({full.first_token_s / row.first_token_s:.2f}x)"
+        whole = f"{row.end_to_end_s * 1e3:.1f} ({full.end_to_end_s / row.end_to_end_s:.2f}x)"
+        flops = f"{cost.lm_flops / 1e12:.4f} ({cost.lm_flops / predicted[0].lm_flops - 1:+.1%})"
+        print(f"{row.budget_bps / 100:>6g}% {row.prompt_tokens:>7} {first:>18} {row.per_token_s * 1e3:>16.2f} {whole:>18} {row.tokens:>7}"
+              f" {flops:>18} {cost.kv_cache_bytes / 1e6:>12.2f}")
+    mismatched = [row.budget_bps for row, cost in zip(measured, predicted) if cost.prefill_tokens != row.prompt_tokens]
+    if mismatched:
+        print(f"note: at {mismatched} bps the calculator's prefill tokens differ from what the engine prefilled")
+    print("(the speed-ups are against every visual token)")
+    return 0
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def register(sub) -> None:
@@ -234,4 +272,8 @@ def register(sub) -> None:
     efficiency.add_argument("--budgets", type=BUDGET_BPS, nargs="+", default=[2500, 1000, 500], help="budgets in basis points, 1-10000 (default 2500 1000 500)")
     efficiency.add_argument("--k-min", type=whole_number(1), default=1, help="visual tokens kept per image at the least (default 1)")
     efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
+    efficiency.add_argument("--measure", action="store_true",
+                            help="also time the folder on its serving engine: first token, decode per token, end-to-end, at each budget")
+    efficiency.add_argument("--repeats", type=whole_number(1), default=5, help="requests per budget with --measure (medians; default 5)")
+    efficiency.add_argument("--max-new-tokens", type=whole_number(2), default=32, help="the longest answer timed with --measure (default 32)")
     efficiency.set_defaults(func=cmd_efficiency)
