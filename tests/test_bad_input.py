@@ -184,6 +184,7 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         f"data.image_root={tmp_path}": "2 of 3 image file(s) not found",
         "sampling.n=1000000000": "sampling.n (--set): Input should be less than or equal to 1024",
         "sampling.stop=['a','b','c','d','e']": "sampling.stop (--set): List should have at most 4 items after validation, not 5",
+        "sampling.stop=['']": "sampling.stop.0 (--set): String should have at least 1 character",
         "selector.name=fastv": "selector.name (--set): Input should be 'cdpruner', 'divprune', 'hiprune', 'random' or 'uniform'",
         "pools.rollout.workers=1000000": "pools.rollout.workers (--set): Input should be less than or equal to 4096",
         "sampling.prompts_per_step=65": "sampling.prompts_per_step (65) is more than the 64 rows of data.path 'synthetic:64'",

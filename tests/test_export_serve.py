@@ -48,18 +48,25 @@ def test_compression_config_round_trips_and_a_broken_one_is_named(tmp_path):
 
 
 def test_serving_defaults_round_trip_and_a_broken_file_is_named(tmp_path):
+    """The stop strings in lt_opd_serving.json, the end tokens in generation_config.json (whose other fields stay, and
+    which never holds stop strings: transformers' generate would refuse them without a tokenizer)."""
     from lt_opd_ray.core.compression import ServingDefaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "eos_token_id": 3}))
     assert ServingDefaults.read(tmp_path) == ServingDefaults((), (3,))
     ServingDefaults(("</answer>",), (3, 9)).write(tmp_path)
     assert ServingDefaults.read(tmp_path) == ServingDefaults(("</answer>",), (3, 9))
-    assert json.loads((tmp_path / "generation_config.json").read_text())["temperature"] == 0.7  # its other fields kept
-    for written, named in (("{", "generation_config.json: not JSON (line 1"), ("[]", "expected a JSON object, got list"),
-                           (json.dumps({"stop_strings": ["a"] * 5}), "stop_strings must be at most 4 non-empty strings"),
-                           (json.dumps({"stop_strings": [""]}), "stop_strings must be at most 4 non-empty strings"),
-                           (json.dumps({"eos_token_id": [True]}), "eos_token_id integers")):
-        (tmp_path / "generation_config.json").write_text(written)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"temperature": 0.7, "eos_token_id": [3, 9]}
+    with pytest.raises(ValueError, match="at most 4 non-empty strings"):
+        ServingDefaults(("a",) * 5, ()).write(tmp_path)
+    for name, written, named in (("generation_config.json", "{", "generation_config.json: not JSON (line 1"),
+                                 ("generation_config.json", "[]", "expected a JSON object, got list"),
+                                 ("generation_config.json", json.dumps({"eos_token_id": [True]}), "eos_token_id must be an integer or a list"),
+                                 ("lt_opd_serving.json", json.dumps({"stop": ["a"] * 5}), "lt_opd_serving.json: stop must be a list of at most 4"),
+                                 ("lt_opd_serving.json", json.dumps({"stop": [""]}), "stop must be a list of at most 4 non-empty strings")):
+        (tmp_path / "generation_config.json").write_text("{}")
+        ServingDefaults(("</answer>",), (3,)).write(tmp_path)
+        (tmp_path / name).write_text(written)
         with pytest.raises(ValueError, match=re.escape(named)):
             ServingDefaults.read(tmp_path)
 
@@ -87,6 +94,7 @@ def test_export_of_a_finished_run_is_a_loadable_folder_and_never_half_written(ti
     assert ServingDefaults.read(out) == ServingDefaults(("</answer>",), VLMProcessor(tiny_dirs["qwen3_vl"]).eos_token_ids)
     assert ServingDefaults.read(tiny_dirs["qwen3_vl"]).stop == ()  # the base model it was trained from names none
     exported = AutoModelForImageTextToText.from_pretrained(out)
+    assert exported.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2).shape[1] >= 4  # plain generate runs: no stop strings it cannot read
     original = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen3_vl"])
     for (name, a), (_, b) in zip(exported.state_dict().items(), original.state_dict().items()):
         assert torch.equal(a, b), name

@@ -64,6 +64,19 @@ def test_hiprune_without_the_encoders_attention_is_refused_by_name():
         build_selector("hiprune").select(SelectionInput(torch.randn(16, 4), None, (4, 4), attention=EncoderAttention(torch.ones(9), torch.ones(9))), 3)
 
 
+def test_hiprune_selects_per_image_only():
+    """Its buffers are an image's grid neighbours: over a union of images (scope clip or prompt) they would be flat
+    index neighbours, across rows and images; refused by the selector and by the job schema."""
+    from lt_opd_ray.config.schema import SelectorConfig
+
+    for scope in ("clip", "prompt"):
+        with pytest.raises(ValueError, match=f"hiprune selects each image on its own grid .*: selection scope {scope} refused; use image"):
+            build_selector("hiprune", scope)
+        with pytest.raises(ValueError, match=f"selector hiprune with scope {scope}: HiPrune's buffers are an image's grid neighbours"):
+            SelectorConfig(name="hiprune", scope=scope)
+    assert build_selector("hiprune", "image").scope == "image"
+
+
 def test_received_attention_is_each_segments_softmax_summed_over_its_queries():
     """Against the [S, S] matrix in float64 with the segments as a block-diagonal mask, on several chunk sizes."""
     from lt_opd_ray.core.selectors import hiprune

@@ -48,8 +48,10 @@ def asking(*urls: str, **fields) -> dict:
 
 
 def nested(depth: int) -> bytes:
-    """A chat body whose JSON nests `depth` deep (an ignored field of arrays)."""
-    return json.dumps(asking(_data_url(PNG), max_tokens=2, temperature=0, extra="X")).replace('"X"', "[" * (depth - 1) + "]" * (depth - 1)).encode()
+    """A chat body whose JSON nests `depth` deep (arrays in a key of the text part that neither engine reads)."""
+    body = asking(_data_url(PNG), max_tokens=2, temperature=0)
+    body["messages"][0]["content"][-1]["x"] = "X"
+    return json.dumps(body).replace('"X"', "[" * (depth - 5) + "]" * (depth - 5)).encode()
 
 
 # what each engine's server runs with here: tight enough for small requests to cross each limit
@@ -229,6 +231,52 @@ def test_the_guard_in_front_of_vllm_lets_a_request_within_the_limits_through(bod
     assert answered.status_code == 200, answered.text[:2000]
 
 
+def test_the_guard_gives_a_generation_request_without_stop_strings_the_students_on_every_route_vllm_generates_on():
+    """Each of vLLM's generation routes, its stop field absent or null: the app behind the guard receives the student's
+    stop strings there, with a Content-Length that matches; a request's own (`[]` too) stands; a route that generates
+    nothing, and a body that is not an object, pass untouched; under a root path the route is read after it."""
+    from starlette.testclient import TestClient
+
+    from lt_opd_ray.serving.limits import RequestGuard, ServeLimits
+
+    received = []
+
+    async def recording_app(scope, receive, send):
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        received.append((json.loads(body) if body else None, dict(scope["headers"]).get(b"content-length")))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    stop = ("</answer>", "STOP")
+    client = TestClient(RequestGuard(recording_app, ServeLimits(**LIMITS), api_key=API_KEY, stop=stop))
+
+    def sent(path: str, body, root: str = "") -> dict:
+        received.clear()
+        assert TestClient(RequestGuard(recording_app, ServeLimits(**LIMITS), api_key=API_KEY, stop=stop), root_path=root).post(
+            root + path, content=json.dumps(body).encode(), headers=HEADERS).status_code == 200
+        (got, length), = received
+        assert int(length) == len(json.dumps(got).encode()), path  # the header the app reads matches the body it gets
+        return got
+
+    for path, field in RequestGuard.STOP_FIELDS.items():
+        *outer, name = field
+        def request(**stop_field):
+            inner = {"max_tokens": 3, **stop_field}
+            return {"model": "m", outer[0]: inner} if outer else {"model": "m", "messages": [], **inner}
+        def read(body):
+            return body[outer[0]] if outer else body
+        assert read(sent(path, request()))[name] == list(stop), path
+        assert read(sent(path, request(**{name: None})))[name] == list(stop), path
+        assert read(sent(path, request(**{name: []})))[name] == [], path
+        assert read(sent(path, request(**{name: ["mine"]})))[name] == ["mine"], path
+    assert sent("/v1/chat/completions", {"messages": []}, root="/served")["stop"] == list(stop)
+    assert "stop" not in sent("/v1/embeddings", {"input": "x"}) and sent("/v1/completions", [1, 2]) == [1, 2]
+    assert client.get("/health").status_code == 200
+
+
 def test_a_body_over_the_limit_is_refused_unread_on_a_real_socket(student):
     """A Content-Length over the limit is answered 413 before any of the body is sent; a chunked body as soon as it
     passes the limit, the rest never sent (the server waited for neither)."""
@@ -348,6 +396,16 @@ OPTIONS_TABLE = [
     (["--hf-overrides.rope_theta", "1"], None),
     (["-asc", "1"], None),
 ]
+
+
+@pytest.mark.parametrize("extra", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["--tensor_parallel_size", "2"],
+                                   ["--tensor-para", "4"], ["-tp", "2"], ["--max-num-seqs", "4", "-tp", "8"]])
+def test_a_hiprune_folder_is_refused_a_tensor_parallel_tower_in_any_spelling(extra):
+    from lt_opd_ray.serving.serve import check_one_rank_tower
+
+    with pytest.raises(ValueError, match="the folder's selector hiprune scores the vision tower's attention on one rank"):
+        check_one_rank_tower(extra)
+    check_one_rank_tower(["-tp", "1", "--tensor-parallel-size=1", "--max-num-seqs", "4"])  # one rank: served
 
 
 @pytest.mark.parametrize(("extra", "named"), OPTIONS_TABLE, ids=[f"row{i}" for i in range(len(OPTIONS_TABLE))])

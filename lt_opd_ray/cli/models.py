@@ -161,6 +161,10 @@ def cmd_efficiency(args) -> int:
         if args.model is None:
             print("efficiency: --measure times a model folder's serving engine: give the folder, not --preset", file=sys.stderr)
             return 2
+        if args.images != 1 or args.frames:
+            print("efficiency: --measure times one image per request (--image's size); --images and --frames are the calculator's",
+                  file=sys.stderr)
+            return 2
         return _measured(args, config, (height, width), budgets, merging)
     return 0
 
@@ -183,7 +187,8 @@ def _measured(args, config: dict, size: tuple[int, int], budgets: list[int], mer
         first = f"{row.first_token_s * 1e3:.1f} ({full.first_token_s / row.first_token_s:.2f}x)"
         whole = f"{row.end_to_end_s * 1e3:.1f} ({full.end_to_end_s / row.end_to_end_s:.2f}x)"
         flops = f"{cost.lm_flops / 1e12:.4f} ({cost.lm_flops / predicted[0].lm_flops - 1:+.1%})"
-        print(f"{row.budget_bps / 100:>6g}% {row.prompt_tokens:>7} {first:>18} {row.per_token_s * 1e3:>16.2f} {whole:>18} {row.tokens:>7}"
+        decode = "n/a" if row.per_token_s is None else f"{row.per_token_s * 1e3:.2f}"  # no answer past its first token
+        print(f"{row.budget_bps / 100:>6g}% {row.prompt_tokens:>7} {first:>18} {decode:>16} {whole:>18} {row.tokens:>7}"
               f" {flops:>18} {cost.kv_cache_bytes / 1e6:>12.2f}")
     mismatched = [row.budget_bps for row, cost in zip(measured, predicted) if cost.prefill_tokens != row.prompt_tokens]
     if mismatched:
@@ -265,7 +270,7 @@ def register(sub) -> None:
     efficiency = sub.add_parser("efficiency", help="analytic prefill FLOPs and KV-cache bytes of a model at visual budgets")
     efficiency.add_argument("model", nargs="?", default=None, help="model folder (its config.json)")
     efficiency.add_argument("--preset", choices=list(PRESETS), default=None, help="a built-in config instead of a folder")
-    efficiency.add_argument("--text-tokens", type=whole_number(0), default=84, help="text tokens of the prompt (default 84)")
+    efficiency.add_argument("--text-tokens", type=whole_number(0), default=84, help="text tokens of the prompt (default 84; --measure asks its own question and counts its tokens)")
     efficiency.add_argument("--image", default="896x832", help="image size HEIGHTxWIDTH in pixels (default 896x832)")
     efficiency.add_argument("--images", type=whole_number(0), default=None, help="images per prompt, each of --image's size (default 1; 0 with --frames)")
     efficiency.add_argument("--frames", type=whole_number(0), default=0, help="a clip of this many frames of --image's size (MVBench: 16)")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -151,7 +151,7 @@ class SamplingConfig(StrictModel):
     """Nucleus mass of the rollout policy."""
     max_new_tokens: int = Field(1024, ge=1, le=MAX_SEQUENCE_TOKENS)
     """Longest response."""
-    stop: list[str] = Field(["</answer>"], max_length=4)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(["</answer>"], max_length=4)
     """Strings that end a response (besides EOS); the stop string is kept in the response. At most 4: the served
     student ends at them too, and a chat request carries at most 4 (OpenAI's API, vLLM's server)."""
 

@@ -99,6 +99,12 @@ class SelectorConfig(StrictModel):
     engines only."""
 
     @model_validator(mode="after")
+    def _hiprune_selects_per_image(self) -> SelectorConfig:
+        if self.name == "hiprune" and self.scope != "image":
+            raise ValueError(f"selector hiprune with scope {self.scope}: HiPrune's buffers are an image's grid neighbours; use scope image")
+        return self
+
+    @model_validator(mode="after")
     def _merge_needs_every_image(self) -> SelectorConfig:
         if self.scope != "image" and self.merge == "learnable":
             raise ValueError(f"scope {self.scope} with merge learnable: an image or frame may keep no token to merge its others into;"

@@ -65,41 +65,52 @@ def learnable_merge(config) -> dict | None:
 
 
 GENERATION_CONFIG = "generation_config.json"
+SERVING_FILE = "lt_opd_serving.json"
 MAX_STOP = 4  # stop strings one chat request carries (OpenAI's API, vLLM's server)
 
 
 @dataclass(frozen=True)
 class ServingDefaults:
-    """Where a served student's answer ends unless a request says otherwise: the job's stop strings and every token
-    that ended a response in training (the tokenizer's end token and the base model's), as generation_config.json's
-    `stop_strings` and `eos_token_id` (Hugging Face's names: transformers' generate reads both, vLLM the second; the
-    request guard in front of vLLM fills a request's `stop` from the first)."""
+    """Where a served student's answer ends unless a request says otherwise: the job's stop strings
+    (`lt_opd_serving.json`, read by both servers: the request guard in front of vLLM fills a request's stop field from
+    it, the transformers engine its own) and every token that ended a response in training, the tokenizer's end token
+    and the base model's (generation_config.json's `eos_token_id`, which vLLM and transformers read themselves). The
+    stop strings stay out of generation_config.json: transformers' `generate` refuses `stop_strings` there unless
+    every caller passes the tokenizer."""
 
     stop: tuple[str, ...]
     end_token_ids: tuple[int, ...]
 
     def write(self, folder: Path) -> None:
-        """Into the folder's generation_config.json, its other fields kept."""
+        """The stop strings into lt_opd_serving.json; the end tokens into generation_config.json, its other fields kept."""
+        if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings {list(self.stop)[:8]}: at most {MAX_STOP} non-empty strings (a chat request carries at most {MAX_STOP})")
+        (Path(folder) / SERVING_FILE).write_text(json.dumps({"format": 1, "stop": list(self.stop)}, indent=2) + "\n")
         path = Path(folder) / GENERATION_CONFIG
-        config = json.loads(path.read_text()) if path.exists() else {}
-        config |= {"stop_strings": list(self.stop), "eos_token_id": list(self.end_token_ids)}
+        config = _json_object(path) if path.exists() else {}
+        config["eos_token_id"] = list(self.end_token_ids)
         path.write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def read(cls, folder: str | Path) -> ServingDefaults:
-        """The folder's defaults; none named: no stop string, no end token beyond the tokenizer's."""
-        path = Path(folder) / GENERATION_CONFIG
-        try:
-            config = json.loads(path.read_text()) if path.exists() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON (line {exc.lineno}: {exc.msg})") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-        stop, ends = config.get("stop_strings") or [], config.get("eos_token_id")
-        stop = [stop] if isinstance(stop, str) else stop
-        ends = [] if ends is None else [ends] if isinstance(ends, int) else ends
-        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop) \
-                or not isinstance(ends, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ends):
-            raise ValueError(f"{path}: stop_strings must be at most {MAX_STOP} non-empty strings (a chat request carries at most"
-                             f" {MAX_STOP}) and eos_token_id integers; got {str(stop)[:200]} and {str(ends)[:200]}")
+        """The folder's defaults; a folder without them (a base model): no stop string, its generation config's end tokens."""
+        serving, generation = Path(folder) / SERVING_FILE, Path(folder) / GENERATION_CONFIG
+        stop = _json_object(serving).get("stop", []) if serving.exists() else []
+        ends = _json_object(generation).get("eos_token_id") if generation.exists() else None
+        ends = [] if ends is None else [ends] if isinstance(ends, int) and not isinstance(ends, bool) else ends
+        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"{serving}: stop must be a list of at most {MAX_STOP} non-empty strings (a chat request carries at most"
+                             f" {MAX_STOP}); got {str(stop)[:200]}")
+        if not isinstance(ends, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ends):
+            raise ValueError(f"{generation}: eos_token_id must be an integer or a list of integers; got {str(ends)[:200]}")
         return cls(tuple(stop), tuple(ends))
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -183,8 +183,7 @@ class QwenVLM:
                 continue
             union = torch.cat([features.embeds[i].detach().float() for i in group])
             k = tokens_to_keep(union.shape[0], budget_bps, k_min)
-            attention = EncoderAttention.joined([features.attention[i] for i in group]) if features.attention else None
-            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0]), attention=attention), k)
+            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0])), k)  # no union for HiPrune
             bounds = list(itertools.accumulate((features.embeds[i].shape[0] for i in group), initial=0))  # each unit's range in the union
             selected += [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         return selected

@@ -4,9 +4,9 @@ token and end-to-end latency of one request at a time, at every visual token and
 What is timed is the engine's answer to one request, in process (no HTTP): vLLM where it runs the folder's model (as
 `lt-opd serve` picks it), the transformers engine otherwise. Time to first token is the wall time of a request for one
 token (prefill, the vision tower and the selection included); end-to-end, of the answer the student writes
-(greedy, at most `max_new_tokens`, ending at its own stop string or end token as served); decode per token, their
-difference over the answer's tokens after the first. Each figure is the median over `repeats` requests, each with
-a fresh image (no cache of vLLM's serves a repeat), after one warm-up request per budget.
+(greedy, at most `max_new_tokens`, ending at its own stop string or end token as served); decode per token, for each
+image the answer's time less its first token's over the answer's tokens after the first. Each figure is the median
+over `repeats` images, each fresh (no cache of vLLM's serves a repeat), after one warm-up request per budget.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class MeasuredLatency:
     text_tokens: int
     grid_thw: tuple[int, int, int]
     first_token_s: float
-    per_token_s: float
+    per_token_s: float | None  # None where no answer had a second token
     end_to_end_s: float
-    tokens: int  # the answer's length the end-to-end figure is for (median)
+    tokens: int  # the answers' median length (the lower middle of an even count)
 
 
 class AnsweringEngine(Protocol):
@@ -87,8 +87,11 @@ class TransformersAnswering:
     def __init__(self, folder: Path, compression, defaults):
         from lt_opd_ray.serving.transformers_server import TransformersStudent
 
+        from lt_opd_ray.core.selectors import build_selector
+
         self.name = "transformers"
         self.student, self.compression, self.defaults = TransformersStudent(folder), compression, defaults
+        self.choose = build_selector(compression.selector)  # the folder's, or CDPruner where it names none
 
     def answer(self, image, budget_bps: int, max_new_tokens: int) -> Answer:
         import torch
@@ -100,9 +103,8 @@ class TransformersAnswering:
         vlm, processor = self.student.vlm, self.student.processor
         with torch.inference_mode():
             (prompt,) = encode_samples(processor, [Sample("latency", (image,), QUESTION)])
-            reads = self.student.choose.reads_encoder_attention
-            features = vlm.visual_features(prompt, with_attention=reads and budget_bps < BPS)
-            kept = vlm.keep_all(features) if budget_bps >= BPS else vlm.select(prompt, features, self.student.choose, budget_bps, self.compression.k_min)
+            features = vlm.visual_features(prompt, with_attention=self.choose.reads_encoder_attention and budget_bps < BPS)
+            kept = vlm.keep_all(features) if budget_bps >= BPS else vlm.select(prompt, features, self.choose, budget_bps, self.compression.k_min)
             reduced = vlm.reduce(prompt, features, kept)
             (completion,) = sample(vlm, [reduced], served_params(processor, self.defaults, max_new_tokens), [0], processor.tokenizer)
         visual = int((prompt.mm_token_type_ids != 0).sum())
@@ -158,7 +160,7 @@ def measure(engine: AnsweringEngine, height: int, width: int, budgets: list[int]
     rows = []
     for budget in budgets:
         engine.answer(noise_image(height, width, seed=10**6 + budget), budget, 1)  # warm-up: first-call costs left out
-        first, whole, lengths = [], [], []
+        first, whole, lengths, decode = [], [], [], []
         for repeat in range(repeats):
             image = noise_image(height, width, seed=budget * 1000 + repeat)
             start = time.perf_counter()
@@ -168,7 +170,8 @@ def measure(engine: AnsweringEngine, height: int, width: int, budgets: list[int]
             answered = engine.answer(image, budget, max_new_tokens)
             whole.append(time.perf_counter() - start)
             lengths.append(answered.tokens)
-        first_s, whole_s, tokens = statistics.median(first), statistics.median(whole), statistics.median(lengths)
-        rows.append(MeasuredLatency(budget, prompt.prompt_tokens, prompt.text_tokens, prompt.grid_thw, first_s,
-                                    (whole_s - first_s) / max(tokens - 1, 1), whole_s, int(tokens)))
+            if answered.tokens >= 2:  # this request's own tokens after the first, against its own first token
+                decode.append((whole[-1] - first[-1]) / (answered.tokens - 1))
+        rows.append(MeasuredLatency(budget, prompt.prompt_tokens, prompt.text_tokens, prompt.grid_thw, statistics.median(first),
+                                    statistics.median(decode) if decode else None, statistics.median(whole), statistics.median_low(lengths)))
     return rows

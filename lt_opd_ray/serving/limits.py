@@ -308,7 +308,10 @@ class RequestGuard:
     fields against the limits and the time limit."""
 
     OPEN_PATHS = ("/health", "/ping")
-    STOPPED_PATHS = ("/v1/chat/completions", "/v1/completions")  # where a request without `stop` gets the student's
+    # vLLM's generation routes and where each request names its stop strings: one without them gets the student's
+    STOP_FIELDS = {"/v1/chat/completions": ("stop",), "/v1/chat/completions/batch": ("stop",), "/v1/completions": ("stop",),
+                   "/v1/responses": ("stop",), "/invocations": ("stop",), "/v1/messages": ("stop_sequences",),
+                   "/inference/v1/generate": ("sampling_params", "stop")}
 
     def __init__(self, app, limits: ServeLimits | None = None, api_key: str | None = None, inspect: bool = True,
                  stop: tuple[str, ...] | None = None):
@@ -363,8 +366,8 @@ class RequestGuard:
                 except (ValueError, UnicodeDecodeError):
                     parsed = None  # not JSON: the app answers it
                 check_request_body(parsed, self.limits)
-                if self.stop and isinstance(parsed, dict) and parsed.get("stop") is None and scope.get("path") in self.STOPPED_PATHS:
-                    body = json.dumps({**parsed, "stop": list(self.stop)}).encode()  # a request's own `stop` ([] too) stands
+                if self.stop and (stopped := self._with_default_stop(scope, parsed)) is not None:
+                    body = json.dumps(stopped).encode()
                     scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or [] if k != b"content-length"]
                              + [(b"content-length", str(len(body)).encode())]}
         except LimitError as exc:
@@ -390,6 +393,20 @@ class RequestGuard:
                 return await send({"type": "http.response.body", "body": b"", "more_body": False})
             await _answer(send, 504, f"request stopped: not answered within this server's {self.limits.request_seconds} s "
                                      "(lt-opd serve --request-timeout)", "TimeoutError")
+
+    def _with_default_stop(self, scope, parsed) -> dict | None:
+        """The request with the student's stop strings where it is a generation request naming none (a request's own,
+        `[]` included, stands); None where nothing changes."""
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        field = self.STOP_FIELDS.get(path[len(root):] if root and path.startswith(root) else path)
+        if field is None or not isinstance(parsed, dict):
+            return None
+        *outer, name = field
+        holder = parsed.get(outer[0]) if outer else parsed
+        if not isinstance(holder, dict) or holder.get(name) is not None:
+            return None
+        holder = {**holder, name: list(self.stop)}
+        return {**parsed, outer[0]: holder} if outer else holder
 
     async def _too_large(self, send, size: str) -> None:
         await _answer(send, 413, f"request body of {size} refused: this server takes at most {self.limit} "

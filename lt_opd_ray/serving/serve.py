@@ -72,6 +72,19 @@ def check_vllm_options(extra: list[str]) -> None:
                 raise ValueError(f"vLLM option {spelled} after -- refused: lt-opd serve sets it; use {instead}")
 
 
+def check_one_rank_tower(extra: list[str]) -> None:
+    """A folder served with HiPrune scores its whole vision tower on one rank: a tensor-parallel size above 1 after
+    `--` (any spelling vLLM's parser takes: `--tensor-parallel-size 2`, `=2`, `_`, a prefix, `-tp 2`) is refused."""
+    for i, arg in enumerate(extra):
+        flag, _, value = arg.partition("=")
+        name = flag[2:].replace("_", "-") if flag.startswith("--") else None
+        if flag == "-tp" or (name and len(name) >= 3 and "tensor-parallel-size".startswith(name)):
+            value = value or (extra[i + 1] if i + 1 < len(extra) else "")
+            if value.strip() != "1":
+                raise ValueError(f"vLLM option {flag} {value} after -- refused: the folder's selector hiprune scores the vision"
+                                 " tower's attention on one rank (tensor_parallel_size 1)")
+
+
 def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
                   max_model_len: int = 8192, extra: list[str] | None = None, api_key_file: str | Path | None = None,
                   limits: ServeLimits = ServeLimits(), engine: str = "auto", allow_no_api_key: bool = False) -> tuple[list[str], dict[str, str]]:
@@ -103,6 +116,8 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
                   file=sys.stderr, flush=True)
             engine = "transformers"
     check_vllm_options(extra or [])  # before anything reads --host: none of what serve sets is overridden after --
+    if compression is not None and compression.selector == "hiprune":
+        check_one_rank_tower(extra or [])
     key = _read_key(Path(api_key_file)) if api_key_file is not None else None
     env = {**os.environ, **limits.environment()}
     key = key if key is not None else env.get("VLLM_API_KEY") or None  # vLLM's own variable: the transformers engine takes it too

@@ -58,6 +58,9 @@ class ChatRequest:
         unsupported = sorted(set(body) - FIELDS)
         if unsupported:
             raise RequestError(f"{', '.join(unsupported)}: not supported by the transformers engine (it reads {', '.join(sorted(FIELDS))})")
+        for name in ("model", "user"):  # taken, not read: one model is served
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise RequestError(f"{name}: expected a string, got {type(body[name]).__name__}")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages: a non-empty list of message objects is required")
@@ -98,11 +101,16 @@ class ChatRequest:
         check_token_fields(body, limits)  # integers within the limits, as in front of vLLM
         if body.get("n") not in (None, 1):
             raise RequestError(f"n: {body['n']} choices asked; the transformers engine answers one")
-        stream = body.get("stream") or False
-        options = body.get("stream_options") or {}
-        if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise RequestError("stream: true or false; stream_options: at most {\"include_usage\": true or false}")
-        tokens = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+        stream, options = body.get("stream", False), body.get("stream_options")
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise RequestError(f"stream: true or false, got {type(stream).__name__}")
+        if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                    or not isinstance(options.get("include_usage", False), bool)):
+            raise RequestError("stream_options: only with stream true, and at most {\"include_usage\": true or false}")
+        options = options or {}
+        tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"  # vLLM's precedence
         return cls(question, tuple(images), system_prompt,
                    _number(body, tokens, int, min(DEFAULT_MAX_TOKENS, limits.max_tokens), 1, limits.max_tokens),
                    _number(body, "temperature", float, 1.0, 0.0, 10.0), _number(body, "top_p", float, 1.0, 1e-6, 1.0),

@@ -24,6 +24,8 @@ def build_selector(name: str, scope: str = "image") -> Selector:
         selector = SELECTORS[name]()
     except KeyError:
         raise ValueError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}") from None
+    if selector.reads_encoder_attention and scope != "image":
+        raise ValueError(f"{name} selects each image on its own grid (its buffers are grid neighbours): selection scope {scope} refused; use image")
     selector.scope = scope
     return selector
 

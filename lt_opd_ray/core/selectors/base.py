@@ -27,11 +27,6 @@ class EncoderAttention:
         if self.object_block.shape != self.last_block.shape or self.object_block.ndim != 1:
             raise ValueError(f"encoder attention: expected two [N] tensors, got {tuple(self.object_block.shape)} and {tuple(self.last_block.shape)}")
 
-    @staticmethod
-    def joined(parts: list[EncoderAttention]) -> EncoderAttention:
-        """Several units' attention end to end (a selection over their union)."""
-        return EncoderAttention(torch.cat([p.object_block for p in parts]), torch.cat([p.last_block for p in parts]))
-
 
 @dataclass(frozen=True)
 class SelectionInput:

@@ -4,8 +4,8 @@ tower's own forward, as models/encoder_attention.py does for transformers' tower
 vLLM's towers (Qwen3.5 and Qwen3-VL through Qwen2.5-VL's attention class, Qwen2.5-VL, GLM-4V) hand each block's
 `MMEncoderAttention` the rotated query and key ([1, S, heads, head_dim]) and the segment bounds `cu_seqlens`: a
 forward pre-hook there scores them (`received_attention`, a block of query rows at a time) while the tower runs its
-own kernel. Under tensor parallelism a rank holds only its share of the heads, and under FlashInfer `cu_seqlens`
-are the backend's byte offsets: both are refused by name rather than scored wrong.
+own kernel. Under tensor parallelism a rank holds only its share of the heads (its q has fewer than the tower's), and
+under FlashInfer `cu_seqlens` are the backend's byte offsets: both are refused by name rather than scored wrong.
 """
 
 from __future__ import annotations
@@ -21,22 +21,21 @@ from lt_opd_ray.models.encoder_attention import merged_attention
 
 
 @contextlib.contextmanager
-def recorded_attention(visual) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """Within: each forward of vLLM's tower `visual` appends, for its object block and last block, the [patches]
-    attention each patch receives, in the order the blocks hold the patches."""
+def recorded_attention(visual, heads: int) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Within: each forward of vLLM's tower `visual` (of `heads` attention heads) appends, for its object block and
+    last block, the [patches] attention each patch receives, in the order the blocks hold the patches."""
     blocks = recorded_blocks(len(visual.blocks))
     record: dict[int, list[torch.Tensor]] = {b: [] for b in blocks}
     for b in dict.fromkeys(blocks):
-        attention = visual.blocks[b].attn
-        if getattr(attention, "tp_size", 1) > 1:
-            raise ValueError(f"hiprune on vLLM: the vision tower's heads are split over {attention.tp_size} tensor-parallel ranks;"
-                             " run the tower data-parallel (mm_encoder_tp_mode data) or on one GPU")
-        if "FLASHINFER" in str(getattr(attention.attn, "attn_backend", "")).upper():
+        if "FLASHINFER" in str(getattr(visual.blocks[b].attn.attn, "attn_backend", "")).upper():
             raise ValueError("hiprune on vLLM: the FlashInfer vision backend passes its own cu_seqlens offsets; choose another mm_encoder_attn_backend")
 
     def recorder(index: int):
         def record_block(module, args, kwargs) -> None:
             query, key = kwargs["query"], kwargs["key"]  # [1, S, heads, head_dim], rotated
+            if query.shape[2] != heads:  # the rank holds a share of the heads: its scores would not be the tower's
+                raise ValueError(f"hiprune on vLLM: this rank's vision tower holds {query.shape[2]} of its {heads} heads"
+                                 " (tensor parallel); serve it with tensor_parallel_size 1")
             bounds = kwargs["cu_seqlens"].tolist()
             with torch.no_grad():
                 record[index].append(received_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), bounds))

@@ -274,8 +274,8 @@ class PruningModelMixin:
         from lt_opd_ray.engines.vllm.encoder_attention import recorded_attention
 
         if getattr(self, "use_data_parallel", False):
-            raise ValueError("hiprune on vLLM: the vision tower runs data-parallel (images split over ranks); run it with tensor_parallel_size 1")
-        return recorded_attention(self.visual)
+            raise ValueError("hiprune on vLLM: the vision tower runs data-parallel (images split over ranks); serve it with tensor_parallel_size 1")
+        return recorded_attention(self.visual, self.config.vision_config.num_heads)
 
     def _unit_attention(self, record, grids: list[list[int]]) -> Iterator[EncoderAttention]:
         """Per visual unit of this call (each image, each temporal patch of a clip), in order: its tokens' attention."""
