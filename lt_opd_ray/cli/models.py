@@ -172,7 +172,7 @@ def cmd_efficiency(args) -> int:
 def _measured(args, config: dict, size: tuple[int, int], budgets: list[int], merging: bool) -> int:
     """The serving engine's measured latency at each budget, beside the calculator's prediction for the same prompt."""
     from lt_opd_ray.planning.efficiency import prefill_cost
-    from lt_opd_ray.planning.latency import measure, serving_engine
+    from lt_opd_ray.serving.latency import measure, serving_engine
 
     engine = serving_engine(Path(args.model))
     measured = measure(engine, *size, budgets, args.max_new_tokens, args.repeats)
