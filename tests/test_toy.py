@@ -727,3 +727,13 @@ def test_a_plan_file_runs_its_paired_study_and_its_rule_writes_the_verdict(study
     assert verdict["decision"] in ("shown", "not shown", "reversed", "no verdict") and verdict["test"]["n"] == 2
     assert f"Verdict: **{verdict['decision']}**" in (tmp_path / "study" / "verdict.md").read_text()
     assert len((tmp_path / "study" / "statistic.csv").read_text().splitlines()) == 5
+    # a study stopped after a run finished and before it was recorded (in the per-kind evaluation of its student, say):
+    # --resume takes the finished run from its folder as it is, trains nothing again and moves nothing aside
+    written = json.loads((tmp_path / "study" / "results.json").read_text())
+    lost = written["runs"].pop()
+    (tmp_path / "study" / "results.json").write_text(json.dumps(written))
+    resumed, again = run_plan(str(plan), resume=True, roles=study_cluster)
+    (kept,) = [r for r in resumed["runs"] if (r["arm"], r["seed"]) == (lost["arm"], lost["seed"])]
+    assert kept["recovered"] and kept["run_id"] == lost["run_id"] and kept["curve"] == lost["curve"] and kept["final"] == lost["final"]
+    assert kept["final_by_kind"] == lost["final_by_kind"] and again["decision"] == verdict["decision"]
+    assert sorted(p.name for p in (tmp_path / "study" / lost["arm"]).iterdir()) == ["seed0", "seed1"]

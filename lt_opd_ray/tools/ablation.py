@@ -348,17 +348,22 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                     continue
                 job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm),
                               eval_every)
-                claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
-                started = time.perf_counter()
-                logs = trained(job, run(job, roles=roles))
-                final = logs[-1].eval_accuracy
-                runs.append({
-                    "arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm),
-                    "seconds": time.perf_counter() - started, "final": final,
-                    "curve": [{"step": log.step + 1, "budget_bps": log.budget_bps, "loss": log.loss,
-                               "divergence": log.divergence, "reward": log.reward_mean, "eval": log.eval_accuracy,
-                               **({"eval_by_kind": log.eval_by_kind} if log.eval_by_kind else {})} for log in logs],
-                })
+                record = {"arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm)}
+                recovered = finished_run(Path(job.checkpoint.dir), job.budget.total_steps) if resume else None
+                if recovered is not None:  # trained to its last update, then the study stopped before recording it
+                    record |= recovered
+                    print(f"{arm} seed {seed}: its folder holds the finished run ({recovered['run_id']}): taken as it is", flush=True)
+                else:
+                    claim_run_folder(Path(job.checkpoint.dir), resume=False, force=True)  # a study run again starts each arm afresh
+                    started = time.perf_counter()
+                    logs = trained(job, run(job, roles=roles))
+                    record |= {"seconds": time.perf_counter() - started,
+                               "run_id": json.loads((Path(job.checkpoint.dir) / "run.json").read_text())["run_id"],
+                               "curve": [curve_point(log.step, log.budget_bps, log.loss, log.divergence, log.reward_mean, log.eval_accuracy,
+                                                     log.eval_by_kind) for log in logs]}
+                final = record["curve"][-1]["eval"]
+                runs.append({**record, "final": final})
+                save_results(results, out_dir, begin)  # recorded before the per-kind evaluation below: a stop there loses no run
                 if len(sets) > 1:  # the trained student on each kind of question
                     runs[-1]["final_by_kind"] = evaluate(str(Path(job.checkpoint.dir) / "final"), job, sets, full_tokens=False)
                 print(f"{arm} seed {seed}: " + ", ".join(f"{s} {a:.3f}" for s, a in final.items())
@@ -372,6 +377,36 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     results["complete"] = True
     save_results(results, out_dir, begin)
     return results
+
+
+def curve_point(step: int, budget_bps: int, loss, divergence, reward, eval_accuracy: dict, eval_by_kind: dict) -> dict:
+    """One update of a run's curve in results.json (`step` 0-based, as the step log counts)."""
+    return {"step": step + 1, "budget_bps": budget_bps, "loss": loss, "divergence": divergence, "reward": reward, "eval": eval_accuracy,
+            **({"eval_by_kind": eval_by_kind} if eval_by_kind else {})}
+
+
+def finished_run(folder: Path, total_steps: int) -> dict | None:
+    """A run folder holding a finished run (every update in its step log, its final/ written last) as a study records
+    it: its curve from steps.jsonl (the values the run's step logs carried), its run id, and its seconds from the start
+    run.json records to its last update's end. None for a folder without one (missing, cut short)."""
+    from datetime import datetime
+
+    steps_file, run_file = folder / "steps.jsonl", folder / "run.json"
+    if not (steps_file.is_file() and run_file.is_file() and (folder / "final" / "config.json").is_file()):
+        return None
+    by_step = {}
+    for line in steps_file.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record  # a resumed run logs its redone updates again: the last one stands
+    if sorted(by_step) != list(range(total_steps)):
+        return None
+    run_record = json.loads(run_file.read_text())
+    started = datetime.strptime(run_record["started_at"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    ended = max((phase["end"] for phase in by_step[total_steps - 1].get("timeline", [])), default=started)
+    return {"seconds": ended - started, "run_id": run_record["run_id"], "recovered": True,
+            "curve": [curve_point(step, r["budget_bps"], r["loss"], r["divergence"], r["reward_mean"], r["eval_accuracy"], r.get("eval_by_kind"))
+                      for step, r in sorted(by_step.items())]}
 
 
 class StudyStopped(RuntimeError):
