@@ -400,12 +400,28 @@ OPTIONS_TABLE = [
 
 @pytest.mark.parametrize("extra", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["--tensor_parallel_size", "2"],
                                    ["--tensor-para", "4"], ["-tp", "2"], ["--max-num-seqs", "4", "-tp", "8"]])
-def test_a_hiprune_folder_is_refused_a_tensor_parallel_tower_in_any_spelling(extra):
-    from lt_opd_ray.serving.serve import check_one_rank_tower
+def test_a_hiprune_folder_is_refused_a_tensor_parallel_tower_in_any_spelling(extra, tiny_dirs, tmp_path, monkeypatch):
+    """HiPrune reads the whole tower's attention on one rank: a HiPrune folder with a tensor-parallel size above 1 is
+    refused before anything starts; another folder is served, and a request there may not pick HiPrune (400)."""
+    import shutil
 
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.engines.vllm.selection import SPLIT_TOWER_ENV, SelectionRequest
+    from lt_opd_ray.serving.serve import serve_command, tensor_parallel_size
+
+    assert tensor_parallel_size(["-tp", "1", "--tensor-parallel-size=1", "--max-num-seqs", "4"]) == "1"
+    assert tensor_parallel_size(["--max-num-seqs", "4"]) is None and tensor_parallel_size(extra) == extra[-1].split("=")[-1]
+    folder = tmp_path / "student"
+    shutil.copytree(tiny_dirs["qwen3_vl"], folder)
+    CompressionConfig("hiprune", 500, 1).write(folder)
     with pytest.raises(ValueError, match="the folder's selector hiprune scores the vision tower's attention on one rank"):
-        check_one_rank_tower(extra)
-    check_one_rank_tower(["-tp", "1", "--tensor-parallel-size=1", "--max-num-seqs", "4"])  # one rank: served
+        serve_command(folder, extra=extra)
+    CompressionConfig("cdpruner", 500, 1).write(folder)
+    _, env = serve_command(folder, extra=extra)
+    monkeypatch.setenv(SPLIT_TOWER_ENV, env[SPLIT_TOWER_ENV])
+    with pytest.raises(ValueError, match="lt_opd_selector: hiprune reads the vision tower's attention, which this server splits"):
+        SelectionRequest.split({"lt_opd_selector": "hiprune"}, vocab_size=100)
+    assert SelectionRequest.split({"lt_opd_selector": "cdpruner"}, vocab_size=100)[0].selector == "cdpruner"
 
 
 @pytest.mark.parametrize(("extra", "named"), OPTIONS_TABLE, ids=[f"row{i}" for i in range(len(OPTIONS_TABLE))])

@@ -72,17 +72,16 @@ def check_vllm_options(extra: list[str]) -> None:
                 raise ValueError(f"vLLM option {spelled} after -- refused: lt-opd serve sets it; use {instead}")
 
 
-def check_one_rank_tower(extra: list[str]) -> None:
-    """A folder served with HiPrune scores its whole vision tower on one rank: a tensor-parallel size above 1 after
-    `--` (any spelling vLLM's parser takes: `--tensor-parallel-size 2`, `=2`, `_`, a prefix, `-tp 2`) is refused."""
+def tensor_parallel_size(extra: list[str]) -> str | None:
+    """The tensor-parallel size vLLM's options after `--` set (its last setting, as argparse keeps), in any spelling
+    vLLM's parser takes: `--tensor-parallel-size 2`, `=2`, underscores, an abbreviation, `-tp 2`; None if unset."""
+    size = None
     for i, arg in enumerate(extra):
-        flag, _, value = arg.partition("=")
+        flag, equals, value = arg.partition("=")
         name = flag[2:].replace("_", "-") if flag.startswith("--") else None
         if flag == "-tp" or (name and len(name) >= 3 and "tensor-parallel-size".startswith(name)):
-            value = value or (extra[i + 1] if i + 1 < len(extra) else "")
-            if value.strip() != "1":
-                raise ValueError(f"vLLM option {flag} {value} after -- refused: the folder's selector hiprune scores the vision"
-                                 " tower's attention on one rank (tensor_parallel_size 1)")
+            size = (value if equals else extra[i + 1] if i + 1 < len(extra) else "").strip()
+    return size
 
 
 def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
@@ -94,7 +93,9 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.core.model_files import check_model_folder
+    from lt_opd_ray.core.selectors import build_selector
     from lt_opd_ray.engines.vllm.engine import check_architecture
+    from lt_opd_ray.engines.vllm.selection import SPLIT_TOWER_ENV
     from lt_opd_ray.serving.limits import API_KEY_ENV, SERVED_FOLDER_ENV
 
     if engine not in ENGINES:
@@ -116,8 +117,11 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
                   file=sys.stderr, flush=True)
             engine = "transformers"
     check_vllm_options(extra or [])  # before anything reads --host: none of what serve sets is overridden after --
-    if compression is not None and compression.selector == "hiprune":
-        check_one_rank_tower(extra or [])
+    tensor_parallel = tensor_parallel_size(extra or [])
+    split_tower = tensor_parallel not in (None, "1")
+    if split_tower and compression is not None and build_selector(compression.selector).reads_encoder_attention:
+        raise ValueError(f"vLLM option --tensor-parallel-size {tensor_parallel} after -- refused: the folder's selector"
+                         f" {compression.selector} scores the vision tower's attention on one rank (tensor_parallel_size 1)")
     key = _read_key(Path(api_key_file)) if api_key_file is not None else None
     env = {**os.environ, **limits.environment()}
     key = key if key is not None else env.get("VLLM_API_KEY") or None  # vLLM's own variable: the transformers engine takes it too
@@ -139,6 +143,8 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         if key is not None:
             env["VLLM_API_KEY"] = key
         env[SERVED_FOLDER_ENV] = str(model_dir)  # the guard gives a request without `stop` the folder's stop strings
+        if split_tower:  # a request may not pick a selector that reads the tower's attention (selection.SelectionRequest)
+            env[SPLIT_TOWER_ENV] = "1"
         _vllm_environment(env)
     merging = bool(((config.get("vision_token_compressor") or {}).get("learnable_merge") or {}).get("enabled"))
     budget = f"{compression.selector} at {compression.budget_bps / 100:g}% (k_min {compression.k_min})" if compression else "every visual token (no lt_opd_compression.json)"

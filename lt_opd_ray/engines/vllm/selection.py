@@ -4,12 +4,14 @@ field before it reaches the model: a bad request is refused by name, never run."
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 from lt_opd_ray.core.curriculum import BPS
 from lt_opd_ray.core.selectors import SELECTORS
 
 SELECTOR_NAMES = sorted(SELECTORS)  # a selector travels to the model as its index in this list
+SPLIT_TOWER_ENV = "LT_OPD_SPLIT_VISION_TOWER"  # set by `lt-opd serve` for a tensor-parallel server: no HiPrune request
 MAX_QUERY_IDS = 8192  # a request's query tokens (CDPruner's relevance averages their embeddings)
 MAX_K_MIN = 1 << 20
 INT64 = (-(1 << 63), (1 << 63) - 1)  # seed and nonce travel to the engine in an int64 tensor
@@ -49,6 +51,9 @@ class SelectionRequest:
                 _check_integer(cls.PREFIX + name, ours[name], low, high)
         if "selector" in ours and ours["selector"] not in SELECTOR_NAMES:
             raise ValueError(f"{cls.PREFIX}selector: unknown selector {str(ours['selector'])[:40]!r}; known: {SELECTOR_NAMES}")
+        if "selector" in ours and SELECTORS[ours["selector"]].reads_encoder_attention and os.environ.get(SPLIT_TOWER_ENV):
+            raise ValueError(f"{cls.PREFIX}selector: {ours['selector']} reads the vision tower's attention, which this server"
+                             " splits over tensor-parallel ranks")
         if "query_ids" in ours:
             ids = ours["query_ids"]
             if not isinstance(ids, (list, tuple)) or len(ids) > MAX_QUERY_IDS:
