@@ -378,6 +378,8 @@ OPTIONS_TABLE = [
     (["--override-generation-config", '{"max_new_tokens": 100000}'], "--override-generation-config"),
     (["--override-generation-config.max_new_tokens", "100000"], "--override-generation-config.max_new_tokens"),
     (["--override-generation", "{}"], "--override-generation (vLLM's --override-generation-config)"),
+    (["--generation-config", "vllm"], "--generation-config"),
+    (["--generation_config=vllm"], "--generation_config (vLLM's --generation-config)"),
     (["--uds", "/tmp/s"], "--uds"),
     (["--grpc"], "--grpc"),
     (["--grpc-port=9"], "--grpc-port"),

@@ -48,6 +48,7 @@ OWNED_OPTIONS = {
     "--middleware": "lt-opd serve's request guard (it is the server's middleware)",
     "--limit-mm-per-prompt": "lt-opd serve --max-images and --max-clips",
     "--override-generation-config": "lt-opd serve --max-tokens",
+    "--generation-config": "the folder's own generation_config.json (its eos_token_id: the end tokens the student was trained to stop at)",
     "--model": "the folder given to lt-opd serve", "--dtype": "lt-opd serve --dtype", "--max-model-len": "lt-opd serve --max-model-len",
     "--config": "the options themselves after -- (a config file's would pass unchecked)",
 }
