@@ -416,7 +416,8 @@ def test_the_transformers_engine_keeps_the_servers_rules(tmp_path):
 def test_the_transformers_engine_answers_the_openai_client_and_ends_where_training_did(tmp_path):
     """The official `openai` client (vLLM's own dependency) against the transformers engine, on the trained circles
     toy: a plain request ends at the student's stop string (its folder's serving defaults), without it in the text;
-    `stop: []` overrides it; a stream carries the same answer, its finish reason and usage; a seed repeats a sampled
+    `stop: []` overrides it; a stream carries the same answer token by token (never a piece of the stop string), its
+    finish reason and usage; a seed repeats a sampled
     answer; n > 1 and a field the engine does not read are refused by name."""
     import openai
     from starlette.testclient import TestClient
@@ -446,7 +447,8 @@ def test_the_transformers_engine_answers_the_openai_client_and_ends_where_traini
     unstopped = ask(temperature=0, stop=[])  # the request's own stop stands
     assert unstopped.choices[0].finish_reason == "length" and unstopped.choices[0].message.content.startswith(plain.choices[0].message.content + "</answer>")
     chunks = list(ask(temperature=0, stream=True, stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == plain.choices[0].message.content and len(pieces) > 3  # as the tokens are drawn
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     sampled = [ask(temperature=3.0, seed=5, stop=[]).choices[0].message.content for _ in range(2)]

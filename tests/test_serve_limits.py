@@ -117,6 +117,8 @@ def test_the_transformers_engine_answers_within_the_limits_and_stops_at_the_time
     answered = _post(_client(student, request_seconds=0), asking(_data_url(PNG), max_tokens=8))  # out of time at the first step
     assert answered.status_code == 504, answered.text
     assert answered.json()["error"]["message"] == "request stopped: not answered within this server's 0 s (lt-opd serve --request-timeout)"
+    streamed = _post(_client(student, request_seconds=0), asking(_data_url(PNG), max_tokens=8, stream=True))  # before its first token
+    assert streamed.status_code == 504 and "not answered within this server's 0 s" in streamed.json()["error"]["message"]
     with student.lock:  # another request holds the model past this one's time
         answered = _post(_client(student, request_seconds=1), asking(_data_url(PNG), max_tokens=2))
     assert answered.status_code == 503 and "server busy: the model was not free within this server's 1 s per request" in answered.text
@@ -229,6 +231,15 @@ def test_the_guard_in_front_of_vllm_lets_a_request_within_the_limits_through(bod
 
     answered = _post(TestClient(RequestGuard(_slow_app, ServeLimits(**LIMITS), api_key=API_KEY)), body)
     assert answered.status_code == 200, answered.text[:2000]
+
+
+def test_a_stream_sends_no_stop_string_nor_a_tail_that_may_begin_one_nor_half_a_character():
+    from lt_opd_ray.serving.transformers_server import _streamable
+
+    stop = ("</answer>", "STOP")
+    assert _streamable("red </ans", stop) == "red " and _streamable("red <", stop) == "red " and _streamable("red ST", stop) == "red "
+    assert _streamable("red </answer> more", stop) == "red " and _streamable("a STOP b </answer>", stop) == "a "
+    assert _streamable("red <b>", stop) == "red <b>" and _streamable("caf\ufffd", stop) == "caf" and _streamable("x", ()) == "x"
 
 
 def test_the_guard_gives_a_generation_request_without_stop_strings_the_students_on_every_route_vllm_generates_on():

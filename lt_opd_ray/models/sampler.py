@@ -12,6 +12,7 @@ importance weight is exp(0) = 1 before any update), and the model's top-k ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,8 +99,10 @@ def sample(
     params: SamplingParams,
     seeds: list[int],
     tokenizer,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[Completion]:
-    """Sample one response per prompt (repeat a prompt n times for n responses, with distinct seeds)."""
+    """Sample one response per prompt (repeat a prompt n times for n responses, with distinct seeds). `on_token(row,
+    token)` is called with each token as it is drawn (a server streams them)."""
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     generators = [torch.Generator().manual_seed(s) for s in seeds]
@@ -133,6 +136,8 @@ def sample(
                 continue
             token = chosen[b]
             tokens[b].append(token)
+            if on_token is not None:
+                on_token(b, token)
             logprobs[b].append(chosen_logp[b])
             tops[b].append(top_ids[b])
             next_ids.append(token)

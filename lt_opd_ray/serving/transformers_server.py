@@ -3,7 +3,8 @@
 For a student vLLM cannot run here (vLLM's CPU attention has no kernel for the toy models' head size 16) and for
 checking one without vLLM. Each request runs the evaluation path (`models/evaluation`): the folder's compression
 config (`lt_opd_compression.json`: selector, budget, k_min) applied with the question of the request's own prompt
-as the selector's query, then greedy decoding or sampling, one request at a time. The front end keeps the rules of
+as the selector's query, then greedy decoding or sampling, one request at a time, answered whole or streamed as
+server-sent chunks while its tokens are drawn. The front end keeps the rules of
 vLLM's server under `lt-opd serve`: the API key, the body, media, image, pixel and token limits (`ServeLimits`),
 images inline only (`data:` URLs, PNG, JPEG, WebP, GIF or BMP), the token and choice fields integers within the
 limits (`check_token_fields`), every refusal a 4xx naming the field. A request's
@@ -15,12 +16,15 @@ one still generating is stopped at its next token and answered 504 (no partial a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import binascii
 import os
+import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,17 +186,18 @@ class TransformersStudent:
         self.stop = ServingDefaults.read(model_dir).stop  # a request without `stop` ends where training did
         self.lock = threading.Lock()  # one request at a time: the model is not shared across threads
 
-    def answer(self, request: ChatRequest, deadline: float | None = None, seconds: float = 0) -> dict:
+    def answer(self, request: ChatRequest, deadline: float | None = None, seconds: float = 0, uid: str | None = None,
+               on_token: Callable[[int], None] | None = None) -> dict:
         """The OpenAI-style completion: the text, its finish reason, and the prompt's tokens as the model saw them (the
         kept visual tokens only). Past `deadline` (time.monotonic; `seconds` from the request's arrival) it is refused:
-        503 while waiting for the model, 504 once answering."""
+        503 while waiting for the model, 504 once answering. `on_token`: called with each token as it is drawn."""
         import torch
 
         from lt_opd_ray.core.samples import Sample
         from lt_opd_ray.models.processor import encode_samples
         from lt_opd_ray.models.sampler import SamplingParams, sample
 
-        sample_uid = f"request-{uuid.uuid4().hex[:12]}"
+        sample_uid = uid or f"request-{uuid.uuid4().hex[:12]}"
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-6), top_p=request.top_p,
                                 greedy=request.temperature == 0, top_k_logprobs=1, stop=request.stop, eos_token_ids=self.processor.eos_token_ids)
         vlm = self.vlm if deadline is None else _Deadline(self.vlm, deadline, seconds)
@@ -208,7 +213,8 @@ class TransformersStudent:
                 else:
                     kept = self.vlm.select(prompt, features, self.choose, self.compression.budget_bps, self.compression.k_min, seed=request.seed)
                 reduced = self.vlm.reduce(prompt, features, kept)
-                (completion,) = sample(vlm, [reduced], params, [request.seed], self.processor.tokenizer)
+                (completion,) = sample(vlm, [reduced], params, [request.seed], self.processor.tokenizer,
+                                       None if on_token is None else lambda _, token: on_token(token))
         finally:
             self.lock.release()
         text = self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -248,10 +254,9 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
         deadline = time.monotonic() + limits.request_seconds  # from the request's arrival, waiting for the model included
         try:
             parsed = ChatRequest.parse(json.loads(await request.body()), limits, student.stop)
-            answer = await run_in_threadpool(student.answer, parsed, deadline, limits.request_seconds)
             if parsed.stream:
-                return StreamingResponse(_events(answer, parsed.stream_usage), media_type="text/event-stream")
-            return JSONResponse(answer)
+                return await streamed(parsed, deadline)
+            return JSONResponse(await run_in_threadpool(student.answer, parsed, deadline, limits.request_seconds))
         except json.JSONDecodeError as exc:
             return error(400, f"the body is not JSON: {exc}", "BadRequestError")
         except LimitError as exc:  # RequestError included: the field or limit named
@@ -260,30 +265,76 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
         except ValueError as exc:  # what the processor refuses about the request's images
             return error(400, str(exc), "BadRequestError")
 
+    async def streamed(parsed: ChatRequest, deadline: float):
+        """Server-sent chunks as the tokens are drawn; a refusal before the first token is answered with its status."""
+        uid = f"request-{uuid.uuid4().hex[:12]}"
+        events: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            try:
+                events.put(("done", student.answer(parsed, deadline, limits.request_seconds, uid, lambda token: events.put(("token", token)))))
+            except Exception as exc:  # noqa: BLE001 - handed to the stream, which answers it
+                events.put(("error", exc))
+
+        threading.Thread(target=work, daemon=True).start()
+        first = await asyncio.to_thread(events.get)
+        if first[0] == "error":
+            raise first[1]
+        return StreamingResponse(_chunks(first, events, uid, student, parsed), media_type="text/event-stream")
+
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key or "", inspect=False)  # the key, the body, the JSON depth
     return app
 
 
-def _events(answer: dict, usage: bool):
-    """A finished answer as OpenAI's server-sent chat-completion chunks: the role, the text, the finish reason, the usage
-    when asked, then [DONE]. The text comes once the whole answer is generated (this engine samples a request to its end
-    before it answers): the first chunk arrives with the last token."""
+async def _chunks(first: tuple, events: queue.Queue, uid: str, student: TransformersStudent, request: ChatRequest):
+    """OpenAI's server-sent chat-completion chunks: the role, the text as its tokens are drawn (never a stop string, nor
+    a tail that may begin one, nor half a character), the finish reason, the usage when asked, then [DONE]. A refusal
+    after the first token (the time limit) ends the stream with an error event."""
     import json
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+    ident, created, tokens, sent = f"chatcmpl-{uid}", int(time.time()), [], ""
+
+    def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-        body = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"], "model": answer["model"],
-                "choices": choices, **extra}
+        body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": student.name, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    choice = answer["choices"][0]
     yield chunk({"role": "assistant", "content": ""})
-    yield chunk({"content": choice["message"]["content"]})
+    kind, value = first
+    while kind == "token":
+        tokens.append(value)
+        shown = _streamable(student.processor.tokenizer.decode(tokens, skip_special_tokens=True), request.stop)
+        if len(shown) > len(sent) and shown.startswith(sent):
+            yield chunk({"content": shown[len(sent) :]})
+            sent = shown
+        kind, value = await asyncio.to_thread(events.get)
+    if kind == "error":
+        status = value.status if isinstance(value, LimitError) else 500
+        yield f"data: {json.dumps({'error': {'message': str(value), 'type': type(value).__name__, 'code': status}})}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    choice = value["choices"][0]
+    text = choice["message"]["content"]
+    if len(text) > len(sent) and text.startswith(sent):
+        yield chunk({"content": text[len(sent) :]})
     yield chunk({}, choice["finish_reason"])
-    if usage:
-        yield chunk(None, usage=answer["usage"])
+    if request.stream_usage:
+        yield chunk(None, usage=value["usage"])
     yield "data: [DONE]\n\n"
+
+
+def _streamable(text: str, stop: tuple[str, ...]) -> str:
+    """What of a response's text so far may be sent: up to its first stop string, less a tail that may begin one, less
+    an unfinished character (decoded as U+FFFD)."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    if found:
+        return text[: min(found)]
+    for length in range(min(len(text), max((len(s) - 1 for s in stop), default=0)), 0, -1):
+        if any(s.startswith(text[-length:]) for s in stop):
+            text = text[:-length]
+            break
+    return text.rstrip("\ufffd")
 
 
 def main(argv: list[str] | None = None) -> None:
