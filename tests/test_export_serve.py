@@ -455,8 +455,51 @@ def test_the_transformers_engine_answers_the_openai_client_and_ends_where_traini
     assert sampled[0] == sampled[1] != ask(temperature=3.0, seed=6, stop=[]).choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="n: 2 choices asked; the transformers engine answers one"):
         ask(n=2)
+
     with pytest.raises(openai.BadRequestError, match="logprobs, top_logprobs: not supported by the transformers engine"):
         ask(logprobs=True, top_logprobs=2)
+
+
+def test_a_client_that_leaves_a_stream_frees_the_transformers_engine_at_the_next_token(tiny_dirs, tmp_path):
+    """On a real socket: a random tiny student streams an answer of up to 4,000 tokens (it writes no end token); the
+    client reads the first chunk and closes the connection; the model is free for the next request within a second,
+    not after the answer (which takes several seconds on these cores)."""
+    import threading
+
+    import uvicorn
+
+    from lt_opd_ray.core.compression import CompressionConfig
+    from lt_opd_ray.serving.limits import ServeLimits
+    from lt_opd_ray.serving.transformers_server import TransformersStudent, build_app
+
+    folder = tmp_path / "student"
+    shutil.copytree(tiny_dirs["qwen3_vl"], folder)
+    CompressionConfig("cdpruner", 5000, 1).write(folder)
+    student = TransformersStudent(folder)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(student, API_KEY, ServeLimits(max_tokens=4000)), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.05)
+        png = io.BytesIO()
+        random_image(2).save(png, format="PNG")
+        body = json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+            {"type": "text", "text": "What is it?"}]}], "max_tokens": 4000, "temperature": 0, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+            connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            received = b""
+            while b"data:" not in received:
+                received += connection.recv(65536)
+            assert student.lock.locked()  # the answer is being sampled
+        assert student.lock.acquire(timeout=1.0), "the model is still held by the stream its client left"
+        student.lock.release()
+    finally:
+        server.should_exit = True
 
 
 def test_a_student_cut_short_is_named_by_export_eval_and_serve_before_anything_loads(tiny_dirs, tmp_path, capsys):

@@ -234,12 +234,14 @@ def test_the_guard_in_front_of_vllm_lets_a_request_within_the_limits_through(bod
 
 
 def test_a_stream_sends_no_stop_string_nor_a_tail_that_may_begin_one_nor_half_a_character():
-    from lt_opd_ray.serving.transformers_server import _streamable
+    from lt_opd_ray.serving.transformers_server import before_stop, streamable
 
     stop = ("</answer>", "STOP")
-    assert _streamable("red </ans", stop) == "red " and _streamable("red <", stop) == "red " and _streamable("red ST", stop) == "red "
-    assert _streamable("red </answer> more", stop) == "red " and _streamable("a STOP b </answer>", stop) == "a "
-    assert _streamable("red <b>", stop) == "red <b>" and _streamable("caf\ufffd", stop) == "caf" and _streamable("x", ()) == "x"
+    assert streamable("red </ans", stop) == "red " and streamable("red <", stop) == "red " and streamable("red ST", stop) == "red "
+    assert streamable("red </answer> more", stop) == "red " and streamable("a STOP b </answer>", stop) == "a "
+    assert streamable("red <b>", stop) == "red <b>" and streamable("caf\ufffd", stop) == "caf" and streamable("x", ()) == "x"
+    assert streamable("red <\ufffd", ("<\u00e9>",)) == "red "  # half a character first, then a stop's beginning held back
+    assert before_stop("red\n\n", ("\n",)) == "red" and before_stop("red", ("<|vision_end|>",)) == "red"  # the first; none found: all
 
 
 def test_the_guard_gives_a_generation_request_without_stop_strings_the_students_on_every_route_vllm_generates_on():
@@ -412,7 +414,8 @@ OPTIONS_TABLE = [
 
 
 @pytest.mark.parametrize("extra", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["--tensor_parallel_size", "2"],
-                                   ["--tensor-para", "4"], ["-tp", "2"], ["--max-num-seqs", "4", "-tp", "8"]])
+                                   ["--tensor-para", "4"], ["--te", "2"], ["-tp", "2"], ["-t", "2"], ["-tp=2"],
+                                   ["--max-num-seqs", "4", "-tp", "8"], ["-tp", "1", "--tensor-parallel-size", "2"]])
 def test_a_hiprune_folder_is_refused_a_tensor_parallel_tower_in_any_spelling(extra, tiny_dirs, tmp_path, monkeypatch):
     """HiPrune reads the whole tower's attention on one rank: a HiPrune folder with a tensor-parallel size above 1 is
     refused before anything starts; another folder is served, and a request there may not pick HiPrune (400)."""
@@ -435,6 +438,7 @@ def test_a_hiprune_folder_is_refused_a_tensor_parallel_tower_in_any_spelling(ext
     with pytest.raises(ValueError, match="lt_opd_selector: hiprune reads the vision tower's attention, which this server splits"):
         SelectionRequest.split({"lt_opd_selector": "hiprune"}, vocab_size=100)
     assert SelectionRequest.split({"lt_opd_selector": "cdpruner"}, vocab_size=100)[0].selector == "cdpruner"
+    assert SPLIT_TOWER_ENV not in serve_command(folder, extra=["-tp", "1"])[1]  # one rank: not the shell's setting either
 
 
 @pytest.mark.parametrize(("extra", "named"), OPTIONS_TABLE, ids=[f"row{i}" for i in range(len(OPTIONS_TABLE))])

@@ -728,12 +728,21 @@ def test_a_plan_file_runs_its_paired_study_and_its_rule_writes_the_verdict(study
     assert f"Verdict: **{verdict['decision']}**" in (tmp_path / "study" / "verdict.md").read_text()
     assert len((tmp_path / "study" / "statistic.csv").read_text().splitlines()) == 5
     # a study stopped after a run finished and before it was recorded (in the per-kind evaluation of its student, say):
-    # --resume takes the finished run from its folder as it is, trains nothing again and moves nothing aside
+    # --resume takes the finished run from its folder as it is, trains nothing again and moves nothing aside; one
+    # recorded but stopped in that evaluation gets it; a folder whose run had other settings (another learning rate in
+    # the job it recorded) is trained again, the old one moved aside
     written = json.loads((tmp_path / "study" / "results.json").read_text())
-    lost = written["runs"].pop()
+    lost, changed, unevaluated = written["runs"][-1], written["runs"][-2], written["runs"][0]
+    written["runs"] = written["runs"][:-2]
+    del unevaluated["final_by_kind"]
     (tmp_path / "study" / "results.json").write_text(json.dumps(written))
+    other = tmp_path / "study" / changed["arm"] / f"seed{changed['seed']}"
+    (other / "job.yaml").write_text((other / "job.yaml").read_text().replace("language_model: ", "language_model: 1", 1))
     resumed, again = run_plan(str(plan), resume=True, roles=study_cluster)
-    (kept,) = [r for r in resumed["runs"] if (r["arm"], r["seed"]) == (lost["arm"], lost["seed"])]
+    by_run = {(r["arm"], r["seed"]): r for r in resumed["runs"]}
+    kept, fresh = by_run[lost["arm"], lost["seed"]], by_run[changed["arm"], changed["seed"]]
     assert kept["recovered"] and kept["run_id"] == lost["run_id"] and kept["curve"] == lost["curve"] and kept["final"] == lost["final"]
-    assert kept["final_by_kind"] == lost["final_by_kind"] and again["decision"] == verdict["decision"]
-    assert sorted(p.name for p in (tmp_path / "study" / lost["arm"]).iterdir()) == ["seed0", "seed1"]
+    assert kept["final_by_kind"] == lost["final_by_kind"] and len(list((tmp_path / "study" / lost["arm"]).iterdir())) == 2
+    assert "recovered" not in fresh and fresh["run_id"] != changed["run_id"] and len(list(other.parent.iterdir())) == 3
+    assert by_run[unevaluated["arm"], unevaluated["seed"]]["final_by_kind"] == results["runs"][0]["final_by_kind"]
+    assert again["decision"] in ("shown", "not shown", "reversed", "no verdict")

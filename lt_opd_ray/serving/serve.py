@@ -80,7 +80,7 @@ def tensor_parallel_size(extra: list[str]) -> str | None:
     for i, arg in enumerate(extra):
         flag, equals, value = arg.partition("=")
         name = flag[2:].replace("_", "-") if flag.startswith("--") else None
-        if flag == "-tp" or (name and len(name) >= 3 and "tensor-parallel-size".startswith(name)):
+        if flag in ("-tp", "-t") or (name and "tensor-parallel-size".startswith(name)):  # argparse takes any unique prefix
             size = (value if equals else extra[i + 1] if i + 1 < len(extra) else "").strip()
     return size
 
@@ -144,6 +144,7 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
         if key is not None:
             env["VLLM_API_KEY"] = key
         env[SERVED_FOLDER_ENV] = str(model_dir)  # the guard gives a request without `stop` the folder's stop strings
+        env.pop(SPLIT_TOWER_ENV, None)  # never the operator's shell's: set here, where the tower is split
         if split_tower:  # a request may not pick a selector that reads the tower's attention (selection.SelectionRequest)
             env[SPLIT_TOWER_ENV] = "1"
         _vllm_environment(env)

@@ -9,7 +9,8 @@ vLLM's server under `lt-opd serve`: the API key, the body, media, image, pixel a
 images inline only (`data:` URLs, PNG, JPEG, WebP, GIF or BMP), the token and choice fields integers within the
 limits (`check_token_fields`), every refusal a 4xx naming the field. A request's
 time (`request_seconds`) counts from its arrival: one still waiting for the model when it runs out is answered 503,
-one still generating is stopped at its next token and answered 504 (no partial answer). The API key and the limits come from the environment
+one still generating is stopped at its next token and answered 504 (a stream past its first token ends with an error
+event instead). The API key and the limits come from the environment
 `serve_command` sets (`LT_OPD_API_KEY`, `ServeLimits.environment`), never from a command line.
 """
 
@@ -20,7 +21,6 @@ import asyncio
 import base64
 import binascii
 import os
-import queue
 import threading
 import time
 import uuid
@@ -219,7 +219,7 @@ class TransformersStudent:
             self.lock.release()
         text = self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         if completion.finish_reason == "stop":  # as OpenAI's API and vLLM answer: without the stop string
-            text = text[: max(text.rfind(s) for s in request.stop)]
+            text = before_stop(text, request.stop)
         prompt_tokens, completion_tokens = int(reduced.inputs_embeds.shape[0]), int(completion.token_ids.numel())
         return {
             "id": f"chatcmpl-{sample_uid}", "object": "chat.completion", "created": int(time.time()), "model": self.name,
@@ -267,74 +267,104 @@ def build_app(student: TransformersStudent, api_key: str | None, limits):
 
     async def streamed(parsed: ChatRequest, deadline: float):
         """Server-sent chunks as the tokens are drawn; a refusal before the first token is answered with its status."""
-        uid = f"request-{uuid.uuid4().hex[:12]}"
-        events: queue.Queue = queue.Queue()
+        uid, loop, events = f"request-{uuid.uuid4().hex[:12]}", asyncio.get_running_loop(), asyncio.Queue()
+        cancelled = threading.Event()  # the client left: the worker stops at its next token and frees the model
+        tokens, shown = [], [""]
+
+        def put(event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def on_token(token: int) -> None:  # on the worker's thread, where the tokenizer is already in use
+            if cancelled.is_set():
+                raise StreamCancelled("the client left")
+            tokens.append(token)
+            text = streamable(student.processor.tokenizer.decode(tokens, skip_special_tokens=True), parsed.stop)
+            if len(text) > len(shown[0]) and text.startswith(shown[0]):
+                put(("text", text[len(shown[0]) :]))
+                shown[0] = text
 
         def work() -> None:
             try:
-                events.put(("done", student.answer(parsed, deadline, limits.request_seconds, uid, lambda token: events.put(("token", token)))))
+                put(("done", student.answer(parsed, deadline, limits.request_seconds, uid, on_token)))
+            except StreamCancelled:
+                pass
             except Exception as exc:  # noqa: BLE001 - handed to the stream, which answers it
-                events.put(("error", exc))
+                put(("error", exc))
 
         threading.Thread(target=work, daemon=True).start()
-        first = await asyncio.to_thread(events.get)
+        first = await events.get()
         if first[0] == "error":
             raise first[1]
-        return StreamingResponse(_chunks(first, events, uid, student, parsed), media_type="text/event-stream")
+        return StreamingResponse(_chunks(first, events, cancelled, shown, uid, student, parsed), media_type="text/event-stream")
 
     app = Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
     app.add_middleware(RequestGuard, limits=limits, api_key=api_key or "", inspect=False)  # the key, the body, the JSON depth
     return app
 
 
-async def _chunks(first: tuple, events: queue.Queue, uid: str, student: TransformersStudent, request: ChatRequest):
+class StreamCancelled(Exception):
+    """A streamed request whose client left: its sampling stops at the next token."""
+
+
+async def _chunks(first: tuple, events: asyncio.Queue, cancelled: threading.Event, shown: list[str], uid: str,
+                  student: TransformersStudent, request: ChatRequest):
     """OpenAI's server-sent chat-completion chunks: the role, the text as its tokens are drawn (never a stop string, nor
-    a tail that may begin one, nor half a character), the finish reason, the usage when asked, then [DONE]. A refusal
-    after the first token (the time limit) ends the stream with an error event."""
+    a tail that may begin one, nor half a character: `streamable`), the finish reason, the usage when asked, then
+    [DONE]. A refusal after the first token (the time limit) ends the stream with an error event; a client that
+    leaves stops the sampling."""
     import json
 
-    ident, created, tokens, sent = f"chatcmpl-{uid}", int(time.time()), [], ""
+    ident, created, sent = f"chatcmpl-{uid}", int(time.time()), ""
 
     def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
         body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": student.name, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    kind, value = first
-    while kind == "token":
-        tokens.append(value)
-        shown = _streamable(student.processor.tokenizer.decode(tokens, skip_special_tokens=True), request.stop)
-        if len(shown) > len(sent) and shown.startswith(sent):
-            yield chunk({"content": shown[len(sent) :]})
-            sent = shown
-        kind, value = await asyncio.to_thread(events.get)
-    if kind == "error":
-        status = value.status if isinstance(value, LimitError) else 500
-        yield f"data: {json.dumps({'error': {'message': str(value), 'type': type(value).__name__, 'code': status}})}\n\n"
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        kind, value = first
+        while kind == "text":
+            sent += value
+            yield chunk({"content": value})
+            kind, value = await events.get()
+        if kind == "error":
+            status = value.status if isinstance(value, LimitError) else 500
+            yield f"data: {json.dumps({'error': {'message': str(value), 'type': type(value).__name__, 'code': status}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        choice = value["choices"][0]
+        text = choice["message"]["content"]
+        if not text.startswith(sent):  # the stream and the answer are one text: a gap is a bug, named rather than hidden
+            raise RuntimeError(f"streamed {sent!r} is not the start of the answer {text!r}")
+        if len(text) > len(sent):
+            yield chunk({"content": text[len(sent) :]})
+        yield chunk({}, choice["finish_reason"])
+        if request.stream_usage:
+            yield chunk(None, usage=value["usage"])
         yield "data: [DONE]\n\n"
-        return
-    choice = value["choices"][0]
-    text = choice["message"]["content"]
-    if len(text) > len(sent) and text.startswith(sent):
-        yield chunk({"content": text[len(sent) :]})
-    yield chunk({}, choice["finish_reason"])
-    if request.stream_usage:
-        yield chunk(None, usage=value["usage"])
-    yield "data: [DONE]\n\n"
+    finally:
+        cancelled.set()  # a client that left mid-stream (the generator closed) frees the model at the next token
 
 
-def _streamable(text: str, stop: tuple[str, ...]) -> str:
-    """What of a response's text so far may be sent: up to its first stop string, less a tail that may begin one, less
-    an unfinished character (decoded as U+FFFD)."""
+def before_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text before its first stop string (all of it where none is in it: one that ended generation may sit in
+    special tokens the decoded text skips)."""
     found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    if found:
-        return text[: min(found)]
+    return text[: min(found)] if found else text
+
+
+def streamable(text: str, stop: tuple[str, ...]) -> str:
+    """What of a response's text so far may be sent: an unfinished character (decoded as U+FFFD) dropped, then up to
+    its first stop string, less a tail that may begin one."""
+    text = text.rstrip("\ufffd")
+    cut = before_stop(text, stop)
+    if len(cut) < len(text):
+        return cut
     for length in range(min(len(text), max((len(s) - 1 for s in stop), default=0)), 0, -1):
         if any(s.startswith(text[-length:]) for s in stop):
-            text = text[:-length]
-            break
-    return text.rstrip("\ufffd")
+            return text[:-length]
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -345,11 +345,16 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         for seed in seeds:
             for arm in arms:
                 if (arm, seed) in done:
+                    (recorded,) = [r for r in runs if (r["arm"], r["seed"]) == (arm, seed)]
+                    if len(sets) > 1 and "final_by_kind" not in recorded:  # the study stopped in its per-kind evaluation
+                        job = arm_job(base, arm, seed, out_dir, steps, recorded["lr_scale"], recorded["variant"], eval_every)
+                        recorded["final_by_kind"] = evaluate(str(Path(job.checkpoint.dir) / "final"), job, sets, full_tokens=False)
+                        save_results(results, out_dir, begin)
                     continue
                 job = arm_job(base, arm, seed, out_dir, steps, results["chosen_lr_scale"].get(arm, 1.0), results["chosen_variant"].get(arm),
                               eval_every)
                 record = {"arm": arm, "seed": seed, "lr_scale": results["chosen_lr_scale"].get(arm, 1.0), "variant": results["chosen_variant"].get(arm)}
-                recovered = finished_run(Path(job.checkpoint.dir), job.budget.total_steps) if resume else None
+                recovered = finished_run(Path(job.checkpoint.dir), job) if resume else None
                 if recovered is not None:  # trained to its last update, then the study stopped before recording it
                     record |= recovered
                     print(f"{arm} seed {seed}: its folder holds the finished run ({recovered['run_id']}): taken as it is", flush=True)
@@ -385,15 +390,23 @@ def curve_point(step: int, budget_bps: int, loss, divergence, reward, eval_accur
             **({"eval_by_kind": eval_by_kind} if eval_by_kind else {})}
 
 
-def finished_run(folder: Path, total_steps: int) -> dict | None:
-    """A run folder holding a finished run (every update in its step log, its final/ written last) as a study records
-    it: its curve from steps.jsonl (the values the run's step logs carried), its run id, and its seconds from the start
-    run.json records to its last update's end. None for a folder without one (missing, cut short)."""
+def finished_run(folder: Path, job: JobConfig) -> dict | None:
+    """A run folder holding a finished run of `job` (the job it recorded is this one, every update is in its step log,
+    its final/ was written last) as a study records it: its curve from steps.jsonl (the values the run's step logs
+    carried), its run id, and its seconds from the start run.json records to its last update's end. None for a folder
+    without one (missing, cut short, trained with other settings)."""
     from datetime import datetime
 
-    steps_file, run_file = folder / "steps.jsonl", folder / "run.json"
-    if not (steps_file.is_file() and run_file.is_file() and (folder / "final" / "config.json").is_file()):
+    import yaml
+
+    from lt_opd_ray.core.redact import redact_values
+
+    steps_file, run_file, job_file = folder / "steps.jsonl", folder / "run.json", folder / "job.yaml"
+    if not (steps_file.is_file() and run_file.is_file() and job_file.is_file() and (folder / "final" / "config.json").is_file()):
         return None
+    if yaml.safe_load(job_file.read_text()) != redact_values(job.model_dump(mode="json")):  # as the run wrote it
+        return None
+    total_steps = job.budget.total_steps
     by_step = {}
     for line in steps_file.read_text().splitlines():
         if line.strip():
