@@ -76,15 +76,14 @@ class HiPrune(Selector):
         # each anchor's neighbours above, left, right, below; off-grid ones marked -1
         around = torch.stack([torch.where(row > 0, anchors - width, -1), torch.where(col > 0, anchors - 1, -1),
                               torch.where(col < width - 1, anchors + 1, -1), torch.where(row < height - 1, anchors + width, -1)], dim=1)
-        chosen = torch.zeros(n, dtype=torch.bool)
-        chosen[anchors] = True
+        seen = set(anchors.tolist())
         order = []  # buffers, anchor by anchor in rank order, first seen first
         for j in around.flatten().tolist():
-            if j >= 0 and not chosen[j]:
-                chosen[j] = True
+            if j >= 0 and j not in seen:
+                seen.add(j)
                 order.append(j)
         picked = torch.cat([anchors, torch.tensor(order, dtype=torch.long)])[:k]
-        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen = torch.zeros(n, dtype=torch.bool)  # on the host, as the scores were put: selection is metadata
         chosen[picked] = True
         last = _ranked(item.attention.last_block.float().cpu())
         registers = last[~chosen[last]][: k - picked.numel()]
