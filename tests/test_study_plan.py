@@ -133,3 +133,22 @@ def test_an_evaluation_reports_accuracy_per_kind_of_question():
         mine = [c for c, k in zip(correct, kinds) if k == kind]
         assert by_kind[kind] == sum(mine) / len(mine)
     assert Evaluation(500, "cdpruner", [""] * 12, correct).by_kind(toy_task("circles").samples(12)) == {}  # one kind: none reported
+
+
+def test_a_new_study_folder_may_hold_only_the_plan_it_runs(tmp_path):
+    from lt_opd_ray.tools.ablation import check_study_folder
+
+    out = tmp_path / "study"
+    out.mkdir()
+    plan = out / "plan.yaml"
+    plan.write_text("job: jobs/toy_discs.yaml\n")
+    check_study_folder(out, resume=False, plan_file=plan)  # the plan beside nothing else: a new study starts
+    with pytest.raises(ValueError, match="files of its own .plan.yaml first"):
+        check_study_folder(out, resume=False)  # without a plan, its file is a file of the folder's own
+    (out / "results.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"an earlier study \(--resume continues it\) \(results.json first\)"):
+        check_study_folder(out, resume=False, plan_file=plan)
+    check_study_folder(out, resume=True, plan_file=plan)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        check_study_folder(tmp_path / "file", resume=True)

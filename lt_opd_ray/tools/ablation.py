@@ -221,7 +221,8 @@ def mean_retain(accuracy: dict[str, dict[str, float]], teacher: dict[str, dict[s
 def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None = None, arms: list[str] | None = None,
                  resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
                  accept_grid_ends: bool = False, choices_from: str | None = None, roles: KeptRoles | None = None,
-                 eval_rows: str | None = None, eval_every: int | None = None, plan: dict | None = None) -> dict:
+                 eval_rows: str | None = None, eval_every: int | None = None, plan: dict | None = None,
+                 plan_file: Path | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
@@ -236,7 +237,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     studies in one session); by default the study keeps its own and stops them at its end. A Ray session already up (one `runtime.launch.init_ray` started,
     with the workers' environment) is used and left up; otherwise the study starts its own and stops it. `eval_rows`,
     `eval_every`: every run evaluated on these rows (the job's eval.data otherwise) every so many updates; `plan`: the
-    pre-registered plan (tools/study_plan.py) the study runs, whose verdict its report is."""
+    pre-registered plan (tools/study_plan.py) the study runs, whose verdict its report is; `plan_file`, its path, the one
+    file a new study's folder may already hold."""
     import ray
 
     from lt_opd_ray.runtime.launch import check_local_start, claim_run_folder, init_ray, run
@@ -266,11 +268,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     if not ray.is_initialized():
         check_local_start(base)  # the cluster the study will start: this machine's CPUs, its metrics port free
     out_dir = Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"{out_dir} is a file; --out names the study's folder")
-    if not resume and out_dir.is_dir() and any(out_dir.iterdir()):  # a study's results and runs are never written over
-        held = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
-        raise ValueError(f"{out_dir} holds {held}; a new study needs a new or empty --out")
+    check_study_folder(out_dir, resume, plan_file)
     earlier = finished_study(out_dir, base_path, steps or base.budget.total_steps, base, lr_scales, rl_variants,
                              carried, eval_every, plan) if resume else {}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -449,6 +447,20 @@ def save_results(results: dict, out_dir: Path, begin: float) -> None:
         write_report(results, out_dir)
 
 
+def check_study_folder(out_dir: Path, resume: bool, plan_file: Path | None = None) -> None:
+    """A new study starts in a new or empty folder, which may hold only the plan file it runs: a study's results and
+    runs are never written over."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file; --out names the study's folder")
+    if resume or not out_dir.is_dir():
+        return
+    plan_here = plan_file.resolve() if plan_file else None
+    held = sorted(p for p in out_dir.iterdir() if p.resolve() != plan_here)
+    if held:
+        what = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
+        raise ValueError(f"{out_dir} holds {what} ({held[0].name} first); a new study needs a new or empty --out")
+
+
 def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = None) -> tuple[dict, dict]:
     """The study a plan file names (tools/study_plan.py), run or resumed, and its verdict computed from the plan:
     (results, verdict); results.json, the tables, verdict.md and statistic.csv in the plan's `out`."""
@@ -457,6 +469,6 @@ def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = Non
     plan = load_plan(plan_path)
     results = run_ablation(plan.job, plan.out, plan.seed_list, plan.updates, list(plan.contrast), resume=resume,
                            choices_from=plan.choices_from, roles=roles, eval_rows=plan.eval_rows, eval_every=plan.eval_every,
-                           plan=plan.model_dump(mode="json"))
+                           plan=plan.model_dump(mode="json"), plan_file=Path(plan_path))
     return results, write_verdict(results, plan, Path(plan.out))
 
