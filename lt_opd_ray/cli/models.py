@@ -227,7 +227,7 @@ def register(sub) -> None:
     evaluate.add_argument("--bench", action="append", required=True, metavar="NAME=FILE",
                           help="a benchmark file; NAME one of mmbench, mmmu, vstar, hrbench, pope, gqa, textvqa, mme, ocrbench, muirbench, mvbench")
     evaluate.add_argument("--budgets", type=BUDGET_BPS, nargs="+", default=[500, 1000, 2500], help="budgets in basis points, 1-10000 (default 500 1000 2500: 5%%, 10%%, 25%%)")
-    evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"], help="token selectors to score (default cdpruner; also divprune, hiprune, random, uniform)")
+    evaluate.add_argument("--selectors", nargs="+", default=["cdpruner"], help="token selectors to score (default cdpruner; also divprune, fastv, hiprune, random, uniform)")
     evaluate.add_argument("--k-min", type=whole_number(1), default=1, help="visual tokens kept per image at the least (default 1)")
     evaluate.add_argument("--max-new-tokens", type=whole_number(1), default=16, help="longest answer generated (default 16)")
     evaluate.add_argument("--limit", type=whole_number(1), default=None, help="first N items of each benchmark (default: all)")

@@ -80,7 +80,7 @@ class DataConfig(StrictModel):
         return self
 
 
-SelectorName = Literal["cdpruner", "divprune", "hiprune", "random", "uniform"]  # core/selectors SELECTORS (tests/test_selectors.py holds them equal)
+SelectorName = Literal["cdpruner", "divprune", "fastv", "hiprune", "random", "uniform"]  # core/selectors SELECTORS (tests/test_selectors.py holds them equal)
 
 
 class SelectorConfig(StrictModel):
@@ -97,6 +97,14 @@ class SelectorConfig(StrictModel):
     of everything the prompt shows, k = min(N, max(k_min, ceil(N r))) for N = sum of N_i, the selector choosing across
     images and frames (one may keep none). A one-image row picks the same every way. `clip` and `prompt`: transformers
     engines only."""
+
+    @model_validator(mode="after")
+    def _chosen_before_the_language_model(self) -> SelectorConfig:
+        if self.name == "fastv":
+            raise ValueError("selector fastv prunes inside the language model, after the layer whose attention ranks the"
+                             " tokens; the learner replays selections made before it: train with cdpruner, divprune, hiprune,"
+                             " random or uniform, and score FastV with eval.selectors or lt-opd eval")
+        return self
 
     @model_validator(mode="after")
     def _hiprune_selects_per_image(self) -> SelectorConfig:
@@ -344,6 +352,13 @@ class JobConfig(StrictModel):
         if self.selector.scope != "image" and "vllm" in (self.pools.rollout.backend, self.pools.teacher.backend):
             raise ValueError(f"selector.scope {self.selector.scope} selects across a prompt's images or frames in the transformers engines;"
                              " vLLM's plugin selects per image: set pools.rollout.backend and pools.teacher.backend to transformers")
+        return self
+
+    @model_validator(mode="after")
+    def _fastv_evaluated_in_transformers(self) -> JobConfig:
+        if "fastv" in self.eval.selectors and self.pools.rollout.backend == "vllm":
+            raise ValueError("eval.selectors fastv prunes inside the language model, which vLLM's model runner does not; the rollout"
+                             " workers evaluate: set pools.rollout.backend to transformers, or score FastV with lt-opd eval")
         return self
 
     @model_validator(mode="after")

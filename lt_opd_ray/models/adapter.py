@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from lt_opd_ray.core.curriculum import tokens_to_keep
+from lt_opd_ray.core.curriculum import BPS, tokens_to_keep
 from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import EncoderAttention, SelectionInput, Selector
@@ -38,6 +39,20 @@ class VisualFeatures:
     deepstack: list[list[torch.Tensor]] | None  # per image, per deepstack layer [N_i, D] (Qwen3-VL only)
     merged_grids: list[tuple[int, int, int]]  # per image (t, h, w) after the spatial merge; N_i = t*h*w
     attention: list[EncoderAttention] | None = None  # per unit, when asked for (a selector that reads it)
+    language_attention: list[torch.Tensor] | None = None  # per unit [N_i]: the prompt's last token's, inside the LM (FastV)
+
+
+@dataclass(frozen=True)
+class InsidePruning:
+    """A selection the language model makes in its own forward (`Selector.prunes_inside_language_model`: FastV): what
+    it needs to choose once the scoring layer's attention is known (models/lm_pruning.py)."""
+
+    prompt: PromptInputs
+    features: VisualFeatures
+    selector: Selector
+    budget_bps: int
+    k_min: int
+    seed: int
 
 
 @dataclass
@@ -51,6 +66,7 @@ class ReducedPrompt:
     next_position: int  # M-RoPE position of the first response token
     selected: list[torch.Tensor]  # per image: sorted kept indices in [0, N_i)
     merge_routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per image (assignment, prior) with a token-merge head
+    inside: InsidePruning | None = None  # every visual token kept here, pruned inside the language model (FastV)
 
     @property
     def length(self) -> int:
@@ -178,15 +194,32 @@ class QwenVLM:
                 embeds, grid = features.embeds[i], features.merged_grids[i]
                 k = tokens_to_keep(embeds.shape[0], budget_bps, k_min)
                 item = SelectionInput(embeds.detach().float(), query, (grid[0] * grid[1], grid[2]), seed=stable_seed(seed, i),  # per unit, any size of seed
-                                      attention=features.attention[i] if features.attention else None)
+                                      attention=features.attention[i] if features.attention else None,
+                                      language_attention=features.language_attention[i] if features.language_attention else None)
                 selected.append(selector.select(item, k))
                 continue
             union = torch.cat([features.embeds[i].detach().float() for i in group])
             k = tokens_to_keep(union.shape[0], budget_bps, k_min)
-            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0])), k)  # no union for HiPrune
+            scores = torch.cat([features.language_attention[i] for i in group]) if features.language_attention else None
+            chosen = selector.select(SelectionInput(union, query, (1, union.shape[0]), seed=stable_seed(seed, group[0]), language_attention=scores), k)  # no union for HiPrune
             bounds = list(itertools.accumulate((features.embeds[i].shape[0] for i in group), initial=0))  # each unit's range in the union
             selected += [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         return selected
+
+    def reduced_prompt(self, prompt: PromptInputs, features: VisualFeatures, selector: Selector | None, budget_bps: int,
+                       k_min: int, seed: int = 0) -> ReducedPrompt:
+        """What the language model is given at `budget_bps` under `selector` (None, or a budget of 10000: every visual
+        token): the kept tokens alone, or, for a selector that prunes inside the language model, every token and the
+        selection it makes there (`ReducedPrompt.inside`)."""
+        if selector is None or budget_bps >= BPS:
+            return self.reduce(prompt, features, self.keep_all(features))
+        if selector.prunes_inside_language_model:
+            from lt_opd_ray.models.lm_pruning import check_prunable
+
+            check_prunable(self)
+            full = self.reduce(prompt, features, self.keep_all(features))
+            return dataclasses.replace(full, inside=InsidePruning(prompt, features, selector, budget_bps, k_min, seed))
+        return self.reduce(prompt, features, self.select(prompt, features, selector, budget_bps, k_min, seed=seed))
 
     def keep_all(self, features: VisualFeatures) -> list[torch.Tensor]:
         return [torch.arange(e.shape[0]) for e in features.embeds]

@@ -70,11 +70,7 @@ def generate_responses(
         reduced = []
         for prompt, s in zip(encode_samples(processor, chunk, system_prompt), chunk):
             features = vlm.visual_features(prompt, with_attention=budget_bps < BPS and choose.reads_encoder_attention)
-            if budget_bps >= BPS:
-                kept = vlm.keep_all(features)
-            else:
-                kept = vlm.select(prompt, features, choose, budget_bps, k_min, seed=eval_selection_seed(s.uid))
-            reduced.append(vlm.reduce(prompt, features, kept))
+            reduced.append(vlm.reduced_prompt(prompt, features, choose, budget_bps, k_min, seed=eval_selection_seed(s.uid)))
         completions = sample(vlm, reduced, params, [0] * len(reduced), tokenizer)
         responses += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     vlm.model.train(was_training)

@@ -37,6 +37,7 @@ class Completion:
     logprobs: torch.Tensor | None  # [T] fp32: log p(sampled token) under the model; None where none were asked
     top_ids: torch.Tensor | None  # [T, k] long: the model's top-k ids at each position; None where none were asked
     finish_reason: str = field(default="length")  # eos | stop | length
+    selected: list[torch.Tensor] | None = None  # per visual unit, what a selection inside the language model kept (FastV)
 
 
 def written_response(tokenizer, text: str, params: SamplingParams) -> tuple[torch.Tensor, str]:
@@ -92,6 +93,50 @@ class _StopChecker:
         return any(s in tail for s in self.stop)
 
 
+class PlainDecoding:
+    """Prefill and decoding of left-padded prompts whose visual tokens were chosen before the language model: the
+    model's own forward over the batch, then one token a row a step from its cache."""
+
+    selected: tuple = ()  # nothing chosen inside the language model
+
+    def __init__(self, vlm: QwenVLM, prompts: list[ReducedPrompt]):
+        self.vlm, self.prompts = vlm, prompts
+
+    def prefill(self) -> torch.Tensor:
+        """[B, D]: the final hidden state at each row's last prompt token."""
+        batch = self.vlm.pad_batch(self.prompts)
+        hidden, self.cache = self.vlm.run_language_model(batch, use_cache=True)
+        self.attention_mask = batch.attention_mask
+        self.lengths = batch.attention_mask.sum(-1)  # real tokens per row, for the seq_index channel
+        return hidden[:, -1]
+
+    def step(self, ids: list[int], step: int) -> torch.Tensor:
+        """[B, D]: the final hidden state after each row's next token `ids[b]` (the response's `step`-th, from 0)."""
+        vlm, rows, device = self.vlm, len(ids), self.vlm.device
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(rows, 1)], dim=1)
+        position_ids = torch.empty(4, rows, 1, dtype=torch.long, device=device)
+        position_ids[0, :, 0] = self.lengths + step  # seq_index continues after the reduced prompt
+        position_ids[1:, :, 0] = torch.tensor([p.next_position + step for p in self.prompts], device=device)  # full-sequence M-RoPE
+        step_batch = PaddedBatch(
+            inputs_embeds=vlm.embed_tokens(torch.tensor(ids, dtype=torch.long))[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=position_ids,
+            visual_pos_masks=torch.zeros(rows, 1, dtype=torch.bool, device=device),
+            deepstack=None,
+        )
+        hidden, self.cache = vlm.run_language_model(step_batch, past_key_values=self.cache, use_cache=True)
+        return hidden[:, -1]
+
+
+def decoding_of(vlm: QwenVLM, prompts: list[ReducedPrompt]):
+    """The language-model side of sampling `prompts`: pruned before it, or inside it (models/lm_pruning.py)."""
+    if any(p.inside is not None for p in prompts):
+        from lt_opd_ray.models.lm_pruning import PrunedInside
+
+        return PrunedInside(vlm, prompts)
+    return PlainDecoding(vlm, prompts)
+
+
 @torch.no_grad()
 def sample(
     vlm: QwenVLM,
@@ -100,19 +145,20 @@ def sample(
     seeds: list[int],
     tokenizer,
     on_token: Callable[[int, int], None] | None = None,
+    before_forward: Callable[[], None] | None = None,
 ) -> list[Completion]:
     """Sample one response per prompt (repeat a prompt n times for n responses, with distinct seeds). `on_token(row,
-    token)` is called with each token as it is drawn (a server streams them)."""
+    token)` is called with each token as it is drawn (a server streams them); `before_forward()` before each forward
+    pass of the language model (a server's deadline: what it raises ends the sampling)."""
+    before_forward = before_forward or (lambda: None)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     stopper = _StopChecker(tokenizer, params.stop)
     eos = set(params.eos_token_ids)
-    batch = vlm.pad_batch(prompts)
-    hidden, cache = vlm.run_language_model(batch, use_cache=True)
-    last_hidden = hidden[:, -1]
-    lengths = batch.attention_mask.sum(-1)  # real tokens per row, for the seq_index channel
-    attention_mask = batch.attention_mask
+    decoding = decoding_of(vlm, prompts)
+    before_forward()
+    last_hidden = decoding.prefill()
     rows = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
@@ -147,27 +193,15 @@ def sample(
                 done[b], finish[b] = True, "stop"
         if all(done) or step == params.max_new_tokens - 1:
             break
-        device = vlm.device
-        ids = torch.tensor(next_ids, dtype=torch.long)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
-        position_ids = torch.empty(4, rows, 1, dtype=torch.long, device=device)
-        position_ids[0, :, 0] = lengths + step  # seq_index continues after the reduced prompt
-        position_ids[1:, :, 0] = torch.tensor([p.next_position + step for p in prompts], device=device)  # full-sequence M-RoPE
-        step_batch = PaddedBatch(
-            inputs_embeds=vlm.embed_tokens(ids)[:, None],
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            visual_pos_masks=torch.zeros(rows, 1, dtype=torch.bool, device=device),
-            deepstack=None,
-        )
-        hidden, cache = vlm.run_language_model(step_batch, past_key_values=cache, use_cache=True)
-        last_hidden = hidden[:, -1]
+        before_forward()
+        last_hidden = decoding.step(next_ids, step)
     return [
         Completion(
             token_ids=torch.tensor(tokens[b], dtype=torch.long),
             logprobs=torch.tensor(logprobs[b], dtype=torch.float32),
             top_ids=torch.stack(tops[b]) if tops[b] else torch.zeros(0, top_k, dtype=torch.long),
             finish_reason=finish[b],
+            selected=decoding.selected[b] if decoding.selected else None,
         )
         for b in range(rows)
     ]

@@ -137,8 +137,12 @@ def _mrope_section(rotary_dim: int) -> list[int]:
     return [frequencies - 2 * spatial, spatial, spatial]
 
 
-def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vocab_size: int | None = None, tied: bool = False):
+def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vocab_size: int | None = None, tied: bool = False,
+                layers: int | None = None):
     """A tiny config of `family` whose special-token ids match `tokenizer`.
+
+    `layers`: decoder layers instead of the family's tiny count (Qwen3.5: a multiple of 4, each 3 Gated-DeltaNet
+    layers then a full-attention one, as its releases).
 
     `vocab_size` (default: the tokenizer's) may exceed the tokenizer, as Qwen3.5-4B's
     248,320 rows do: the output head then has the real shape, and ids past the
@@ -172,6 +176,12 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, head_dim: int = 32, vo
     vision_common = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
                          patch_size=FAMILIES[family].patch_size, spatial_merge_size=2, temporal_patch_size=2)
     text, vision, start_end_keys = TINY_SHAPES[family](text_common, vision_common, head_dim)
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            if layers % 4:
+                raise ValueError(f"a tiny {family} model has layers in fours (3 linear-attention, 1 full): {layers} refused")
+            text["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     token_ids = {"image_token_id": ids["image_token_id"], "video_token_id": ids["video_token_id"],
                  start_end_keys[0]: ids["image_start_token_id"], start_end_keys[1]: ids["image_end_token_id"]}
     if family == "glm4v":  # GLM-4V's clip sits between its own start and end tokens (vLLM writes them from the config)
@@ -256,7 +266,7 @@ def video_processor_config(family: str, min_pixels: int = 64 * 64, max_pixels: i
 
 
 def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, vocab_size: int | None = None,
-                     tied: bool = False) -> Path:
+                     tied: bool = False, layers: int | None = None) -> Path:
     """Write a tiny random `family` VLM to `out_dir` (an ordinary HF folder) and return the path; `tied`: the output
     head is the input embedding (one tensor, as Qwen3.5-4B's checkpoint has it)."""
     import torch
@@ -264,7 +274,7 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, hidden: in
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(family=family)
-    config = tiny_config(family, tokenizer, hidden=hidden, vocab_size=vocab_size, tied=tied)
+    config = tiny_config(family, tokenizer, hidden=hidden, vocab_size=vocab_size, tied=tied, layers=layers)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id

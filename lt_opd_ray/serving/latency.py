@@ -104,8 +104,7 @@ class TransformersAnswering:
         with torch.inference_mode():
             (prompt,) = encode_samples(processor, [Sample("latency", (image,), QUESTION)])
             features = vlm.visual_features(prompt, with_attention=self.choose.reads_encoder_attention and budget_bps < BPS)
-            kept = vlm.keep_all(features) if budget_bps >= BPS else vlm.select(prompt, features, self.choose, budget_bps, self.compression.k_min)
-            reduced = vlm.reduce(prompt, features, kept)
+            reduced = vlm.reduced_prompt(prompt, features, self.choose, budget_bps, self.compression.k_min)
             (completion,) = sample(vlm, [reduced], served_params(processor, self.defaults, max_new_tokens), [0], processor.tokenizer)
         visual = int((prompt.mm_token_type_ids != 0).sum())
         return Answer(reduced.length, int(completion.token_ids.numel()), prompt.input_ids.numel() - visual, tuple(prompt.image_grid_thw[0].tolist()))
@@ -143,14 +142,11 @@ def _cpu_dtype(config: dict) -> str:
 def serving_engine(folder: Path) -> AnsweringEngine:
     """The engine `lt-opd serve --engine auto` would serve `folder` with."""
     from lt_opd_ray.core.compression import CompressionConfig, ServingDefaults
-    from lt_opd_ray.core.families import UnsupportedArchitectureError
-    from lt_opd_ray.engines.vllm.engine import check_architecture
+    from lt_opd_ray.serving.serve import vllm_refusal
 
     compression = CompressionConfig.read(folder) or CompressionConfig("cdpruner", BPS, 1)
     defaults = ServingDefaults.read(folder)
-    try:
-        check_architecture(folder)
-    except UnsupportedArchitectureError:
+    if vllm_refusal(folder, compression) is not None:
         return TransformersAnswering(folder, compression, defaults)
     return VLLMAnswering(folder, compression, defaults)
 

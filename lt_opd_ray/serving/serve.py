@@ -95,7 +95,6 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
     from lt_opd_ray.core.model_files import check_model_folder
     from lt_opd_ray.core.selectors import build_selector
-    from lt_opd_ray.engines.vllm.engine import check_architecture
     from lt_opd_ray.engines.vllm.selection import SPLIT_TOWER_ENV
     from lt_opd_ray.serving.limits import API_KEY_ENV, SERVED_FOLDER_ENV
 
@@ -108,14 +107,13 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     config = json.loads((model_dir / "config.json").read_text())
     family = family_of_config(config, str(model_dir))  # a family neither engine runs is refused here
     if engine != "transformers":
-        try:
-            check_architecture(model_dir)
+        refusal = vllm_refusal(model_dir, compression)
+        if refusal is None:
             engine = "vllm"
-        except UnsupportedArchitectureError as exc:
-            if engine == "vllm":
-                raise
-            print(f"the transformers engine serves it, one request at a time: vLLM cannot run it on this machine ({exc})",
-                  file=sys.stderr, flush=True)
+        elif engine == "vllm":
+            raise UnsupportedArchitectureError(refusal)
+        else:
+            print(f"the transformers engine serves it, one request at a time: {refusal}", file=sys.stderr, flush=True)
             engine = "transformers"
     check_vllm_options(extra or [])  # before anything reads --host: none of what serve sets is overridden after --
     tensor_parallel = tensor_parallel_size(extra or [])
@@ -153,6 +151,24 @@ def serve_command(model_dir: str | Path, host: str = "127.0.0.1", port: int = 80
     budget += ", kept tokens merged with their discarded neighbours (learnable token merge)" if merging else ""
     print(f"serving {model_dir} on http://{host}:{port}/v1 ({engine}) with {budget}", flush=True)
     return argv, env
+
+
+def vllm_refusal(model_dir: Path, compression) -> str | None:
+    """Why the vLLM engine cannot serve `model_dir` with its compression config on this machine (its architecture
+    here, or a selector that prunes inside the language model: vLLM's model runner takes the kept visual tokens before
+    its language model runs); None where it can."""
+    from lt_opd_ray.core.families import UnsupportedArchitectureError
+    from lt_opd_ray.core.selectors import build_selector
+    from lt_opd_ray.engines.vllm.engine import check_architecture
+
+    if compression is not None and build_selector(compression.selector).prunes_inside_language_model:
+        return (f"its selector {compression.selector} prunes inside the language model, which vLLM's model runner does not"
+                " (the transformers engine does)")
+    try:
+        check_architecture(model_dir)
+    except UnsupportedArchitectureError as exc:
+        return f"vLLM cannot run it on this machine ({exc})"
+    return None
 
 
 def _vllm_argv(model_dir: Path, config: dict, family, host: str, port: int, dtype: str | None, max_model_len: int,

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import functools
 import os
 import threading
 import time
@@ -150,22 +151,10 @@ def _inline_image(url: str, limits, where: str) -> tuple[bytes, tuple[int, int]]
     return raw, image_size(raw, where)
 
 
-class _Deadline:
-    """The model as the sampler sees it, stopping the request (504) at its next forward pass once its time is up."""
-
-    def __init__(self, vlm, deadline: float, seconds: float):
-        self.vlm, self.deadline, self.seconds = vlm, deadline, seconds
-
-    def __getattr__(self, name):
-        return getattr(self.vlm, name)
-
-    def check(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise LimitError(f"request stopped: not answered within this server's {self.seconds:g} s (lt-opd serve --request-timeout)", 504)
-
-    def run_language_model(self, *args, **kwargs):
-        self.check()
-        return self.vlm.run_language_model(*args, **kwargs)
+def check_deadline(deadline: float, seconds: float) -> None:
+    """Before each forward pass of a request's sampling: stopped (504) once its time is up."""
+    if time.monotonic() > deadline:
+        raise LimitError(f"request stopped: not answered within this server's {seconds:g} s (lt-opd serve --request-timeout)", 504)
 
 
 class TransformersStudent:
@@ -183,6 +172,10 @@ class TransformersStudent:
         model_dir, model = load_vlm(model_dir, token_merge=merge)
         self.name, self.vlm, self.processor = str(model_dir), QwenVLM(model.eval()), VLMProcessor(model_dir)
         self.choose = build_selector(self.compression.selector) if self.compression else None
+        if self.choose is not None and self.choose.prunes_inside_language_model:
+            from lt_opd_ray.models.lm_pruning import check_prunable
+
+            check_prunable(self.vlm)  # refused at start: a language model with no layer after FastV's scoring layer
         self.stop = ServingDefaults.read(model_dir).stop  # a request without `stop` ends where training did
         self.lock = threading.Lock()  # one request at a time: the model is not shared across threads
 
@@ -193,6 +186,7 @@ class TransformersStudent:
         503 while waiting for the model, 504 once answering. `on_token`: called with each token as it is drawn."""
         import torch
 
+        from lt_opd_ray.core.curriculum import BPS
         from lt_opd_ray.core.samples import Sample
         from lt_opd_ray.models.processor import encode_samples
         from lt_opd_ray.models.sampler import SamplingParams, sample
@@ -200,7 +194,6 @@ class TransformersStudent:
         sample_uid = uid or f"request-{uuid.uuid4().hex[:12]}"
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=max(request.temperature, 1e-6), top_p=request.top_p,
                                 greedy=request.temperature == 0, top_k_logprobs=1, stop=request.stop, eos_token_ids=self.processor.eos_token_ids)
-        vlm = self.vlm if deadline is None else _Deadline(self.vlm, deadline, seconds)
         if not self.lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
             raise LimitError(f"server busy: the model was not free within this server's {seconds:g} s per request "
                              "(lt-opd serve --request-timeout); try again", 503)
@@ -208,13 +201,12 @@ class TransformersStudent:
             with torch.inference_mode():  # grad mode is per thread: this request's thread, not the process
                 (prompt,) = encode_samples(self.processor, [Sample(sample_uid, request.images, request.question)], request.system_prompt)
                 features = self.vlm.visual_features(prompt, with_attention=self.choose is not None and self.choose.reads_encoder_attention)
-                if self.compression is None:
-                    kept = self.vlm.keep_all(features)
-                else:
-                    kept = self.vlm.select(prompt, features, self.choose, self.compression.budget_bps, self.compression.k_min, seed=request.seed)
-                reduced = self.vlm.reduce(prompt, features, kept)
-                (completion,) = sample(vlm, [reduced], params, [request.seed], self.processor.tokenizer,
-                                       None if on_token is None else lambda _, token: on_token(token))
+                compression = self.compression
+                reduced = self.vlm.reduced_prompt(prompt, features, self.choose, compression.budget_bps if compression else BPS,
+                                                  compression.k_min if compression else 1, seed=request.seed)
+                (completion,) = sample(self.vlm, [reduced], params, [request.seed], self.processor.tokenizer,
+                                       None if on_token is None else lambda _, token: on_token(token),
+                                       None if deadline is None else functools.partial(check_deadline, deadline, seconds))
         finally:
             self.lock.release()
         text = self.processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

@@ -3,11 +3,12 @@
 from lt_opd_ray.core.selectors.base import EncoderAttention, SelectionInput, Selector
 from lt_opd_ray.core.selectors.cdpruner import CDPruner
 from lt_opd_ray.core.selectors.divprune import DivPrune
+from lt_opd_ray.core.selectors.fastv import FastV
 from lt_opd_ray.core.selectors.hiprune import HiPrune
 from lt_opd_ray.core.selectors.simple import RandomSelector, UniformGridSelector
 
 SELECTORS: dict[str, type[Selector]] = {
-    cls.name: cls for cls in (CDPruner, DivPrune, HiPrune, RandomSelector, UniformGridSelector)
+    cls.name: cls for cls in (CDPruner, DivPrune, FastV, HiPrune, RandomSelector, UniformGridSelector)
 }
 
 

@@ -3,7 +3,11 @@
 A selector sees one image's post-merger visual embeddings (N x D), the query
 embedding (D), the image's merged grid (h, w) and, for a selector that reads them
 (`reads_encoder_attention`), the attention each merged token receives inside the
-vision encoder; it returns the sorted indices of the k tokens the student keeps.
+vision encoder, or (`prunes_inside_language_model`: FastV) the attention the prompt's
+last token pays each of them inside the language model; it returns the sorted indices
+of the k tokens the student keeps. Where the pruning happens is the selector's: before
+the language model (the reduced prompt holds the kept tokens only) or inside it, after
+the layer whose attention ranked them (models/lm_pruning.py).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ class SelectionInput:
     grid_hw: tuple[int, int]  # merged token grid; N = h * w (times t for video)
     seed: int = 0  # per-sample seed, used only by stochastic selectors
     attention: EncoderAttention | None = None  # given where the selector reads it (Selector.reads_encoder_attention)
+    language_attention: torch.Tensor | None = None  # [N] what the prompt's last token pays each token inside the LM (FastV)
 
 
 class Selector(abc.ABC):
     name: str
     scope: str = "image"  # what one budget covers (selectors/__init__.py SCOPES); the adapter applies it
     reads_encoder_attention: bool = False  # its caller runs the vision encoder recording EncoderAttention
+    prunes_inside_language_model: bool = False  # it ranks by the LM's own attention: every token enters, the pruning follows
 
     def select(self, item: SelectionInput, k: int) -> torch.Tensor:
         n = item.features.shape[0]
@@ -50,6 +56,10 @@ class Selector(abc.ABC):
             raise ValueError(f"{self.name}: cannot keep k = {k} of N = {n} visual tokens (need 1 <= k <= N)")
         if self.reads_encoder_attention and item.attention is None:
             raise ValueError(f"{self.name} reads the vision encoder's attention, which this path did not record")
+        if self.prunes_inside_language_model and item.language_attention is None:
+            raise ValueError(f"{self.name} ranks by the language model's attention, which only a forward pruning inside it records")
+        if item.language_attention is not None and item.language_attention.shape != (n,):
+            raise ValueError(f"{self.name}: language-model attention of shape {tuple(item.language_attention.shape)}, features for {n} tokens")
         if item.attention is not None and item.attention.last_block.shape[0] != n:
             raise ValueError(f"{self.name}: encoder attention for {item.attention.last_block.shape[0]} tokens, features for {n}")
         with torch.no_grad():

@@ -51,6 +51,9 @@ class SelectionRequest:
                 _check_integer(cls.PREFIX + name, ours[name], low, high)
         if "selector" in ours and ours["selector"] not in SELECTOR_NAMES:
             raise ValueError(f"{cls.PREFIX}selector: unknown selector {str(ours['selector'])[:40]!r}; known: {SELECTOR_NAMES}")
+        if "selector" in ours and SELECTORS[ours["selector"]].prunes_inside_language_model:
+            raise ValueError(f"{cls.PREFIX}selector: {ours['selector']} prunes inside the language model, which vLLM's model runner"
+                             " does not (it takes the kept visual tokens before the language model runs): serve with --engine transformers")
         if "selector" in ours and SELECTORS[ours["selector"]].reads_encoder_attention and os.environ.get(SPLIT_TOWER_ENV):
             raise ValueError(f"{cls.PREFIX}selector: {ours['selector']} reads the vision tower's attention, which this server"
                              " splits over tensor-parallel ranks")
