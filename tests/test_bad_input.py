@@ -185,7 +185,9 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
         "sampling.n=1000000000": "sampling.n (--set): Input should be less than or equal to 1024",
         "sampling.stop=['a','b','c','d','e']": "sampling.stop (--set): List should have at most 4 items after validation, not 5",
         "sampling.stop=['']": "sampling.stop.0 (--set): String should have at least 1 character",
-        "selector.name=fastv": "selector.name (--set): Input should be 'cdpruner', 'divprune', 'hiprune', 'random' or 'uniform'",
+        "selector.name=fastx": "selector.name (--set): Input should be 'cdpruner', 'divprune', 'fastv', 'hiprune', 'random' or 'uniform'",
+        "selector.name=fastv": "selector fastv prunes inside the language model, after the layer whose attention ranks the tokens",
+        "pools.rollout.backend=vllm": "eval.selectors fastv prunes inside the language model, which vLLM's model runner does not",
         "pools.rollout.workers=1000000": "pools.rollout.workers (--set): Input should be less than or equal to 4096",
         "sampling.prompts_per_step=65": "sampling.prompts_per_step (65) is more than the 64 rows of data.path 'synthetic:64'",
         f"model.path={tmp_path / 'nomodel'}": f"model.path '{tmp_path / 'nomodel'}': no config.json there",  # train's preflight: the same check
@@ -199,6 +201,7 @@ def test_validate_names_every_input_train_would_refuse_and_sizes_no_job_needs(tm
     (tmp_path / "a-rows.jsonl").write_text(json.dumps({"sample_uid": "a", "image": "a.png", "question": "Q?"}) + "\n")
     for override, expected in cases.items():
         extra = [f"data.path={tmp_path / 'rows.jsonl'}"] if "image_root" in override else [f"data.image_root={tmp_path}"] if "eval.data" in override else []
+        extra += ["eval.selectors=['cdpruner','fastv']"] if override == "pools.rollout.backend=vllm" else []
         assert main(["validate", str(job), "--set", override, *(f"--set={e}" for e in extra)]) == 1, override
         err = capsys.readouterr().err
         assert expected in err, (override, err)

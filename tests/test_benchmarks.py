@@ -201,15 +201,17 @@ def test_a_bad_file_is_refused_naming_every_bad_row(tmp_path):
 @pytest.mark.slow
 def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, capsys):
     from lt_opd_ray.cli.main import main
+    from lt_opd_ray.models.tiny import build_tiny_model
 
     mmbench, _, _ = fixture("mmbench", tmp_path)
     pope, _, _ = fixture("pope", tmp_path)
     muirbench, _, _ = fixture("muirbench", tmp_path)  # two images per question
     mvbench, _, _ = fixture("mvbench", tmp_path)  # a clip per question
     out = tmp_path / "eval"
-    argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}", "--bench", f"muirbench={muirbench}",
+    model = build_tiny_model("qwen3_vl", tmp_path / "model", layers=4)  # room after FastV's scoring layer
+    argv = ["eval", str(model), "--bench", f"mmbench={mmbench}", "--bench", f"pope={pope}", "--bench", f"muirbench={muirbench}",
             "--bench", f"mvbench={mvbench}", "--frames", "8",
-            "--budgets", "500", "2500", "--selectors", "cdpruner", "hiprune", "--max-new-tokens", "4", "--out", str(out)]
+            "--budgets", "500", "2500", "--selectors", "cdpruner", "hiprune", "fastv", "--max-new-tokens", "4", "--out", str(out)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["benchmarks"]) == {"mmbench", "pope", "muirbench", "mvbench"}
@@ -219,7 +221,7 @@ def test_eval_command_writes_the_retain_table_and_plot(tiny_dirs, tmp_path, caps
         assert retain["retain"] == (pytest.approx(sum(ratios) / len(ratios)) if ratios else None)
         assert sorted(retain["without_full_score"]) == sorted(set(results["benchmarks"]) - set(scored))
     table = (out / "retain_table.md").read_text()
-    assert table.count("\n") == 2 + 1 + 4  # header, rule, full tokens, 2 selectors x 2 budgets
+    assert table.count("\n") == 2 + 1 + 6  # header, rule, full tokens, 3 selectors x 2 budgets
     assert (out / "retain.png").read_bytes()[:4] == b"\x89PNG" and (out / "retain_table.csv").exists()
     assert main(["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"nope={pope}", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()

@@ -111,7 +111,7 @@ def test_unknown_key_is_an_error_with_path_and_line():
 
 
 def test_every_bad_field_is_reported_at_once():
-    text = MINIMAL + "budget:\n  target_bps: 0\nsampling:\n  n: many\nselector:\n  name: fastv\n"
+    text = MINIMAL + "budget:\n  target_bps: 0\nsampling:\n  n: many\nselector:\n  name: fastx\n"
     problems, _ = problems_of(text)
     where = [w for w, _ in problems]
     assert where == ["budget.target_bps (line 6)", "sampling.n (line 8)", "selector.name (line 10)"]

@@ -124,7 +124,8 @@ def test_every_selector_returns_k_sorted_distinct_indices(name):
     features = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))
     attention = EncoderAttention(torch.rand(37), torch.rand(37))  # read by the selectors that read it (HiPrune)
     for k in (1, 5, 36, 37):
-        got = selector.select(SelectionInput(features, torch.randn(16), (1, 37), seed=7, attention=attention), k)
+        got = selector.select(SelectionInput(features, torch.randn(16), (1, 37), seed=7, attention=attention,
+                                             language_attention=torch.rand(37)), k)  # FastV's
         assert got.dtype == torch.long
         assert got.tolist() == sorted(set(got.tolist()))
         assert len(got) == k and 0 <= got.min() and got.max() < 37

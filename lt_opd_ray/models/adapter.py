@@ -25,6 +25,7 @@ from lt_opd_ray.core.curriculum import BPS, tokens_to_keep
 from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import EncoderAttention, SelectionInput, Selector
+from lt_opd_ray.core.selectors.fastv import scoring_layer
 from lt_opd_ray.models.encoder_attention import recorded_attention, tower_attention
 from lt_opd_ray.models.transfer import to_device
 from lt_opd_ray.models.processor import IMAGE, TEXT, VIDEO, PromptInputs
@@ -214,9 +215,7 @@ class QwenVLM:
         if selector is None or budget_bps >= BPS:
             return self.reduce(prompt, features, self.keep_all(features))
         if selector.prunes_inside_language_model:
-            from lt_opd_ray.models.lm_pruning import check_prunable
-
-            check_prunable(self)
+            scoring_layer(self.language_model.config)  # refused here where the language model has no layer after it
             full = self.reduce(prompt, features, self.keep_all(features))
             return dataclasses.replace(full, inside=InsidePruning(prompt, features, selector, budget_bps, k_min, seed))
         return self.reduce(prompt, features, self.select(prompt, features, selector, budget_bps, k_min, seed=seed))

@@ -1,12 +1,11 @@
 """Pruning inside the language model (FastV, core/selectors/fastv.py): every visual token enters the first layers, the
 scoring layer's attention chooses, and the layers after it see the kept visual tokens beside every text token.
 
-- The scoring layer is FastV's K - 1; where the language model mixes in linear-attention layers (Qwen3.5's Gated
-  DeltaNet, which has no attention weights to rank by), the first full-attention layer at or after K - 1 (Qwen3.5-4B:
-  layer 3 of 32, so layers 4-31 see the kept tokens). Its attention is read where every family hands it over:
-  transformers' attention interface receives each layer's normalised, rotated q and k, and for the scoring layer's one
-  call `probe_attention` computes softmax(q_last k^T * scale + mask), averaged over the heads, for the last query row
-  only, then runs the model's own kernel (nothing [L, L] is held).
+- The scoring layer (`core.selectors.fastv.scoring_layer`: K - 1, or the first full-attention layer from there)
+  has its attention read where every family hands it over: transformers' attention interface receives each layer's
+  normalised, rotated q and k, and for the scoring layer's one call `probe_attention` computes
+  softmax(q_last k^T * scale + mask), averaged over the heads, for the last query row only, then runs the model's own
+  kernel (nothing [L, L] is held).
 - The layers run in two ranges over one cache (`run_layers`): up to the scoring layer over the whole prompt, after it
   over shorter rows (kept visual tokens at their full-sequence M-RoPE positions, text as it was, the left padding
   redone). Each range builds its own masks, sized against its own layers' cache (`create_causal_mask(layer_idx=...)`):
@@ -30,7 +29,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from lt_opd_ray.core.selectors.fastv import FASTV_LAYER
+from lt_opd_ray.core.selectors.fastv import layer_types, scoring_layer
 from lt_opd_ray.models.adapter import PaddedBatch, QwenVLM, ReducedPrompt
 from lt_opd_ray.models.transfer import to_device
 
@@ -38,29 +37,6 @@ PROBE = "lt_opd_last_query_probe"  # the attention implementation the scoring la
 _probe = contextvars.ContextVar("probe", default=None)  # (the implementation it wraps, where the scores go)
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
          "linear_attention": create_recurrent_attention_mask}
-
-
-def layer_types(config) -> list[str]:
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-
-
-def scoring_layer(config) -> int:
-    """0-based: the language model layer whose attention ranks the visual tokens; pruning follows it."""
-    types = layer_types(config)
-    for index in range(FASTV_LAYER - 1, len(types)):
-        if types[index] == "full_attention":
-            return index
-    raise ValueError(f"fastv: the language model has no full-attention layer at or after layer {FASTV_LAYER - 1} to rank visual tokens by")
-
-
-def check_prunable(vlm: QwenVLM) -> int:
-    """The scoring layer of `vlm`'s language model; a ValueError where no layer follows it (nothing to prune in)."""
-    config = vlm.language_model.config
-    index = scoring_layer(config)
-    if index + 1 >= config.num_hidden_layers:
-        raise ValueError(f"fastv: the language model has {config.num_hidden_layers} layers and FastV ranks at layer {index}"
-                         " (0-based): no layer after it sees the pruned prompt")
-    return index
 
 
 def last_query_attention(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
@@ -138,7 +114,7 @@ class PrunedInside:
         if not all(p.inside is not None for p in prompts):
             raise ValueError("a batch prunes inside the language model in every prompt or in none")
         self.vlm, self.prompts = vlm, prompts
-        self.cut = check_prunable(vlm) + 1  # layers [0, cut) see every token, [cut, layers) the kept ones
+        self.cut = scoring_layer(vlm.language_model.config) + 1  # layers [0, cut) see every token, [cut, layers) the kept ones
         self.layers = vlm.language_model.config.num_hidden_layers
         self.cache = DynamicCache(config=vlm.language_model.config)
         self.selected: list[list[torch.Tensor]] = []  # per prompt, per visual unit: the kept indices
