@@ -216,6 +216,17 @@ def test_fastv_is_refused_where_nothing_follows_its_scoring_layer_and_on_vllm(ti
     assert "lt_opd_ray.serving.transformers_server" in argv
 
 
+def test_efficiency_counts_fastv_where_the_model_has_room_for_it(tiny_dirs, capsys):
+    from lt_opd_ray.cli.main import main
+
+    assert main(["efficiency", str(tiny_dirs["qwen3_vl"]), "--fastv"]) == 2
+    assert "efficiency: fastv: the language model has 2 layers and FastV ranks at layer 1" in capsys.readouterr().err
+    assert main(["efficiency", "--preset", "qwen3.5-4b", "--fastv", "--budgets", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned inside the language model as FastV does, after layer 3 (0-based)" in out
+    assert "     5%     812      1.509 (-74.6%)          2.641   6.80 (-74.5%)         51.90" in out  # docs/commands.md's row
+
+
 def test_the_transformers_server_answers_with_fastv(deep, tmp_path):
     """A FastV folder served by the transformers engine (an HTTP request) answers what `lt-opd eval`'s path answers."""
     import base64
@@ -244,3 +255,38 @@ def test_the_transformers_server_answers_with_fastv(deep, tmp_path):
     assert answer.status_code == 200, answer.text
     (expected,) = generate_responses(vlm, processor, [Sample("x", (image,), "what colour is it?")], 2_500, "fastv", max_new_tokens=5)
     assert answer.json()["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_calculator_counts_what_fastvs_prefill_computes_and_caches(family, deep):
+    """`prefill_cost(..., pruned_after=fastv_cut)`: the matrix products torch counts in the two-range prefill (eager
+    attention as matmuls; Qwen3.5's reference chunked kernel pads to 64-token chunks, so it counts more there) and
+    the bytes its cache holds, each layer at its own length."""
+    import json
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lt_opd_ray.models.lm_pruning import PrunedInside
+    from lt_opd_ray.planning.efficiency import fastv_cut, prefill_cost
+
+    vlm, processor, folder = deep[family]
+    config = json.loads((folder / "config.json").read_text())
+    prompts, (reduced, _) = _prompts(vlm, processor, build_selector("fastv"), 2_500)
+    grid = tuple(prompts[0].image_grid_thw[0].tolist())
+    visual = int(reduced.visual_mask.sum())
+    vlm.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counted:
+            decoding = PrunedInside(vlm, [reduced])
+            decoding.prefill()
+    finally:
+        vlm.model.set_attn_implementation("sdpa")
+    cost = prefill_cost(config, reduced.length - visual, [grid], 2_500, 1, dtype_bytes=4, state_dtype_bytes=4, pruned_after=fastv_cut(config))
+    assert cost.prefill_tokens == reduced.length and cost.visual_tokens == sum(s.numel() for s in decoding.selected[0])
+    if family != "qwen3_5":
+        assert counted.get_total_flops() == cost.lm_flops
+    else:
+        assert counted.get_total_flops() > cost.lm_flops
+    kv = sum(t.numel() * t.element_size() for layer in decoding.cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+             if isinstance(t, torch.Tensor))
+    assert kv == cost.kv_cache_bytes

@@ -105,7 +105,7 @@ def cmd_efficiency(args) -> int:
 
     from lt_opd_ray.core.compression import learnable_merge
     from lt_opd_ray.core.families import UnsupportedArchitectureError, family_of_config
-    from lt_opd_ray.planning.efficiency import clip_text_tokens, merge_parameters, patch_grid, prefill_cost
+    from lt_opd_ray.planning.efficiency import clip_text_tokens, fastv_cut, merge_parameters, patch_grid, prefill_cost
 
     if args.preset:
         config = PRESETS[args.preset]
@@ -140,14 +140,20 @@ def cmd_efficiency(args) -> int:
     grids = [grid] * (args.images + patches)  # each image and each temporal patch pruned to the budget on its own (selector.scope image)
     text_tokens = args.text_tokens + clip_text_tokens(config, patches)
     budgets = sorted(set(args.budgets + [10000]), reverse=True)
-    rows = [prefill_cost(config, text_tokens, grids, bps, args.k_min, token_merge=merging) for bps in budgets]
+    try:
+        pruned_after = fastv_cut(config) if args.fastv else None
+    except ValueError as exc:
+        print(f"efficiency: {exc}", file=sys.stderr)
+        return 2
+    rows = [prefill_cost(config, text_tokens, grids, bps, args.k_min, token_merge=merging, pruned_after=pruned_after) for bps in budgets]
     full = rows[0]
     shown = [f"one {height}x{width} image" if args.images == 1 else f"{args.images} images of {height}x{width}" if args.images else "",
              f"a {args.frames}-frame clip of {height}x{width} frames ({patches} temporal patches, +{clip_text_tokens(config, patches)}"
              " timestamp and marker tokens)" if args.frames else ""]
     pruned = "each image and temporal patch pruned to the budget" if args.frames else "each pruned to the budget" if args.images > 1 else ""
     print(f"{args.preset or args.model}: {args.text_tokens} text tokens + {' + '.join(filter(None, shown))}"
-          f"{', ' + pruned if pruned else ''} ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate")
+          f"{', ' + pruned if pruned else ''} ({full.visual_tokens} visual tokens), bf16 KV; FLOPs = 2 per multiply-accumulate"
+          + (f"; pruned inside the language model as FastV does, after layer {pruned_after - 1} (0-based)" if pruned_after else ""))
     print(f"{'budget':>7} {'tokens':>7} {'LM prefill TFLOPs':>18} {'vision TFLOPs':>14} {'KV cache MB':>12} {'GDN state MB':>13}"
           + (f" {'merge GFLOPs':>14}" if merging else ""))
     for bps, row in zip(budgets, rows):
@@ -171,13 +177,16 @@ def cmd_efficiency(args) -> int:
 
 def _measured(args, config: dict, size: tuple[int, int], budgets: list[int], merging: bool) -> int:
     """The serving engine's measured latency at each budget, beside the calculator's prediction for the same prompt."""
-    from lt_opd_ray.planning.efficiency import prefill_cost
+    from lt_opd_ray.core.selectors import build_selector
+    from lt_opd_ray.planning.efficiency import fastv_cut, prefill_cost
     from lt_opd_ray.serving.latency import measure, serving_engine
 
     engine = serving_engine(Path(args.model))
     measured = measure(engine, *size, budgets, args.max_new_tokens, args.repeats)
     full = measured[0]
-    predicted = [prefill_cost(config, row.text_tokens, [row.grid_thw], row.budget_bps, engine.compression.k_min, token_merge=merging) for row in measured]
+    inside = build_selector(engine.compression.selector).prunes_inside_language_model
+    predicted = [prefill_cost(config, row.text_tokens, [row.grid_thw], row.budget_bps, engine.compression.k_min, token_merge=merging,
+                              pruned_after=fastv_cut(config) if inside else None) for row in measured]
     print(f"\nmeasured on {engine.name} ({'GPU' if _on_gpu() else 'CPU'}), one request at a time, medians of {args.repeats}"
           f" (a fresh {size[0]}x{size[1]} noise image each, {full.text_tokens} text tokens), greedy answers of at most"
           f" {args.max_new_tokens} tokens ending as served; beside them the calculator's figures for that prompt:")
@@ -277,6 +286,8 @@ def register(sub) -> None:
     efficiency.add_argument("--budgets", type=BUDGET_BPS, nargs="+", default=[2500, 1000, 500], help="budgets in basis points, 1-10000 (default 2500 1000 500)")
     efficiency.add_argument("--k-min", type=whole_number(1), default=1, help="visual tokens kept per image at the least (default 1)")
     efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
+    efficiency.add_argument("--fastv", action="store_true", help="prune inside the language model as FastV does: the layers up to its"
+                            " scoring layer see every visual token (on by itself with --measure for a folder whose selector is fastv)")
     efficiency.add_argument("--measure", action="store_true",
                             help="also time the folder on its serving engine: first token, decode per token, end-to-end, at each budget")
     efficiency.add_argument("--repeats", type=whole_number(1), default=5, help="requests per budget with --measure (medians; default 5)")

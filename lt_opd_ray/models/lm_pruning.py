@@ -25,7 +25,6 @@ import sys
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -41,15 +40,16 @@ MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_slidi
 
 def last_query_attention(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """[B, keys]: softmax(q k^T * scale + mask) of each row's last query over its keys, averaged over the heads, in
-    fp32. query [B, heads, L, d]; key [B, kv heads, keys, d]; the mask as the layer's kernel gets it (boolean: True
-    attends; floating: added; None: every key)."""
-    q = query[:, :, -1:].float()
-    k = repeat_kv(key, query.shape[1] // key.shape[1]).float()
-    logits = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)  # [B, heads, 1, keys]
+    fp32. query [B, heads, L, d]; key [B, kv heads, keys, d] (each serving heads / kv heads query heads, read in place:
+    no repeated copy); the mask as the layer's kernel gets it (boolean: True attends; floating: added; None: every key)."""
+    rows, heads, _, dim = query.shape
+    groups = heads // key.shape[1]
+    q = query[:, :, -1].float().reshape(rows, key.shape[1], groups, dim)  # query head h reads key head h // groups
+    logits = (q @ key.float().transpose(-1, -2)).flatten(1, 2) * (scaling if scaling is not None else dim**-0.5)  # [B, heads, keys]
     if attention_mask is not None:
-        row = attention_mask[:, :, -1:, -k.shape[2]:]
+        row = attention_mask[:, :, -1, -key.shape[2]:]  # [B, 1, keys]
         logits = logits.masked_fill(~row, float("-inf")) if row.dtype == torch.bool else logits + row.float()
-    return torch.softmax(logits, dim=-1).mean(dim=1)[:, 0]
+    return torch.softmax(logits, dim=-1).mean(dim=1)
 
 
 def probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

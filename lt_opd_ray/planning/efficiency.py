@@ -14,6 +14,8 @@ L x L score matrix, as FLOP counters and the token-pruning literature do.
   before the selector, so it does not shrink with the budget.
 - Learnable token merge (selector.merge): the N x K cosines of the assignment and the head's products on
   the N tokens and the K kept ones; its parameters: 64 (2D + 2).
+- Pruning inside the language model (FastV): the layers up to its scoring layer at every visual token, the scoring
+  row of the last prompt token (2 L H d), the layers after it at the kept ones; each layer's cache at its own length.
 - Cache: only full-attention layers keep keys and values (2 L Hkv d per layer);
   a Gated DeltaNet layer keeps a fixed-size conv state ((K-1) C; transformers
   keeps K columns) and recurrent state (Hv dk dv, fp32 in Qwen3.5), whatever L is.
@@ -29,7 +31,7 @@ from lt_opd_ray.core.families import family_of_config
 
 @dataclass(frozen=True)
 class PrefillCost:
-    prefill_tokens: int  # language-model prefill length: text + kept visual tokens
+    prefill_tokens: int  # language-model prefill length: text + kept visual tokens (pruned inside it: + every visual token)
     visual_tokens: int  # kept visual tokens
     lm_flops: int  # language model, without the output head
     vision_flops: int  # vision tower + merger(s), on every visual token
@@ -63,30 +65,33 @@ def _gdn_channels(text: dict) -> int:
     return 2 * text["linear_num_key_heads"] * text["linear_key_head_dim"] + text["linear_num_value_heads"] * text["linear_value_head_dim"]
 
 
-def lm_projection_flops_per_token(config: dict) -> int:
-    """Every linear layer of the language model for one token (what nn.Linear hooks count), no output head."""
+def _projection_flops(config: dict, kind: str) -> int:
+    """One layer's linear layers for one token."""
     text = _text(config)
     d_model, heads, kv_heads, d = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"], _head_dim(text)
     mlp = 2 * 3 * d_model * text["intermediate_size"]  # gate, up, down (SwiGLU)
-    flops = 0
-    for kind in layer_kinds(config):
-        if kind == "full_attention":
-            gate = 2 if _output_gate(config) else 1  # Qwen3.5's q_proj also emits the attention output gate
-            flops += 2 * d_model * heads * d * gate + 2 * 2 * d_model * kv_heads * d + 2 * heads * d * d_model
-        else:
-            values = text["linear_num_value_heads"] * text["linear_value_head_dim"]
-            flops += 2 * d_model * _gdn_channels(text)  # in_proj_qkv
-            flops += 2 * d_model * values  # in_proj_z (output gate)
-            flops += 2 * 2 * d_model * text["linear_num_value_heads"]  # in_proj_b, in_proj_a
-            flops += 2 * values * d_model  # out_proj
-        flops += mlp
-    return flops
+    if kind == "full_attention":
+        gate = 2 if _output_gate(config) else 1  # Qwen3.5's q_proj also emits the attention output gate
+        return mlp + 2 * d_model * heads * d * gate + 2 * 2 * d_model * kv_heads * d + 2 * heads * d * d_model
+    values = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    return (mlp + 2 * d_model * _gdn_channels(text)  # in_proj_qkv
+            + 2 * d_model * values  # in_proj_z (output gate)
+            + 2 * 2 * d_model * text["linear_num_value_heads"]  # in_proj_b, in_proj_a
+            + 2 * values * d_model)  # out_proj
 
 
-def lm_flops(config: dict, length: int) -> int:
+def lm_projection_flops_per_token(config: dict) -> int:
+    """Every linear layer of the language model for one token (what nn.Linear hooks count), no output head."""
+    return sum(_projection_flops(config, kind) for kind in layer_kinds(config))
+
+
+def lm_flops(config: dict, length: int, layers: range | None = None) -> int:
+    """The language model's prefill of `length` tokens, in `layers` (default: all of them)."""
     text = _text(config)
-    flops = lm_projection_flops_per_token(config) * length
-    for kind in layer_kinds(config):
+    kinds = layer_kinds(config)
+    flops = 0
+    for kind in (kinds[i] for i in (layers if layers is not None else range(len(kinds)))):
+        flops += _projection_flops(config, kind) * length
         if kind == "full_attention":
             flops += 2 * 2 * length * length * text["num_attention_heads"] * _head_dim(text)  # Q K^T and A V
         else:
@@ -95,11 +100,13 @@ def lm_flops(config: dict, length: int) -> int:
     return flops
 
 
-def cache_bytes(config: dict, length: int, dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> tuple[int, int]:
-    """(keys + values of the full-attention layers, GDN conv + recurrent states) for `length` tokens."""
+def cache_bytes(config: dict, length: int, dtype_bytes: int = 2, state_dtype_bytes: int = 4, layers: range | None = None) -> tuple[int, int]:
+    """(keys + values of the full-attention layers, GDN conv + recurrent states) for `length` tokens, in `layers`
+    (default: all of them)."""
     text = _text(config)
+    kinds = layer_kinds(config)
     kv, state = 0, 0
-    for kind in layer_kinds(config):
+    for kind in (kinds[i] for i in (layers if layers is not None else range(len(kinds)))):
         if kind == "full_attention":
             kv += 2 * length * text["num_key_value_heads"] * _head_dim(text) * dtype_bytes
         else:
@@ -180,17 +187,35 @@ def merge_flops(config: dict, n: int, k: int) -> int:
 
 
 def prefill_cost(config: dict, text_tokens: int, image_grids: list[tuple[int, int, int]], budget_bps: int, k_min: int,
-                 dtype_bytes: int = 2, state_dtype_bytes: int = 4, token_merge: bool = False) -> PrefillCost:
-    """Cost of one prompt: `text_tokens` text tokens and images of patch grids (t, h, w), at `budget_bps`."""
+                 dtype_bytes: int = 2, state_dtype_bytes: int = 4, token_merge: bool = False, pruned_after: int | None = None) -> PrefillCost:
+    """Cost of one prompt: `text_tokens` text tokens and images of patch grids (t, h, w), at `budget_bps`.
+    `pruned_after` (FastV: its scoring layer + 1): the layers before it see every visual token and the scoring layer
+    adds its last query's row of scores (2 L H d); None: the selector prunes before the language model."""
     merge = config["vision_config"]["spatial_merge_size"]
     visual = [t * h * w // merge**2 for t, h, w in image_grids]
     kept_per_image = [tokens_to_keep(n, budget_bps, k_min) for n in visual]
     kept = sum(kept_per_image)
     length = text_tokens + kept
-    kv, state = cache_bytes(config, length, dtype_bytes, state_dtype_bytes)
     vision = sum(vision_projection_flops(config, g) + vision_attention_flops(config, g) for g in image_grids)
     merging = sum(merge_flops(config, n, k) for n, k in zip(visual, kept_per_image)) if token_merge else 0
-    return PrefillCost(length, kept, lm_flops(config, length), vision, kv, state, merging)
+    if pruned_after is None or kept == sum(visual):
+        kv, state = cache_bytes(config, length, dtype_bytes, state_dtype_bytes)
+        return PrefillCost(length, kept, lm_flops(config, length), vision, kv, state, merging)
+    text, layers, full = _text(config), len(layer_kinds(config)), text_tokens + sum(visual)
+    early, late = range(pruned_after), range(pruned_after, layers)
+    flops = lm_flops(config, full, early) + 2 * full * text["num_attention_heads"] * _head_dim(text) + lm_flops(config, length, late)
+    caches = [cache_bytes(config, n, dtype_bytes, state_dtype_bytes, part) for n, part in ((full, early), (length, late))]
+    return PrefillCost(full, kept, flops, vision, sum(kv for kv, _ in caches), sum(state for _, state in caches), merging)
+
+
+def fastv_cut(config: dict) -> int:
+    """The first layer of this config.json's language model that FastV's pruning reaches (its scoring layer + 1)."""
+    from types import SimpleNamespace
+
+    from lt_opd_ray.core.selectors.fastv import scoring_layer
+
+    kinds = layer_kinds(config)
+    return scoring_layer(SimpleNamespace(layer_types=kinds, num_hidden_layers=len(kinds))) + 1
 
 
 def patch_grid(config: dict, height: int, width: int) -> tuple[int, int, int]:
