@@ -177,7 +177,7 @@ def test_fastv_equals_its_definition_read_plainly(family, deep):
     """At 25% of each image's tokens, in a padded batch of a one-image and a two-image prompt: the tokens kept are
     the eager attention's top k, and every greedy token and its log-prob equal the plain reading's (the later layers
     as their own model over the kept tokens, no cache)."""
-    from lt_opd_ray.core.selectors.fastv import scoring_layer
+    from lt_opd_ray.core.fastv_layers import scoring_layer
 
     vlm, processor, _ = deep[family]
     scoring = scoring_layer(vlm.language_model.config)
@@ -198,7 +198,7 @@ def test_fastv_is_refused_where_nothing_follows_its_scoring_layer_and_on_vllm(ti
     from lt_opd_ray.core.compression import CompressionConfig
     from lt_opd_ray.core.families import UnsupportedArchitectureError
     from lt_opd_ray.engines.vllm.selection import SelectionRequest
-    from lt_opd_ray.core.selectors.fastv import scoring_layer
+    from lt_opd_ray.core.fastv_layers import scoring_layer
     from lt_opd_ray.models.loading import load_vlm
     from lt_opd_ray.serving.serve import serve_command
 
@@ -290,3 +290,16 @@ def test_the_calculator_counts_what_fastvs_prefill_computes_and_caches(family, d
     kv = sum(t.numel() * t.element_size() for layer in decoding.cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
              if isinstance(t, torch.Tensor))
     assert kv == cost.kv_cache_bytes
+
+
+def test_validate_names_a_model_with_no_room_for_fastv_among_the_eval_selectors(tiny_dirs, tmp_path, capsys):
+    """`eval.selectors: [fastv]` on a model whose last layer is FastV's scoring layer is named before anything trains."""
+    from lt_opd_ray.cli.main import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(open("jobs/train_tiny.yaml").read())
+    sets = [f"model.path={tiny_dirs['qwen3_vl']}", "eval.data=synthetic:4", "eval.selectors=['cdpruner','fastv']"]
+    assert main(["validate", str(job), *(f"--set={s}" for s in sets)]) == 1
+    assert (f"eval.selectors fastv on model.path '{tiny_dirs['qwen3_vl']}' ({tiny_dirs['qwen3_vl'] / 'config.json'}): fastv: the"
+            " language model has 2 layers and FastV ranks at layer 1") in capsys.readouterr().err
+    assert main(["validate", str(job), *(f"--set={s}" for s in sets[1:])]) == 0  # the embedded model: built and checked by train

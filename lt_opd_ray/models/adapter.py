@@ -25,7 +25,7 @@ from lt_opd_ray.core.curriculum import BPS, tokens_to_keep
 from lt_opd_ray.core.families import family_of
 from lt_opd_ray.core.seeding import stable_seed
 from lt_opd_ray.core.selectors import EncoderAttention, SelectionInput, Selector
-from lt_opd_ray.core.selectors.fastv import scoring_layer
+from lt_opd_ray.core.fastv_layers import scoring_layer
 from lt_opd_ray.models.encoder_attention import recorded_attention, tower_attention
 from lt_opd_ray.models.transfer import to_device
 from lt_opd_ray.models.processor import IMAGE, TEXT, VIDEO, PromptInputs

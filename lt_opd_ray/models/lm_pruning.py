@@ -1,7 +1,7 @@
 """Pruning inside the language model (FastV, core/selectors/fastv.py): every visual token enters the first layers, the
 scoring layer's attention chooses, and the layers after it see the kept visual tokens beside every text token.
 
-- The scoring layer (`core.selectors.fastv.scoring_layer`: K - 1, or the first full-attention layer from there)
+- The scoring layer (`core.fastv_layers.scoring_layer`: K - 1, or the first full-attention layer from there)
   has its attention read where every family hands it over: transformers' attention interface receives each layer's
   normalised, rotated q and k, and for the scoring layer's one call `probe_attention` computes
   softmax(q_last k^T * scale + mask), averaged over the heads, for the last query row only, then runs the model's own
@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from lt_opd_ray.core.selectors.fastv import layer_types, scoring_layer
+from lt_opd_ray.core.fastv_layers import layer_types, scoring_layer
 from lt_opd_ray.models.adapter import PaddedBatch, QwenVLM, ReducedPrompt
 from lt_opd_ray.models.transfer import to_device
 

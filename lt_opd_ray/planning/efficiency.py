@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from lt_opd_ray.core.curriculum import tokens_to_keep
 from lt_opd_ray.core.families import family_of_config
+from lt_opd_ray.core.fastv_layers import scoring_layer
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,7 @@ def prefill_cost(config: dict, text_tokens: int, image_grids: list[tuple[int, in
 
 def fastv_cut(config: dict) -> int:
     """The first layer of this config.json's language model that FastV's pruning reaches (its scoring layer + 1)."""
-    from types import SimpleNamespace
-
-    from lt_opd_ray.core.selectors.fastv import scoring_layer
-
-    kinds = layer_kinds(config)
-    return scoring_layer(SimpleNamespace(layer_types=kinds, num_hidden_layers=len(kinds))) + 1
+    return scoring_layer(config) + 1
 
 
 def patch_grid(config: dict, height: int, width: int) -> tuple[int, int, int]:

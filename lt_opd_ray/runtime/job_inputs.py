@@ -88,6 +88,8 @@ def read_job_inputs(job: JobConfig, draw_generated: bool = True) -> tuple[JobInp
                             " room for a clip only when asked: set data.max_videos: 1")
     if model_dir is not None and (vllm_roles := [role for role in ("rollout", "teacher") if getattr(job.pools, role).backend == "vllm"]):
         problems += vllm_model_problems(job, model_dir, vllm_roles)
+    if model_dir is not None and "fastv" in job.eval.selectors:
+        problems += fastv_model_problems(job, model_dir)
     loaded = {name: attempt(lambda name=name, path=path: benchmark(name).load(path)) for name, path in job.eval.benchmarks.items()}
     return JobInputs(rows, samples, eval_samples, {name: items for name, items in loaded.items() if items is not None}, model_dir), problems
 
@@ -106,6 +108,22 @@ def vllm_model_problems(job: JobConfig, model_dir: Path, roles: list[str]) -> li
     except ValueError as exc:  # a config.json that does not parse, or names no family we know: say so, do not stop
         problem = str(exc)
     return [f"pools.{' and pools.'.join(roles)} run vLLM: {problem}"] if problem else []
+
+
+def fastv_model_problems(job: JobConfig, model_dir: Path) -> list[str]:
+    """Whether the model's language model has layers after FastV's scoring layer (eval.selectors fastv)."""
+    import json
+
+    from lt_opd_ray.planning.efficiency import fastv_cut
+
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.exists():
+        return []  # the folder's own problem: named where the model is read
+    try:
+        fastv_cut(json.loads(config_path.read_text()))
+    except (ValueError, KeyError) as exc:
+        return [f"eval.selectors fastv on model.path {job.model.path!r} ({config_path}): {exc}"]
+    return []
 
 
 def reward_problems(name: str, samples: list[Sample] | None, spec: str) -> list[str]:

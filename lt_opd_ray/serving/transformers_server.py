@@ -173,7 +173,7 @@ class TransformersStudent:
         self.name, self.vlm, self.processor = str(model_dir), QwenVLM(model.eval()), VLMProcessor(model_dir)
         self.choose = build_selector(self.compression.selector) if self.compression else None
         if self.choose is not None and self.choose.prunes_inside_language_model:
-            from lt_opd_ray.core.selectors.fastv import scoring_layer
+            from lt_opd_ray.core.fastv_layers import scoring_layer
 
             scoring_layer(self.vlm.language_model.config)  # refused at start: a language model with no layer after it
         self.stop = ServingDefaults.read(model_dir).stop  # a request without `stop` ends where training did
