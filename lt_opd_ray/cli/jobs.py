@@ -227,10 +227,10 @@ def cmd_ablation(args) -> int:
 
 
 def run_study_plan(args) -> int:
-    """`lt-opd ablation --plan PLAN`: the study and the verdict the plan file names (tools/study_plan.py)."""
+    """`lt-opd ablation --plan PLAN`: the study and the verdict the plan file names (tools/plans.py)."""
     from lt_opd_ray.runtime.resources import InsufficientResourcesError
     from lt_opd_ray.tools.ablation import StudyStopped, run_plan
-    from lt_opd_ray.tools.study_plan import load_plan
+    from lt_opd_ray.tools.plans import read_plan
 
     given = [flag for flag, value in (("--arms", args.arms), ("--lr-scales", args.lr_scales), ("--rl-variants", args.rl_variants),
                                       ("--choices-from", args.choices_from), ("--updates", args.updates)) if value is not None]
@@ -245,7 +245,7 @@ def run_study_plan(args) -> int:
     except StudyStopped as exc:
         print(f"ablation: {exc}", file=sys.stderr)
         return EXIT_RESUMABLE
-    out = Path(load_plan(args.plan).out)
+    out = Path(read_plan(args.plan).out)
     print((out / "verdict.md").read_text())
     print(f"wrote {out}/results.json, verdict.md, statistic.csv, retain_table.md, curves.png in {results['seconds'] / 60:.1f} min")
     return 0

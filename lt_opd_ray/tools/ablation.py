@@ -11,6 +11,8 @@ Arms (all at the job's target budget, same teacher, same data):
   lt_opd          LT-OPD (docs/architecture.md §1)
   lt_opd_reverse_kl      LT-OPD with reverse KL instead of JSD
   lt_opd_token_merge     LT-OPD with the release's learnable token merge (not in the paper's table: asked for by name)
+  lt_opd_divprune, lt_opd_hiprune  LT-OPD trained with DivPrune or HiPrune instead of the job's selector (the selector
+                  cross, tools/cross_plan.py); carried from an earlier study, they take lt_opd's choices
   lt_opd_no_hold  LT-OPD whose cosine decay reaches the target at the last update (the paper's "no final plateau")
   grpo, dapo, gspo       the RL baselines on the student's rollouts, rewarded by the row's answer (no teacher; DAPO
                   with its overlong punishment over the last fifth of max_new_tokens and its dynamic sampling, a flat
@@ -64,6 +66,9 @@ ARMS: dict[str, dict] = {
     "lt_opd": {},
     "lt_opd_reverse_kl": {"objective": {"divergence": "reverse_kl"}},
     "lt_opd_token_merge": {"selector": {"merge": "learnable"}},  # the paper's release: CDPruner + learnable token merge
+    # the selector cross: LT-OPD trained with another selector (the job's is CDPruner), at lt_opd's chosen settings
+    "lt_opd_divprune": {"selector": {"name": "divprune"}},
+    "lt_opd_hiprune": {"selector": {"name": "hiprune"}},
     "lt_opd_no_hold": {},  # the cosine decay reaches the target at the last update (set below): no final plateau
     # the RL baselines on the same rollouts, rewarded by the held-out metric's own check (the row's answer)
     "grpo": {"objective": {"mode": "grpo"}, "reward": {"name": "answer"}},
@@ -222,7 +227,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                  resume: bool = False, lr_scales: list[float] | None = None, rl_variants: list[str] | None = None,
                  accept_grid_ends: bool = False, choices_from: str | None = None, roles: KeptRoles | None = None,
                  eval_rows: str | None = None, eval_every: int | None = None, plan: dict | None = None,
-                 plan_file: Path | None = None) -> dict:
+                 plan_file: Path | None = None, eval_selectors: list[str] | None = None) -> dict:
     """Train every arm for every seed through the distributed runtime; write results, table and curves to `out`.
     `resume`: keep the finished runs of `out`'s results.json (the same study: base job, updates, budget, selectors,
     learning-rate scales and RL variants, or more of them while no seed has trained) and train only the runs it lacks;
@@ -236,7 +241,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     caller's `KeptRoles`, whose pools the study's runs start in and leave up for the caller's next runs (several
     studies in one session); by default the study keeps its own and stops them at its end. A Ray session already up (one `runtime.launch.init_ray` started,
     with the workers' environment) is used and left up; otherwise the study starts its own and stops it. `eval_rows`,
-    `eval_every`: every run evaluated on these rows (the job's eval.data otherwise) every so many updates; `plan`: the
+    `eval_every`: every run evaluated on these rows (the job's eval.data otherwise) every so many updates, with
+    `eval_selectors` (the job's eval.selectors otherwise); `plan`: the
     pre-registered plan (tools/study_plan.py) the study runs, whose verdict its report is; `plan_file`, its path, the one
     file a new study's folder may already hold."""
     import ray
@@ -246,6 +252,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     base = load_job(base_path)
     if eval_rows is not None:
         base = base.model_copy(update={"eval": base.eval.model_copy(update={"data": eval_rows})})
+    if eval_selectors is not None:
+        base = base.model_copy(update={"eval": base.eval.model_copy(update={"selectors": list(eval_selectors)})})
     if not base.eval.data:
         raise ValueError(f"{base_path}: the ablation needs eval.data (held-out rows with answers)")
     arms = arms or list(STUDY_ARMS)
@@ -462,13 +470,17 @@ def check_study_folder(out_dir: Path, resume: bool, plan_file: Path | None = Non
 
 
 def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = None) -> tuple[dict, dict]:
-    """The study a plan file names (tools/study_plan.py), run or resumed, and its verdict computed from the plan:
-    (results, verdict); results.json, the tables, verdict.md and statistic.csv in the plan's `out`."""
-    from lt_opd_ray.tools.study_plan import load_plan, write_verdict
+    """The study a plan file names (a contrast, tools/study_plan.py; a selector cross, tools/cross_plan.py), run or
+    resumed, and its verdict computed from the plan: (results, verdict); results.json, the tables, verdict.md and
+    statistic.csv in the plan's `out`."""
+    from lt_opd_ray.tools.cross_plan import CrossPlan, write_cross_verdict
+    from lt_opd_ray.tools.plans import read_plan
+    from lt_opd_ray.tools.study_plan import write_verdict
 
-    plan = load_plan(plan_path)
-    results = run_ablation(plan.job, plan.out, plan.seed_list, plan.updates, list(plan.contrast), resume=resume,
-                           choices_from=plan.choices_from, roles=roles, eval_rows=plan.eval_rows, eval_every=plan.eval_every,
-                           plan=plan.model_dump(mode="json"), plan_file=Path(plan_path))
-    return results, write_verdict(results, plan, Path(plan.out))
+    plan = read_plan(plan_path)
+    cross = isinstance(plan, CrossPlan)
+    results = run_ablation(plan.job, plan.out, plan.seed_list, plan.updates, list(plan.trained_with.values()) if cross else list(plan.contrast),
+                           resume=resume, choices_from=plan.choices_from, roles=roles, eval_rows=plan.eval_rows, eval_every=plan.eval_every,
+                           plan=plan.model_dump(mode="json"), plan_file=Path(plan_path), eval_selectors=plan.selectors if cross else None)
+    return results, (write_cross_verdict if cross else write_verdict)(results, plan, Path(plan.out))
 

@@ -37,9 +37,13 @@ def chosen_variant(tuning: list[dict], arm: str, scale: float, variants: list[st
     return max(scored, key=lambda r: (r["retain"], -order.index(r.get("variant")))).get("variant") if scored else None
 
 
+CHOSEN_AS = {"lt_opd_divprune": "lt_opd", "lt_opd_hiprune": "lt_opd"}  # arms that differ from lt_opd in their selector alone
+
+
 def carried_choices(path: str, base_path: str, base, arms: list[str]) -> dict:
-    """What the study of `path` (its results.json) chose on validation rows for each of `arms`: {"results": path,
-    "steps": its updates, "lr_scale": {arm: scale}, "variant": {RL arm: variant or None}}. A ValueError where it is a
+    """What the study of `path` (its results.json) chose on validation rows for each of `arms` (an arm of CHOSEN_AS
+    that study did not tune: its like's): {"results": path, "steps": its updates, "lr_scale": {arm: scale}, "variant":
+    {RL arm: variant or None}}. A ValueError where it is a
     study of another task, budget or selectors, or did not finish choosing for an arm (an arm it did not tune, an end
     of its grid it stopped at, an RL arm whose variants it did not try to the end)."""
     try:
@@ -48,14 +52,15 @@ def carried_choices(path: str, base_path: str, base, arms: list[str]) -> dict:
         raise ValueError(f"--choices-from {path}: not a study's results.json ({exc})") from exc
     if not isinstance(earlier, dict) or "steps" not in earlier:
         raise ValueError(f"--choices-from {path}: not a study's results.json (no study's fields in it)")
-    wanted = {"base_job": base_path, "budget_bps": base.eval_budget_bps, "selectors": list(base.eval.selectors),
-              "trained_with": base.selector.name}
+    # each arm's choice was scored with the selector it trained with: the selectors evaluated beside it do not change it
+    wanted = {"base_job": base_path, "budget_bps": base.eval_budget_bps, "trained_with": base.selector.name}
     if differing := [f"{key} {earlier.get(key)!r} (here {value!r})" for key, value in wanted.items() if earlier.get(key) != value]:
         raise ValueError(f"--choices-from {path}: a study of another task ({'; '.join(differing)}); its choices do not carry over")
     if ends := earlier.get("grid_ends"):
         raise ValueError(f"--choices-from {path}: that study stopped at an end of its learning-rate grid ("
                          + ", ".join(f"{arm} {scale:g}x" for arm, scale in ends.items()) + "); extend its grid and resume it first")
     chosen = earlier.get("chosen_lr_scale", {}) if earlier.get("lr_scales") else {}
+    chosen = chosen | {arm: chosen[like] for arm, like in CHOSEN_AS.items() if like in chosen and arm not in chosen}
     if untuned := [arm for arm in arms if arm not in chosen]:
         raise ValueError(f"--choices-from {path}: no learning rates chosen on validation rows for {', '.join(untuned)}")
     variants = earlier.get("chosen_variant", {})

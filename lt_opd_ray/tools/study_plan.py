@@ -16,6 +16,7 @@ number).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from pathlib import Path
@@ -89,13 +90,15 @@ class StudyPlan(StrictModel):
         return self
 
 
-def load_plan(path: str | Path) -> StudyPlan:
-    """The plan in `path`; a ValueError naming the file and the field otherwise."""
+def load_plan(path: str | Path, kinds: dict | None = None):
+    """The plan in `path`: a contrast (`StudyPlan`), or the model `kinds` maps its `kind` field to (the selector cross:
+    tools/plans.py); a ValueError naming the file and the field otherwise."""
     import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text())
-        return StudyPlan.model_validate(data)
+        kind = data.get("kind") if isinstance(data, dict) else None
+        return (kinds or {}).get(kind, StudyPlan).model_validate(data)
     except OSError as exc:
         raise ValueError(f"{path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
@@ -141,8 +144,9 @@ def t_cdf(t: float, df: int) -> float:
     return 0.5 + math.copysign(area, t)
 
 
+@functools.lru_cache(maxsize=256)
 def critical_t(df: int, alpha: float) -> float:
-    """The one-sided critical value: P(T > t) = alpha under the null (bisection on `t_cdf`)."""
+    """The one-sided critical value: P(T > t) = alpha under the null (bisection on `t_cdf`; each (df, alpha) once)."""
     low, high = 0.0, 1000.0
     for _ in range(60):
         middle = (low + high) / 2
