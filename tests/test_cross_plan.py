@@ -118,3 +118,18 @@ def test_the_cross_arms_train_with_their_selector_at_lt_opds_carried_choices(tmp
     (tmp_path / "other.json").write_text(json.dumps({**earlier, "trained_with": "divprune"}))
     with pytest.raises(ValueError, match=r"a study of another task \(trained_with 'divprune' \(here 'cdpruner'\)\)"):
         carried_choices(str(tmp_path / "other.json"), "jobs/toy_discs.yaml", job, ["lt_opd"])
+
+
+def test_a_cross_plan_whose_arms_train_with_other_selectors_is_refused_before_anything_runs(tmp_path):
+    from lt_opd_ray.tools.ablation import run_plan
+
+    text = ("kind: cross\njob: jobs/toy_discs.yaml\nout: OUT\ntrained_with: {divprune: lt_opd_hiprune, hiprune: lt_opd_divprune}\n"
+            "seeds: 4\nupdates: 320\neval_rows: toy-discs-test:2048\neval_every: 40\nstatistic: {kinds: [biggest]}\n"
+            "decision: {margin: 0.03, expected_sd: 0.01}\n").replace("OUT", str(tmp_path / "study"))
+    (tmp_path / "swapped.yaml").write_text(text)
+    with pytest.raises(ValueError, match="trained_with: lt_opd_hiprune trains with hiprune, not divprune; lt_opd_divprune trains with divprune, not hiprune"):
+        run_plan(str(tmp_path / "swapped.yaml"))
+    (tmp_path / "unknown.yaml").write_text(text.replace("divprune: lt_opd_hiprune", "dpp: lt_opd_hiprune"))
+    with pytest.raises(ValueError, match="trained_with: unknown selector.s. dpp; known: cdpruner, divprune, fastv"):
+        run_plan(str(tmp_path / "unknown.yaml"))
+    assert not (tmp_path / "study").exists()

@@ -216,15 +216,52 @@ def test_fastv_is_refused_where_nothing_follows_its_scoring_layer_and_on_vllm(ti
     assert "lt_opd_ray.serving.transformers_server" in argv
 
 
-def test_efficiency_counts_fastv_where_the_model_has_room_for_it(tiny_dirs, capsys):
+def test_efficiency_counts_fastv_where_the_model_has_room_for_it(tiny_dirs, tmp_path, capsys):
+    import shutil
+
     from lt_opd_ray.cli.main import main
+    from lt_opd_ray.core.compression import CompressionConfig
 
     assert main(["efficiency", str(tiny_dirs["qwen3_vl"]), "--fastv"]) == 2
     assert "efficiency: fastv: the language model has 2 layers and FastV ranks at layer 1" in capsys.readouterr().err
+    shutil.copytree(tiny_dirs["qwen3_vl"], tmp_path / "student")
+    CompressionConfig("fastv", 500, 1).write(tmp_path / "student")
+    assert main(["efficiency", str(tmp_path / "student")]) == 2  # the folder's selector: FastV's count without --fastv
+    assert "efficiency: fastv: the language model has 2 layers" in capsys.readouterr().err
     assert main(["efficiency", "--preset", "qwen3.5-4b", "--fastv", "--budgets", "500"]) == 0
     out = capsys.readouterr().out
     assert "pruned inside the language model as FastV does, after layer 3 (0-based)" in out
     assert "     5%     812      1.509 (-74.6%)          2.641   6.80 (-74.5%)         51.90" in out  # docs/commands.md's row
+
+
+def test_the_probe_reads_four_dimensional_masks_and_refuses_others():
+    from lt_opd_ray.models.lm_pruning import last_query_attention
+
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    mask[0, :, :, :2] = False  # row 0 left-padded by two
+    got = last_query_attention(q, k, mask, None)
+    for b in range(2):  # by hand: each head against its key head (GQA: heads 0-1 read key head 0), masked, averaged
+        keys = range(2, 5) if b == 0 else range(5)
+        summed = torch.zeros(5)
+        for h in range(4):
+            logits = torch.stack([(q[b, h, -1] * k[b, h // 2, j]).sum() / 8**0.5 for j in keys])
+            summed[list(keys)] += torch.softmax(logits, 0)
+        torch.testing.assert_close(got[b], summed / 4)
+    with pytest.raises(ValueError, match="fastv's probe reads a .B, 1, queries, keys. attention mask .sdpa, eager.; this attention implementation hands it a 2-D one"):
+        last_query_attention(q, k, mask[:, 0, -1], None)
+
+
+def test_fastv_is_refused_beside_a_learnable_token_merge():
+    from lt_opd_ray.config.loading import load_job
+    from lt_opd_ray.config.schema import JobConfig
+
+    job = load_job("jobs/train_tiny.yaml").model_dump()
+    job["eval"].update(data="synthetic:4", selectors=["cdpruner", "fastv"])
+    JobConfig.model_validate(job)  # beside no merge: evaluated
+    job["selector"]["merge"] = "learnable"
+    with pytest.raises(ValueError, match="eval.selectors fastv prunes inside the language model, where selector.merge learnable has no discarded"):
+        JobConfig.model_validate(job)
 
 
 def test_the_transformers_server_answers_with_fastv(deep, tmp_path):

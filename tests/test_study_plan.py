@@ -135,6 +135,11 @@ def test_an_evaluation_reports_accuracy_per_kind_of_question():
     assert Evaluation(500, "cdpruner", [""] * 12, correct).by_kind(toy_task("circles").samples(12)) == {}  # one kind: none reported
 
 
+def test_equal_pairs_decide_by_their_sign_and_a_difference_of_exactly_zero_shows_nothing():
+    assert paired_test([0.6] * 5, [0.6] * 5, 0.05)["t"] == 0.0 and paired_test([0.6] * 5, [0.6] * 5, 0.05)["p"] == 0.5
+    assert paired_test([0.61] * 5, [0.6] * 5, 0.05)["p"] == 0.0 and paired_test([0.59] * 5, [0.6] * 5, 0.05)["p"] == 1.0
+
+
 def test_a_new_study_folder_may_hold_only_the_plan_it_runs(tmp_path):
     from lt_opd_ray.tools.ablation import check_study_folder
 
@@ -149,6 +154,10 @@ def test_a_new_study_folder_may_hold_only_the_plan_it_runs(tmp_path):
     with pytest.raises(ValueError, match=r"an earlier study \(--resume continues it\) \(results.json first\)"):
         check_study_folder(out, resume=False, plan_file=plan)
     check_study_folder(out, resume=True, plan_file=plan)
+    (out / "results.json").unlink()
+    (out / "link.json").symlink_to(plan)  # a link to the plan is not the plan: a study would write through it
+    with pytest.raises(ValueError, match="files of its own .link.json first"):
+        check_study_folder(out, resume=False, plan_file=plan)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is a file"):
         check_study_folder(tmp_path / "file", resume=True)

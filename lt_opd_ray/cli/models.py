@@ -141,7 +141,7 @@ def cmd_efficiency(args) -> int:
     text_tokens = args.text_tokens + clip_text_tokens(config, patches)
     budgets = sorted(set(args.budgets + [10000]), reverse=True)
     try:
-        pruned_after = fastv_cut(config) if args.fastv else None
+        pruned_after = fastv_cut(config) if args.fastv or _prunes_inside(args.model) else None
     except ValueError as exc:
         print(f"efficiency: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +173,18 @@ def cmd_efficiency(args) -> int:
             return 2
         return _measured(args, config, (height, width), budgets, merging)
     return 0
+
+
+def _prunes_inside(folder: str | None) -> bool:
+    """Whether the model folder's compression config names a selector that prunes inside the language model."""
+    from lt_opd_ray.core.compression import CompressionConfig
+
+    compression = CompressionConfig.read(folder) if folder else None
+    if compression is None:
+        return False
+    from lt_opd_ray.core.selectors import build_selector
+
+    return build_selector(compression.selector).prunes_inside_language_model
 
 
 def _measured(args, config: dict, size: tuple[int, int], budgets: list[int], merging: bool) -> int:
@@ -287,7 +299,7 @@ def register(sub) -> None:
     efficiency.add_argument("--k-min", type=whole_number(1), default=1, help="visual tokens kept per image at the least (default 1)")
     efficiency.add_argument("--token-merge", action="store_true", help="add the learnable token merge (on by itself for a folder that has one)")
     efficiency.add_argument("--fastv", action="store_true", help="prune inside the language model as FastV does: the layers up to its"
-                            " scoring layer see every visual token (on by itself with --measure for a folder whose selector is fastv)")
+                            " scoring layer see every visual token (on by itself for a folder whose selector is fastv)")
     efficiency.add_argument("--measure", action="store_true",
                             help="also time the folder on its serving engine: first token, decode per token, end-to-end, at each budget")
     efficiency.add_argument("--repeats", type=whole_number(1), default=5, help="requests per budget with --measure (medians; default 5)")

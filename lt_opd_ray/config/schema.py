@@ -356,6 +356,9 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _fastv_evaluated_in_transformers(self) -> JobConfig:
+        if "fastv" in self.eval.selectors and self.selector.merge == "learnable":
+            raise ValueError("eval.selectors fastv prunes inside the language model, where selector.merge learnable has no discarded"
+                             " tokens to take in: evaluate this student with selectors that prune before it")
         if "fastv" in self.eval.selectors and self.pools.rollout.backend == "vllm":
             raise ValueError("eval.selectors fastv prunes inside the language model, which vLLM's model runner does not; the rollout"
                              " workers evaluate: set pools.rollout.backend to transformers, or score FastV with lt-opd eval")

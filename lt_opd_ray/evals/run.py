@@ -45,6 +45,8 @@ def run_eval(model_path: str, files: dict[str, str], budgets: list[int], selecto
     check_model_folder(model_dir)  # a file cut short is named here, not met inside the loader
     model_dir, model = load_vlm(model_dir)
     vlm, processor = QwenVLM(model.eval()), VLMProcessor(model_dir, frames=frames)
+    for name in selectors:
+        vlm.check_selector(build_selector(name))  # a selector the model cannot run, before any benchmark
 
     def score(adapter, items, budget_bps, selector):
         responses = generate_responses(vlm, processor, [i.sample for i in items], budget_bps, selector, k_min,

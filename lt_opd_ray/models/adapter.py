@@ -207,6 +207,16 @@ class QwenVLM:
             selected += [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds, bounds[1:])]
         return selected
 
+    def check_selector(self, selector: Selector) -> None:
+        """A ValueError where this model cannot run `selector`: one that prunes inside the language model needs a
+        layer after its scoring layer, and drops tokens a learnable token merge would have taken in."""
+        if not selector.prunes_inside_language_model:
+            return
+        scoring_layer(self.language_model.config)
+        if self.token_merge is not None:
+            raise ValueError(f"{selector.name} prunes inside the language model, where the model's learnable token merge has no"
+                             " discarded tokens to take in: score it with a selector that prunes before the language model")
+
     def reduced_prompt(self, prompt: PromptInputs, features: VisualFeatures, selector: Selector | None, budget_bps: int,
                        k_min: int, seed: int = 0) -> ReducedPrompt:
         """What the language model is given at `budget_bps` under `selector` (None, or a budget of 10000: every visual
@@ -215,7 +225,7 @@ class QwenVLM:
         if selector is None or budget_bps >= BPS:
             return self.reduce(prompt, features, self.keep_all(features))
         if selector.prunes_inside_language_model:
-            scoring_layer(self.language_model.config)  # refused here where the language model has no layer after it
+            self.check_selector(selector)
             full = self.reduce(prompt, features, self.keep_all(features))
             return dataclasses.replace(full, inside=InsidePruning(prompt, features, selector, budget_bps, k_min, seed))
         return self.reduce(prompt, features, self.select(prompt, features, selector, budget_bps, k_min, seed=seed))
@@ -342,6 +352,8 @@ class QwenVLM:
 
     def teacher_forced(self, prompts: list[ReducedPrompt], responses: list[torch.Tensor], packed: bool) -> tuple[list[torch.Tensor], int]:
         """`response_hidden`, and the positions its forward computed (rows x width of the batch it ran)."""
+        if any(p.inside is not None for p in prompts):
+            raise ValueError("a prompt pruned inside the language model (FastV) is sampled, not teacher-forced: its forward is models/lm_pruning.py's")
         batch = self.pack_batch(prompts, responses) if packed else self.pad_batch(prompts, responses)
         hidden, _ = self.run_language_model(batch)
         rows, width = hidden.shape[:2]

@@ -47,6 +47,9 @@ def last_query_attention(query: torch.Tensor, key: torch.Tensor, attention_mask:
     q = query[:, :, -1].float().reshape(rows, key.shape[1], groups, dim)  # query head h reads key head h // groups
     logits = (q @ key.float().transpose(-1, -2)).flatten(1, 2) * (scaling if scaling is not None else dim**-0.5)  # [B, heads, keys]
     if attention_mask is not None:
+        if attention_mask.ndim != 4:
+            raise ValueError(f"fastv's probe reads a [B, 1, queries, keys] attention mask (sdpa, eager); this attention"
+                             f" implementation hands it a {attention_mask.ndim}-D one: load the model with sdpa")
         row = attention_mask[:, :, -1, -key.shape[2]:]  # [B, 1, keys]
         logits = logits.masked_fill(~row, float("-inf")) if row.dtype == torch.bool else logits + row.float()
     return torch.softmax(logits, dim=-1).mean(dim=1)
@@ -66,7 +69,8 @@ AttentionInterface.register(PROBE, probe_attention)
 
 @contextlib.contextmanager
 def probing(attention, record: list):
-    """For calls of `attention` (a layer's attention module) inside: `probe_attention` around its own kernel."""
+    """For calls of `attention` (a layer's attention module) inside: `probe_attention` around its own kernel. The
+    switch is on the text config every layer reads: one forward of the model at a time (the server holds its lock)."""
     config = attention.config
     wrapped = config._attn_implementation
     token = _probe.set((wrapped, record))

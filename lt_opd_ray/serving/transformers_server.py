@@ -172,17 +172,15 @@ class TransformersStudent:
         model_dir, model = load_vlm(model_dir, token_merge=merge)
         self.name, self.vlm, self.processor = str(model_dir), QwenVLM(model.eval()), VLMProcessor(model_dir)
         self.choose = build_selector(self.compression.selector) if self.compression else None
-        if self.choose is not None and self.choose.prunes_inside_language_model:
-            from lt_opd_ray.core.fastv_layers import scoring_layer
-
-            scoring_layer(self.vlm.language_model.config)  # refused at start: a language model with no layer after it
+        if self.choose is not None:
+            self.vlm.check_selector(self.choose)  # refused at start, not per request
         self.stop = ServingDefaults.read(model_dir).stop  # a request without `stop` ends where training did
         self.lock = threading.Lock()  # one request at a time: the model is not shared across threads
 
     def answer(self, request: ChatRequest, deadline: float | None = None, seconds: float = 0, uid: str | None = None,
                on_token: Callable[[int], None] | None = None) -> dict:
-        """The OpenAI-style completion: the text, its finish reason, and the prompt's tokens as the model saw them (the
-        kept visual tokens only). Past `deadline` (time.monotonic; `seconds` from the request's arrival) it is refused:
+        """The OpenAI-style completion: the text, its finish reason, and the prompt's tokens as the language model took
+        them in (the kept visual tokens only; a selector pruning inside it takes in every one). Past `deadline` (time.monotonic; `seconds` from the request's arrival) it is refused:
         503 while waiting for the model, 504 once answering. `on_token`: called with each token as it is drawn."""
         import torch
 

@@ -154,6 +154,11 @@ def arm_job(base: JobConfig, arm: str, seed: int, out: Path, steps: int | None =
     return JobConfig.model_validate(data)
 
 
+def trains_with(base: JobConfig, arm: str) -> str:
+    """The selector `arm` trains with: its own (ARMS) or the base job's."""
+    return ARMS[arm].get("selector", {}).get("name", base.selector.name)
+
+
 def reference_rows(job: JobConfig) -> str:
     """The job's toy training rows with the true responses in the teacher's format (`toy-<task>-reference:<n>`)."""
     from lt_opd_ray.sources.resolve import REFERENCE_RESPONSES, generated_rows
@@ -270,6 +275,9 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
     if rl_variants and not lr_scales:
         raise ValueError("--rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too")
     carried = carried_choices(choices_from, base_path, base, arms) if choices_from else None
+    if lr_scales and (unscored := [arm for arm in arms if trains_with(base, arm) not in base.eval.selectors]):
+        raise ValueError(f"--lr-scales scores each arm with the selector it trains with: {', '.join(unscored)} train with one"
+                         f" eval.selectors ({', '.join(base.eval.selectors)}) lacks")
     validation_spec = validation_rows(base) if lr_scales else None  # refused here, before anything trains or evaluates
     if roles is not None and not ray.is_initialized():
         raise ValueError("pools kept by the caller live in the caller's Ray session: start it first (runtime.launch.init_ray)")
@@ -326,7 +334,7 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
                 trained(job, run(job, roles=roles))
                 accuracy = evaluate(str(Path(job.checkpoint.dir) / "final"), job, validation, full_tokens=False)
                 tuning.append({"arm": arm, "lr_scale": scale, "variant": variant, "seconds": time.perf_counter() - started,
-                               "accuracy": accuracy, "retain": mean_retain(accuracy, teacher_on_validation, base.selector.name)})
+                               "accuracy": accuracy, "retain": mean_retain(accuracy, teacher_on_validation, job.selector.name)})
                 print(f"{arm} at {scale:g}x the learning rates{f', {variant}' if variant else ''}: validation retain"
                       f" {tuning[-1]['retain']:.3f}", flush=True)
                 save_results(results, out_dir, begin)
@@ -463,7 +471,7 @@ def check_study_folder(out_dir: Path, resume: bool, plan_file: Path | None = Non
     if resume or not out_dir.is_dir():
         return
     plan_here = plan_file.resolve() if plan_file else None
-    held = sorted(p for p in out_dir.iterdir() if p.resolve() != plan_here)
+    held = sorted(p for p in out_dir.iterdir() if p.is_symlink() or p.resolve() != plan_here)  # a link to the plan is not it
     if held:
         what = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
         raise ValueError(f"{out_dir} holds {what} ({held[0].name} first); a new study needs a new or empty --out")
@@ -479,6 +487,11 @@ def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = Non
 
     plan = read_plan(plan_path)
     cross = isinstance(plan, CrossPlan)
+    if cross:  # each arm trains with the selector the plan says (an unknown arm is refused by the study, by name)
+        base = load_job(plan.job)
+        if mislabelled := [f"{arm} trains with {trains_with(base, arm)}, not {selector}" for selector, arm in plan.trained_with.items()
+                           if arm in ARMS and trains_with(base, arm) != selector]:
+            raise ValueError(f"{plan_path}: trained_with: {'; '.join(mislabelled)}")
     results = run_ablation(plan.job, plan.out, plan.seed_list, plan.updates, list(plan.trained_with.values()) if cross else list(plan.contrast),
                            resume=resume, choices_from=plan.choices_from, roles=roles, eval_rows=plan.eval_rows, eval_every=plan.eval_every,
                            plan=plan.model_dump(mode="json"), plan_file=Path(plan_path), eval_selectors=plan.selectors if cross else None)

@@ -87,6 +87,10 @@ class CrossPlan(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CrossPlan:
+        from lt_opd_ray.core.selectors import SELECTORS
+
+        if unknown := [name for name in self.trained_with if name not in SELECTORS]:
+            raise ValueError(f"trained_with: unknown selector(s) {', '.join(unknown)}; known: {', '.join(sorted(SELECTORS))}")
         if len(set(self.trained_with.values())) != len(self.trained_with):
             raise ValueError("trained_with names one arm for two selectors")
         if overlap := set(self.statistic.kinds) & set(self.statistic.held_out_kinds):

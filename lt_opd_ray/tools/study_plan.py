@@ -173,7 +173,7 @@ def paired_test(a: list[float], b: list[float], alpha: float) -> dict:
     n = len(diffs)
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
     se = sd / math.sqrt(n)
-    t = mean / se if se > 0 else math.copysign(math.inf, mean)
+    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0  # equal pairs: a difference of exactly 0 is no evidence
     crit = critical_t(n - 1, alpha)
     return {"n": n, "diffs": diffs, "mean": mean, "sd": sd, "se": se, "t": t, "df": n - 1, "p": 1 - t_cdf(t, n - 1),
             "critical_t": crit, "interval": (mean - crit * se, mean + crit * se)}
