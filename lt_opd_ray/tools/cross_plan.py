@@ -27,16 +27,7 @@ import torch
 from pydantic import Field, model_validator
 
 from lt_opd_ray.config.base import StrictModel
-from lt_opd_ray.tools.study_plan import SAMPLER_SEED, critical_t, evaluations, kind_retain, paired_test, run_statistic
-
-
-class CrossStatistic(StrictModel):
-    kinds: list[str] = Field(min_length=1)
-    """The kinds of question the statistic averages (the trained kinds)."""
-    held_out_kinds: list[str] = []
-    """Kinds reported beside the statistic, never in it."""
-    last: int = Field(3, ge=1, le=20)
-    """How many of a run's last evaluations the statistic averages."""
+from lt_opd_ray.tools.study_plan import PairedStudy, SAMPLER_SEED, critical_t, evaluations, flatness, kind_retain, paired_test, run_statistic
 
 
 class CrossDecision(StrictModel):
@@ -48,33 +39,12 @@ class CrossDecision(StrictModel):
     """The SD of a per-seed difference between two arms the plan expects (from a pilot or an earlier study)."""
 
 
-class CrossPlan(StrictModel):
+class CrossPlan(PairedStudy):
     kind: Literal["cross"]
-    job: str
-    """The base job (a toy task's, with eval.data's kinds)."""
-    out: str
-    """The study's folder: results.json, verdict.md, statistic.csv."""
     trained_with: dict[str, str] = Field(min_length=2)
     """Each selector the cross trains with and the arm that trains with it (tools/ablation.py ARMS); every student is
     evaluated with each of these selectors."""
-    seeds: int = Field(ge=2, le=64)
-    """How many paired seeds every arm trains: first_seed, first_seed + 1, ..."""
-    first_seed: int = Field(0, ge=0)
-    updates: int = Field(ge=1)
-    """Updates per run (the job's curriculum rescaled)."""
-    choices_from: str | None = None
-    """An earlier study's results.json whose choices on validation rows every arm takes (tools/ablation_choices.py)."""
-    eval_rows: str
-    """The held-out rows every run is evaluated on."""
-    eval_every: int = Field(ge=1)
-    statistic: CrossStatistic
     decision: CrossDecision
-    flat_window: int = Field(2, ge=1)
-    """As the core-claim plan's: no verdict on a pair whose curves are not flat."""
-
-    @property
-    def seed_list(self) -> list[int]:
-        return list(range(self.first_seed, self.first_seed + self.seeds))
 
     @property
     def selectors(self) -> list[str]:
@@ -86,19 +56,13 @@ class CrossPlan(StrictModel):
         return [(a, b) for a in self.selectors for b in self.selectors if a != b]
 
     @model_validator(mode="after")
-    def _consistent(self) -> CrossPlan:
+    def _selectors_and_arms(self) -> CrossPlan:
         from lt_opd_ray.core.selectors import SELECTORS
 
         if unknown := [name for name in self.trained_with if name not in SELECTORS]:
             raise ValueError(f"trained_with: unknown selector(s) {', '.join(unknown)}; known: {', '.join(sorted(SELECTORS))}")
         if len(set(self.trained_with.values())) != len(self.trained_with):
             raise ValueError("trained_with names one arm for two selectors")
-        if overlap := set(self.statistic.kinds) & set(self.statistic.held_out_kinds):
-            raise ValueError(f"statistic: kinds {sorted(overlap)} are both in the statistic and held out")
-        made = self.updates // self.eval_every
-        if made < max(self.statistic.last, 2 * self.flat_window):
-            raise ValueError(f"{self.updates} updates evaluated every {self.eval_every} make {made} evaluations a run: fewer than"
-                             f" statistic.last {self.statistic.last} or the {2 * self.flat_window} that flatness reads")
         return self
 
 
@@ -123,18 +87,6 @@ def cross_power(plan: CrossPlan, seeds: int | None = None, draws: int = 200_000)
     return float((t > critical_t(n - 1, d.alpha / len(plan.pairs))).double().mean())
 
 
-def _flat(runs: list[dict], teacher: dict, kinds: list[str], selector: str, window: int) -> bool:
-    """The core-claim plan's rule on these runs' curves read with `selector`."""
-    moves = []
-    for run in runs:
-        made = [kind_retain(e, teacher, kinds) for e in evaluations(run, selector)]
-        if len(made) < 2 * window:
-            return False
-        moves.append(statistics.fmean(made[-window:]) - statistics.fmean(made[-2 * window : -window]))
-    se = statistics.stdev(moves) / math.sqrt(len(moves))
-    return abs(statistics.fmean(moves)) <= 2 * se
-
-
 def cross_verdict(results: dict, plan: CrossPlan) -> dict:
     """Every pair's statistics, its two tests, their Holm decisions and the pair's verdict (see the module)."""
     teacher, s, d, seeds = results["teacher_by_kind"], plan.statistic, plan.decision, plan.seed_list
@@ -150,7 +102,7 @@ def cross_verdict(results: dict, plan: CrossPlan) -> dict:
     for a, b in plan.pairs:
         crossed, matched = series(a, b), series(b, b)
         untrained = kind_retain({kind: teacher[kind][b] for kind in s.kinds}, teacher, s.kinds)
-        flat = all(_flat([runs[plan.trained_with[x], seed] for seed in seeds], teacher, s.kinds, b, plan.flat_window) for x in (a, b))
+        flat = all(flatness([runs[plan.trained_with[x], seed] for seed in seeds], teacher, s.kinds, b, plan.flat_window)["flat"] for x in (a, b))
         out["pairs"].append({"trained": a, "evaluated": b, "crossed": crossed, "matched": matched, "untrained": untrained, "flat": flat,
                              "gain": paired_test(crossed, [untrained] * len(seeds), d.alpha),
                              "non_inferiority": paired_test(crossed, [m - d.margin for m in matched], d.alpha)})

@@ -28,15 +28,18 @@ from lt_opd_ray.config.base import StrictModel
 SAMPLER_SEED = 0
 
 
-class StatisticPlan(StrictModel):
-    selector: str = "cdpruner"
-    """The eval selector the statistic reads (one of the job's eval.selectors)."""
+class KindsStatistic(StrictModel):
     kinds: list[str] = Field(min_length=1)
     """The kinds of question the statistic averages (the trained kinds)."""
     held_out_kinds: list[str] = []
     """Kinds reported beside the statistic, never in it (asked only in evaluation)."""
     last: int = Field(3, ge=1, le=20)
     """How many of a run's last evaluations the statistic averages."""
+
+
+class StatisticPlan(KindsStatistic):
+    selector: str = "cdpruner"
+    """The eval selector the statistic reads (one of the job's eval.selectors)."""
 
 
 class DecisionPlan(StrictModel):
@@ -48,13 +51,14 @@ class DecisionPlan(StrictModel):
     """The standard deviation of the per-seed difference the plan expects (a pilot's, or an earlier study's)."""
 
 
-class StudyPlan(StrictModel):
+class PairedStudy(StrictModel):
+    """What every pre-registered plan names: the runs (paired seeds, their length and evaluations) and the flatness
+    rule; a plan adds its arms, statistic and decision."""
+
     job: str
     """The base job (a toy task's, with eval.data's kinds)."""
     out: str
     """The study's folder: results.json, verdict.md, statistic.csv."""
-    contrast: tuple[str, str]
-    """(a, b): the claim tested is that arm a's statistic is above arm b's."""
     seeds: int = Field(ge=2, le=64)
     """How many paired seeds every arm trains: first_seed, first_seed + 1, ..."""
     first_seed: int = Field(0, ge=0)
@@ -67,8 +71,7 @@ class StudyPlan(StrictModel):
     """The held-out rows every run is evaluated on (replaces the job's eval.data)."""
     eval_every: int = Field(ge=1)
     """Updates between a run's evaluations (replaces the job's eval.every_steps)."""
-    statistic: StatisticPlan
-    decision: DecisionPlan
+    statistic: KindsStatistic
     flat_window: int = Field(2, ge=1)
     """A curve is flat when, per seed, the mean statistic of its last `flat_window` evaluations minus the mean of the
     `flat_window` before them averages within 2 SE of zero over the seeds; no verdict is drawn from a curve that is not."""
@@ -78,15 +81,26 @@ class StudyPlan(StrictModel):
         return list(range(self.first_seed, self.first_seed + self.seeds))
 
     @model_validator(mode="after")
-    def _consistent(self) -> StudyPlan:
-        if self.contrast[0] == self.contrast[1]:
-            raise ValueError(f"contrast names one arm twice ({self.contrast[0]})")
+    def _runs_read_enough(self) -> PairedStudy:
         if overlap := set(self.statistic.kinds) & set(self.statistic.held_out_kinds):
             raise ValueError(f"statistic: kinds {sorted(overlap)} are both in the statistic and held out")
         made = self.updates // self.eval_every
         if made < max(self.statistic.last, 2 * self.flat_window):
             raise ValueError(f"{self.updates} updates evaluated every {self.eval_every} make {made} evaluations a run: fewer than"
                              f" statistic.last {self.statistic.last} or the {2 * self.flat_window} that flatness reads")
+        return self
+
+
+class StudyPlan(PairedStudy):
+    contrast: tuple[str, str]
+    """(a, b): the claim tested is that arm a's statistic is above arm b's."""
+    statistic: StatisticPlan
+    decision: DecisionPlan
+
+    @model_validator(mode="after")
+    def _two_arms(self) -> StudyPlan:
+        if self.contrast[0] == self.contrast[1]:
+            raise ValueError(f"contrast names one arm twice ({self.contrast[0]})")
         return self
 
 
@@ -179,16 +193,15 @@ def paired_test(a: list[float], b: list[float], alpha: float) -> dict:
             "critical_t": crit, "interval": (mean - crit * se, mean + crit * se)}
 
 
-def flatness(runs: list[dict], teacher_by_kind: dict, plan: StudyPlan) -> dict:
-    """Per seed, the mean statistic (per evaluation, `kind_retain` on the plan's kinds) of the last `flat_window`
-    evaluations minus the `flat_window` before; its mean over the seeds, SE and whether it is within 2 SE of zero."""
-    w, s = plan.flat_window, plan.statistic
+def flatness(runs: list[dict], teacher_by_kind: dict, kinds: list[str], selector: str, window: int) -> dict:
+    """Per seed, the mean statistic (per evaluation, `kind_retain` on `kinds` with `selector`) of the last `window`
+    evaluations minus the `window` before; its mean over the seeds, SE and whether it is within 2 SE of zero."""
     moves = []
     for run in runs:
-        made = [kind_retain(e, teacher_by_kind, s.kinds) for e in evaluations(run, s.selector)]
-        if len(made) < 2 * w:
-            raise ValueError(f"{run['arm']} seed {run['seed']}: {len(made)} evaluations, flatness reads {2 * w}")
-        moves.append(statistics.fmean(made[-w:]) - statistics.fmean(made[-2 * w : -w]))
+        made = [kind_retain(e, teacher_by_kind, kinds) for e in evaluations(run, selector)]
+        if len(made) < 2 * window:
+            raise ValueError(f"{run['arm']} seed {run['seed']}: {len(made)} evaluations, flatness reads {2 * window}")
+        moves.append(statistics.fmean(made[-window:]) - statistics.fmean(made[-2 * window : -window]))
     mean = statistics.fmean(moves)
     se = statistics.stdev(moves) / math.sqrt(len(moves)) if len(moves) > 1 else math.inf
     return {"moves": moves, "mean": mean, "se": se, "flat": abs(mean) <= 2 * se}
@@ -211,7 +224,7 @@ def verdict(results: dict, plan: StudyPlan) -> dict:
         out[arm] = {
             "statistic": [run_statistic(r, teacher, s.kinds, s.selector, s.last) for r in runs],
             "held_out": [run_statistic(r, teacher, s.held_out_kinds, s.selector, s.last) for r in runs] if s.held_out_kinds else None,
-            "flatness": flatness(runs, teacher, plan),
+            "flatness": flatness(runs, teacher, s.kinds, s.selector, plan.flat_window),
         }
     test = paired_test(out[a]["statistic"], out[b]["statistic"], plan.decision.alpha)
     out["test"] = test
