@@ -1,5 +1,6 @@
 """The single-process reference update on a tiny real Qwen3.5."""
 
+import math
 import statistics
 
 import pytest
@@ -25,7 +26,8 @@ budget: {{start_bps: {overrides.get("start_bps", 2500)}, target_bps: {overrides.
 objective: {{top_k: 8, logsoftmax_chunk: 16, divergence: {overrides.get("divergence", "jsd")}, mode: {overrides.get("mode", "lt_opd")}, kl_coef: {overrides.get("kl_coef", 0)}}}
 sampling: {{prompts_per_step: 2, n: {overrides.get("n", 2)}, max_new_tokens: {overrides.get("max_new_tokens", 6)}}}
 optimizer: {{lr: {{language_model: 1.0e-3, vision_encoder: 1.0e-3, merger: 1.0e-3}}, warmup_steps: 0, steps_per_update: {overrides.get("steps", 1)}}}
-""" + (f"reward: {{name: {overrides['reward']}}}\n" if "reward" in overrides else "")
+""" + (f"reward: {{name: {overrides['reward']}}}\n" if "reward" in overrides else "") + (
+        f"selector: {{name: {overrides['selector']}}}\n" if "selector" in overrides else "")
     return parse_job(text)
 
 
@@ -125,6 +127,27 @@ def test_rollouts_replay_selected_indices_and_respect_the_budget(tiny_dirs, samp
     # the n responses of one prompt differ (distinct seeds) but share the selection
     assert torch.equal(rollouts[0].selected[0], rollouts[1].selected[0])
     assert not all(torch.equal(rollouts[0].response_ids, r.response_ids) for r in rollouts[1:3])
+
+
+def test_an_update_trains_with_hiprune_on_what_it_picks_from_the_towers_attention(tiny_dirs, samples):
+    """The selector cross's HiPrune arm: rollouts keep what HiPrune picks from the vision tower's recorded attention
+    (the adapter's own selection, read here apart), and the update trains on them."""
+    trainer = ReferenceTrainer(tiny_job(tiny_dirs["qwen3_5"], selector="hiprune"))
+    prompts = trainer.encode(samples[:2])
+    rollouts = rollout(trainer.student, trainer.processor.tokenizer, prompts, ["a", "b"], trainer.selector, 1000, 2, trainer.params, 3, 0, 0)
+    for r in rollouts:
+        prompt = prompts[r.prompt_index]
+        features = trainer.student.visual_features(prompt, with_attention=True)
+        picked = trainer.selector.select(trainer_input(trainer, prompt, features), len(r.selected[0]))
+        assert torch.equal(r.selected[0], picked)
+    assert math.isfinite(trainer.update(samples[:2]).stats.loss)
+
+
+def trainer_input(trainer, prompt, features):
+    from lt_opd_ray.core.selectors import SelectionInput
+
+    (t, h, w) = features.merged_grids[0]
+    return SelectionInput(features.embeds[0].float(), None, (t * h, w), attention=features.attention[0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
