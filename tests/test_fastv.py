@@ -216,6 +216,18 @@ def test_fastv_is_refused_where_nothing_follows_its_scoring_layer_and_on_vllm(ti
     assert "lt_opd_ray.serving.transformers_server" in argv
 
 
+def test_lt_opd_eval_refuses_fastv_on_a_model_without_room_before_any_benchmark(tiny_dirs, tmp_path, capsys):
+    from test_benchmarks import fixture
+
+    from lt_opd_ray.cli.main import main
+
+    pope, _, _ = fixture("pope", tmp_path)
+    argv = ["eval", str(tiny_dirs["qwen3_vl"]), "--bench", f"pope={pope}", "--selectors", "cdpruner", "fastv", "--out", str(tmp_path / "eval")]
+    assert main(argv) == 2
+    assert "fastv: the language model has 2 layers and FastV ranks at layer 1" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
+
+
 def test_efficiency_counts_fastv_where_the_model_has_room_for_it(tiny_dirs, tmp_path, capsys):
     import shutil
 
