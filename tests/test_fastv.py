@@ -137,13 +137,16 @@ def _reference(vlm: QwenVLM, prompt, budget_bps: int, response: list[int], scori
     length = reduced.length
     attention = seen["weights"][0, :, length - 1, :length].mean(0)  # the last prompt token's row
     visual = batch.visual_pos_masks[0].nonzero().flatten().tolist()
-    kept, start = [], 0
-    for embeds in full.features.embeds:
-        n = embeds.shape[0]
-        scores = [float(attention[visual[start + i]]) for i in range(n)]
-        k = tokens_to_keep(n, budget_bps, full.k_min)
-        kept.append(sorted(sorted(range(n), key=lambda i: (-scores[i], i))[:k]))
-        start += n
+    sizes = [embeds.shape[0] for embeds in full.features.embeds]
+    if full.selector.scope == "prompt":  # the release's ranking: every visual token of the prompt against every other
+        scores = [float(attention[column]) for column in visual]
+        chosen = sorted(range(len(visual)), key=lambda i: (-scores[i], i))[: tokens_to_keep(len(visual), budget_bps, full.k_min)]
+        kept = [sorted(i - start for i in chosen if start <= i < start + n) for start, n in zip(_starts(full.features.embeds), sizes)]
+    else:
+        kept = []
+        for start, n in zip(_starts(full.features.embeds), sizes):
+            scores = [float(attention[visual[start + i]]) for i in range(n)]
+            kept.append(sorted(sorted(range(n), key=lambda i: (-scores[i], i))[: tokens_to_keep(n, budget_bps, full.k_min)]))
     hidden = seen["hidden"][0]
     if batch.deepstack is not None and scoring < len(batch.deepstack):
         hidden = hidden.clone()
@@ -172,18 +175,19 @@ def _starts(embeds):
     return starts
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fastv_equals_its_definition_read_plainly(family, deep):
-    """At 25% of each image's tokens, in a padded batch of a one-image and a two-image prompt: the tokens kept are
-    the eager attention's top k, and every greedy token and its log-prob equal the plain reading's (the later layers
-    as their own model over the kept tokens, no cache)."""
+@pytest.mark.parametrize(("family", "scope"), [(f, "image") for f in FAMILIES] + [("qwen3_vl", "prompt")])
+def test_fastv_equals_its_definition_read_plainly(family, scope, deep):
+    """At 25% of each image's tokens (scope image), or of the prompt's (scope prompt: the release's ranking across its
+    images), in a padded batch of a one-image and a two-image prompt: the tokens kept are the eager attention's top k,
+    and every greedy token and its log-prob equal the plain reading's (the later layers as their own model over the
+    kept tokens, no cache)."""
     from lt_opd_ray.core.fastv_layers import scoring_layer
 
     vlm, processor, _ = deep[family]
     scoring = scoring_layer(vlm.language_model.config)
     assert scoring == (3 if family == "qwen3_5" else 1)  # Qwen3.5: its first full-attention layer
     with torch.no_grad():
-        _, prompts = _prompts(vlm, processor, build_selector("fastv"), 2_500)
+        _, prompts = _prompts(vlm, processor, build_selector("fastv", scope), 2_500)
         completions = sample(vlm, prompts, GREEDY, [0, 0], processor.tokenizer)
         for prompt, completion in zip(prompts, completions):
             kept, logprobs, greedy = _reference(vlm, prompt, 2_500, completion.token_ids.tolist(), scoring)
