@@ -142,7 +142,7 @@ def test_a_new_study_needs_a_new_or_empty_out_and_a_folder_of_the_users_is_left_
     (study / "results.json").write_text('{"runs": []}')
     (tmp_path / "a-file").write_text("keep me too")
     before = files_of(tmp_path)
-    for out, message in [(mine, f"{mine} holds files of its own; a new study needs a new or empty --out"),
+    for out, message in [(mine, f"{mine} holds files of its own (notes.txt first); a new study needs a new or empty --out"),
                          (study, f"{study} holds an earlier study (--resume continues it); a new study needs a new or empty --out"),
                          (tmp_path / "a-file", f"{tmp_path / 'a-file'} is a file; --out names the study's folder")]:
         assert main(["ablation", "jobs/toy_circles.yaml", "--out", str(out)]) == 2

@@ -151,7 +151,7 @@ def test_a_new_study_folder_may_hold_only_the_plan_it_runs(tmp_path):
     with pytest.raises(ValueError, match="files of its own .plan.yaml first"):
         check_study_folder(out, resume=False)  # without a plan, its file is a file of the folder's own
     (out / "results.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"an earlier study \(--resume continues it\) \(results.json first\)"):
+    with pytest.raises(ValueError, match=r"holds an earlier study \(--resume continues it\); a new study"):
         check_study_folder(out, resume=False, plan_file=plan)
     check_study_folder(out, resume=True, plan_file=plan)
     (out / "results.json").unlink()

@@ -473,8 +473,8 @@ def check_study_folder(out_dir: Path, resume: bool, plan_file: Path | None = Non
     plan_here = plan_file.resolve() if plan_file else None
     held = sorted(p for p in out_dir.iterdir() if p.is_symlink() or p.resolve() != plan_here)  # a link to the plan is not it
     if held:
-        what = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else "files of its own"
-        raise ValueError(f"{out_dir} holds {what} ({held[0].name} first); a new study needs a new or empty --out")
+        what = "an earlier study (--resume continues it)" if (out_dir / "results.json").exists() else f"files of its own ({held[0].name} first)"
+        raise ValueError(f"{out_dir} holds {what}; a new study needs a new or empty --out")
 
 
 def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = None) -> tuple[dict, dict]:
