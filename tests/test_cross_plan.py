@@ -103,11 +103,34 @@ def test_the_cross_plan_file_is_refused_by_field_and_its_verdict_written(tmp_pat
     assert rows[0] == "arm,seed,evaluated_with,statistic,held_out" and len(rows) == 1 + 3 * 4 * 3
 
 
+def test_a_study_that_recorded_a_cross_plan_writes_the_crosss_verdict(tmp_path):
+    """What a study writes after each run (tools/ablation.save_results) reads the plan it recorded by its kind."""
+    from lt_opd_ray.tools.plans import write_plan_verdict
+
+    levels = {arm: {s: 0.7 for s in SELECTORS} for arm in ARMS.values()}
+    out = write_plan_verdict(results(levels) | {"plan": plan().model_dump(mode="json")}, tmp_path)
+    assert [p["verdict"] for p in out["pairs"]] == ["transfers"] * 6
+    assert "non-inferiority to the student trained with B" in (tmp_path / "verdict.md").read_text()
+
+
+def test_float_rounding_of_equal_retains_is_no_gain():
+    from statistics import fmean
+
+    from lt_opd_ray.tools.study_plan import paired_test
+
+    equal = [fmean([0.2] * 3)] * 4  # one ulp above 0.2
+    assert paired_test(equal, [0.2] * 4, 0.05)["p"] == 0.5
+
+
 def test_the_cross_arms_train_with_their_selector_at_lt_opds_carried_choices(tmp_path):
     from lt_opd_ray.config.loading import load_job
     from lt_opd_ray.tools.ablation import arm_job
     from lt_opd_ray.tools.ablation_choices import carried_choices
 
+    from lt_opd_ray.tools.ablation import ARMS as ALL_ARMS
+    from lt_opd_ray.tools.ablation_report import LABELS
+
+    assert set(ALL_ARMS) <= set(LABELS)  # every arm a study can train has its table's name
     job = load_job("jobs/toy_discs.yaml")
     assert [arm_job(job, arm, 0, tmp_path).selector.name for arm in ARMS.values()] == list(SELECTORS)
     earlier = {"base_job": "jobs/toy_discs.yaml", "budget_bps": job.eval_budget_bps, "selectors": ["cdpruner", "divprune"],

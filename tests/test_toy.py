@@ -702,6 +702,35 @@ def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cross_plan_trains_each_selector_evaluates_with_each_and_writes_its_verdict(study_cluster, tmp_path):
+    """`lt-opd ablation --plan` with `kind: cross`: LT-OPD trained with CDPruner and with DivPrune on paired seeds, every
+    run evaluated with both selectors by kind of question, the cross's verdict and the study's table written after
+    every run; each pair's crossed statistic re-derived here from its run's curve."""
+    from lt_opd_ray.tools.ablation import run_plan
+    from lt_opd_ray.tools.study_plan import kind_retain
+
+    base = tmp_path / "toy_discs.yaml"
+    base.write_text(Path("jobs/toy_discs.yaml").read_text().replace("prompts_per_step: 16", "prompts_per_step: 4")
+                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"kind: cross\njob: {base}\nout: {tmp_path / 'cross'}\ntrained_with: {{cdpruner: lt_opd, divprune: lt_opd_divprune}}\n"
+                    "seeds: 2\nupdates: 2\neval_rows: toy-discs-test:16\neval_every: 1\nflat_window: 1\n"
+                    "statistic: {kinds: [biggest, smallest, top], held_out_kinds: [left], last: 1}\n"
+                    "decision: {alpha: 0.05, margin: 0.03, expected_sd: 0.05}\n")
+    results, verdict = run_plan(str(plan), roles=study_cluster)
+    assert sorted((r["arm"], r["seed"]) for r in results["runs"]) == [("lt_opd", 0), ("lt_opd", 1), ("lt_opd_divprune", 0), ("lt_opd_divprune", 1)]
+    assert results["selectors"] == ["cdpruner", "divprune"]
+    by_run = {(r["arm"], r["seed"]): r for r in results["runs"]}
+    for pair in verdict["pairs"]:
+        arm = {"cdpruner": "lt_opd", "divprune": "lt_opd_divprune"}[pair["trained"]]
+        by_hand = [kind_retain(by_run[arm, seed]["curve"][-1]["eval_by_kind"][pair["evaluated"]], results["teacher_by_kind"],
+                               ["biggest", "smallest", "top"]) for seed in (0, 1)]
+        assert pair["crossed"] == pytest.approx(by_hand) and pair["verdict"] in ("transfers", "keeps a gain", "no gain", "no verdict")
+    written = (tmp_path / "cross" / "verdict.md").read_text()
+    assert written.count("| cdpruner | divprune |") == 1 and written.count("| divprune | cdpruner |") == 1
+    assert (tmp_path / "cross" / "retain_table.md").exists() and len((tmp_path / "cross" / "statistic.csv").read_text().splitlines()) == 1 + 4 * 2
+
+
 def test_a_plan_file_runs_its_paired_study_and_its_rule_writes_the_verdict(study_cluster, tmp_path):
     """`lt-opd ablation --plan`: the two arms of the contrast on paired seeds, every run evaluated on the plan's rows
     every update by kind of question (design 4's kinds), and the verdict, statistic.csv and verdict.md computed from

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 COMPRESSION_FILE = "lt_opd_compression.json"
+MERGES = ("none", "learnable")  # selector.merge's values (config/schema.py)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,12 @@ class CompressionConfig:
             return cls.from_release(Path(folder) / "config.json")
         data = json.loads(path.read_text())
         try:
-            return cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]), merge=str(data.get("merge", "none")))
+            config = cls(selector=str(data["selector"]), budget_bps=int(data["budget_bps"]), k_min=int(data["k_min"]), merge=str(data.get("merge", "none")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not a compression config ({exc!r}); expected selector, budget_bps, k_min") from None
+        if config.merge not in MERGES:
+            raise ValueError(f"{path}: merge {config.merge!r}; one of {', '.join(MERGES)}")
+        return config
 
     @classmethod
     def from_release(cls, config_path: Path) -> CompressionConfig | None:

@@ -274,6 +274,8 @@ def run_ablation(base_path: str, out: str, seeds: list[int], steps: int | None =
         raise ValueError("--choices-from trains at an earlier study's choices: give it without --lr-scales and --rl-variants")
     if rl_variants and not lr_scales:
         raise ValueError("--rl-variants are tried at each RL arm's learning rates chosen on validation rows: give --lr-scales too")
+    for arm in arms:  # each arm's job refused now, not when the study reaches it
+        arm_job(base, arm, seeds[0] if seeds else 0, Path(out), steps, eval_every=eval_every)
     carried = carried_choices(choices_from, base_path, base, arms) if choices_from else None
     if lr_scales and (unscored := [arm for arm in arms if trains_with(base, arm) not in base.eval.selectors]):
         raise ValueError(f"--lr-scales scores each arm with the selector it trains with: {', '.join(unscored)} train with one"
@@ -455,11 +457,11 @@ def save_results(results: dict, out_dir: Path, begin: float) -> None:
     staging = out_dir / "results.json.tmp"
     staging.write_text(json.dumps(results, separators=(",", ":")))  # compact: a study's curves run to 40 KB a run
     staging.replace(out_dir / "results.json")
-    if results.get("plan"):  # a pre-registered contrast's report: its verdict, in its own definition of retain
-        from lt_opd_ray.tools.study_plan import StudyPlan, write_verdict
+    if results.get("plan"):  # a pre-registered plan's report: its verdict, in its own definition of retain
+        from lt_opd_ray.tools.plans import write_plan_verdict
 
-        write_verdict(results, StudyPlan.model_validate(results["plan"]), out_dir)
-    else:
+        write_plan_verdict(results, out_dir)
+    if not results.get("plan") or results["plan"].get("kind") == "cross":  # a cross reads the study's table beside it
         write_report(results, out_dir)
 
 
@@ -481,9 +483,8 @@ def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = Non
     """The study a plan file names (a contrast, tools/study_plan.py; a selector cross, tools/cross_plan.py), run or
     resumed, and its verdict computed from the plan: (results, verdict); results.json, the tables, verdict.md and
     statistic.csv in the plan's `out`."""
-    from lt_opd_ray.tools.cross_plan import CrossPlan, write_cross_verdict
-    from lt_opd_ray.tools.plans import read_plan
-    from lt_opd_ray.tools.study_plan import write_verdict
+    from lt_opd_ray.tools.cross_plan import CrossPlan
+    from lt_opd_ray.tools.plans import read_plan, write_plan_verdict
 
     plan = read_plan(plan_path)
     cross = isinstance(plan, CrossPlan)
@@ -495,5 +496,5 @@ def run_plan(plan_path: str, resume: bool = False, roles: KeptRoles | None = Non
     results = run_ablation(plan.job, plan.out, plan.seed_list, plan.updates, list(plan.trained_with.values()) if cross else list(plan.contrast),
                            resume=resume, choices_from=plan.choices_from, roles=roles, eval_rows=plan.eval_rows, eval_every=plan.eval_every,
                            plan=plan.model_dump(mode="json"), plan_file=Path(plan_path), eval_selectors=plan.selectors if cross else None)
-    return results, (write_cross_verdict if cross else write_verdict)(results, plan, Path(plan.out))
+    return results, write_plan_verdict(results, Path(plan.out))
 

@@ -19,6 +19,8 @@ LABELS = {
     "lt_opd": "LT-OPD",
     "lt_opd_reverse_kl": "LT-OPD, reverse KL",
     "lt_opd_token_merge": "LT-OPD + learnable token merge",
+    "lt_opd_divprune": "LT-OPD trained with DivPrune",
+    "lt_opd_hiprune": "LT-OPD trained with HiPrune",
     "lt_opd_no_hold": "LT-OPD, no final plateau",
     "grpo": "GRPO (answer reward)",
     "dapo": "DAPO (answer reward)",

@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, model_validator
 from lt_opd_ray.config.base import StrictModel
 
 SAMPLER_SEED = 0
+ROUNDING = 1e-12  # differences and spreads below this are float rounding of equal retains, not data
 
 
 class KindsStatistic(StrictModel):
@@ -186,8 +187,9 @@ def paired_test(a: list[float], b: list[float], alpha: float) -> dict:
     diffs = [x - y for x, y in zip(a, b, strict=True)]
     n = len(diffs)
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    mean, sd = (0.0 if abs(mean) < ROUNDING else mean), (0.0 if sd < ROUNDING else sd)  # a mean of three equal retains may be 1 ulp off
     se = sd / math.sqrt(n)
-    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0  # equal pairs: a difference of exactly 0 is no evidence
+    t = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0  # equal pairs: no difference is no evidence
     crit = critical_t(n - 1, alpha)
     return {"n": n, "diffs": diffs, "mean": mean, "sd": sd, "se": se, "t": t, "df": n - 1, "p": 1 - t_cdf(t, n - 1),
             "critical_t": crit, "interval": (mean - crit * se, mean + crit * se)}
