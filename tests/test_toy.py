@@ -702,6 +702,18 @@ def test_curves_have_seed_bands_and_one_loss_axis_per_objective(tmp_path):
 
 
 @pytest.mark.slow
+def small_plan(tmp_path: Path, fields: str) -> Path:
+    """A plan file of design 4 at test size (4 prompts an update, 2 seeds of 2 updates, 16 evaluation rows every
+    update, the last evaluation the statistic), with `fields` (its arms, out and decision) added."""
+    base = tmp_path / "toy_discs.yaml"
+    base.write_text(Path("jobs/toy_discs.yaml").read_text().replace("prompts_per_step: 16", "prompts_per_step: 4")
+                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"job: {base}\nseeds: 2\nupdates: 2\neval_rows: toy-discs-test:16\neval_every: 1\nflat_window: 1\n"
+                    "statistic: {kinds: [biggest, smallest, top], held_out_kinds: [left], last: 1}\n" + fields)
+    return plan
+
+
 def test_a_cross_plan_trains_each_selector_evaluates_with_each_and_writes_its_verdict(study_cluster, tmp_path):
     """`lt-opd ablation --plan` with `kind: cross`: LT-OPD trained with CDPruner and with DivPrune on paired seeds, every
     run evaluated with both selectors by kind of question, the cross's verdict and the study's table written after
@@ -709,14 +721,8 @@ def test_a_cross_plan_trains_each_selector_evaluates_with_each_and_writes_its_ve
     from lt_opd_ray.tools.ablation import run_plan
     from lt_opd_ray.tools.study_plan import kind_retain
 
-    base = tmp_path / "toy_discs.yaml"
-    base.write_text(Path("jobs/toy_discs.yaml").read_text().replace("prompts_per_step: 16", "prompts_per_step: 4")
-                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(f"kind: cross\njob: {base}\nout: {tmp_path / 'cross'}\ntrained_with: {{cdpruner: lt_opd, divprune: lt_opd_divprune}}\n"
-                    "seeds: 2\nupdates: 2\neval_rows: toy-discs-test:16\neval_every: 1\nflat_window: 1\n"
-                    "statistic: {kinds: [biggest, smallest, top], held_out_kinds: [left], last: 1}\n"
-                    "decision: {alpha: 0.05, margin: 0.03, expected_sd: 0.05}\n")
+    plan = small_plan(tmp_path, f"kind: cross\nout: {tmp_path / 'cross'}\ntrained_with: {{cdpruner: lt_opd, divprune: lt_opd_divprune}}\n"
+                                "decision: {alpha: 0.05, margin: 0.03, expected_sd: 0.05}\n")
     results, verdict = run_plan(str(plan), roles=study_cluster)
     assert sorted((r["arm"], r["seed"]) for r in results["runs"]) == [("lt_opd", 0), ("lt_opd", 1), ("lt_opd_divprune", 0), ("lt_opd_divprune", 1)]
     assert results["selectors"] == ["cdpruner", "divprune"]
@@ -738,13 +744,8 @@ def test_a_plan_file_runs_its_paired_study_and_its_rule_writes_the_verdict(study
     from lt_opd_ray.tools.ablation import run_plan
     from lt_opd_ray.tools.study_plan import kind_retain
 
-    base = tmp_path / "toy_discs.yaml"
-    base.write_text(Path("jobs/toy_discs.yaml").read_text().replace("prompts_per_step: 16", "prompts_per_step: 4")
-                    .replace("export_port: 8091", f"export_port: {STUDY_METRICS_PORT}"))
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(f"job: {base}\nout: {tmp_path / 'study'}\ncontrast: [lt_opd, grpo]\nseeds: 2\nupdates: 2\neval_rows: toy-discs-test:16\n"
-                    "eval_every: 1\nstatistic: {kinds: [biggest, smallest, top], held_out_kinds: [left], last: 1}\nflat_window: 1\n"
-                    "decision: {alpha: 0.05, minimal_effect: 0.05, expected_sd: 0.05}\n")
+    plan = small_plan(tmp_path, f"out: {tmp_path / 'study'}\ncontrast: [lt_opd, grpo]\n"
+                                "decision: {alpha: 0.05, minimal_effect: 0.05, expected_sd: 0.05}\n")
     results, verdict = run_plan(str(plan), roles=study_cluster)
     assert sorted((r["arm"], r["seed"]) for r in results["runs"]) == [("grpo", 0), ("grpo", 1), ("lt_opd", 0), ("lt_opd", 1)]
     assert results["eval_items"] == 16 and results["eval_rows"] == "toy-discs-test:16" and results["eval_every"] == 1
